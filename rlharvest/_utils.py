@@ -1,0 +1,184 @@
+"""Small helpers shared across layers: nested keys, attribute paths, pickling wrappers, warnings."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any, Callable, Iterable
+
+import cloudpickle
+import torch
+from tensordict.utils import NestedKey, unravel_key
+
+__all__ = [
+    "NestedKey",
+    "unravel_key",
+    "as_tuple_key",
+    "is_private_key",
+    "resolve_attr_path",
+    "CloudpickleWrapper",
+    "warn_once",
+    "deprecated_alias",
+    "cpu_count",
+]
+
+
+def as_tuple_key(key: NestedKey) -> tuple[str, ...]:
+    """``"a"`` -> ``("a",)``; ``("a", ("b",))`` -> ``("a", "b")``."""
+    key = unravel_key(key)
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def is_private_key(key: NestedKey) -> bool:
+    """True when any part of the key starts with ``_`` (such keys never leave a collector)."""
+    return any(part.startswith("_") for part in as_tuple_key(key))
+
+
+_SEGMENT = re.compile(r"^([^\[\]]*)((?:\[[^\]]*\])*)$")
+_SUBSCRIPT = re.compile(r"\[([^\]]*)\]")
+
+
+def _parse_subscript(raw: str) -> int | str:
+    raw = raw.strip()
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    return raw
+
+
+def resolve_attr_path(root: Any, path: str) -> Any:
+    """Resolve ``"a.b['key'][0].c"`` on ``root``.
+
+    Grammar: dot-separated segments; each segment is an attribute name optionally followed by
+    subscripts ``[...]``; an int subscript indexes by int, otherwise quotes are stripped and it
+    indexes by string. A segment may be subscripts only. Keys cannot contain ``]``.
+
+    Raises:
+        AttributeError: naming the missing segment.
+        KeyError, IndexError: from the indexed container.
+        ValueError: on a malformed path.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"attr_path must be a non-empty string, got {path!r}")
+    obj = root
+    for segment in path.split("."):
+        match = _SEGMENT.match(segment)
+        if match is None:
+            raise ValueError(f"Malformed segment {segment!r} in attribute path {path!r}")
+        name, subscripts = match.groups()
+        if name:
+            if not hasattr(obj, name):
+                raise AttributeError(
+                    f"{type(obj).__name__!s} object has no attribute {name!r} "
+                    f"(segment {segment!r} of {path!r})"
+                )
+            obj = getattr(obj, name)
+        elif not subscripts:
+            raise ValueError(f"Empty segment in attribute path {path!r}")
+        for raw in _SUBSCRIPT.findall(subscripts):
+            obj = obj[_parse_subscript(raw)]
+    return obj
+
+
+class CloudpickleWrapper:
+    """Pickles its payload with cloudpickle, so lambdas and local functions cross process boundaries.
+
+    Calling the wrapper calls the payload.
+    """
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+
+    def __getstate__(self) -> bytes:
+        return cloudpickle.dumps(self.payload)
+
+    def __setstate__(self, state: bytes) -> None:
+        self.payload = cloudpickle.loads(state)
+
+    def __call__(self, *args, **kwargs):
+        return self.payload(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CloudpickleWrapper({self.payload!r})"
+
+
+def unwrap(obj: Any) -> Any:
+    """The payload of a CloudpickleWrapper, or the object itself."""
+    return obj.payload if isinstance(obj, CloudpickleWrapper) else obj
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
+    """Emit ``message`` only the first time it is seen in this process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def deprecated_alias(new_cls: type, old_name: str) -> type:
+    """A subclass named ``old_name`` that warns on instantiation.
+
+    ``isinstance`` works both ways: an old-name instance is a new-class instance by inheritance, and
+    the metaclass makes any new-class instance pass ``isinstance(x, OldName)``.
+    """
+
+    class _AliasMeta(type(new_cls)):
+        def __instancecheck__(cls, instance):
+            return isinstance(instance, new_cls)
+
+        def __subclasscheck__(cls, subclass):
+            return issubclass(subclass, new_cls)
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn(
+            f"{old_name} is deprecated, use {new_cls.__name__} instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        new_cls.__init__(self, *args, **kwargs)
+
+    alias = _AliasMeta(old_name, (new_cls,), {"__init__": __init__, "__doc__": f"Deprecated name of {new_cls.__name__}."})
+    alias.__module__ = new_cls.__module__
+    return alias
+
+
+def deprecated_factory(new_factory: Callable, old_name: str, new_name: str) -> Callable:
+    """A function alias that warns before delegating."""
+
+    def alias(*args, **kwargs):
+        warnings.warn(f"{old_name} is deprecated, use {new_name} instead.", DeprecationWarning, stacklevel=2)
+        return new_factory(*args, **kwargs)
+
+    alias.__name__ = old_name
+    return alias
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def to_device_list(value: Any, num_workers: int, name: str) -> list[torch.device | None]:
+    """Normalise a device argument that may be one device or one per worker."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_workers:
+            raise RuntimeError(
+                f"{name} must be a single device or a sequence of {num_workers} devices "
+                f"(one per worker), got {len(value)}."
+            )
+        return [torch.device(v) if v is not None else None for v in value]
+    device = torch.device(value) if value is not None else None
+    return [device] * num_workers
+
+
+def flatten_once(items: Iterable[Iterable[Any]]) -> list[Any]:
+    return [x for group in items for x in group]

@@ -1,0 +1,310 @@
+"""BaseCollector: the iteration protocol and the seed-1 methods, implemented once for every collector.
+
+A concrete collector provides ``_iterate()`` (a generator of batches, or None per batch when writing
+to a replay buffer), ``_shutdown_impl()``, and optionally ``_start_impl()`` / ``_pause_impl()``.
+Everything users call (``__iter__``, ``next``, ``len``, ``shutdown``, ``async_shutdown``, ``start``,
+``pause``, ``enable_profile``, ``cascade_execute``, the weight methods) is defined here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any, Iterator
+
+from tensordict import TensorDictBase
+
+from .._utils import is_private_key, resolve_attr_path
+from ..config import CollectorConfig
+from ..profiling import ProfileConfig
+from ._weight_api import WeightAPIMixin
+
+__all__ = ["BaseCollector"]
+
+
+class BaseCollector(WeightAPIMixin):
+    """Base class of every rlharvest collector.
+
+    Iterating yields batches (TensorDicts whose last dim is named ``"time"``) until ``total_frames``
+    frames were collected; with a replay buffer it yields None per batch and writes the buffer.
+
+    Example:
+        >>> from rlharvest.collectors import Collector
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = Collector(CountingEnv(), frames_per_batch=10, total_frames=30)
+        >>> [batch.numel() for batch in collector]
+        [10, 10, 10]
+    """
+
+    config: CollectorConfig
+    _worker_idx: int | None = None
+    _frames: int = 0
+    _iter: int = -1
+    _iteration_started: bool = False
+    _profile_config: ProfileConfig | None = None
+    _persistent_iterator: Iterator | None = None
+    _closed: bool = False
+    _run_thread: threading.Thread | None = None
+    _stop_event: threading.Event | None = None
+    _background_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def worker_idx(self) -> int | None:
+        """Index of this collector inside a parent collector; None at the top level."""
+        return self._worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, value: int | None) -> None:
+        self._worker_idx = value
+
+    @property
+    def frames_per_batch(self) -> int:
+        return self.requested_frames_per_batch
+
+    @property
+    def requested_frames_per_batch(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def total_frames(self) -> int:
+        return self.config.total_frames
+
+    @property
+    def replay_buffer(self):
+        return self.config.replay_buffer
+
+    # ------------------------------------------------------------------ iteration
+    def _iterate(self) -> Iterator[TensorDictBase | None]:
+        raise NotImplementedError
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """The generator behind ``__iter__``."""
+        return self._iterate()
+
+    def __iter__(self) -> Iterator[TensorDictBase | None]:
+        self._iteration_started = True
+        try:
+            yield from self.iterator()
+        except BaseException:
+            self.shutdown(raise_on_error=False)
+            raise
+
+    def next(self) -> TensorDictBase | None:
+        """The next batch from one persistent internal iterator; None once exhausted."""
+        if self._persistent_iterator is None:
+            self._persistent_iterator = iter(self)
+        try:
+            batch = next(self._persistent_iterator)
+        except StopIteration:
+            return None
+        if isinstance(batch, TensorDictBase) and batch.device is not None and batch.device.type != "cpu":
+            batch = batch.clear_device_()
+        return batch
+
+    def _reached_total(self) -> bool:
+        return not self.config.endless and self._frames >= self.config.total_frames
+
+    def __len__(self) -> int:
+        if self.config.endless:
+            raise RuntimeError("Non-terminating collector (total_frames=-1): len() is undefined.")
+        return math.ceil(self.config.total_frames / self.requested_frames_per_batch)
+
+    @staticmethod
+    def _drop_private_keys(batch: TensorDictBase) -> TensorDictBase:
+        private = [k for k in batch.keys(True, True) if is_private_key(k)]
+        if not private:
+            return batch
+        batch = batch.exclude(*private)
+        empty = [k for k in batch.keys(True) if isinstance(batch.get(k), TensorDictBase) and is_private_key(k)]
+        return batch.exclude(*empty) if empty else batch
+
+    # ------------------------------------------------------------------ life cycle
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Stop everything this collector runs and release it (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_background(timeout)
+            self._shutdown_impl(timeout=timeout, close_env=close_env)
+        except BaseException:
+            if raise_on_error:
+                raise
+        finally:
+            self._shutdown_schemes()
+
+    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
+        raise NotImplementedError
+
+    def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:
+        """Shut down a collector started with :meth:`start` (or any collector).
+
+        Args:
+            timeout: bound on the wait for background collection to stop.
+            close_env: whether to close the envs.
+        """
+        self.shutdown(timeout=timeout, close_env=close_env)
+
+    def __del__(self):
+        try:
+            self.shutdown(raise_on_error=False)
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
+
+        Raises:
+            NotImplementedError: on collectors that cannot run free.
+            RuntimeError: without a replay buffer.
+        """
+        raise NotImplementedError(f"Collector start() is not implemented for {type(self).__name__}.")
+
+    def _start_thread(self) -> None:
+        """Run the iterator in a daemon thread (the ``start()`` of thread-based collectors)."""
+        if self.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self._iteration_started = True
+        self._stop_event = threading.Event()
+        self._background_error = None
+
+        def run() -> None:
+            try:
+                for _ in self.iterator():
+                    if self._stop_event.is_set():
+                        break
+            except BaseException as err:  # surfaced by async_shutdown
+                self._background_error = err
+
+        self._run_thread = threading.Thread(target=run, name=f"{type(self).__name__}-run", daemon=True)
+        self._run_thread.start()
+
+    def is_running(self) -> bool:
+        """Whether background collection (``start()``) is in progress."""
+        return self._run_thread is not None and self._run_thread.is_alive()
+
+    def _stop_background(self, timeout: float | None) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+        thread = self._run_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout if timeout is not None else 30.0)
+            if thread.is_alive():
+                raise TimeoutError(f"Background collection did not stop within {timeout} s.")
+        self._run_thread = None
+
+    def _should_stop(self) -> bool:
+        return self._stop_event is not None and self._stop_event.is_set()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Context manager pausing background collection (buffer writes stop inside the block).
+
+        Raises:
+            NotImplementedError: when entered on collectors that cannot pause.
+            RuntimeError: when the collector is not running free.
+        """
+        yield from self._pause_impl()
+
+    def _pause_impl(self):
+        raise NotImplementedError(f"Collector pause() is not implemented for {type(self).__name__}.")
+        yield  # pragma: no cover
+
+    # ------------------------------------------------------------------ profiling
+    def enable_profile(
+        self,
+        *,
+        workers: list[int] | None = None,
+        num_rollouts: int = 3,
+        warmup_rollouts: int = 1,
+        save_path=None,
+        activities: list[str] | None = None,
+        record_shapes: bool = True,
+        profile_memory: bool = False,
+        with_stack: bool = True,
+        with_flops: bool = False,
+        on_trace_ready=None,
+    ) -> None:
+        """Profile rollouts with torch.profiler and export a Chrome trace (SPEC §5).
+
+        Raises:
+            RuntimeError: after iteration started.
+            ValueError: when ``num_rollouts <= warmup_rollouts`` or ``warmup_rollouts < 0``.
+
+        Example:
+            >>> collector.enable_profile(num_rollouts=3, warmup_rollouts=1,   # doctest: +SKIP
+            ...                          save_path="traces/trace_{worker_idx}.json")
+        """
+        if self._iteration_started:
+            raise RuntimeError("Cannot enable profiling after iteration has started; call it before iterating.")
+        self._profile_config = ProfileConfig(
+            workers=list(workers) if workers is not None else [0],
+            num_rollouts=num_rollouts,
+            warmup_rollouts=warmup_rollouts,
+            save_path=save_path,
+            activities=list(activities) if activities is not None else ["cpu", "cuda"],
+            record_shapes=record_shapes,
+            profile_memory=profile_memory,
+            with_stack=with_stack,
+            with_flops=with_flops,
+            on_trace_ready=on_trace_ready,
+        )
+        self._apply_profile_config(self._profile_config)
+
+    def _apply_profile_config(self, config: ProfileConfig) -> None:
+        """Hook: start profiling where rollouts run."""
+
+    @property
+    def profile_config(self) -> ProfileConfig | None:
+        """The stored profiling configuration, or None."""
+        return self._profile_config
+
+    # ------------------------------------------------------------------ remote calls
+    def cascade_execute(self, attr_path: str, *args, **kwargs) -> Any:
+        """Resolve ``attr_path`` on this collector and call it (or return it when not callable).
+
+        Raises:
+            AttributeError: naming a missing segment.
+            ValueError: when arguments are given for a non-callable target.
+
+        Example:
+            >>> collector.cascade_execute("_receiver_schemes['policy'].connect")  # doctest: +SKIP
+        """
+        target = resolve_attr_path(self, attr_path)
+        if callable(target):
+            return target(*args, **kwargs)
+        if args or kwargs:
+            raise ValueError(f"{attr_path!r} resolves to a non-callable {type(target).__name__}; it takes no arguments.")
+        return target
+
+    # ------------------------------------------------------------------ subclass API
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        raise NotImplementedError
+
+    def get_model(self, model_id: str):
+        """The main-side weight source for ``model_id`` (``"policy"`` = the user's policy)."""
+        if model_id == "policy":
+            return getattr(self, "_weight_source", None) or getattr(self, "policy", None)
+        return resolve_attr_path(self, model_id)
+
+    def __repr__(self) -> str:
+        total = "endless" if self.config.endless else self.config.total_frames
+        return (f"{type(self).__name__}(frames_per_batch={self.requested_frames_per_batch}, "
+                f"total_frames={total}, frames={self._frames})")

@@ -1,0 +1,442 @@
+"""Collector: the rollout loop in the calling process (SPEC §3.1)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from .._utils import as_tuple_key, unwrap
+from ..config import CollectorConfig, resolve_devices
+from ..envs.adapters import is_env
+from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
+from ..profiling import ProfileConfig, RolloutProfiler
+from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
+from ..weight_update.strategy import copy_weights_, weights_of
+from .base import BaseCollector
+from .utils import split_trajectories
+
+__all__ = ["Collector", "make_env"]
+
+
+def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
+    """An env from an instance or a constructor (SPEC §1.4 for kwargs with instances)."""
+    create_env_fn = unwrap(create_env_fn)
+    kwargs = create_env_kwargs or {}
+    if is_env(create_env_fn):
+        if kwargs:
+            if not create_env_fn.batch_size or not hasattr(create_env_fn, "update_kwargs"):
+                raise RuntimeError(
+                    f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
+                    "they can only be forwarded to a batched env. Pass a constructor instead."
+                )
+            create_env_fn.update_kwargs(kwargs)
+        return create_env_fn
+    if not callable(create_env_fn):
+        raise TypeError(f"create_env_fn must be an env or a callable returning one, got {type(create_env_fn).__name__}")
+    env = create_env_fn(**kwargs)
+    if not is_env(env):
+        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (SPEC §1.1).")
+    return env
+
+
+def _env_keys(env) -> set:
+    keys = set()
+    for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
+        spec = getattr(env, name, None)
+        if spec is not None and hasattr(spec, "keys"):
+            keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
+    return keys
+
+
+def _close_env(env) -> None:
+    if getattr(env, "is_closed", False):
+        return
+    try:
+        env.close(raise_if_closed=False)
+    except TypeError:
+        env.close()
+
+
+class Collector(BaseCollector):
+    """Collects batches by running the rollout loop in the calling process.
+
+    Args:
+        create_env_fn: an env (SPEC §1.1) or a callable returning one.
+        policy: a callable TensorDict -> TensorDict (usually an ``nn.Module``); None = random actions.
+
+    Keyword Args:
+        policy_factory: zero-argument callable returning the policy (exclusive with ``policy``).
+        frames_per_batch: frames per batch, rounded up to a multiple of the env batch size.
+        total_frames: stop after this many frames (-1 = endless).
+        device, storing_device, policy_device, env_device: SPEC §2.7.
+        create_env_kwargs: kwargs for ``create_env_fn``.
+        max_frames_per_traj: truncate trajectories after this many steps (adds ``step_count``).
+        init_random_frames: random actions until this many frames were collected.
+        reset_at_each_iter: reset every sub-env before each batch.
+        postproc: callable applied to each batch (after ``split_trajs``).
+        split_trajs: regroup each batch per trajectory (zero-padded, with a mask).
+        exploration_type: ambient exploration mode during rollouts.
+        return_same_td: yield the internal buffer itself instead of a copy.
+        reset_when_done: only True is supported.
+        interruptor: object whose ``collection_stopped()`` ends a rollout early.
+        set_truncated: mark the last step of every batch as truncated.
+        use_buffers: stack into a preallocated buffer (default True without a replay buffer).
+        replay_buffer: object with ``extend``; batches go there and iteration yields None.
+        extend_buffer: write whole batches (True) or step by step (deprecated False).
+        local_init_rb: deprecated, ignored.
+        trust_policy: use the policy as-is (no wrapping checks).
+        compile_policy: ``torch.compile`` the policy (True or compile kwargs).
+        cudagraph_policy, no_cuda_sync: accepted; CUDA-only knobs without effect on the CPU.
+        weight_updater: legacy updater (instance or constructor).
+        weight_sync_schemes: sender schemes for env-side models.
+        weight_recv_schemes: receiver schemes (this collector is fed by a parent).
+        track_policy_version: stamp every step with the policy version (``policy_version`` key).
+        worker_idx: index inside a parent collector.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = Collector(CountingEnv(max_steps=3), frames_per_batch=8, total_frames=16)
+        >>> batch = next(iter(collector))
+        >>> batch.names[-1], batch["collector", "traj_ids"].tolist()
+        ('time', [0, 0, 0, 0, 1, 1, 1, 1])
+        >>> collector.shutdown()
+    """
+
+    def __init__(
+        self,
+        create_env_fn,
+        policy: Callable | None = None,
+        *,
+        policy_factory: Callable[[], Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        policy_device=None,
+        env_device=None,
+        create_env_kwargs: dict | None = None,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool | None = None,
+        exploration_type=ExplorationType.RANDOM,
+        return_same_td: bool = False,
+        reset_when_done: bool = True,
+        interruptor=None,
+        set_truncated: bool = False,
+        use_buffers: bool | None = None,
+        replay_buffer=None,
+        extend_buffer: bool = True,
+        local_init_rb: bool | None = None,
+        trust_policy: bool | None = None,
+        compile_policy=None,
+        cudagraph_policy=None,
+        no_cuda_sync: bool = False,
+        weight_updater=None,
+        weight_sync_schemes: dict | None = None,
+        weight_recv_schemes: dict | None = None,
+        track_policy_version: Any = False,
+        worker_idx: int | None = None,
+        **kwargs,
+    ) -> None:
+        self._closed = True  # until construction succeeds
+        traj_counter: TrajectoryCounter | None = kwargs.pop("traj_pool", None)
+        if kwargs:
+            raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(kwargs)}.")
+        if not reset_when_done:
+            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+        if policy is not None and policy_factory is not None:
+            raise TypeError("policy_factory cannot be used together with policy.")
+        if weight_updater is not None and weight_sync_schemes:
+            raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+        if replay_buffer is not None and local_init_rb is None:
+            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=2)
+        self.config = CollectorConfig(
+            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
+            create_env_kwargs=create_env_kwargs, max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
+            split_trajs=split_trajs, exploration_type=exploration_type, return_same_td=return_same_td,
+            interruptor=interruptor, set_truncated=set_truncated, use_buffers=use_buffers,
+            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
+            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
+            track_policy_version=track_policy_version, worker_idx=worker_idx,
+        )
+        self._worker_idx = worker_idx
+        self.env = make_env(create_env_fn, self.config.create_env_kwargs)
+        self._setup_policy(policy, policy_factory)
+        self._check_env_options()
+        self._frames_per_batch = self._round_frames_per_batch(self.config.frames_per_batch)
+        self._version_tracker = track_policy_version or None
+        self._rollout = Rollout(self.env, self.policy, self._rollout_settings(), traj_counter or LocalTrajectoryCounter())
+        self._policy_lock = self._rollout.policy_lock
+        self._maybe_compile()
+        self._profiler: RolloutProfiler | None = None
+        self._frames, self._iter = 0, -1
+        self._closed = False
+        if weight_updater is not None:
+            self.weight_updater = weight_updater
+        self._init_sender_schemes(weight_sync_schemes)
+        if weight_recv_schemes is not None:
+            self.register_scheme_receiver(weight_recv_schemes)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _setup_policy(self, policy, policy_factory) -> None:
+        if policy is None and policy_factory is not None:
+            policy = unwrap(policy_factory)()
+        storing, policy_device, env_device = resolve_devices(
+            self.config.device, self.config.storing_device, self.config.policy_device,
+            self.config.env_device, self.env,
+        )
+        self.storing_device, self.policy_device, self.env_device = storing, policy_device, env_device
+        wrapped = wrap_policy(policy, self.env, self.config.trust_policy)
+        self.policy, source = policy_device_copy(wrapped, policy_device)
+        self._weight_source_ref = WeakPolicyRef(policy if policy is not None else wrapped)
+        self._policy_is_copy = self.policy is not source
+
+    def _check_env_options(self) -> None:
+        config = self.config
+        if config.max_frames_per_traj and ("step_count",) in _env_keys(self.env):
+            raise ValueError(
+                "max_frames_per_traj is set but the env already has a 'step_count' entry (a step counter); "
+                "remove one of them."
+            )
+        done_keys = [as_tuple_key(k)[-1] for k in getattr(self.env, "done_keys", [])]
+        if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
+            raise RuntimeError(
+                "set_truncated=True requires the env to have a 'truncated' done key (or max_frames_per_traj)."
+            )
+
+    def _round_frames_per_batch(self, frames_per_batch: int) -> int:
+        n_env = int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
+        rounded = -(-frames_per_batch // n_env) * n_env
+        if rounded != frames_per_batch:
+            warnings.warn(
+                f"frames_per_batch={frames_per_batch} is not a multiple of the env batch size ({n_env}); "
+                f"collecting {rounded} frames per batch.", stacklevel=3,
+            )
+        total, random_frames = self.config.total_frames, self.config.init_random_frames
+        if total > 0 and total % rounded:
+            warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={rounded}: the last batch "
+                          "will overshoot.", stacklevel=3)
+        if random_frames and random_frames % rounded:
+            warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={rounded}: "
+                          "random actions continue to the end of the batch that reaches it.", stacklevel=3)
+        return rounded
+
+    def _rollout_settings(self) -> RolloutSettings:
+        config = self.config
+        n_env = int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
+        use_buffers = config.use_buffers
+        if use_buffers is None:
+            use_buffers = config.replay_buffer is None and not getattr(self.env, "_has_dynamic_specs", False)
+        return RolloutSettings(
+            time_steps=self._frames_per_batch // n_env,
+            max_frames_per_traj=config.max_frames_per_traj,
+            set_truncated=config.set_truncated,
+            track_policy_version=bool(config.track_policy_version),
+            exploration_type=config.exploration_type,
+            storing_device=self.storing_device,
+            policy_device=self.policy_device,
+            env_device=self.env_device,
+            use_buffers=use_buffers,
+        )
+
+    def _maybe_compile(self) -> None:
+        options = self.config.compile_policy
+        if options:
+            kwargs = options if isinstance(options, dict) else {}
+            step = self._rollout.policy_step
+            if hasattr(step, "stages"):
+                step.stages = [(torch.compile(m, **kwargs), i, o) for m, i, o in step.stages]
+            elif hasattr(step, "policy"):
+                step.policy = torch.compile(step.policy, **kwargs)
+        if self.config.cudagraph_policy and not torch.cuda.is_available():
+            warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=3)
+
+    def _init_sender_schemes(self, schemes: dict | None) -> None:
+        if not schemes:
+            return
+        self._weight_sync_schemes = dict(schemes)
+        for model_id, scheme in schemes.items():
+            scheme.init_on_sender(model_id=model_id, context=self, num_workers=1)
+            if not scheme.synchronized_on_sender:
+                scheme.connect()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def requested_frames_per_batch(self) -> int:
+        return self._frames_per_batch
+
+    @property
+    def rollout(self) -> Rollout:
+        return self._rollout
+
+    @property
+    def _weight_source(self):
+        return self._weight_source_ref()
+
+    def get_model(self, model_id: str):
+        if model_id == "policy":
+            source = self._weight_source
+            return source if source is not None else self.policy
+        return super().get_model(model_id)
+
+    # ------------------------------------------------------------------ iteration
+    def _iterate(self) -> Iterator[TensorDictBase | None]:
+        buffer = self.config.replay_buffer
+        while not self._reached_total():
+            if self._should_stop():
+                return
+            batch = self.rollout_batch()
+            self._frames += self._batch_frames(batch)
+            if buffer is not None:
+                self._write_buffer(buffer, batch)
+                yield None
+            else:
+                yield self._postprocess(batch)
+        _close_env(self.env)
+
+    def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
+        """Collect one raw batch (no postproc): the unit of work of a worker."""
+        self._iteration_started = True
+        self._iter += 1
+        if random is None:
+            random = self._random_phase()
+        if self.config.reset_at_each_iter and self._rollout.stepped_since_reset:
+            self._rollout.reset()
+        hook = self._between_steps_hook()
+        profiler = self._profiler
+        if profiler is not None and profiler.active:
+            with profiler.rollout():
+                return self._rollout.collect(random=random, between_steps=hook)
+        return self._rollout.collect(random=random, between_steps=hook)
+
+    def _random_phase(self) -> bool:
+        target = self.config.init_random_frames
+        if not target:
+            return False
+        buffer = self.config.replay_buffer
+        if buffer is not None and hasattr(buffer, "write_count"):
+            return buffer.write_count < target
+        return self._frames < target
+
+    def _between_steps_hook(self):
+        checks = []
+        interruptor = self.config.interruptor
+        if interruptor is not None:
+            checks.append(interruptor.collection_stopped)
+        if self._stop_event is not None:
+            checks.append(self._stop_event.is_set)
+        extra = getattr(self, "_extra_step_checks", None)
+        if extra:
+            checks.extend(extra)
+        receivers = self._receiver_schemes
+        if receivers:
+            def poll() -> bool:
+                self._poll_receivers()
+                return False
+            checks.append(poll)
+        if not checks:
+            return None
+        if len(checks) == 1:
+            return checks[0]
+        return lambda: any([check() for check in checks])
+
+    def _batch_frames(self, batch: TensorDictBase) -> int:
+        if self.config.replay_buffer is not None:
+            return self._frames_per_batch
+        traj_ids = batch.get(("collector", "traj_ids"))
+        return int((traj_ids != -1).sum()) if self.config.interruptor is not None else batch.numel()
+
+    def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
+        config = self.config
+        if config.split_trajs:
+            batch = split_trajectories(batch)
+        elif self._rollout.settings.use_buffers and not config.return_same_td:
+            batch = batch.clone()
+        if config.postproc is not None:
+            batch = config.postproc(batch)
+        return self._drop_private_keys(batch)
+
+    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+        if not self.config.extend_buffer:
+            dim = self._rollout.time_dim
+            for t in range(batch.shape[dim]):
+                buffer.add(self._drop_private_keys(batch[(slice(None),) * dim + (t,)].clone()))
+            return
+        buffer.extend(self._postprocess(batch))
+
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        """Collect in a background thread into the replay buffer (stop with :meth:`async_shutdown`)."""
+        self._start_thread()
+
+    # ------------------------------------------------------------------ weights
+    def _update_local_policy(self, value: Any) -> None:
+        if value is None:
+            source = self._weight_source
+            if source is None or source is self.policy or not isinstance(source, torch.nn.Module):
+                self.increment_version()
+                return
+            value = source
+        self._copy_into_local_policy(self._weights_from_value(value))
+        self.increment_version()
+
+    def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
+        if not isinstance(self.policy, torch.nn.Module):
+            return
+        with self._policy_lock:
+            copy_weights_(weights_of(self.policy), weights)
+
+    def _on_version_bump(self, version: int) -> None:
+        self._rollout.policy_version = version
+
+    # ------------------------------------------------------------------ other public methods
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the env (then start fresh episodes); returns the seed for the next env."""
+        out = self.env.set_seed(seed, static_seed=static_seed)
+        self._rollout.reset()
+        return out
+
+    def reset(self, index=None, **kwargs) -> None:
+        """Reset every sub-env, or the sub-envs selected by ``index`` (batched envs only)."""
+        if index is None:
+            self._rollout.reset()
+            return
+        if not len(self.env.batch_size):
+            raise RuntimeError("reset(index=...) needs a batched env.")
+        mask = torch.zeros(self.env.batch_size, dtype=torch.bool)
+        mask[index] = True
+        self._rollout.reset(mask)
+
+    def state_dict(self) -> dict:
+        state = {}
+        if isinstance(self.policy, torch.nn.Module):
+            state["policy_state_dict"] = self.policy.state_dict()
+        state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
+        state["frames"] = self._frames
+        state["iter"] = self._iter
+        return state
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, **kwargs) -> None:
+        if "policy_state_dict" in state_dict and isinstance(self.policy, torch.nn.Module):
+            self.policy.load_state_dict(state_dict["policy_state_dict"], strict=strict)
+        if state_dict.get("env_state_dict") and hasattr(self.env, "load_state_dict"):
+            self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
+        self._frames = state_dict["frames"]
+        self._iter = state_dict["iter"]
+
+    def _apply_profile_config(self, config: ProfileConfig) -> None:
+        label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"
+        self._profiler = RolloutProfiler(config, worker_idx=self.worker_idx or 0, label=label)
+
+    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+        if close_env:
+            _close_env(self.env)

@@ -1,0 +1,209 @@
+"""How the rollout loop talks to an env: one interface, two implementations.
+
+* :class:`ArrayEnvAdapter` drives rlharvest's envs through their array protocol (no TensorDict per
+  step; Python scalars for unbatched envs).
+* :class:`TensorDictEnvAdapter` drives any object with the TensorDict protocol (SPEC §1.1), TorchRL's
+  ``EnvBase`` included, using ``step_and_maybe_reset`` when available.
+
+Both exchange *step dicts*: ``{nested_key: value}`` for the root of a step and for its ``"next"``
+entries. Done-ness per sub-env is a Python bool for unbatched envs and a bool tensor of shape
+``batch_size`` otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .._utils import NestedKey, as_tuple_key, unravel_key
+
+__all__ = ["StepOutcome", "EnvAdapter", "ArrayEnvAdapter", "TensorDictEnvAdapter", "make_env_adapter", "is_env"]
+
+_PROTOCOL_MEMBERS = ("batch_size", "reset", "step", "set_seed", "close", "full_action_spec")
+
+
+def is_env(obj: Any) -> bool:
+    """True when ``obj`` has the members the collectors need (duck typing, SPEC §1.1)."""
+    return all(hasattr(obj, name) for name in _PROTOCOL_MEMBERS)
+
+
+class StepOutcome(NamedTuple):
+    next: dict
+    done: Any
+    next_root: dict | None
+
+
+def _any(done) -> bool:
+    return bool(done) if isinstance(done, bool) else bool(done.any())
+
+
+class EnvAdapter:
+    """The operations the rollout loop needs from an env."""
+
+    env: Any
+    batch_size: torch.Size
+    #: root done-flag keys that are always False under auto-reset and are filled in at assembly
+    implicit_root_flags: list[NestedKey] = []
+    #: whether the env exposes a ``truncated`` flag at the root of its done keys
+    has_truncated: bool
+
+    def reset(self, mask=None) -> dict:
+        raise NotImplementedError
+
+    def step(self, root: dict, actions: dict) -> StepOutcome:
+        raise NotImplementedError
+
+    def next_root(self, nxt: dict, root: dict) -> dict:
+        """The root of the next step when nothing was reset."""
+        raise NotImplementedError
+
+    def reset_rows(self, root: dict, mask) -> dict:
+        """``root`` with the sub-envs selected by ``mask`` reset (a bool for unbatched envs)."""
+        raise NotImplementedError
+
+    def any_done(self, done) -> bool:
+        return _any(done)
+
+
+class ArrayEnvAdapter(EnvAdapter):
+    """Fast path for envs implementing ``_reset_arrays`` / ``_step_arrays``."""
+
+    def __init__(self, env) -> None:
+        self.env = env
+        self.batch_size = torch.Size(env.batch_size)
+        self.has_truncated = bool(env.has_truncated)
+        self.implicit_root_flags = ["done", "terminated"] + (["truncated"] if self.has_truncated else [])
+        self.reward_key = env.reward_key
+        self._batched = len(self.batch_size) > 0
+        self._observation_keys = frozenset(unravel_key(k) for k in env.observation_spec.keys(True, True))
+
+    def reset(self, mask=None) -> dict:
+        return dict(self.env._reset_arrays(mask))
+
+    def step(self, root: dict, actions: dict) -> StepOutcome:
+        observations, reward, terminated, truncated = self.env._step_arrays(actions)
+        nxt = dict(observations)
+        nxt[self.reward_key] = reward
+        if self._batched:
+            terminated = _as_tensor(terminated)
+            nxt["terminated"] = terminated
+            if self.has_truncated:
+                truncated = _as_tensor(truncated)
+                nxt["truncated"] = truncated
+                done = terminated | truncated
+            else:
+                done = terminated
+            nxt["done"] = done
+            return StepOutcome(nxt, done.reshape(self.batch_size + (-1,)).any(-1), None)
+        done = bool(terminated) or (self.has_truncated and bool(truncated))
+        nxt["terminated"] = bool(terminated)
+        if self.has_truncated:
+            nxt["truncated"] = bool(truncated)
+        nxt["done"] = done
+        return StepOutcome(nxt, done, None)
+
+    def next_root(self, nxt: dict, root: dict) -> dict:
+        keys = self._observation_keys
+        return {k: v for k, v in nxt.items() if k in keys}
+
+    def reset_rows(self, root: dict, mask) -> dict:
+        if not self._batched:
+            return self.reset(None) if mask else root
+        return self.reset(mask)
+
+
+def _as_tensor(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.from_numpy(np.asarray(value))
+
+
+class TensorDictEnvAdapter(EnvAdapter):
+    """General path for any env with the TensorDict protocol (TorchRL's ``EnvBase`` included)."""
+
+    def __init__(self, env) -> None:
+        self.env = env
+        self.batch_size = torch.Size(env.batch_size)
+        self.device = getattr(env, "device", None)
+        self.done_keys = [unravel_key(k) for k in getattr(env, "done_keys", ["done"])]
+        self.has_truncated = any(as_tuple_key(k)[-1] == "truncated" for k in self.done_keys)
+        self.action_keys = [unravel_key(k) for k in env.action_keys]
+        self.reward_keys = [unravel_key(k) for k in getattr(env, "reward_keys", ["reward"])]
+        self._step_and_reset = getattr(env, "step_and_maybe_reset", None)
+        self._reset_groups = _reset_groups(self.done_keys)
+
+    def _td(self, values: dict) -> TensorDictBase:
+        return TensorDict(values, batch_size=self.batch_size, device=self.device)
+
+    def reset(self, mask=None) -> dict:
+        if mask is None:
+            return _leaves(self.env.reset())
+        raise RuntimeError("masked resets go through reset_rows")
+
+    def step(self, root: dict, actions: dict) -> StepOutcome:
+        td = self._td({**root, **actions})
+        if self._step_and_reset is not None:
+            stepped, next_root = self._step_and_reset(td)
+            nxt = stepped.get("next")
+            return StepOutcome(_leaves(nxt), self._done_rows(nxt), _leaves(next_root))
+        stepped = self.env.step(td)
+        nxt = stepped.get("next")
+        return StepOutcome(_leaves(nxt), self._done_rows(nxt), None)
+
+    def next_root(self, nxt: dict, root: dict) -> dict:
+        out = {k: v for k, v in root.items() if k not in self.action_keys and k not in self.reward_keys}
+        out.update({k: v for k, v in nxt.items() if k not in self.reward_keys})
+        return out
+
+    def _done_rows(self, nxt: TensorDictBase):
+        batch = self.batch_size
+        done = None
+        for key in self.done_keys:
+            if key in nxt.keys(True, True) and as_tuple_key(key)[-1] == "done":
+                rows = nxt.get(key).reshape(*batch, -1).any(-1)
+                done = rows if done is None else done | rows
+        if done is None:
+            done = torch.zeros(batch, dtype=torch.bool)
+        return bool(done) if not batch else done
+
+    def reset_rows(self, root: dict, mask) -> dict:
+        if not self.batch_size:
+            if not mask:
+                return root
+            mask = torch.ones((), dtype=torch.bool)
+        td = self._td(dict(root))
+        for prefix, done_key in self._reset_groups:
+            shape = td.get(done_key).shape if done_key in td.keys(True, True) else (*self.batch_size, 1)
+            rows = torch.as_tensor(mask).reshape(*self.batch_size, *([1] * (len(shape) - len(self.batch_size))))
+            td.set((*prefix, "_reset"), rows.expand(shape).clone())
+        out = self.env.reset(td)
+        values = _leaves(out)
+        return {k: v for k, v in values.items() if as_tuple_key(k)[-1] != "_reset"}
+
+
+def _reset_groups(done_keys: list[NestedKey]) -> list[tuple[tuple, NestedKey]]:
+    groups, seen = [], set()
+    for key in done_keys:
+        parts = as_tuple_key(key)
+        prefix = parts[:-1]
+        if prefix not in seen:
+            seen.add(prefix)
+            groups.append((prefix, unravel_key((*prefix, parts[-1]))))
+    return groups
+
+
+def _leaves(td: TensorDictBase) -> dict:
+    return {key: td.get(key) for key in td.keys(True, True)}
+
+
+def make_env_adapter(env) -> EnvAdapter:
+    """The adapter for ``env``: the array fast path when the env implements it."""
+    if not is_env(env):
+        missing = [name for name in _PROTOCOL_MEMBERS if not hasattr(env, name)]
+        raise TypeError(f"{type(env).__name__} is not an env: it lacks {missing} (see SPEC §1.1).")
+    if hasattr(env, "_reset_arrays") and hasattr(env, "_step_arrays"):
+        return ArrayEnvAdapter(env)
+    return TensorDictEnvAdapter(env)

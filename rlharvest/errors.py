@@ -1,0 +1,126 @@
+"""The error types every collector raises for problems that happen in another process.
+
+A worker never dies silently: it catches every exception, sends back a :class:`RemoteFailure`
+(worker index, exception type, message, formatted traceback), and the parent raises one
+:class:`WorkerError` that names the worker and embeds the remote traceback. When the original
+exception type can be imported in the parent, the raised error is *also* an instance of that type, so
+``except ValueError`` keeps working for a ``ValueError`` raised inside a worker's env.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import traceback
+from dataclasses import dataclass
+
+__all__ = ["WorkerError", "WorkerTimeoutError", "RemoteFailure"]
+
+
+class WorkerError(RuntimeError):
+    """An exception raised in, or the death of, a worker (process, node or remote collector).
+
+    Attributes:
+        worker_idx: 0-based index of the worker (``None`` when unknown).
+        remote_type: qualified name of the exception type raised remotely (``None`` for a death).
+        remote_traceback: the formatted remote traceback, or ``""``.
+
+    Example:
+        >>> err = WorkerError("env exploded", worker_idx=1)
+        >>> str(err)
+        'worker 1: env exploded'
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_idx: int | None = None,
+        remote_type: str | None = None,
+        remote_traceback: str = "",
+    ) -> None:
+        prefix = f"worker {worker_idx}: " if worker_idx is not None else ""
+        text = prefix + message
+        if remote_traceback:
+            text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+        super().__init__(text)
+        self.worker_idx = worker_idx
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        # The generated subclasses below are not importable by name: pickle as a plain WorkerError.
+        return (
+            _rebuild_worker_error,
+            (str(self), self.worker_idx, self.remote_type, self.remote_traceback),
+        )
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A worker did not answer (or made no progress) within the allowed time."""
+
+
+def _rebuild_worker_error(text, worker_idx, remote_type, remote_traceback):
+    err = WorkerError.__new__(WorkerError)
+    RuntimeError.__init__(err, text)
+    err.worker_idx, err.remote_type, err.remote_traceback = worker_idx, remote_type, remote_traceback
+    return err
+
+
+_MIXED_TYPES: dict[type, type] = {}
+
+
+def _mixed_error_type(remote_cls: type[BaseException]) -> type[WorkerError]:
+    """A subclass of both WorkerError and ``remote_cls`` (cached), or WorkerError if impossible."""
+    if issubclass(remote_cls, WorkerError):
+        return WorkerError
+    if remote_cls not in _MIXED_TYPES:
+        try:
+            mixed = type(f"Worker{remote_cls.__name__}", (WorkerError, remote_cls), {})
+        except TypeError:  # incompatible layouts (e.g. some C-level exceptions)
+            mixed = WorkerError
+        _MIXED_TYPES[remote_cls] = mixed
+    return _MIXED_TYPES[remote_cls]
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """What a worker sends back instead of a result when something raised."""
+
+    worker_idx: int | None
+    type_module: str
+    type_name: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def capture(cls, exc: BaseException, worker_idx: int | None) -> RemoteFailure:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(worker_idx, type(exc).__module__, type(exc).__qualname__, str(exc), tb)
+
+    def to_exception(self, context: str = "") -> WorkerError:
+        """The exception to raise in the parent: a WorkerError that is also the remote type."""
+        remote_cls = self._import_type()
+        cls = _mixed_error_type(remote_cls) if remote_cls is not None else WorkerError
+        message = f"{self.type_name}: {self.message}"
+        if context:
+            message = f"{context} failed with {message}"
+        err = cls.__new__(cls)
+        WorkerError.__init__(
+            err,
+            message,
+            worker_idx=self.worker_idx,
+            remote_type=f"{self.type_module}.{self.type_name}",
+            remote_traceback=self.traceback,
+        )
+        return err
+
+    def _import_type(self) -> type[BaseException] | None:
+        try:
+            module = builtins if self.type_module == "builtins" else importlib.import_module(self.type_module)
+            obj = module
+            for part in self.type_name.split("."):
+                obj = getattr(obj, part)
+        except Exception:
+            return None
+        return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None

@@ -1,0 +1,304 @@
+"""Policies as the rollout loop sees them.
+
+A user policy is any callable TensorDict -> TensorDict (SPEC §1.5). Plain ``nn.Module`` policies whose
+forward arguments are observation names are wrapped into :class:`ObservationModule`. For speed the
+rollout loop does not call the policy on a TensorDict when it can avoid it: *key-to-key* modules
+(our wrapper, an unmodified ``TensorDictModule``, a ``TensorDictSequential`` of those) are called
+directly on the tensors of their ``in_keys``. Everything else goes through a TensorDict built from
+the step's values.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import (
+    InteractionType,
+    TensorDictModule,
+    TensorDictModuleBase,
+    TensorDictSequential,
+)
+
+from ._utils import NestedKey, unravel_key
+
+__all__ = [
+    "ExplorationType",
+    "RandomPolicy",
+    "ObservationModule",
+    "wrap_policy",
+    "PolicyStep",
+    "make_policy_step",
+]
+
+#: The ambient exploration mode, read by stochastic policies. It *is* tensordict's
+#: ``InteractionType``, so TorchRL policies honour the mode a collector sets.
+ExplorationType = InteractionType
+
+
+class RandomPolicy(torch.nn.Module):
+    """Draws uniformly random actions from an action spec.
+
+    Args:
+        action_spec: a spec with ``rand()`` (a Composite of action keys, or one leaf spec).
+        action_key: where to write a leaf spec's sample.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> env = CountingEnv()
+        >>> td = RandomPolicy(env.full_action_spec)(env.reset())
+        >>> "action" in td.keys()
+        True
+    """
+
+    def __init__(self, action_spec, action_key: NestedKey = "action") -> None:
+        super().__init__()
+        self.action_spec = action_spec
+        self.action_key = action_key
+
+    def sample(self) -> dict[NestedKey, torch.Tensor]:
+        """One random action per action key."""
+        spec = self.action_spec
+        if hasattr(spec, "keys"):
+            return {unravel_key(k): spec[k].rand() for k in spec.keys(True, True)}
+        return {unravel_key(self.action_key): spec.rand()}
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        for key, value in self.sample().items():
+            tensordict.set(key, value)
+        return tensordict
+
+
+class ObservationModule(torch.nn.Module):
+    """Wraps a plain module reading observations by argument name and writing the action key(s)."""
+
+    def __init__(self, module: torch.nn.Module, in_keys: Sequence[NestedKey], out_keys: Sequence[NestedKey]):
+        super().__init__()
+        self.module = module
+        self.in_keys = [unravel_key(k) for k in in_keys]
+        self.out_keys = [unravel_key(k) for k in out_keys]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        outputs = self.module(*(tensordict.get(k) for k in self.in_keys))
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        for key, value in zip(self.out_keys, outputs):
+            tensordict.set(key, value)
+        return tensordict
+
+
+def _forward_parameters(module: torch.nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _takes_tensordict(params: list[inspect.Parameter]) -> bool:
+    if len(params) != 1:
+        return False
+    param = params[0]
+    annotation = param.annotation
+    if isinstance(annotation, str):
+        return "TensorDict" in annotation
+    if isinstance(annotation, type) and issubclass(annotation, TensorDictBase):
+        return True
+    return param.name in ("tensordict", "td")
+
+
+def wrap_policy(policy: Any, env, trust_policy: bool | None = None) -> Callable:
+    """The callable the rollout runs for ``policy`` on ``env`` (SPEC §1.5).
+
+    Raises:
+        TypeError: for a module whose inputs cannot be matched to observations.
+        RuntimeError: for a plain module that defines ``in_keys``/``out_keys``.
+    """
+    if policy is None:
+        return RandomPolicy(env.full_action_spec)
+    if trust_policy is None:
+        trust_policy = isinstance(policy, RandomPolicy)
+    if trust_policy or isinstance(policy, (TensorDictModuleBase, ObservationModule, RandomPolicy)):
+        return policy
+    if not isinstance(policy, torch.nn.Module):
+        if not callable(policy):
+            raise TypeError(f"policy must be callable, got {type(policy).__name__}")
+        return policy
+    if hasattr(policy, "in_keys") or hasattr(policy, "out_keys"):
+        raise RuntimeError(
+            f"{type(policy).__name__} defines in_keys/out_keys but is not a TensorDictModule: wrap it in "
+            "tensordict.nn.TensorDictModule, or pass trust_policy=True."
+        )
+    params = [p for p in _forward_parameters(policy) if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if _takes_tensordict(params):
+        return policy
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    observation_names = {k if isinstance(k, str) else k[-1]: k for k in _observation_keys(env)}
+    if all(name in observation_names for name in required):
+        action_keys = [unravel_key(k) for k in env.action_keys]
+        return ObservationModule(
+            policy, [observation_names[n] for n in required], action_keys + [f"output{i}" for i in range(2, 10)]
+        )
+    raise TypeError(
+        f"Cannot tell how to call {type(policy).__name__}: its forward arguments {required} are not all "
+        f"observation keys {sorted(observation_names)}. Wrap it in a TensorDictModule, or pass "
+        "trust_policy=True if it reads and writes a TensorDict."
+    )
+
+
+def _observation_keys(env) -> list[NestedKey]:
+    spec = getattr(env, "observation_spec", None)
+    if spec is None:
+        return []
+    return [unravel_key(k) for k in spec.keys(True, True)]
+
+
+def policy_device_copy(policy: Any, device: torch.device | None) -> tuple[Any, Any]:
+    """``(policy_to_run, weight_source)``: a copy on ``device`` if the parameters live elsewhere."""
+    if device is None or not isinstance(policy, torch.nn.Module):
+        return policy, policy
+    tensors = list(policy.parameters()) + list(policy.buffers())
+    if not tensors or all(t.device == device for t in tensors):
+        return policy, policy
+    return copy.deepcopy(policy).to(device), policy
+
+
+# ---------------------------------------------------------------------------------------------- fast path
+class PolicyStep:
+    """Computes a step's policy outputs from the step's root values (``{key: value}``)."""
+
+    #: keys this step writes (the action keys at least)
+    out_keys: list[NestedKey]
+
+    def __call__(self, root: dict) -> dict:
+        raise NotImplementedError
+
+
+class TensorModuleStep(PolicyStep):
+    """Calls key-to-key stages directly on tensors: no TensorDict per step."""
+
+    def __init__(self, stages: list[tuple[Callable, list, list]], device: torch.device | None):
+        self.stages = stages
+        self.device = device
+        produced: list = []
+        for _, _, outs in stages:
+            produced += [k for k in outs if k not in produced]
+        self.out_keys = produced
+
+    def __call__(self, root: dict) -> dict:
+        values = dict(root) if len(self.stages) > 1 else root
+        outputs: dict = {}
+        device = self.device
+        for module, in_keys, out_keys in self.stages:
+            args = [values[k] for k in in_keys]
+            if device is not None:
+                args = [a.to(device, non_blocking=True) if a.device != device else a for a in args]
+            result = module(*args)
+            if isinstance(result, torch.Tensor):
+                outputs[out_keys[0]] = result
+                if len(self.stages) > 1:
+                    values[out_keys[0]] = result
+            else:
+                for key, value in zip(out_keys, result):
+                    outputs[key] = value
+                    if len(self.stages) > 1:
+                        values[key] = value
+        return outputs
+
+
+class TensorDictStep(PolicyStep):
+    """The general path: build a TensorDict of the step's root values and call the policy on it."""
+
+    def __init__(self, policy: Callable, batch_size, device, action_keys: list[NestedKey]):
+        self.policy = policy
+        self.batch_size = torch.Size(batch_size)
+        self.device = device
+        self.action_keys = action_keys
+        self.out_keys: list[NestedKey] | None = None
+
+    def __call__(self, root: dict) -> dict:
+        td = TensorDict(root, batch_size=self.batch_size, device=self.device)
+        before = {k: td.get(k) for k in td.keys(True, True)} if self.out_keys is None else None
+        result = self.policy(td)
+        result = td if result is None else result
+        if self.out_keys is None:
+            self.out_keys = [
+                k for k in result.keys(True, True) if k not in before or result.get(k) is not before[k]
+            ]
+            self.out_keys += [k for k in self.action_keys if k not in self.out_keys]
+        return {k: result.get(k) for k in self.out_keys}
+
+
+class RandomStep(PolicyStep):
+    """Random actions from the env's action spec (init_random_frames, policy=None)."""
+
+    def __init__(self, env):
+        self.env = env
+        self.random_policy = RandomPolicy(env.full_action_spec)
+        self.out_keys = [unravel_key(k) for k in env.action_keys]
+
+    def __call__(self, root: dict) -> dict:
+        return self.random_policy.sample()
+
+
+def _plain_tdmodule_stage(module) -> tuple | None:
+    if type(module) is not TensorDictModule:
+        return None
+    if getattr(module, "_kwargs", None) or getattr(module, "out_to_in_map", False):
+        return None
+    if not isinstance(module.in_keys, list) or getattr(module, "method", None) not in (None, "forward"):
+        return None
+    if getattr(module, "method_kwargs", None) or getattr(module, "strict", False):
+        return None
+    in_keys = [unravel_key(k) for k in module.in_keys]
+    out_keys = [unravel_key(k) for k in module.out_keys]
+    return module.module, in_keys, out_keys
+
+
+def _stages_of(policy) -> list[tuple] | None:
+    if isinstance(policy, ObservationModule):
+        return [(policy.module, policy.in_keys, policy.out_keys)]
+    stage = _plain_tdmodule_stage(policy)
+    if stage is not None:
+        return [stage]
+    if type(policy) is TensorDictSequential and not getattr(policy, "partial_tolerant", False):
+        if getattr(policy, "selected_out_keys", None):
+            return None
+        stages = [_plain_tdmodule_stage(m) for m in policy.module]
+        return stages if all(s is not None for s in stages) else None
+    return None
+
+
+def make_policy_step(policy: Callable, env, root_keys: set, device: torch.device | None) -> PolicyStep:
+    """The fastest :class:`PolicyStep` that computes exactly what ``policy`` would."""
+    if isinstance(policy, RandomPolicy):
+        return RandomStep(env)
+    stages = _stages_of(policy)
+    if stages is not None:
+        available = set(root_keys)
+        for _, in_keys, out_keys in stages:
+            if not set(in_keys) <= available:
+                stages = None
+                break
+            available |= set(out_keys)
+    if stages is not None:
+        return TensorModuleStep(stages, device)
+    action_keys = [unravel_key(k) for k in env.action_keys]
+    return TensorDictStep(policy, env.batch_size, device, action_keys)
+
+
+class WeakPolicyRef:
+    """A weak reference to a module (or a strong one to anything that cannot be weakly referenced)."""
+
+    def __init__(self, obj: Any) -> None:
+        try:
+            self._ref = weakref.ref(obj)
+            self._strong = None
+        except TypeError:
+            self._ref, self._strong = None, obj
+
+    def __call__(self) -> Any:
+        return self._ref() if self._ref is not None else self._strong

@@ -1,0 +1,363 @@
+"""THE rollout loop: the one piece of code that steps an env with a policy and fills a batch.
+
+Every collector runs it: ``Collector`` in the calling process, worker processes, torch.distributed
+nodes and RPC nodes through the worker loop. Per step it only moves references around (the env and
+the policy produce the values; the loop appends them to per-key lists); once per batch it stacks
+each key into a preallocated TensorDict of shape ``(*batch_size, T)`` with the time dim named
+``"time"``. This keeps per-frame bookkeeping to a few microseconds.
+
+Auto-reset invariant (SPEC §1.3): the root of step ``t`` is the state before acting, ``("next", *)``
+is the outcome including the terminal observation, and a sub-env whose step ended is reset before
+step ``t + 1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import set_interaction_type
+
+from ._utils import NestedKey, unravel_key
+from .envs.adapters import EnvAdapter, make_env_adapter
+from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
+
+__all__ = ["Rollout", "RolloutSettings", "TrajectoryCounter", "LocalTrajectoryCounter"]
+
+_TRAJ_IDS = ("collector", "traj_ids")
+_PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float32}
+
+
+class TrajectoryCounter:
+    """Hands out trajectory ids: ``take(n)`` returns the first of ``n`` fresh consecutive ids."""
+
+    def take(self, n: int) -> int:
+        raise NotImplementedError
+
+
+class LocalTrajectoryCounter(TrajectoryCounter):
+    """A thread-safe in-process counter."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._next = start
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int:
+        with self._lock:
+            first = self._next
+            self._next += n
+            return first
+
+    def state(self) -> int:
+        return self._next
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the loop needs to know besides the env and the policy (built from a collector config)."""
+
+    time_steps: int
+    max_frames_per_traj: int = 0
+    set_truncated: bool = False
+    track_policy_version: bool = False
+    exploration_type: Any = ExplorationType.RANDOM
+    storing_device: torch.device | None = None
+    policy_device: torch.device | None = None
+    env_device: torch.device | None = None
+    use_buffers: bool = True
+
+
+def _value_meta(value: Any) -> tuple[tuple, torch.dtype]:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, np.ndarray):
+        return value.shape, torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
+    if isinstance(value, np.generic):
+        return (1,), torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
+    return (1,), _PY_DTYPES[type(value)]
+
+
+def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, dtype) -> torch.Tensor:
+    """Stack per-step values along ``dim``; into ``out`` when given."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        stackable = out is not None and out.device == first.device and out.dtype == first.dtype
+        if stackable and tuple(out.shape) == (*first.shape[:dim], len(values), *first.shape[dim:]):
+            try:
+                return torch.stack(values, dim, out=out)
+            except RuntimeError:  # non-contiguous out on some torch versions
+                pass
+        stacked = torch.stack(values, dim)
+    elif isinstance(first, np.ndarray):
+        stacked = torch.from_numpy(np.stack(values, dim))
+    else:  # Python or numpy scalars of an unbatched env: one value per step
+        stacked = torch.tensor(values, dtype=dtype).reshape(shape)
+    if out is None:
+        return stacked.to(dtype)
+    out.copy_(stacked.reshape(out.shape))
+    return out
+
+
+class Rollout:
+    """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
+
+    Args:
+        env: any env of the protocol (SPEC §1.1).
+        policy: the (already wrapped) policy callable.
+        settings: loop options.
+        traj_counter: where fresh trajectory ids come from.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> from rlharvest.policies import RandomPolicy
+        >>> env = CountingEnv()
+        >>> rollout = Rollout(env, RandomPolicy(env.full_action_spec), RolloutSettings(time_steps=4),
+        ...                   LocalTrajectoryCounter())
+        >>> rollout.collect().batch_size
+        torch.Size([4])
+    """
+
+    def __init__(self, env, policy: Callable, settings: RolloutSettings, traj_counter: TrajectoryCounter):
+        self.env = env
+        self.settings = settings
+        self.adapter: EnvAdapter = make_env_adapter(env)
+        self.batch_size = torch.Size(env.batch_size)
+        self.time_dim = len(self.batch_size)
+        self.traj_counter = traj_counter
+        self.policy_version = 0
+        self.buffer: TensorDictBase | None = None
+        self._layout: dict[NestedKey, tuple[tuple, torch.dtype]] | None = None
+        self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
+        self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
+        self._policy_lock = threading.RLock()
+        self.reset()
+        self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
+        self.random_step = RandomStep(env)
+        self._move_actions = (
+            settings.env_device is not None and settings.policy_device is not None
+            and settings.env_device != settings.policy_device
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def n_envs(self) -> int:
+        return int(np.prod(self.batch_size)) if self.batch_size else 1
+
+    def reset(self, mask=None) -> None:
+        """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
+        if mask is None:
+            self.stepped_since_reset = False
+            self._root = self.adapter.reset(None)
+            first = self.traj_counter.take(self.n_envs)
+            if self.batch_size:
+                self._traj = torch.arange(first, first + self.n_envs, dtype=torch.int64).reshape(self.batch_size)
+                self._count = torch.zeros(self.batch_size, dtype=torch.int64)
+            else:
+                self._traj, self._count = first, 0
+            return
+        mask = torch.as_tensor(mask, dtype=torch.bool).reshape(self.batch_size)
+        self._root = self.adapter.reset_rows(self._root, mask)
+        self._traj = self._renumber(self._traj, mask)
+        self._count = torch.where(mask, 0, self._count)
+
+    def _renumber(self, traj, done):
+        if not self.batch_size:
+            return self.traj_counter.take(1)
+        count = int(done.sum())
+        first = self.traj_counter.take(count)
+        traj = traj.clone()
+        traj[done] = torch.arange(first, first + count, dtype=torch.int64)
+        return traj
+
+    @property
+    def policy_lock(self) -> threading.RLock:
+        """Held while the policy runs; weight updates from other threads take it too."""
+        return self._policy_lock
+
+    # ------------------------------------------------------------------ the loop
+    def collect(self, *, random: bool = False, between_steps: Callable[[], bool] | None = None) -> TensorDictBase:
+        """Run one batch of ``time_steps`` steps and return it.
+
+        Args:
+            random: draw actions from the action spec instead of the policy.
+            between_steps: called after every step; returning True stops the batch early (the
+                remaining steps get trajectory id -1).
+        """
+        steps: list[tuple[dict, dict, dict, Any, Any, int]] = []
+        act = self.random_step if random else self.policy_step
+        adapter, limit, lock = self.adapter, self._limit, self._policy_lock
+        last_step = self.settings.time_steps - 1 if self.settings.set_truncated else -1
+        root, traj, count = self._root, self._traj, self._count
+        with torch.no_grad(), set_interaction_type(self.settings.exploration_type):
+            for t in range(self.settings.time_steps):
+                with lock:
+                    actions = act(root)
+                    version = self.policy_version
+                env_actions = self._to_env_device(actions) if self._move_actions else actions
+                nxt, done, next_root = adapter.step(root, env_actions)
+                env_done = done
+                if limit or t == last_step:
+                    nxt, done = self._truncate(nxt, done, count, t == last_step)
+                steps.append((root, actions, nxt, traj, count, version))
+                if adapter.any_done(done):
+                    root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
+                else:
+                    root = next_root if next_root is not None else adapter.next_root(nxt, root)
+                    if limit:
+                        count = count + 1
+                if between_steps is not None and between_steps():
+                    break
+        self._root, self._traj, self._count = root, traj, count
+        self.stepped_since_reset = True
+        return self._assemble(steps)
+
+    def _to_env_device(self, actions: dict) -> dict:
+        device = self.settings.env_device
+        return {k: v.to(device, non_blocking=True) for k, v in actions.items()}
+
+    def _truncate(self, nxt: dict, done, count, end_of_batch: bool):
+        """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values."""
+        hit = (count + 1 >= self._limit) if self._limit else False
+        if end_of_batch:
+            hit = True if not self.batch_size else torch.ones(self.batch_size, dtype=torch.bool)
+        if not self.batch_size:
+            if not hit and not self._add_truncated:
+                return nxt, done
+            nxt = dict(nxt)
+            nxt["truncated"] = bool(nxt.get("truncated", False)) or hit
+            nxt["done"] = bool(nxt["done"]) or hit
+            return nxt, done or hit
+        nxt = dict(nxt)
+        column = hit.reshape(*self.batch_size, 1)
+        previous = nxt.get("truncated")
+        nxt["truncated"] = column.clone() if previous is None else torch.as_tensor(previous) | column
+        nxt["done"] = torch.as_tensor(nxt["done"]) | column
+        return nxt, done | hit
+
+    def _restart(self, nxt, root, next_root, done, env_done, traj, count):
+        """Root, trajectory ids and step counts after a step in which some sub-envs ended."""
+        adapter = self.adapter
+        if next_root is not None:
+            # The env already reset what it considered done; reset what we truncated on top of it.
+            extra = (done and not env_done) if not self.batch_size else done & ~env_done
+            root = adapter.reset_rows(next_root, extra) if adapter.any_done(extra) else next_root
+        else:
+            root = adapter.reset_rows(adapter.next_root(nxt, root), done)
+        traj = self._renumber(traj, done)
+        if not self.batch_size:
+            count = 0
+        else:
+            count = torch.where(done, 0, count + 1)
+        return root, traj, count
+
+    # ------------------------------------------------------------------ batch assembly
+    def _build_layout(self, step) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
+        root, actions, nxt, _, _, _ = step
+        layout: dict[NestedKey, tuple[tuple, torch.dtype]] = {}
+        flag_shape = (*self.batch_size, 1)
+        for key, value in root.items():
+            layout[key] = _value_meta(value)
+        for key in self.adapter.implicit_root_flags + (["truncated"] if self._add_truncated else []):
+            layout.setdefault(unravel_key(key), (flag_shape, torch.bool))
+        for key, value in actions.items():
+            layout[key] = _value_meta(value)
+        for key, value in nxt.items():
+            layout[unravel_key(("next", key))] = _value_meta(value)
+        if self._add_truncated:
+            layout[("next", "truncated")] = (flag_shape, torch.bool)
+        if self._limit:
+            layout["step_count"] = layout[("next", "step_count")] = (flag_shape, torch.int64)
+        if self.settings.track_policy_version:
+            layout["policy_version"] = layout[("next", "policy_version")] = (tuple(self.batch_size), torch.int64)
+        layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
+        return layout
+
+    @property
+    def layout(self) -> dict[NestedKey, tuple[tuple, torch.dtype]] | None:
+        """``{key: (per-step shape, dtype)}`` once the first batch ran, else None."""
+        return self._layout
+
+    def _allocate(self, layout) -> TensorDictBase:
+        steps, dim = self.settings.time_steps, self.time_dim
+        device = self.settings.storing_device
+        leaves = {}
+        for key, (shape, dtype) in layout.items():
+            full = (*shape[:dim], steps, *shape[dim:])
+            leaves[key] = torch.zeros(full, dtype=dtype, device=device)
+        td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=device)
+        td.refine_names(*([None] * dim), "time")
+        return td
+
+    def set_buffer(self, buffer: TensorDictBase) -> None:
+        """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
+        if self.buffer is not None:
+            expected = {k: (v.shape, v.dtype) for k, v in self.buffer.items(True, True)}
+            given = {k: (v.shape, v.dtype) for k, v in buffer.items(True, True)}
+            if expected != given:
+                raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
+        self.buffer = buffer
+
+    def _assemble(self, steps: list) -> TensorDictBase:
+        if self._layout is None:
+            self._layout = self._build_layout(steps[0])
+        layout = self._layout
+        use_buffers = self.settings.use_buffers
+        if use_buffers and self.buffer is None:
+            self.buffer = self._allocate(layout)
+        n, dim, full = len(steps), self.time_dim, self.settings.time_steps
+        out = self.buffer if use_buffers else None
+        leaves: dict = {}
+        columns = self._columns(steps)
+        for key, values in columns.items():
+            shape, dtype = layout[key]
+            stacked_shape = (*shape[:dim], n, *shape[dim:])
+            target = out.get(key).narrow(dim, 0, n) if out is not None else None
+            leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+        for key, (shape, dtype) in layout.items():
+            if key not in columns:  # implicit root flags: always False under auto-reset
+                target = out.get(key).narrow(dim, 0, n) if out is not None else None
+                if target is not None:
+                    target.zero_()
+                else:
+                    leaves[key] = torch.zeros((*shape[:dim], n, *shape[dim:]), dtype=dtype)
+        if out is None:
+            td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.settings.storing_device)
+            td.refine_names(*([None] * dim), "time")
+            return td
+        if n < full:
+            out.get(_TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
+        return out
+
+    def _columns(self, steps: list) -> dict[NestedKey, list]:
+        """Per-key lists of per-step values, in time order."""
+        roots, actions, nexts, trajs, counts, versions = zip(*steps)
+        columns: dict[NestedKey, list] = {}
+        for key in roots[0]:
+            columns[key] = [r[key] for r in roots]
+        for key in actions[0]:
+            columns[key] = [a[key] for a in actions]
+        for key in nexts[0]:
+            columns[unravel_key(("next", key))] = [x[key] for x in nexts]
+        columns[_TRAJ_IDS] = list(trajs)
+        if self._limit:
+            if self.batch_size:
+                counts = [c.unsqueeze(-1) for c in counts]
+            columns["step_count"] = list(counts)
+            columns[("next", "step_count")] = [c + 1 for c in counts]
+        if self.settings.track_policy_version:
+            batch = self.batch_size
+            column = [torch.full(batch, v, dtype=torch.int64) for v in versions] if batch else list(versions)
+            columns["policy_version"] = columns[("next", "policy_version")] = column
+        return columns
+
+
+def trajectory_counter_from_state(start: int) -> LocalTrajectoryCounter:
+    return LocalTrajectoryCounter(start)
+
+
+_ = itertools  # noqa: F401  (kept for readers: ids are drawn in row-major order)

@@ -1,0 +1,1 @@
+"""Process boundaries: one module per backend, all implementing ``transport.base``."""

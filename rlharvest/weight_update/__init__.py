@@ -1,0 +1,15 @@
+"""Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
+
+from .schemes import NoWeightSyncScheme, WeightSyncScheme
+from .strategy import WeightStrategy
+from .updaters import MultiProcessedWeightUpdater, RemoteModuleWeightUpdater, VanillaWeightUpdater, WeightUpdaterBase
+
+__all__ = [
+    "WeightSyncScheme",
+    "WeightStrategy",
+    "NoWeightSyncScheme",
+    "WeightUpdaterBase",
+    "VanillaWeightUpdater",
+    "MultiProcessedWeightUpdater",
+    "RemoteModuleWeightUpdater",
+]

@@ -1,0 +1,422 @@
+"""Weight-sync schemes: one object, two roles (SPEC §6.7).
+
+The *sender* lives in the collector that owns workers; pickled copies of the same object become the
+*receivers* inside the workers. A scheme moves one model. The life cycle is
+
+    init_on_sender -> connect -> send ...        (sender)
+    init_on_receiver -> connect -> receive ...   (receiver)
+
+and every scheme sits on a transport (``rlharvest.transport``): the sender holds a
+:class:`~rlharvest.transport.base.WeightSender`, each receiver a
+:class:`~rlharvest.transport.base.WeightReceiver`. This base class implements the life cycle, the
+argument resolution and the cascading; subclasses only say which transport to build.
+
+Versions: every ``send`` carries a new version number; receivers apply, cascade to their own workers,
+then acknowledge with that version, and ``send`` returns once every targeted worker acknowledged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from .._utils import resolve_attr_path
+from ..transport.base import WeightReceiver, WeightSender
+from .strategy import WeightStrategy, copy_weights_, weights_of
+
+__all__ = ["WeightSyncScheme", "NoWeightSyncScheme"]
+
+_PICKLE_DROPPED = (
+    "_context_ref",
+    "_model_ref",
+    "_sender",
+    "_receiver",
+    "initialized_on_sender",
+    "initialized_on_receiver",
+    "synchronized_on_sender",
+    "synchronized_on_receiver",
+)
+
+
+def _weak(obj: Any):
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class WeightSyncScheme:
+    """Base class of weight-sync schemes.
+
+    Args:
+        strategy: ``"tensordict"`` (default), ``"state_dict"`` or a :class:`WeightStrategy`.
+        sync: whether ``send`` waits for every targeted worker's acknowledgement.
+        timeout: seconds to wait for acknowledgements (and for initial weights on the receiver).
+
+    Example:
+        >>> scheme = NoWeightSyncScheme()
+        >>> scheme.init_on_sender(model_id="policy")
+        >>> scheme.connect()
+        >>> scheme.send()  # nothing to do
+    """
+
+    #: whether ``{worker_idx: weights}`` payloads are understood
+    supports_per_worker_weights = False
+
+    def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
+        self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
+        self.sync = bool(sync)
+        self.timeout = float(timeout)
+        self._model_id: str | None = None
+        self._worker_idx: int | None = None
+        self._num_workers: int | None = None
+        self._version = 0
+        self._reset_roles()
+
+    def _reset_roles(self) -> None:
+        self._context_ref = None
+        self._model_ref = None
+        self._sender: WeightSender | None = None
+        self._receiver: WeightReceiver | None = None
+        self.initialized_on_sender = False
+        self.initialized_on_receiver = False
+        self.synchronized_on_sender = False
+        self.synchronized_on_receiver = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model_id(self) -> str | None:
+        return self._model_id
+
+    @property
+    def context(self):
+        """The collector this scheme serves (weakly held), or None."""
+        return self._context_ref() if self._context_ref is not None else None
+
+    @property
+    def model(self):
+        """The model whose weights move: the one given, else resolved on the context by model_id."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            return model
+        context = self.context
+        if context is None or self._model_id is None:
+            return None
+        if hasattr(context, "get_model"):
+            return context.get_model(self._model_id)
+        try:
+            return resolve_attr_path(context, self._model_id)
+        except (AttributeError, KeyError, IndexError):
+            return None
+
+    @model.setter
+    def model(self, value) -> None:
+        self._model_ref = _weak(value)
+
+    @property
+    def weights(self) -> TensorDictBase | None:
+        model = self.model
+        return weights_of(model) if model is not None else None
+
+    @property
+    def worker_idx(self) -> int | None:
+        return self._worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, value: int | None) -> None:
+        if self.initialized_on_sender:
+            raise RuntimeError("worker_idx cannot be set on a sender scheme.")
+        self._worker_idx = value
+
+    @property
+    def strategy(self) -> WeightStrategy:
+        return self._strategy
+
+    @property
+    def strategy_str(self) -> str:
+        return self._strategy.extract_as
+
+    @property
+    def version(self) -> int:
+        """Version of the last weights sent (sender) or applied (receiver)."""
+        return self._version
+
+    @property
+    def sender_transports(self) -> WeightSender | None:
+        return self._sender
+
+    @property
+    def receiver_transport(self) -> WeightReceiver | None:
+        return self._receiver
+
+    @property
+    def shared_transport(self):
+        return getattr(self._sender, "shared", None)
+
+    # ------------------------------------------------------------------ transport hooks (subclasses)
+    def _make_sender(self, **kwargs) -> WeightSender | None:
+        """Build the sender transport; ``kwargs`` are ``init_on_sender``'s extras."""
+        return None
+
+    def _make_receiver(self) -> WeightReceiver | None:
+        """Build this worker's receiver transport from the pickled connection info."""
+        return None
+
+    # ------------------------------------------------------------------ life cycle
+    def init_on_sender(self, *, model_id: str = "policy", context=None, model=None, num_workers: int | None = None,
+                       **kwargs) -> None:
+        """Prepare the sender side. A scheme already initialised (e.g. by the user) is left as is."""
+        if self.initialized_on_sender:
+            return
+        try:
+            self._model_id = model_id
+            self._context_ref = _weak(context)
+            if model is not None:
+                self.model = model
+            if num_workers is None and context is not None:
+                num_workers = getattr(context, "num_workers", None)
+            self._num_workers = num_workers
+            self._sender = self._make_sender(**kwargs)
+            self.initialized_on_sender = True
+        except BaseException:
+            self.initialized_on_sender = False
+            self._sender = None
+            raise
+
+    def init_on_receiver(self, *, model_id: str, context=None, worker_idx: int | None = None, model=None,
+                         **kwargs) -> None:
+        """Prepare the receiver side inside a worker (``context`` = the worker's collector)."""
+        if self.initialized_on_sender:
+            # The same object used as sender: return to the state a pickled copy would have.
+            self.__setstate__(self.__getstate__())
+        self._model_id = model_id
+        self._context_ref = _weak(context)
+        if model is not None:
+            self.model = model
+        if worker_idx is None and context is not None:
+            worker_idx = getattr(context, "worker_idx", None)
+        self._worker_idx = worker_idx
+        self._receiver = self._make_receiver(**kwargs)
+        self.initialized_on_receiver = True
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
+        """One-time rendezvous: the sender delivers initial weights, the receiver attaches them.
+
+        Raises:
+            RuntimeError: when not initialised, called twice, or given the other role's argument.
+        """
+        if self.initialized_on_sender:
+            if worker_idx is not None:
+                raise RuntimeError("connect() on a sender takes no worker_idx.")
+            if self.synchronized_on_sender:
+                raise RuntimeError("This scheme is already connected (sender).")
+            if self._sender is not None:
+                initial = self._initial_payload(weights)
+                self._sender.connect(initial)
+            self.synchronized_on_sender = True
+            return
+        if self.initialized_on_receiver:
+            if weights is not None:
+                raise RuntimeError("connect() on a receiver takes no weights.")
+            if self.synchronized_on_receiver:
+                raise RuntimeError("This scheme is already connected (receiver).")
+            if worker_idx is not None:
+                self._worker_idx = worker_idx
+            if self._receiver is not None:
+                initial = self._receiver.connect(self.timeout)
+                if initial is not None:
+                    self._attach_initial(initial)
+            self.synchronized_on_receiver = True
+            return
+        raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first.")
+
+    synchronize_weights = connect
+
+    def _initial_payload(self, weights: Any):
+        if weights is not None:
+            return self.prepare_weights(weights, self._model_id, self._strategy, self.context)
+        model = self.model
+        return weights_of(model) if model is not None else None
+
+    def _attach_initial(self, weights: TensorDictBase) -> None:
+        model = self.model
+        if model is None:
+            return
+        if isinstance(model, torch.nn.Module):
+            _materialize(model, weights)
+        else:
+            self._strategy.apply_weights(model, weights)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Send weights to all (or the listed) workers; waits for acknowledgements when ``sync``.
+
+        Raises:
+            RuntimeError: when not a connected sender, or when the scheme has no transport.
+            ValueError: for an unknown worker index or a per-worker payload this scheme rejects.
+        """
+        if not self.initialized_on_sender:
+            raise RuntimeError("send() needs init_on_sender() first.")
+        if not self.synchronized_on_sender:
+            raise RuntimeError("send() needs connect() first.")
+        if self._sender is None:
+            raise RuntimeError(f"{type(self).__name__} has no transport to send on.")
+        payload = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
+        targets = self._resolve_worker_ids(worker_ids, payload)
+        self._version += 1
+        self._sender.deliver(payload, self._version, targets)
+        if self.sync:
+            self._sender.wait_acks(self._version, targets, self.timeout)
+
+    def _resolve_worker_ids(self, worker_ids, payload) -> list[int]:
+        count = self._sender.num_workers if self._sender is not None else (self._num_workers or 0)
+        if isinstance(payload, dict) and worker_ids is None:
+            worker_ids = sorted(payload)
+        if worker_ids is None:
+            return list(range(count))
+        if isinstance(worker_ids, (int, torch.device, str)):
+            worker_ids = [worker_ids]
+        resolved = []
+        for worker_id in worker_ids:
+            if isinstance(worker_id, bool) or not isinstance(worker_id, int):
+                raise ValueError(
+                    f"worker_ids must be 0-based worker indices for {type(self).__name__}, got {worker_id!r}"
+                )
+            if not 0 <= worker_id < count:
+                raise ValueError(f"Worker {worker_id} not registered (this scheme serves workers 0..{count - 1}).")
+            resolved.append(worker_id)
+        return resolved
+
+    def prepare_weights(self, weights: Any, model_id: str | None, strategy: WeightStrategy, context=None):
+        """Turn any accepted weights form (SPEC §6.2 step 5) into the payload.
+
+        Returns a TensorDict, or ``{worker_idx: TensorDict}`` for per-worker weights.
+        """
+        if weights is None:
+            model = self.model
+            if model is None:
+                raise RuntimeError(
+                    f"No weights given and no model to read them from for model_id={model_id!r}."
+                )
+            return weights_of(model)
+        if isinstance(weights, str):
+            if context is None:
+                raise ValueError(f"Cannot resolve weights path {weights!r} without a collector context.")
+            return weights_of(resolve_attr_path(context, weights))
+        if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
+            if not self.supports_per_worker_weights:
+                raise ValueError(
+                    f"{type(self).__name__} does not accept per-worker weights ({{worker_idx: weights}}); use "
+                    "SharedMemWeightSyncScheme(per_worker_weights=True)."
+                )
+            return {int(k): weights_of(v) for k, v in weights.items()}
+        return weights_of(weights)
+
+    # ------------------------------------------------------------------ receiving
+    def has_pending(self) -> bool:
+        """Cheap check (every step in a worker): is an update waiting?"""
+        return self._receiver is not None and self._receiver.pending()
+
+    def receive(self, timeout: float | None = None) -> TensorDictBase | None:
+        """Take an update if one is waiting: apply it, cascade it, acknowledge it.
+
+        Returns:
+            The applied weights, or None when nothing arrived within ``timeout`` (0 = do not wait).
+        """
+        if not self.initialized_on_receiver:
+            raise RuntimeError("receive() needs init_on_receiver() first.")
+        if not self.synchronized_on_receiver:
+            raise RuntimeError("receive() needs connect() first.")
+        if self._receiver is None:
+            return None
+        got = self._receiver.receive(0.0 if timeout is None else timeout)
+        if got is None:
+            return None
+        version, weights = got
+        self.apply_weights(weights)
+        self._version = version
+        self._cascade(weights)
+        self._receiver.ack(version)
+        return weights
+
+    def _cascade(self, weights: TensorDictBase) -> None:
+        context = self.context
+        if context is not None and hasattr(context, "update_policy_weights_"):
+            context.update_policy_weights_(model_id=self._model_id, policy_or_weights=weights)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Write ``weights`` into this receiver's model.
+
+        Raises:
+            RuntimeError: on a sender, or before ``init_on_receiver``.
+            ValueError: when there is no model.
+        """
+        if self.initialized_on_sender:
+            raise RuntimeError("apply_weights() is a receiver operation.")
+        if not self.initialized_on_receiver:
+            raise RuntimeError("apply_weights() needs init_on_receiver() first.")
+        model = self.model
+        if model is None:
+            raise ValueError(f"No model to apply weights to (model_id={self._model_id!r}).")
+        context = self.context
+        lock = getattr(context, "_policy_lock", None) if context is not None else None
+        if lock is not None:
+            with lock:
+                self._strategy.apply_weights(model, weights, inplace=inplace)
+        else:
+            self._strategy.apply_weights(model, weights, inplace=inplace)
+
+    # ------------------------------------------------------------------ teardown and pickling
+    def shutdown(self) -> None:
+        """Release the transport (idempotent)."""
+        for end in (self._sender, self._receiver):
+            if end is not None:
+                end.close()
+        self._sender = self._receiver = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in _PICKLE_DROPPED}
+        if self._sender is not None:
+            state["_connection_info"] = self._sender.connection_info()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_roles()
+
+    def __repr__(self) -> str:
+        role = "sender" if self.initialized_on_sender else "receiver" if self.initialized_on_receiver else "idle"
+        return f"{type(self).__name__}(model_id={self._model_id!r}, role={role}, version={self._version})"
+
+
+def _materialize(model: torch.nn.Module, weights: TensorDictBase) -> None:
+    """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
+    from tensordict import TensorDict
+
+    current = TensorDict.from_module(model)
+    if any(t.is_meta for t in current.values(True, True)):
+        device = next((t.device for t in weights.values(True, True)), torch.device("cpu"))
+        model.to_empty(device=device)
+        current = TensorDict.from_module(model)
+    copy_weights_(current.detach(), weights)
+
+
+class NoWeightSyncScheme(WeightSyncScheme):
+    """No transport: ``connect`` only sets its flag, ``send`` does nothing, ``receive`` returns None."""
+
+    def send(self, weights: Any = None, worker_ids=None) -> None:
+        if not self.initialized_on_sender:
+            raise RuntimeError("send() needs init_on_sender() first.")
+        if not self.synchronized_on_sender:
+            raise RuntimeError("send() needs connect() first.")

@@ -1,0 +1,62 @@
+"""Shared fixtures: every test checks that it leaves no child process behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def _children() -> set[int]:
+    me = psutil.Process(os.getpid())
+    alive = set()
+    for child in me.children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def assert_no_children(before: set[int] | None = None, timeout: float = 5.0) -> None:
+    """Fail if a child process (other than those in ``before``) is still alive after ``timeout``."""
+    before = before or set()
+    deadline = time.monotonic() + timeout
+    left = _children() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _children() - before
+    if left:
+        details = []
+        for pid in left:
+            try:
+                details.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        if details:
+            for pid in left:  # do not let one leak poison the following tests
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            pytest.fail("child processes survived the test:\n" + "\n".join(details))
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children():
+    before = _children()
+    yield
+    assert_no_children(before)
+
+
+@pytest.fixture
+def free_port():
+    from rlharvest.transport.ports import free_port_block
+
+    return free_port_block(3)

@@ -1,0 +1,182 @@
+"""Deterministic envs and policies shared by the tests (importable: tests/ is on the pytest path)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule
+
+from rlharvest.envs import Composite, CountingEnv, EnvBase, Unbounded
+from rlharvest.envs.specs import Binary
+
+
+class CountingPolicy(torch.nn.Module):
+    """SPEC §1.6: one scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast."""
+
+    def __init__(self, weight: float = 1.0, action_key="action") -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(float(weight)))
+        self.action_key = action_key
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        shape = (*tensordict.batch_size, 1)
+        tensordict.set(self.action_key, self.weight.detach().expand(shape).clone())
+        return tensordict
+
+
+class BiasPolicy(torch.nn.Module):
+    """action = bias (a parameter), as a key-to-key module usable on the fast path."""
+
+    def __init__(self, bias: float = 0.0) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor([float(bias)]))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(observation, dtype=torch.float32) + self.bias
+
+
+def bias_policy(bias: float = 0.0) -> TensorDictModule:
+    return TensorDictModule(BiasPolicy(bias), in_keys=["observation"], out_keys=["action"])
+
+
+class TorchRLStyleCountingEnv:
+    """A CountingEnv written against the TensorDict protocol only (no rlharvest base class).
+
+    Has exactly the members of SPEC §1.1, like a TorchRL ``EnvBase`` would, so it goes through the
+    collectors' general TensorDict path. ``with_step_and_maybe_reset=False`` removes that method.
+    """
+
+    def __init__(self, max_steps: int = 5, batch_size=(), with_step_and_maybe_reset: bool = True) -> None:
+        self.max_steps = max_steps
+        self.batch_size = torch.Size(batch_size)
+        self.device = torch.device("cpu")
+        shape = (*self.batch_size, 1)
+        self.observation_spec = Composite(observation=Unbounded(shape, dtype=torch.int32), shape=self.batch_size)
+        self.full_action_spec = Composite(action=Binary(shape=shape, dtype=torch.int8), shape=self.batch_size)
+        self.action_keys = ["action"]
+        self.done_keys = ["done", "terminated"]
+        self.reward_keys = ["reward"]
+        self.is_closed = False
+        self.count = torch.zeros(shape, dtype=torch.int32)
+        if not with_step_and_maybe_reset:
+            self.step_and_maybe_reset = None
+            del self.step_and_maybe_reset
+
+    def _root(self) -> TensorDict:
+        false = torch.zeros((*self.batch_size, 1), dtype=torch.bool)
+        return TensorDict({"observation": self.count.clone(), "done": false, "terminated": false.clone()},
+                          batch_size=self.batch_size)
+
+    def reset(self, tensordict=None, **kwargs):
+        if tensordict is not None and "_reset" in tensordict.keys():
+            mask = tensordict.get("_reset")
+            self.count = torch.where(mask, torch.zeros_like(self.count), self.count)
+        else:
+            self.count = torch.zeros_like(self.count)
+        return self._root()
+
+    def step(self, tensordict):
+        self.count = self.count + tensordict.get("action").to(torch.int32)
+        done = self.count > self.max_steps
+        tensordict.set("next", TensorDict({
+            "observation": self.count.clone(), "reward": torch.zeros(self.count.shape),
+            "done": done, "terminated": done.clone()}, batch_size=self.batch_size))
+        return tensordict
+
+    def step_and_maybe_reset(self, tensordict):
+        tensordict = self.step(tensordict)
+        next_root = tensordict.get("next").exclude("reward")
+        done = next_root.get("done")
+        if done.any():
+            reset_td = next_root.clone()
+            reset_td.set("_reset", done.clone())
+            next_root = self.reset(reset_td)
+        return tensordict, next_root
+
+    def rand_action(self, tensordict):
+        tensordict.set("action", self.full_action_spec["action"].rand())
+        return tensordict
+
+    def set_seed(self, seed, static_seed=False):
+        torch.manual_seed(seed)
+        return seed + 1
+
+    def close(self, raise_if_closed=True):
+        self.is_closed = True
+
+
+class StepCountEnv(CountingEnv):
+    """A CountingEnv that already exposes a ``step_count`` observation (like a StepCounter transform)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.observation_spec["step_count"] = Unbounded((*self.batch_size, 1), dtype=torch.int64)
+
+    def _reset_arrays(self, mask=None):
+        out = super()._reset_arrays(mask)
+        return {**out, "step_count": torch.zeros((*self.batch_size, 1), dtype=torch.int64)}
+
+    def _step_arrays(self, actions):
+        obs, reward, term, trunc = super()._step_arrays(actions)
+        return {**obs, "step_count": torch.zeros((*self.batch_size, 1), dtype=torch.int64)}, reward, term, trunc
+
+
+class ConstantObsEnv(CountingEnv):
+    """Always observes ``value`` (for ordering tests); ends every ``episode`` steps; optional delay."""
+
+    def __init__(self, value: int = 0, episode: int = 6, delay: float = 0.0, batch_size=()) -> None:
+        super().__init__(max_steps=10**9, batch_size=batch_size)
+        self.value, self.episode, self.delay = value, episode, delay
+        self.t = 0
+
+    def _reset_arrays(self, mask=None):
+        self.t = 0
+        return {"observation": torch.full((*self.batch_size, 1), self.value, dtype=torch.int32)}
+
+    def _step_arrays(self, actions):
+        if self.delay:
+            time.sleep(self.delay)
+        self.t += 1
+        done = torch.full((*self.batch_size, 1), self.t % self.episode == 0)
+        obs = torch.full((*self.batch_size, 1), self.value, dtype=torch.int32)
+        return {"observation": obs}, self._zero_reward, done, None
+
+
+class FaultyEnv(CountingEnv):
+    """Raises (or hangs) after ``after_steps`` steps, only when built with a ``worker_idx`` in ``bad``.
+
+    ``mode``: ``"raise"`` raises ValueError in step; ``"hang"`` sleeps forever; ``"exit"`` kills the
+    process with os._exit.
+    """
+
+    def __init__(self, bad=(), worker_idx: int | None = None, after_steps: int = 3, mode: str = "raise") -> None:
+        super().__init__(max_steps=4)
+        self.is_bad = worker_idx in tuple(bad)
+        self.after_steps, self.mode, self.steps = after_steps, mode, 0
+
+    def _step_arrays(self, actions):
+        self.steps += 1
+        if self.is_bad and self.steps > self.after_steps:
+            if self.mode == "raise":
+                raise ValueError("FaultyEnv: injected failure")
+            if self.mode == "hang":
+                while True:
+                    time.sleep(1)
+            if self.mode == "exit":
+                os._exit(3)
+        return super()._step_arrays(actions)
+
+
+class PrivateKeysPolicy(torch.nn.Module):
+    """Writes the action and three private keys (test_excluded_keys)."""
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        shape = (*tensordict.batch_size, 1)
+        tensordict.set("action", torch.ones(shape, dtype=torch.int8))
+        tensordict.set("_dummy", torch.zeros(shape))
+        tensordict.set(("out", "_dummy"), torch.zeros(shape))
+        tensordict.set(("_out", "dummy"), torch.zeros(shape))
+        return tensordict
