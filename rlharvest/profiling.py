@@ -98,13 +98,16 @@ class RolloutProfiler:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(path))
 
-        schedule = torch.profiler.schedule(
-            skip_first=config.warmup_rollouts,
-            wait=0,
-            warmup=0,
-            active=config.num_rollouts - config.warmup_rollouts,
-            repeat=1,
-        )
+        with warnings.catch_warnings():
+            # Warm-up rollouts are skipped with skip_first, not with the profiler's own warm-up.
+            warnings.filterwarnings("ignore", message=".*warmup.*")
+            schedule = torch.profiler.schedule(
+                skip_first=config.warmup_rollouts,
+                wait=0,
+                warmup=0,
+                active=config.num_rollouts - config.warmup_rollouts,
+                repeat=1,
+            )
         self._profiler = torch.profiler.profile(
             activities=activities,
             schedule=schedule,

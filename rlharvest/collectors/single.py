@@ -433,6 +433,8 @@ class Collector(BaseCollector):
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"
+        if self._profiler is not None:
+            self._profiler.stop()
         self._profiler = RolloutProfiler(config, worker_idx=self.worker_idx or 0, label=label)
 
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
