@@ -161,7 +161,8 @@ def policy_device_copy(policy: Any, device: torch.device | None) -> tuple[Any, A
     if device is None or not isinstance(policy, torch.nn.Module):
         return policy, policy
     tensors = list(policy.parameters()) + list(policy.buffers())
-    if not tensors or all(t.device == device for t in tensors):
+    if not tensors or all(t.device == device for t in tensors) or any(t.is_meta for t in tensors):
+        # meta tensors: a stateless worker copy, which its weight-sync scheme materialises
         return policy, policy
     return copy.deepcopy(policy).to(device), policy
 

@@ -12,13 +12,20 @@ import torch
 torch.set_num_threads(1)
 
 
+# Python's own per-interpreter helpers (started once for spawn/forkserver, gone with the interpreter).
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def _children() -> set[int]:
     me = psutil.Process(os.getpid())
     alive = set()
     for child in me.children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                alive.add(child.pid)
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any(helper in " ".join(child.cmdline()) for helper in _INTERPRETER_HELPERS):
+                continue
+            alive.add(child.pid)
         except psutil.NoSuchProcess:
             pass
     return alive

@@ -180,3 +180,62 @@ class PrivateKeysPolicy(torch.nn.Module):
         tensordict.set(("out", "_dummy"), torch.zeros(shape))
         tensordict.set(("_out", "dummy"), torch.zeros(shape))
         return tensordict
+
+
+class ClockEnv(CountingEnv):
+    """Observes the wall clock (``time.monotonic()``, system-wide on Linux) at every step."""
+
+    def __init__(self, delay: float = 0.0, batch_size=()) -> None:
+        super().__init__(max_steps=10**9, batch_size=batch_size)
+        self.observation_spec["clock"] = Unbounded((*self.batch_size, 1), dtype=torch.float64)
+        self.delay = delay
+
+    def _clock(self):
+        return torch.full((*self.batch_size, 1), time.monotonic(), dtype=torch.float64)
+
+    def _reset_arrays(self, mask=None):
+        return {**super()._reset_arrays(mask), "clock": self._clock()}
+
+    def _step_arrays(self, actions):
+        if self.delay:
+            time.sleep(self.delay)
+        obs, reward, term, trunc = super()._step_arrays(actions)
+        return {**obs, "clock": self._clock()}, reward, term, trunc
+
+
+class WeightPolicy(torch.nn.Module):
+    """Key-to-key: action = weight (a parameter), whatever the observation."""
+
+    def __init__(self, weight: float = 1.0) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([float(weight)]))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(observation.shape, dtype=torch.float32) + self.weight
+
+
+def weight_policy(weight: float = 1.0) -> TensorDictModule:
+    return TensorDictModule(WeightPolicy(weight), in_keys=["observation"], out_keys=["action"])
+
+
+class Unpicklable(torch.nn.Module):
+    """A policy that refuses to be pickled (test_nonserializable_policy_with_factory_and_weight_sync)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = weight_policy(1.0)
+
+    def forward(self, tensordict):
+        return self.inner(tensordict)
+
+    def __getstate__(self):
+        raise RuntimeError("this policy must never be pickled")
+
+
+def counting_env(max_steps: int = 3):
+    return CountingEnv(max_steps=max_steps)
+
+
+def faulty_env_factory(bad, mode="raise", after_steps=3):
+    """Per-worker env constructors: worker i's env knows its index."""
+    return [lambda i=i: FaultyEnv(bad=bad, worker_idx=i, after_steps=after_steps, mode=mode) for i in range(2)]

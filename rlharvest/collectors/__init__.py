@@ -9,9 +9,13 @@ from ..weight_update.updaters import (
     WeightUpdaterBase,
 )
 from .base import BaseCollector
+from .multi import AsyncCollector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from .single import Collector
 
 SyncDataCollector = deprecated_alias(Collector, "SyncDataCollector")
+MultiSyncDataCollector = deprecated_alias(MultiSyncCollector, "MultiSyncDataCollector")
+MultiaSyncDataCollector = deprecated_alias(MultiAsyncCollector, "MultiaSyncDataCollector")
+aSyncDataCollector = deprecated_alias(AsyncCollector, "aSyncDataCollector")
 DataCollectorBase = BaseCollector
 
 __all__ = [
@@ -22,6 +26,13 @@ __all__ = [
     "VanillaWeightUpdater",
     "MultiProcessedWeightUpdater",
     "RemoteModuleWeightUpdater",
+    "MultiSyncCollector",
+    "MultiAsyncCollector",
+    "AsyncCollector",
+    "MultiCollector",
     "SyncDataCollector",
+    "MultiSyncDataCollector",
+    "MultiaSyncDataCollector",
+    "aSyncDataCollector",
     "DataCollectorBase",
 ]

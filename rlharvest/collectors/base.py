@@ -87,6 +87,8 @@ class BaseCollector(WeightAPIMixin):
         self._iteration_started = True
         try:
             yield from self.iterator()
+        except GeneratorExit:  # the caller stopped iterating (break, or a dropped iterator): not an error
+            raise
         except BaseException:
             self.shutdown(raise_on_error=False)
             raise
@@ -125,6 +127,7 @@ class BaseCollector(WeightAPIMixin):
         """Stop everything this collector runs and release it (idempotent)."""
         if self._closed:
             return
+        self._check_shutdown_args(close_env)
         self._closed = True
         try:
             self._stop_background(timeout)
@@ -134,6 +137,9 @@ class BaseCollector(WeightAPIMixin):
                 raise
         finally:
             self._shutdown_schemes()
+
+    def _check_shutdown_args(self, close_env: bool) -> None:
+        """Hook: refuse shutdown arguments a collector cannot honour (before anything is stopped)."""
 
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         raise NotImplementedError
@@ -287,6 +293,14 @@ class BaseCollector(WeightAPIMixin):
         if args or kwargs:
             raise ValueError(f"{attr_path!r} resolves to a non-callable {type(target).__name__}; it takes no arguments.")
         return target
+
+    # ------------------------------------------------------------------ used by the worker loop
+    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+        """One batch for a parent collector (the next batch of an endless iteration)."""
+        return self.next()
+
+    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+        buffer.extend(batch)
 
     # ------------------------------------------------------------------ subclass API
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

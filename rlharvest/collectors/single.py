@@ -316,6 +316,9 @@ class Collector(BaseCollector):
                 return self._rollout.collect(random=random, between_steps=hook)
         return self._rollout.collect(random=random, between_steps=hook)
 
+    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+        return self.rollout_batch(random)
+
     def _random_phase(self) -> bool:
         target = self.config.init_random_frames
         if not target:

@@ -71,6 +71,9 @@ class WeightReceiver(ABC):
     def ack(self, version: int) -> None:
         """Tell the sender that ``version`` is applied (and cascaded)."""
 
+    def nack(self, failure) -> None:
+        """Tell the sender that applying an update failed (a RemoteFailure)."""
+
     def close(self) -> None:
         """Release resources; idempotent."""
 
@@ -111,6 +114,10 @@ class WorkerHandle(ABC):
     def interrupt(self) -> None:
         """Ask the worker to end its current rollout early (cheap, no reply)."""
 
+    def interrupt_mark(self) -> int:
+        """The interrupt counter now: a request carrying it is stopped by any later ``interrupt()``."""
+        return 0
+
     @abstractmethod
     def fetch_batch(self, reply: Any) -> TensorDictBase:
         """The batch a BATCH reply refers to, readable in the parent (valid until the next command)."""
@@ -141,8 +148,8 @@ class WorkerEndpoint(ABC):
         """Cheap per-step check: did the parent ask to stop the current rollout?"""
         return False
 
-    def clear_interrupt(self) -> None:
-        """Forget interrupts received so far (called when a new rollout starts)."""
+    def clear_interrupt(self, mark: int | None = None) -> None:
+        """Forget interrupts up to ``mark`` (the parent's counter when it sent the request; None = now)."""
 
     def report_progress(self, steps: int) -> None:
         """Advertise progress (cheap, called once per step)."""

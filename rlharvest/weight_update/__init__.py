@@ -1,6 +1,7 @@
 """Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
 
 from .schemes import NoWeightSyncScheme, WeightSyncScheme
+from .shared_mem import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from .strategy import WeightStrategy
 from .updaters import MultiProcessedWeightUpdater, RemoteModuleWeightUpdater, VanillaWeightUpdater, WeightUpdaterBase
 
@@ -8,6 +9,8 @@ __all__ = [
     "WeightSyncScheme",
     "WeightStrategy",
     "NoWeightSyncScheme",
+    "SharedMemWeightSyncScheme",
+    "MultiProcessWeightSyncScheme",
     "WeightUpdaterBase",
     "VanillaWeightUpdater",
     "MultiProcessedWeightUpdater",

@@ -231,6 +231,9 @@ class WeightSyncScheme:
                 initial = self._receiver.connect(self.timeout)
                 if initial is not None:
                     self._attach_initial(initial)
+                    context = self.context
+                    if context is not None and hasattr(context, "_forward_initial_weights"):
+                        context._forward_initial_weights(self._model_id, initial)
             self.synchronized_on_receiver = True
             return
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first.")
@@ -248,7 +251,8 @@ class WeightSyncScheme:
         if model is None:
             return
         if isinstance(model, torch.nn.Module):
-            _materialize(model, weights)
+            context = self.context
+            _materialize(model, weights, getattr(context, "policy_device", None))
         else:
             self._strategy.apply_weights(model, weights)
 
@@ -338,9 +342,15 @@ class WeightSyncScheme:
         if got is None:
             return None
         version, weights = got
-        self.apply_weights(weights)
-        self._version = version
-        self._cascade(weights)
+        try:
+            self.apply_weights(weights)
+            self._version = version
+            self._cascade(weights)
+        except BaseException as err:
+            from ..errors import RemoteFailure
+
+            self._receiver.nack(RemoteFailure.capture(err, self._worker_idx))
+            raise
         self._receiver.ack(version)
         return weights
 
@@ -400,13 +410,13 @@ class WeightSyncScheme:
         return f"{type(self).__name__}(model_id={self._model_id!r}, role={role}, version={self._version})"
 
 
-def _materialize(model: torch.nn.Module, weights: TensorDictBase) -> None:
+def _materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:
     """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
     from tensordict import TensorDict
 
     current = TensorDict.from_module(model)
     if any(t.is_meta for t in current.values(True, True)):
-        device = next((t.device for t in weights.values(True, True)), torch.device("cpu"))
+        device = device or next((t.device for t in weights.values(True, True)), torch.device("cpu"))
         model.to_empty(device=device)
         current = TensorDict.from_module(model)
     copy_weights_(current.detach(), weights)

@@ -233,9 +233,14 @@ class MultiProcessedWeightUpdater(WeightUpdaterBase):
         policy_weights: ``{device: TensorDict}`` of the shared weights.
     """
 
-    def __init__(self, *, get_server_weights: Callable[[], Any] | None, policy_weights: dict) -> None:
+    def __init__(self, *, get_server_weights: Callable[[], Any] | None = None, policy_weights: dict | None = None) -> None:
         self.get_server_weights = get_server_weights
         self.policy_weights = policy_weights
+
+    def register_collector(self, collector) -> None:
+        super().register_collector(collector)
+        if self.policy_weights is None:
+            self.policy_weights = dict(getattr(collector, "policy_weights", {}) or {})
 
     def _get_server_weights(self) -> Any:
         return self.get_server_weights() if self.get_server_weights is not None else None

@@ -1,0 +1,200 @@
+"""The parent's side of the worker loop: send commands, match replies, never wait unboundedly.
+
+:class:`WorkerPool` works with any :class:`~rlharvest.transport.base.WorkerHandle` (processes,
+torch.distributed nodes, RPC nodes). Every wait
+
+* multiplexes the workers' descriptors (``multiprocessing.connection.wait``),
+* wakes up at least every ``liveness_interval`` seconds to check that the awaited workers are alive
+  (a dead one raises :class:`WorkerError` naming it and saying how it died),
+* is bounded: no reply and no progress for ``timeout`` seconds raises :class:`WorkerTimeoutError`.
+
+Replies are matched to requests by id; a reply that arrives while another is awaited (an async
+BATCH while waiting for a ``state_dict``) is kept until someone asks for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing.connection
+import time
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+from ..errors import WorkerError, WorkerTimeoutError
+from ..transport.base import WorkerHandle
+from ..worker import Command, Message, Reply
+
+__all__ = ["WorkerPool"]
+
+
+class WorkerPool:
+    """Commands and replies for a fixed set of workers.
+
+    Args:
+        handles: one handle per worker, in worker-index order.
+        timeout: seconds a worker may take to answer (while making no progress) before
+            :class:`WorkerTimeoutError`.
+        liveness_interval: how often liveness is checked during a wait.
+        noun: how errors name a worker ("worker", "node").
+    """
+
+    def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
+                 noun: str = "worker") -> None:
+        self.handles = list(handles)
+        self.timeout = float(timeout)
+        self.liveness_interval = liveness_interval
+        self.noun = noun
+        self._ids = itertools.count(1)
+        self._stash: dict[int, dict[int, Reply]] = defaultdict(dict)
+        self._outstanding: dict[int, dict[int, Command]] = defaultdict(dict)
+        self._dead: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, worker: int, command: Command, payload: Any = None) -> int:
+        """Send a command; returns its request id."""
+        if worker in self._dead:
+            raise self._death_error(worker, command)
+        request_id = next(self._ids)
+        try:
+            self.handles[worker].send(Message(command, request_id, payload))
+        except (BrokenPipeError, EOFError, OSError, ConnectionError) as err:
+            self._dead.add(worker)
+            raise self._death_error(worker, command) from err
+        self._outstanding[worker][request_id] = command
+        return request_id
+
+    def request(self, worker: int, command: Command, payload: Any = None, timeout: float | None = None) -> Any:
+        """Send a command and return the value of its reply."""
+        request_id = self.send(worker, command, payload)
+        return self.wait_for(worker, request_id, timeout).value
+
+    def broadcast(self, command: Command, payload: Any = None, workers: Iterable[int] | None = None,
+                  timeout: float | None = None) -> list[Any]:
+        """Send to several workers at once, then gather their values in worker order."""
+        workers = list(range(len(self.handles))) if workers is None else list(workers)
+        ids = {w: self.send(w, command, payload) for w in workers}
+        return [self.wait_for(w, ids[w], timeout).value for w in workers]
+
+    # ------------------------------------------------------------------ receiving
+    def wait_for(self, worker: int, request_id: int, timeout: float | None = None) -> Reply:
+        """The reply to ``request_id`` (raising its failure, if any)."""
+        deadline = _Deadline(self.timeout if timeout is None else timeout, self.handles[worker])
+        while request_id not in self._stash[worker]:
+            self._wait([worker], deadline)
+        return self._take(worker, request_id)
+
+    def wait_arrived(self, worker: int, request_id: int, timeout: float | None = None) -> None:
+        """Wait until the reply to ``request_id`` arrived, leaving it for whoever takes it."""
+        deadline = _Deadline(self.timeout if timeout is None else timeout, self.handles[worker])
+        while request_id not in self._stash[worker]:
+            self._wait([worker], deadline)
+
+    def wait_any(self, requests: dict[int, int], timeout: float | None = None) -> tuple[int, Reply]:
+        """The first reply among ``{worker: request_id}``; lower worker indices win ties."""
+        if not requests:
+            raise RuntimeError("wait_any() needs at least one outstanding request.")
+        deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
+        while True:
+            for worker, request_id in requests.items():
+                if request_id in self._stash[worker]:
+                    return worker, self._take(worker, request_id)
+            self._wait(list(requests), deadlines)
+
+    def has_reply(self, worker: int, request_id: int) -> bool:
+        """Non-blocking: has this reply arrived?"""
+        self._drain(worker)
+        return request_id in self._stash[worker]
+
+    def outstanding(self, worker: int) -> dict[int, Command]:
+        return dict(self._outstanding[worker])
+
+    def _take(self, worker: int, request_id: int) -> Reply:
+        reply = self._stash[worker].pop(request_id)
+        command = self._outstanding[worker].pop(request_id, None)
+        if reply.failure is not None:
+            name = command.value if command is not None else ("start-up" if request_id == -1 else "command")
+            raise reply.failure.to_exception(context=f"{name!r}")
+        return reply
+
+    def _drain(self, worker: int) -> None:
+        handle = self.handles[worker]
+        while worker not in self._dead and handle.poll(0.0):
+            try:
+                reply = handle.recv()
+            except (EOFError, OSError, ConnectionError):
+                self._dead.add(worker)
+                return
+            self._stash[worker][reply.request_id] = reply
+
+    def _wait(self, workers: list[int], deadlines) -> None:
+        handles = [self.handles[w] for w in workers if w not in self._dead]
+        remaining = min(self.liveness_interval, *(_deadline_of(deadlines, w).remaining() for w in workers))
+        if handles:
+            multiprocessing.connection.wait(handles, timeout=max(0.0, remaining))
+        for worker in workers:
+            self._drain(worker)
+        for worker in workers:
+            if any(rid in self._stash[worker] for rid in self._outstanding[worker]):
+                return
+        for worker in workers:
+            self._check_alive(worker)
+            _deadline_of(deadlines, worker).check(self, worker)
+
+    def _check_alive(self, worker: int) -> None:
+        handle = self.handles[worker]
+        if worker in self._dead or not handle.is_alive():
+            self._drain(worker)  # a reply sent just before dying is still valid
+            if any(rid in self._stash[worker] for rid in self._outstanding[worker]):
+                return
+            self._dead.add(worker)
+            pending = next(iter(self._outstanding[worker].values()), None)
+            raise self._death_error(worker, pending)
+
+    def _death_error(self, worker: int, command: Command | None) -> WorkerError:
+        doing = f" while handling {command.value!r}" if command is not None else ""
+        return WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
+                           worker_idx=worker)
+
+    def is_dead(self, worker: int) -> bool:
+        return worker in self._dead or not self.handles[worker].is_alive()
+
+    def forget(self, worker: int) -> None:
+        """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
+        self._outstanding[worker].clear()
+        self._stash[worker].clear()
+
+
+def _deadline_of(deadlines, worker: int) -> _Deadline:
+    return deadlines[worker] if isinstance(deadlines, dict) else deadlines
+
+
+class _Deadline:
+    """A timeout that restarts whenever the worker reports progress."""
+
+    def __init__(self, seconds: float, handle: WorkerHandle) -> None:
+        self.seconds = seconds
+        self.handle = handle
+        self.progress = handle.progress()
+        self.expires = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.expires - time.monotonic())
+
+    def check(self, pool: WorkerPool, worker: int) -> None:
+        if time.monotonic() < self.expires:
+            return
+        progress = self.handle.progress()
+        if progress != self.progress and progress >= 0:
+            self.progress = progress
+            self.expires = time.monotonic() + self.seconds
+            return
+        pending = next(iter(pool._outstanding[worker].values()), None)
+        doing = f" to {pending.value!r}" if pending is not None else ""
+        raise WorkerTimeoutError(
+            f"no answer{doing} and no progress for {self.seconds:g} s (raise the collector's "
+            f"worker_timeout if this {pool.noun} is legitimately slow).",
+            worker_idx=worker,
+        )

@@ -1,0 +1,388 @@
+"""Worker-process collectors: MultiSyncCollector, MultiAsyncCollector, AsyncCollector (SPEC §3.2-3.6).
+
+Each worker is a process running the worker loop around its own Collector (so THE rollout loop);
+batches come back through shared memory, weights go out through shared-memory schemes, and every
+wait is bounded and checks that workers are alive.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from .._utils import cpu_count
+from ..config import CollectorConfig
+from ..data import ReplayBuffer
+from ..errors import WorkerError
+from ..policies import ExplorationType
+from ..transport.mp import SharedTrajectoryCounter, SignalBoard, mp_context, start_worker_process
+from ..weight_update.strategy import weights_of
+from ..worker import Command, WorkerSpec
+from . import _multi_setup as setup
+from ._pool import WorkerPool
+from .remote import RemoteCollectorBase
+from .single import Collector
+
+__all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
+
+#: seconds a worker may go without answering or making progress before TimeoutError
+DEFAULT_WORKER_TIMEOUT = 120.0
+
+
+class _MultiCollector(RemoteCollectorBase):
+    """Shared constructor and behaviour of the worker-process collectors."""
+
+    _supports_run_free = True
+    _sync = True
+
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable] | Callable,
+        policy: Callable | None = None,
+        *,
+        num_workers: int | None = None,
+        policy_factory: Callable | Sequence[Callable] | None = None,
+        frames_per_batch: int | Sequence[int],
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        env_device=None,
+        policy_device=None,
+        create_env_kwargs: dict | Sequence[dict] | None = None,
+        collector_class: Any = None,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool | None = None,
+        exploration_type=ExplorationType.RANDOM,
+        reset_when_done: bool = True,
+        update_at_each_batch: bool = False,
+        preemptive_threshold: float | None = None,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        cat_results: str | int | None = None,
+        set_truncated: bool = False,
+        use_buffers: bool | None = None,
+        replay_buffer=None,
+        extend_buffer: bool = True,
+        local_init_rb: bool | None = None,
+        trust_policy: bool | None = None,
+        compile_policy=None,
+        cudagraph_policy=None,
+        no_cuda_sync: bool = False,
+        weight_updater=None,
+        weight_sync_schemes: dict | None = None,
+        weight_recv_schemes: dict | None = None,
+        track_policy_version: Any = False,
+        worker_idx: int | None = None,
+        worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
+        mp_start_method: str | None = None,
+    ) -> None:
+        self._closed = True
+        self._pool = None
+        if not reset_when_done:
+            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+        env_fns = setup.env_functions(create_env_fn, num_workers)
+        count = len(env_fns)
+        factories = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
+        setup.check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
+        self._frames_per_worker, self._requested = setup.frames_per_worker(frames_per_batch, count, self._sync)
+        self.config = CollectorConfig(
+            frames_per_batch=self._requested, total_frames=total_frames, device=device,
+            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
+            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
+            exploration_type=exploration_type, set_truncated=set_truncated, use_buffers=use_buffers,
+            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
+            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
+            track_policy_version=track_policy_version, worker_idx=worker_idx,
+        )
+        if self.config.replay_buffer is not None and local_init_rb is None:
+            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
+        self._worker_idx = worker_idx
+        self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
+        self._check_uniform_stack()
+        self.update_at_each_batch = bool(update_at_each_batch)
+        self.preemptive_threshold = None if preemptive_threshold is None else min(1.0, max(0.0, preemptive_threshold))
+        self._version_tracker = track_policy_version or None
+        self._worker_timeout = float(worker_timeout)
+        self._mp_context = mp_context(mp_start_method)
+        self._devices = setup.device_lists(count, device=device, storing_device=storing_device,
+                                           env_device=env_device, policy_device=policy_device)
+        self._worker_policy_devices = [torch.device(p or d or "cpu")
+                                       for p, d in zip(self._devices["policy_device"], self._devices["device"])]
+        self.policy = policy
+        self.policy_factory = factories
+        self._fallback_policy = None
+        self._setup_weights(policy, factories, weight_updater, weight_sync_schemes)
+        self._setup_buffer()
+        self._set_threads(num_threads, count, env_fns)
+        specs = self._worker_specs(env_fns, create_env_kwargs, collector_class, num_sub_threads)
+        self._start_workers(specs)
+        self._closed = False
+        if weight_recv_schemes is not None:
+            self.register_scheme_receiver(weight_recv_schemes)
+
+    # ------------------------------------------------------------------ construction
+    def _check_uniform_stack(self) -> None:
+        if self._sync and self._cat_results == "stack" and len(set(self._frames_per_worker)) > 1:
+            raise ValueError(
+                f"Per-worker frames {self._frames_per_worker} differ, so batches cannot be stacked: pass "
+                "cat_results=-1 to concatenate them along time."
+            )
+
+    def _setup_weights(self, policy, factories, weight_updater, schemes) -> None:
+        if weight_updater is None and schemes is None:
+            schemes = setup.default_schemes(policy, factories)
+        self._legacy = weight_updater is not None
+        if self._legacy:
+            schemes = setup.default_schemes(policy, factories)  # the legacy updater's transport
+            self._legacy_schemes = schemes
+            self._weight_sync_schemes = None
+        else:
+            self._weight_sync_schemes = dict(schemes or {})
+        self._pending_updater = weight_updater
+        self._sender_schemes = dict(schemes or {})
+        for model_id, scheme in self._sender_schemes.items():
+            scheme.init_on_sender(model_id=model_id, context=self, num_workers=len(self._frames_per_worker))
+        if self._sender_schemes and has_policy_scheme(self._sender_schemes) and policy is not None:
+            self._worker_policy = setup.stateless_copy(policy) if factories is None else None
+        else:
+            self._worker_policy = policy if factories is None else None
+
+    def _setup_buffer(self) -> None:
+        buffer = self.config.replay_buffer
+        self._workers_write = isinstance(buffer, ReplayBuffer)
+        if self._workers_write:
+            buffer.make_process_safe(self._mp_context)
+
+    def _set_threads(self, num_threads: int | None, count: int, env_fns: list) -> None:
+        if num_threads is None:
+            num_threads = max(1, cpu_count() - count)
+        torch.set_num_threads(max(1, int(num_threads)))
+
+    def _worker_specs(self, env_fns, create_env_kwargs, collector_class, num_sub_threads) -> list[WorkerSpec]:
+        count = len(env_fns)
+        env_kwargs = setup.per_worker(create_env_kwargs or {}, count, "create_env_kwargs",
+                                      is_single=lambda v: isinstance(v, dict))
+        counter = SharedTrajectoryCounter(self._mp_context)
+        config = self.config
+        specs = []
+        for worker in range(count):
+            kwargs = dict(
+                frames_per_batch=self._frames_per_worker[worker], total_frames=-1,
+                create_env_kwargs=env_kwargs[worker], max_frames_per_traj=config.max_frames_per_traj,
+                reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
+                set_truncated=config.set_truncated, use_buffers=config.use_buffers, trust_policy=config.trust_policy,
+                compile_policy=config.compile_policy, cudagraph_policy=config.cudagraph_policy,
+                no_cuda_sync=config.no_cuda_sync, track_policy_version=bool(config.track_policy_version),
+                traj_pool=counter,
+                **{name: values[worker] for name, values in self._devices.items()},
+            )
+            if self._workers_write:
+                kwargs.update(postproc=config.postproc, split_trajs=config.split_trajs)
+            specs.append(WorkerSpec(
+                worker_idx=worker,
+                collector_class=setup.wrap_callable(collector_class or Collector),
+                create_env_fn=setup.wrap_callable(env_fns[worker]),
+                collector_kwargs=kwargs,
+                policy=setup.wrap_callable(self._worker_policy),
+                policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
+                weight_recv_schemes=self._sender_schemes or None,
+                replay_buffer=config.replay_buffer if self._workers_write else None,
+                num_threads=num_sub_threads,
+                init_random_frames=config.init_random_frames,
+            ))
+        return specs
+
+    def _start_workers(self, specs: list[WorkerSpec]) -> None:
+        signals = SignalBoard(len(specs))
+        handles = []
+        try:
+            for spec in specs:
+                handles.append(start_worker_process(spec, self._mp_context, signals, spec.worker_idx))
+            self._pool = WorkerPool(handles, timeout=self._worker_timeout)
+            self._register_live()
+            for scheme in self._sender_schemes.values():
+                scheme.connect()
+            for worker in range(len(handles)):
+                self._pool.wait_for(worker, -1)
+            if self._legacy:
+                self.weight_updater = self._pending_updater
+        except BaseException:
+            self._pool = self._pool or WorkerPool(handles, timeout=self._worker_timeout)
+            self._close_workers(5.0)
+            for scheme in self._sender_schemes.values():
+                scheme.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def requested_frames_per_batch(self) -> int:
+        return self._requested
+
+    @property
+    def frames_per_batch_worker(self) -> list[int]:
+        return list(self._frames_per_worker)
+
+    def get_model(self, model_id: str):
+        if model_id != "policy":
+            return super().get_model(model_id)
+        if self.policy is not None:
+            return self.policy
+        if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
+            self._fallback_policy = self.policy_factory[0]()
+        return self._fallback_policy
+
+    # ------------------------------------------------------------------ weights
+    def _update_local_policy(self, value: Any) -> None:
+        # No scheme (parameter-free policy): nothing to send; versions still move.
+        self._policy_version += 1
+
+    def _on_legacy_weights_written(self, device: torch.device) -> None:
+        """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
+        updater = self.weight_updater
+        workers = [w for w, d in enumerate(self._worker_policy_devices) if d == torch.device(device)]
+        self._legacy_schemes["policy"].send(weights=updater.policy_weights[device], worker_ids=workers)
+
+    @property
+    def policy_weights(self) -> dict:
+        """``{device: weights}`` staged for the workers (legacy updaters write here)."""
+        scheme = (self._legacy_schemes if self._legacy else self._sender_schemes).get("policy")
+        if scheme is None or scheme.sender_transports is None:
+            return {}
+        return {key: td for key, td in scheme.sender_transports.buffers.items() if not isinstance(key, int)}
+
+    # ------------------------------------------------------------------ replay buffer
+    def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        buffer = self.config.replay_buffer
+        buffer.extend(self._postprocess(batch))
+        if self._workers_write and not getattr(self, "_buffer_attached", False):
+            self._buffer_attached = True
+            self._drain_async()
+            self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)
+
+    def _prepare_run_free(self) -> None:
+        if not self._workers_write:
+            raise RuntimeError("start() needs an rlharvest.data.ReplayBuffer that workers can write into.")
+        if self.config.replay_buffer.storage is None:
+            reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
+            self._write_to_buffer(self._handle_worker_batch(0, reply))
+
+
+def has_policy_scheme(schemes: dict) -> bool:
+    return "policy" in schemes
+
+
+class MultiSyncCollector(_MultiCollector):
+    """Workers collect in lockstep: every batch stacks one rollout of every worker, ordered by index.
+
+    Nothing is stepped between a yield and the next request, so it is safe for on-policy training.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=16)
+        >>> [tuple(batch.shape) for batch in collector]
+        [(2, 4), (2, 4)]
+        >>> collector.shutdown()
+    """
+
+    _sync = True
+
+    def _before_sync_batch(self) -> None:
+        if self.update_at_each_batch:
+            self.update_policy_weights_()
+
+    def _gather_sync(self, random: bool) -> list:
+        if self.preemptive_threshold is None:
+            return super()._gather_sync(random)
+        pool = self._pool
+        needed = int(len(pool) * self.preemptive_threshold)
+        ids = {w: self._request_batch(w, random) for w in range(len(pool))}
+        replies: dict[int, Any] = {}
+        while len(replies) < len(pool):
+            if len(replies) >= needed:
+                for worker in ids:
+                    if worker not in replies:
+                        pool.handles[worker].interrupt()
+            worker, reply = pool.wait_any({w: r for w, r in ids.items() if w not in replies})
+            replies[worker] = reply
+        return [replies[w] for w in range(len(pool))]
+
+    def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:
+        if self._cat_results == "stack":
+            out = torch.stack(batches, 0)
+            if self.preemptive_threshold is not None:
+                out.set(("collector", "mask"), out.get(("collector", "traj_ids")) != -1)
+            out.names = [None] * (out.batch_dims - 1) + ["time"]
+            return out
+        dim = self._cat_results
+        if self.preemptive_threshold is not None:
+            batches = [_valid_steps(b) for b in batches]
+        out = torch.cat(batches, dim)
+        if dim in (-1, out.batch_dims - 1):
+            out.names = [None] * (out.batch_dims - 1) + ["time"]
+        return out
+
+
+def _valid_steps(batch: TensorDictBase) -> TensorDictBase:
+    """Drop the trailing time steps a preempted worker did not collect."""
+    valid = (batch.get(("collector", "traj_ids")) != -1).reshape(-1, batch.shape[-1]).any(0)
+    return batch[..., : int(valid.sum())]
+
+
+class MultiAsyncCollector(_MultiCollector):
+    """Workers collect continuously; each batch is the first one ready (off-policy training).
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = MultiAsyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=16)
+        >>> [batch.numel() for batch in collector]
+        [8, 8]
+        >>> collector.shutdown()
+    """
+
+    _sync = False
+
+    def _before_relaunch(self, worker: int) -> None:
+        if self.update_at_each_batch and (self._sender_schemes or self.weight_updater is not None):
+            self.update_policy_weights_(worker_ids=[worker] if not self._legacy else None)
+
+    def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
+        """Reset workers' envs (in-flight rollouts are dropped); iteration restarts them."""
+        super().reset(reset_idx)
+
+
+class AsyncCollector(MultiAsyncCollector):
+    """One Collector running in a background process (a MultiAsyncCollector with one worker).
+
+    Args:
+        create_env_fn: one env constructor (not a list).
+        create_env_kwargs: one dict of kwargs.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = AsyncCollector(CountingEnv, frames_per_batch=4, total_frames=8)
+        >>> len(list(collector))
+        2
+        >>> collector.shutdown()
+    """
+
+    def __init__(self, create_env_fn, policy=None, *, create_env_kwargs: dict | None = None, **kwargs) -> None:
+        if isinstance(create_env_fn, (list, tuple)):
+            raise TypeError("AsyncCollector takes one env constructor, not a list (use MultiAsyncCollector).")
+        if kwargs.pop("num_workers", 1) != 1:
+            raise ValueError("AsyncCollector runs exactly one worker.")
+        super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
+
+
+def MultiCollector(*args, sync: bool = True, **kwargs) -> _MultiCollector:
+    """A :class:`MultiSyncCollector` (``sync=True``) or a :class:`MultiAsyncCollector`."""
+    return (MultiSyncCollector if sync else MultiAsyncCollector)(*args, **kwargs)
+
+
+_ = (weights_of, WorkerError)

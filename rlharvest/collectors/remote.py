@@ -1,0 +1,342 @@
+"""RemoteCollectorBase: what every collector with workers shares, whatever the transport.
+
+Workers run the worker loop (``rlharvest.worker``); this class drives them through a
+:class:`~rlharvest.collectors._pool.WorkerPool`:
+
+* **sync** iteration: every batch holds one rollout of every worker, ordered by worker index;
+* **async** iteration: first ready, re-launched before the batch is yielded;
+* weights through sender schemes, seeds chained across workers, state dicts per worker,
+  profiling and ``cascade_execute`` forwarded to workers, running free, bounded shutdown.
+
+Subclasses (``multi.py``, ``distributed/``) start the workers and say how a worker's trajectory ids
+map to batch ids and how batches are assembled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
+import time
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from .._utils import resolve_attr_path
+from ..errors import WorkerError
+from ..profiling import ProfileConfig
+from ..worker import Command
+from ._pool import WorkerPool
+from .base import BaseCollector
+
+__all__ = ["RemoteCollectorBase"]
+
+_TRAJ_IDS = ("collector", "traj_ids")
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_collectors() -> None:
+    """At interpreter exit, close what users forgot (before multiprocessing joins its children)."""
+    for collector in list(_LIVE):
+        with contextlib.suppress(Exception):
+            collector.shutdown(timeout=5.0, raise_on_error=False)
+
+
+class RemoteCollectorBase(BaseCollector):
+    """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers)."""
+
+    _pool: WorkerPool | None = None
+    _sync: bool = True
+    _supports_run_free = False
+    _running_free = False
+    _shutdown_timeout = 10.0
+    noun = "worker"
+
+    def _register_live(self) -> None:
+        _LIVE.add(self)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._pool) if self._pool is not None else 0
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def _frames_of(self, reply) -> int:
+        return reply.frames
+
+    def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
+        """Map a worker's trajectory ids to collector-wide ids (identity with a shared counter)."""
+        return batch
+
+    def _before_sync_batch(self) -> None:
+        """Called before each synchronous request (automatic weight pushes)."""
+
+    def _before_relaunch(self, worker: int) -> None:
+        """Called before an async worker is re-launched (automatic weight pushes)."""
+
+    def _after_yield(self, worker: int | None) -> None:
+        """Called once per yielded batch with the worker it came from (None in sync mode)."""
+
+    def _random_phase(self) -> bool:
+        target = self.config.init_random_frames
+        if not target:
+            return False
+        buffer = self.config.replay_buffer
+        if buffer is not None and hasattr(buffer, "write_count"):
+            return buffer.write_count < target
+        return self._frames < target
+
+    def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:
+        out = torch.stack(batches, 0)
+        out.names = [None] * (out.batch_dims - 1) + ["time"]
+        return out
+
+    def _handle_worker_batch(self, worker: int, reply) -> TensorDictBase | None:
+        """The worker's batch as a private copy with remapped ids, or None if it went to the buffer."""
+        if reply.written:
+            return None
+        batch = self._pool.handles[worker].fetch_batch(reply)
+        return self._remap_traj_ids(batch, worker)
+
+    # ------------------------------------------------------------------ iteration
+    def _iterate(self) -> Iterator[TensorDictBase | None]:
+        if self._running_free:
+            raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
+        yield from (self._iterate_sync() if self._sync else self._iterate_async())
+
+    def _iterate_sync(self) -> Iterator[TensorDictBase | None]:
+        while not self._reached_total():
+            self._before_sync_batch()
+            self._iter += 1
+            replies = self._gather_sync(self._random_phase())
+            batches = [self._handle_worker_batch(w, r) for w, r in enumerate(replies)]
+            yield from self._emit([b for b in batches if b is not None], replies, sync=True)
+            self._after_yield(None)
+
+    def _request_batch(self, worker: int, random: bool) -> int:
+        """Send COLLECT to ``worker``; interrupts issued from now on stop that rollout."""
+        mark = self._pool.handles[worker].interrupt_mark()
+        return self._pool.send(worker, Command.COLLECT, (bool(random), mark))
+
+    def _gather_sync(self, random: bool) -> list:
+        pool = self._pool
+        ids = {w: self._request_batch(w, random) for w in range(len(pool))}
+        return [pool.wait_for(w, ids[w]) for w in range(len(pool))]
+
+    def _iterate_async(self) -> Iterator[TensorDictBase | None]:
+        pool = self._pool
+        running = self._async_requests
+        while not self._reached_total():
+            for worker in range(len(pool)):
+                if worker not in running:
+                    self._before_relaunch(worker)
+                    running[worker] = self._request_batch(worker, self._random_phase())
+            worker, reply = pool.wait_any(running)
+            del running[worker]
+            self._iter += 1
+            batch = self._handle_worker_batch(worker, reply)
+            batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
+            self._frames += self._count_frames([reply])
+            if not self._reached_total():
+                self._before_relaunch(worker)
+                running[worker] = self._request_batch(worker, self._random_phase())
+            yield from self._emit([batch] if batch is not None else [], [reply], sync=False, counted=True)
+            self._after_yield(worker)
+
+    @property
+    def _async_requests(self) -> dict[int, int]:
+        if not hasattr(self, "_async_running"):
+            self._async_running: dict[int, int] = {}
+        return self._async_running
+
+    def _count_frames(self, replies: list) -> int:
+        if self.config.replay_buffer is not None:
+            return self.requested_frames_per_batch if self._sync else sum(self._nominal_frames(r) for r in replies)
+        return sum(self._frames_of(r) for r in replies)
+
+    def _nominal_frames(self, reply) -> int:
+        return self.requested_frames_per_batch
+
+    def _emit(self, batches: list, replies: list, *, sync: bool, counted: bool = False):
+        """Count frames, write or post-process, and yield one batch (or None with a buffer)."""
+        if not counted:
+            self._frames += self._count_frames(replies)
+        buffer = self.config.replay_buffer
+        if sync and batches:
+            batch = self._assemble_sync(batches, replies)
+        else:
+            batch = batches[0] if batches else None
+        if buffer is not None:
+            if batch is not None:
+                self._write_to_buffer(batch if sync else batch)
+            yield None
+            return
+        yield self._postprocess(batch)
+
+    def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        self.config.replay_buffer.extend(self._postprocess(batch))
+
+    def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
+        from .utils import split_trajectories
+
+        if self.config.split_trajs:
+            batch = split_trajectories(batch)
+        if self.config.postproc is not None:
+            batch = self.config.postproc(batch)
+        return self._drop_private_keys(batch)
+
+    # ------------------------------------------------------------------ seeds, state, reset, queries
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
+        self._drain_async()
+        for worker in range(self.num_workers):
+            seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
+        return seed
+
+    def state_dict(self) -> dict:
+        self._drain_async()
+        state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
+        state.update(frames=self._frames, iter=self._iter)
+        return state
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        self._drain_async()
+        for worker in range(self.num_workers):
+            key = f"worker{worker}"
+            if key in state_dict:
+                self._pool.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
+        self._frames = state_dict["frames"]
+        self._iter = state_dict["iter"]
+
+    def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
+        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True."""
+        self._drain_async()
+        workers = [w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]]
+        self._pool.broadcast(Command.RESET, None, workers)
+
+    def _drain_async(self) -> None:
+        """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
+        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken)."""
+        for worker, request_id in list(self._async_requests.items()):
+            self._pool.wait_arrived(worker, request_id)
+
+    def getattr_policy(self, name: str) -> Any:
+        return self._pool.request(0, Command.GETATTR_POLICY, name)
+
+    def getattr_env(self, name: str) -> Any:
+        return self._pool.request(0, Command.GETATTR_ENV, name)
+
+    def getattr_rb(self, name: str) -> Any:
+        return getattr(self.config.replay_buffer, name)
+
+    def cascade_execute(self, attr_path: str, *args, **kwargs) -> Any:
+        """Like :meth:`BaseCollector.cascade_execute`; ``workers[i].<path>`` runs inside worker i's
+        collector, and ``workers.<path>`` inside every worker (a list of results)."""
+        head, _, rest = attr_path.partition(".")
+        if head == "workers" or head.startswith("workers["):
+            if not rest:
+                raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
+            workers = range(self.num_workers) if head == "workers" else [int(head[len("workers["):-1])]
+            results = [self._pool.request(w, Command.CASCADE, (rest, args, kwargs)) for w in workers]
+            return results if head == "workers" else results[0]
+        return super().cascade_execute(attr_path, *args, **kwargs)
+
+    def increment_version(self) -> None:
+        super().increment_version()
+        if self._pool is not None:
+            self._drain_async()
+            self._pool.broadcast(Command.CASCADE, ("increment_version", (), {}))
+
+    def _after_weights_sent(self, work: dict) -> None:
+        # Workers bumped their own versions when they applied the update: only ours moves here.
+        if "policy" in work:
+            BaseCollector.increment_version(self)
+
+    def _forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+        """Initial weights received from a parent continue down to our own workers (no version bump)."""
+        scheme = (self._weight_sync_schemes or {}).get(model_id)
+        if scheme is not None and self._pool is not None:
+            scheme.send(weights=weights)
+
+    def _worker_liveness(self, worker: int) -> tuple[bool, str]:
+        handle = self._pool.handles[worker]
+        alive = handle.is_alive()
+        return alive, ("alive" if alive else handle.exit_description())
+
+    # ------------------------------------------------------------------ profiling
+    def _apply_profile_config(self, config: ProfileConfig) -> None:
+        workers = [w for w in config.workers if 0 <= w < self.num_workers]
+        replies = self._pool.broadcast(Command.ENABLE_PROFILE, config, workers, timeout=30.0)
+        for worker, reply in zip(workers, replies):
+            if reply != "profiling":
+                raise RuntimeError(f"{self.noun} {worker} answered {reply!r} to enable_profile.")
+
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        if not self._supports_run_free:
+            return super().start()
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        self._iteration_started = True
+        self._prepare_run_free()
+        self._pool.broadcast(Command.RUN_FREE)
+        self._running_free = True
+
+    def _prepare_run_free(self) -> None:
+        """Make sure workers can write to the buffer themselves."""
+
+    def is_running(self) -> bool:
+        return self._running_free
+
+    def _pause_impl(self):
+        if not self._supports_run_free:
+            raise NotImplementedError(f"Collector pause() is not implemented for {type(self).__name__}.")
+        if not self._running_free:
+            raise RuntimeError("Collector cannot be paused.")
+        pool = self._pool
+        for handle in pool.handles:
+            handle.interrupt()
+        for worker, reply in enumerate(pool.broadcast(Command.PAUSE, timeout=30.0)):
+            if reply != "paused":
+                raise ValueError(f"{self.noun} {worker} answered {reply!r} to pause.")
+        try:
+            yield
+        finally:
+            pool.broadcast(Command.RESUME, timeout=30.0)
+
+    # ------------------------------------------------------------------ shutdown
+    def _check_shutdown_args(self, close_env: bool) -> None:
+        if not close_env:
+            raise RuntimeError(f"{type(self).__name__} always closes its workers' envs (close_env=False refused).")
+
+    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
+        self._close_workers(self._shutdown_timeout if timeout is None else timeout)
+
+    def _close_workers(self, timeout: float) -> None:
+        """Ask every worker to close, then make sure each is gone, within one deadline."""
+        pool = self._pool
+        if pool is None:
+            return
+        deadline = time.monotonic() + timeout
+        requests = {}
+        for worker, handle in enumerate(pool.handles):
+            if pool.is_dead(worker):
+                continue
+            handle.interrupt()
+            with contextlib.suppress(WorkerError):
+                requests[worker] = pool.send(worker, Command.CLOSE)
+        for worker, request_id in requests.items():
+            remaining = max(0.05, deadline - time.monotonic())
+            with contextlib.suppress(Exception):
+                pool.wait_for(worker, request_id, timeout=remaining)
+        for handle in pool.handles:
+            handle.terminate(max(deadline, time.monotonic() + 0.5))
+        self._running_free = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_workers={self.num_workers}, frames={self._frames})"
+
+
+_ = resolve_attr_path
