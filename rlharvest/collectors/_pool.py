@@ -38,8 +38,11 @@ class WorkerPool:
         noun: how errors name a worker ("worker", "node").
     """
 
+    #: request id of the reply every worker sends once it is built (or failed to build)
+    READY = -1
+
     def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
-                 noun: str = "worker") -> None:
+                 noun: str = "worker", expect_ready: bool = True) -> None:
         self.handles = list(handles)
         self.timeout = float(timeout)
         self.liveness_interval = liveness_interval
@@ -48,6 +51,11 @@ class WorkerPool:
         self._stash: dict[int, dict[int, Reply]] = defaultdict(dict)
         self._outstanding: dict[int, dict[int, Command]] = defaultdict(dict)
         self._dead: set[int] = set()
+        #: workers that timed out: shutdown does not wait for them to answer
+        self.unresponsive: set[int] = set()
+        if expect_ready:
+            for worker in range(len(self.handles)):
+                self._outstanding[worker][self.READY] = None
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -136,11 +144,14 @@ class WorkerPool:
             multiprocessing.connection.wait(handles, timeout=max(0.0, remaining))
         for worker in workers:
             self._drain(worker)
+        # Liveness of every awaited worker, even when another one answered: in async mode the others
+        # may keep delivering while a dead one would otherwise go unnoticed.
+        for worker in workers:
+            self._check_alive(worker)
         for worker in workers:
             if any(rid in self._stash[worker] for rid in self._outstanding[worker]):
                 return
         for worker in workers:
-            self._check_alive(worker)
             _deadline_of(deadlines, worker).check(self, worker)
 
     def _check_alive(self, worker: int) -> None:
@@ -154,7 +165,9 @@ class WorkerPool:
             raise self._death_error(worker, pending)
 
     def _death_error(self, worker: int, command: Command | None) -> WorkerError:
-        doing = f" while handling {command.value!r}" if command is not None else ""
+        doing = f" while handling {command.value!r}" if command is not None else " while starting"
+        if command is None and self.READY not in self._outstanding[worker]:
+            doing = ""
         return WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
                            worker_idx=worker)
 
@@ -193,6 +206,7 @@ class _Deadline:
             return
         pending = next(iter(pool._outstanding[worker].values()), None)
         doing = f" to {pending.value!r}" if pending is not None else ""
+        pool.unresponsive.add(worker)
         raise WorkerTimeoutError(
             f"no answer{doing} and no progress for {self.seconds:g} s (raise the collector's "
             f"worker_timeout if this {pool.noun} is legitimately slow).",

@@ -210,7 +210,7 @@ class _MultiCollector(RemoteCollectorBase):
             for scheme in self._sender_schemes.values():
                 scheme.connect()
             for worker in range(len(handles)):
-                self._pool.wait_for(worker, -1)
+                self._pool.wait_for(worker, WorkerPool.READY)
             if self._legacy:
                 self.weight_updater = self._pending_updater
         except BaseException:

@@ -326,13 +326,18 @@ class RemoteCollectorBase(BaseCollector):
                 continue
             handle.interrupt()
             with contextlib.suppress(WorkerError):
-                requests[worker] = pool.send(worker, Command.CLOSE)
+                request_id = pool.send(worker, Command.CLOSE)
+                if worker not in pool.unresponsive:  # a hung worker will not answer: terminate it
+                    requests[worker] = request_id
+        closed = set()
         for worker, request_id in requests.items():
             remaining = max(0.05, deadline - time.monotonic())
             with contextlib.suppress(Exception):
                 pool.wait_for(worker, request_id, timeout=remaining)
-        for handle in pool.handles:
-            handle.terminate(max(deadline, time.monotonic() + 0.5))
+                closed.add(worker)
+        for worker, handle in enumerate(pool.handles):
+            # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
+            handle.terminate(max(deadline, time.monotonic() + 0.5) if worker in closed else time.monotonic())
         self._running_free = False
 
     def __repr__(self) -> str:

@@ -182,7 +182,10 @@ class MPWorkerHandle(WorkerHandle):
     def exit_description(self) -> str:
         code = self.process.exitcode
         if code is None:
-            return "it is still running"
+            self.process.join(1.0)  # its pipe closed first: give the exit status a moment to arrive
+            code = self.process.exitcode
+        if code is None:
+            return "it stopped answering (its connection closed) but is still running"
         if code < 0:
             try:
                 return f"it was killed by {signal.Signals(-code).name}"
