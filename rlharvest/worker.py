@@ -91,7 +91,12 @@ class WorkerSpec:
     init_random_frames: int = 0
 
 
-def _build_collector(spec: WorkerSpec):
+def _is_stateless(policy: Any) -> bool:
+    return isinstance(policy, torch.nn.Module) and any(
+        t.is_meta for t in itertools.chain(policy.parameters(), policy.buffers()))
+
+
+def _build_collector(spec: WorkerSpec, policy: Any):
     kwargs = dict(spec.collector_kwargs)
     if spec.replay_buffer is not None:
         kwargs["replay_buffer"] = spec.replay_buffer
@@ -99,7 +104,7 @@ def _build_collector(spec: WorkerSpec):
     collector_class = unwrap(spec.collector_class)
     return collector_class(
         unwrap(spec.create_env_fn),
-        unwrap(spec.policy),
+        policy,
         policy_factory=unwrap(spec.policy_factory),
         worker_idx=spec.worker_idx,
         **kwargs,
@@ -130,11 +135,18 @@ class Worker:
         self.paused = False
         self.closed = False
         self._steps = itertools.count()
-        self.collector = _build_collector(spec)
+        receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
+        policy = unwrap(spec.policy)
+        if "policy" in receivers and _is_stateless(policy):
+            # Give the stateless policy its weights before the collector is built: a collector that
+            # starts workers of its own must hand them real weights.
+            scheme = receivers["policy"]
+            scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=spec.worker_idx)
+            scheme.connect()
+        self.collector = _build_collector(spec, policy)
         if endpoint is not None:
             self.collector._extra_step_checks = [self._step_check]
-        if spec.weight_recv_schemes:
-            receivers = {k: _receiver_copy(s) for k, s in spec.weight_recv_schemes.items()}
+        if receivers:
             self.collector.register_scheme_receiver(receivers)
         self._handlers: dict[Command, Callable[[Any], Any]] = {
             Command.COLLECT: self._collect,
@@ -218,22 +230,37 @@ class Worker:
     def _collect(self, request) -> Reply:
         random, mark = request if isinstance(request, tuple) else (request, None)
         if self.endpoint is not None:
+            self.endpoint.before_rollout()
             self.endpoint.clear_interrupt(mark)
         collector = self.collector
         batch = collector._collect_for_parent(bool(random))
         frames = _valid_frames(batch)
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
-            collector._write_buffer(buffer, batch)
+            if frames < batch.numel():  # interrupted (shutdown): only the collected steps are data
+                batch = batch[batch.get(("collector", "traj_ids")) != -1]
+            if batch.numel():
+                collector._write_buffer(buffer, batch)
             return Reply(0, self.worker_idx, frames=frames, written=True)
-        value = self.endpoint.publish_batch(batch) if self.endpoint is not None else batch
+        if self.endpoint is None:
+            return Reply(0, self.worker_idx, value=batch, frames=frames)
+        value = self.endpoint.publish_batch(batch)
+        self._adopt_published_buffer(batch)
         return Reply(0, self.worker_idx, value=value, frames=frames)
+
+    def _adopt_published_buffer(self, batch: TensorDictBase) -> None:
+        """Let the rollout write straight into the buffer the transport publishes from (zero copy)."""
+        shared = getattr(self.endpoint, "batch_buffer", None)
+        rollout = getattr(self.collector, "rollout", None)
+        if shared is not None and shared is not batch and rollout is not None and rollout.buffer is batch:
+            rollout.set_buffer(shared)
 
     def _free_rollout(self) -> None:
         """One rollout written straight to the replay buffer (running free)."""
         buffer = self.spec.replay_buffer
         target = self.spec.init_random_frames
         random = bool(target) and buffer.write_count < target
+        self.endpoint.before_rollout()
         self.endpoint.clear_interrupt()
         batch = self.collector._collect_for_parent(random)
         if self.endpoint.interrupted():

@@ -89,16 +89,14 @@ class WorkerPool:
     # ------------------------------------------------------------------ receiving
     def wait_for(self, worker: int, request_id: int, timeout: float | None = None) -> Reply:
         """The reply to ``request_id`` (raising its failure, if any)."""
-        deadline = _Deadline(self.timeout if timeout is None else timeout, self.handles[worker])
-        while request_id not in self._stash[worker]:
-            self._wait([worker], deadline)
+        self.wait_arrived(worker, request_id, timeout)
         return self._take(worker, request_id)
 
     def wait_arrived(self, worker: int, request_id: int, timeout: float | None = None) -> None:
         """Wait until the reply to ``request_id`` arrived, leaving it for whoever takes it."""
         deadline = _Deadline(self.timeout if timeout is None else timeout, self.handles[worker])
         while request_id not in self._stash[worker]:
-            self._wait([worker], deadline)
+            self._wait({worker: request_id}, {worker: deadline})
 
     def wait_any(self, requests: dict[int, int], timeout: float | None = None) -> tuple[int, Reply]:
         """The first reply among ``{worker: request_id}``; lower worker indices win ties."""
@@ -109,7 +107,7 @@ class WorkerPool:
             for worker, request_id in requests.items():
                 if request_id in self._stash[worker]:
                     return worker, self._take(worker, request_id)
-            self._wait(list(requests), deadlines)
+            self._wait(requests, deadlines)
 
     def has_reply(self, worker: int, request_id: int) -> bool:
         """Non-blocking: has this reply arrived?"""
@@ -135,34 +133,38 @@ class WorkerPool:
             except (EOFError, OSError, ConnectionError):
                 self._dead.add(worker)
                 return
-            self._stash[worker][reply.request_id] = reply
+            if reply is not None:  # None: a heartbeat, consumed by the handle
+                self._stash[worker][reply.request_id] = reply
 
-    def _wait(self, workers: list[int], deadlines) -> None:
+    def _wait(self, awaited: dict[int, int], deadlines: dict[int, "_Deadline"]) -> None:
+        """One bounded wait for the awaited ``{worker: request_id}`` replies.
+
+        Returns when one of them arrived, or after at most ``liveness_interval`` seconds; raises when
+        an awaited worker died (without having answered) or exceeded its deadline.
+        """
+        workers = list(awaited)
         handles = [self.handles[w] for w in workers if w not in self._dead]
-        remaining = min(self.liveness_interval, *(_deadline_of(deadlines, w).remaining() for w in workers))
+        remaining = min([self.liveness_interval] + [deadlines[w].remaining() for w in workers])
         if handles:
             multiprocessing.connection.wait(handles, timeout=max(0.0, remaining))
         for worker in workers:
             self._drain(worker)
-        # Liveness of every awaited worker, even when another one answered: in async mode the others
-        # may keep delivering while a dead one would otherwise go unnoticed.
+        if any(awaited[w] in self._stash[w] for w in workers):
+            return
+        # Liveness of every awaited worker, also when others keep answering (async mode).
         for worker in workers:
-            self._check_alive(worker)
+            self._check_alive(worker, awaited[worker])
         for worker in workers:
-            if any(rid in self._stash[worker] for rid in self._outstanding[worker]):
-                return
-        for worker in workers:
-            _deadline_of(deadlines, worker).check(self, worker)
+            deadlines[worker].check(self, worker)
 
-    def _check_alive(self, worker: int) -> None:
+    def _check_alive(self, worker: int, request_id: int) -> None:
         handle = self.handles[worker]
         if worker in self._dead or not handle.is_alive():
             self._drain(worker)  # a reply sent just before dying is still valid
-            if any(rid in self._stash[worker] for rid in self._outstanding[worker]):
+            if request_id in self._stash[worker]:
                 return
             self._dead.add(worker)
-            pending = next(iter(self._outstanding[worker].values()), None)
-            raise self._death_error(worker, pending)
+            raise self._death_error(worker, self._outstanding[worker].get(request_id))
 
     def _death_error(self, worker: int, command: Command | None) -> WorkerError:
         doing = f" while handling {command.value!r}" if command is not None else " while starting"
@@ -178,10 +180,6 @@ class WorkerPool:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
         self._outstanding[worker].clear()
         self._stash[worker].clear()
-
-
-def _deadline_of(deadlines, worker: int) -> _Deadline:
-    return deadlines[worker] if isinstance(deadlines, dict) else deadlines
 
 
 class _Deadline:

@@ -8,6 +8,7 @@ differs per collector is only how the leaf case updates the local policy (``_upd
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -231,6 +232,8 @@ class WeightAPIMixin:
                         f"The scheme for {model_id!r} is initialised as a sender and cannot receive."
                     )
                 scheme.init_on_receiver(model_id=model_id, context=self, worker_idx=self.worker_idx)
+            elif scheme.context is None:  # connected before this collector existed (stateless policy)
+                scheme._context_ref = weakref.ref(self)
             self._receiver_schemes[model_id] = scheme
         if synchronize_weights:
             for scheme in self._receiver_schemes.values():

@@ -52,6 +52,9 @@ class RemoteCollectorBase(BaseCollector):
     _sync: bool = True
     _supports_run_free = False
     _running_free = False
+    #: async: re-launch a worker only after its batch was yielded (so automatic weight pushes that
+    #: follow a yield reach it before it collects again)
+    _relaunch_after_yield = False
     _shutdown_timeout = 10.0
     noun = "worker"
 
@@ -139,7 +142,8 @@ class RemoteCollectorBase(BaseCollector):
             batch = self._handle_worker_batch(worker, reply)
             batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
             self._frames += self._count_frames([reply])
-            if not self._reached_total():
+            if not self._relaunch_after_yield and not self._reached_total():
+                # re-launch before yielding: the worker collects while the caller trains
                 self._before_relaunch(worker)
                 running[worker] = self._request_batch(worker, self._random_phase())
             yield from self._emit([batch] if batch is not None else [], [reply], sync=False, counted=True)

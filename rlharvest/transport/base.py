@@ -144,6 +144,9 @@ class WorkerEndpoint(ABC):
     def publish_batch(self, batch: TensorDictBase) -> Any:
         """Make ``batch`` readable by the parent; returns what the BATCH reply carries."""
 
+    def before_rollout(self) -> None:
+        """Called before a rollout writes into the published buffer (wait for a pending send)."""
+
     def interrupted(self) -> bool:
         """Cheap per-step check: did the parent ask to stop the current rollout?"""
         return False

@@ -36,8 +36,12 @@ _INTERRUPT, _PROGRESS = 0, 1
 
 
 def mp_context(start_method: str | None = None):
-    """The multiprocessing context workers are started with (the platform default unless given)."""
-    method = start_method or torch_mp.get_start_method(allow_none=True) or "fork"
+    """The multiprocessing context workers are started with: ``fork`` unless told otherwise.
+
+    Worker processes only use pipes, shared memory, their env and policy, so forking (the fastest
+    start) is safe for them; ``mp_start_method="spawn"``/``"forkserver"`` are honoured.
+    """
+    method = start_method or ("fork" if "fork" in torch_mp.get_all_start_methods() else "spawn")
     allowed = torch_mp.get_all_start_methods()
     if method not in allowed:
         raise ValueError(f"mp_start_method must be one of {allowed}, got {method!r}")
@@ -100,7 +104,7 @@ class MPWorkerEndpoint(WorkerEndpoint):
             if self.conn.poll(timeout):
                 return self.conn.recv()
         except (EOFError, OSError):
-            self.parent_pid = -1
+            self.parent_pid = -1  # the parent's end closed: it is gone
         return None
 
     def send(self, message: Any) -> None:
@@ -119,6 +123,10 @@ class MPWorkerEndpoint(WorkerEndpoint):
             self._shared.update_(batch)
         return None
 
+    @property
+    def batch_buffer(self) -> TensorDictBase | None:
+        return self._shared
+
     def interrupted(self) -> bool:
         return int(self._signals[_INTERRUPT]) != self._interrupt_seen
 
@@ -129,6 +137,8 @@ class MPWorkerEndpoint(WorkerEndpoint):
         self._signals[_PROGRESS] = steps
 
     def parent_alive(self) -> bool:
+        if self.parent_pid is None:  # started by a forkserver: the pipe's EOF tells (recv sets -1)
+            return True
         return self.parent_pid > 0 and os.getppid() == self.parent_pid
 
     def close(self) -> None:
@@ -138,10 +148,10 @@ class MPWorkerEndpoint(WorkerEndpoint):
             pass
 
 
-def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int, death_signal: bool) -> None:
+def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int | None, death_signal: bool) -> None:
     if death_signal:
         _set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before we got here
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before we got here
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from ..worker import run_worker
@@ -230,10 +240,12 @@ def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MP
     # User callables inside the spec are already CloudpickleWrapper-ed by the collector; the spec itself
     # goes through multiprocessing's pickler, which knows how to pass pipes, locks and shared tensors.
     payload = spec
-    death_signal = threading.current_thread() is threading.main_thread()
+    direct_child = ctx.get_start_method() in ("fork", "spawn")
+    death_signal = direct_child and threading.current_thread() is threading.main_thread()
+    parent_pid = os.getpid() if direct_child else None
     process = ctx.Process(
         target=_worker_main,
-        args=(payload, child_conn, signals.table, worker_idx, os.getpid(), death_signal),
+        args=(payload, child_conn, signals.table, worker_idx, parent_pid, death_signal),
         name=f"rlharvest-worker-{worker_idx}",
         daemon=False,
     )

@@ -1,5 +1,6 @@
 """Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
 
+from .distributed import DistributedWeightSyncScheme
 from .schemes import NoWeightSyncScheme, WeightSyncScheme
 from .shared_mem import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from .strategy import WeightStrategy
@@ -9,6 +10,7 @@ __all__ = [
     "WeightSyncScheme",
     "WeightStrategy",
     "NoWeightSyncScheme",
+    "DistributedWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "WeightUpdaterBase",

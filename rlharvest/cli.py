@@ -1,0 +1,69 @@
+"""The ``rlharvest`` command line (``rlharvest demo ...`` or ``python -m rlharvest demo ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "build_parser"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .demo.run import COLLECTORS, DEFAULT_FRAMES
+
+    parser = argparse.ArgumentParser(prog="rlharvest", description="rlharvest: RL experience collectors.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="train PPO on CartPole-v1 through an rlharvest collector",
+        description="Train a small PPO on gymnasium's CartPole-v1 with experience collected by an rlharvest "
+                    "collector; weights are pushed to the collector after every update. Stops as soon as the "
+                    "mean return of the last 20 episodes reaches 475 (or when the frame budget is spent), then "
+                    "writes OUT/learning_curve.png and OUT/summary.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--collector", choices=COLLECTORS, default="distributed",
+                      help="which collector gathers the experience")
+    demo.add_argument("--workers", type=_positive_int, default=2,
+                      help="worker processes / nodes (ignored by 'single')")
+    demo.add_argument("--frames", type=_positive_int, default=DEFAULT_FRAMES,
+                      help="frame budget (an upper bound: training stops once solved)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed")
+    demo.add_argument("--out", default="demo_out", help="output directory")
+    demo.add_argument("--no-early-stop", action="store_true",
+                      help="spend the whole frame budget even once the target return is reached")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "demo":
+        parser.print_help()
+        return 2
+    from .demo.run import TARGET_RETURN, CollectorUnavailable, DemoConfig, run_demo
+
+    config = DemoConfig(
+        collector=args.collector, workers=args.workers, frames=args.frames, seed=args.seed, out=args.out,
+        target_return=None if args.no_early_stop else TARGET_RETURN, progress=not args.no_progress,
+    )
+    try:
+        summary = run_demo(config)
+    except CollectorUnavailable as err:
+        print(f"rlharvest demo: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 130 if summary.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""DistributedCollector: one node per env constructor, over a torch.distributed process group.
+
+The main process is rank 0, node ``i`` is rank ``i + 1``. Nodes run the worker loop around their own
+collector (``collector_class``); batches come back as flat tensors over the process group, commands
+and replies travel on a TCP channel per node, weights through DistributedWeightSyncScheme. All of
+the collector logic (sync/async iteration, weights, seeds, profiling, shutdown) is the one of
+:class:`~rlharvest.collectors.remote.RemoteCollectorBase`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import cloudpickle
+import torch
+from tensordict import TensorDictBase
+
+from ..._utils import to_device_list
+from ...config import CollectorConfig
+from ...errors import WorkerError
+from ...policies import ExplorationType
+from ...transport.ports import PortInUseError
+from ...transport.torchdist import DistWorkerHandle, Rendezvous, check_backend
+from ...weight_update.distributed import DistributedWeightSyncScheme
+from ...worker import Command, WorkerSpec
+from .. import _multi_setup as setup
+from .._pool import WorkerPool
+from ..remote import RemoteCollectorBase
+from ..single import Collector
+from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
+
+__all__ = ["DistributedCollector", "resolve_collector_class"]
+
+_NON_MODULE_POLICY = ("The policy is not an nn.Module and no policy_factory was given: "
+                      "update_policy_weights_ will be a no-op.")
+
+
+def resolve_collector_class(collector_class: Any) -> type:
+    """``"single"``, ``"sync"``, ``"async"`` or a class (D13: unknown strings raise ValueError)."""
+    from ..multi import MultiAsyncCollector, MultiSyncCollector
+
+    names = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
+    if isinstance(collector_class, str):
+        if collector_class not in names:
+            raise ValueError(f"collector_class must be one of {sorted(names)} or a collector class, "
+                             f"got {collector_class!r}")
+        return names[collector_class]
+    if collector_class is None:
+        return Collector
+    if not callable(collector_class):
+        raise ValueError(f"collector_class must be a class or one of {sorted(names)}, got {collector_class!r}")
+    return collector_class
+
+
+class DistributedCollector(RemoteCollectorBase):
+    """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
+
+    Args:
+        create_env_fn: list of env constructors (or envs), one per node.
+        policy: the policy run on every node, and the main-side source of weights.
+
+    Keyword Args:
+        policy_factory: callable or list of callables building the policy on the nodes.
+        frames_per_batch: frames per yielded batch (split across nodes when ``sync=True``).
+        total_frames: -1 (default) for endless.
+        device, storing_device, env_device, policy_device: node devices (scalar or one per node).
+        max_frames_per_traj, init_random_frames, reset_at_each_iter, exploration_type: forwarded.
+        postproc, split_trajs: applied on the main process.
+        collector_class: ``"single"``, ``"sync"``, ``"async"`` or a collector class run on each node.
+        collector_kwargs: dict, or one dict per node, of extra arguments for the node collectors.
+        num_workers_per_collector: env copies (sub-workers) per node for multi-process node classes.
+        sync: stack one rollout of every node per batch (True) or serve the first ready (False).
+        slurm_kwargs: merged over ``DEFAULT_SLURM_CONF`` for the submitit launcher.
+        backend: ``"gloo"`` (default), ``"nccl"``, ``"mpi"`` or ``"ucc"``.
+        update_after_each_batch: push weights before every request (sync) / re-launch (async).
+        max_weight_update_interval: force an update of a node after this many batches without one.
+        update_interval: push the main policy's weights every this many batches.
+        launcher: ``"mp"``, ``"submitit"`` (default) or ``"submitit_delayed"``.
+        tcp_port: base port (``p``, ``p+1``, ``p+2`` are used); default ``$TCP_PORT`` or 10003.
+        weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).
+        weight_sync_schemes: ``{model_id: scheme}``; default ``{"policy": DistributedWeightSyncScheme()}``.
+        weight_recv_schemes: schemes through which this collector itself receives weights.
+        worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
+        heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
+        mp_start_method: start method of ``"mp"`` nodes (platform default).
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = DistributedCollector([CountingEnv] * 2, frames_per_batch=10, total_frames=20,
+        ...                                  launcher="mp", sync=True)           # doctest: +SKIP
+        >>> [tuple(b.shape) for b in collector]                                   # doctest: +SKIP
+        [(2, 5), (2, 5)]
+    """
+
+    noun = "node"
+
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        policy: Callable | None = None,
+        *,
+        policy_factory: Callable | Sequence[Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        env_device=None,
+        policy_device=None,
+        max_frames_per_traj: int = -1,
+        init_random_frames: int = -1,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool = False,
+        exploration_type=ExplorationType.RANDOM,
+        collector_class: Any = Collector,
+        collector_kwargs: dict | Sequence[dict] | None = None,
+        num_workers_per_collector: int = 1,
+        sync: bool = False,
+        slurm_kwargs: dict | None = None,
+        backend: str = "gloo",
+        update_after_each_batch: bool = False,
+        max_weight_update_interval: int = -1,
+        update_interval: int | None = None,
+        launcher: str = "submitit",
+        tcp_port: int | None = None,
+        weight_updater=None,
+        weight_sync_schemes: dict | None = None,
+        weight_recv_schemes: dict | None = None,
+        replay_buffer=None,
+        worker_timeout: float = 120.0,
+        heartbeat_timeout: float = 10.0,
+        mp_start_method: str | None = None,
+    ) -> None:
+        self._closed = True
+        self._pool = None
+        self._rendezvous = None
+        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
+            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
+        self.env_constructors = list(create_env_fn)
+        count = len(self.env_constructors)
+        self._sync = bool(sync)
+        self.config = CollectorConfig(
+            frames_per_batch=frames_per_batch, total_frames=total_frames, max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
+            split_trajs=split_trajs, exploration_type=exploration_type, replay_buffer=replay_buffer,
+        )
+        self._check_arguments(count, launcher, backend, update_after_each_batch, max_weight_update_interval,
+                              update_interval, weight_updater, weight_sync_schemes)
+        self.collector_class = resolve_collector_class(collector_class)
+        self.num_workers_per_collector = self._check_sub_workers(num_workers_per_collector)
+        self.backend, self.launcher = backend, launcher
+        self.update_after_each_batch = bool(update_after_each_batch)
+        self.max_weight_update_interval = int(max_weight_update_interval)
+        self.update_interval = update_interval
+        self._relaunch_after_yield = bool(update_after_each_batch or update_interval or max_weight_update_interval >= 0)
+        self.tcp_port = str(tcp_port) if tcp_port is not None else os.environ.get("TCP_PORT", str(TCP_PORT))
+        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}
+        self._frames_per_node = frames_per_batch // count if self._sync else frames_per_batch
+        self._worker_timeout, self._heartbeat_timeout = float(worker_timeout), float(heartbeat_timeout)
+        self._user_timeout = max(3.0, heartbeat_timeout)
+        self._mp_start_method = mp_start_method
+        self._devices = {name: to_device_list(value, count, name) for name, value in (
+            ("device", device), ("storing_device", storing_device), ("env_device", env_device),
+            ("policy_device", policy_device))}
+        self.collector_kwargs = self._node_kwargs(collector_kwargs, count)
+        self.policy = policy
+        self.policy_factory = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory else None
+        self.policy_weights = self._main_weights(policy)
+        self._batches_since_update = [0] * count
+        self._yielded = 0
+        self._setup_schemes(weight_updater, weight_sync_schemes)
+        self._worker_idx = None
+        self._start(count)
+        self._closed = False
+        if weight_recv_schemes is not None:
+            self.register_scheme_receiver(weight_recv_schemes)
+
+    # ------------------------------------------------------------------ validation
+    def _check_arguments(self, count, launcher, backend, update_after_each_batch, max_interval, update_interval,
+                         weight_updater, weight_sync_schemes) -> None:
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
+        check_backend(backend)
+        if launcher in ("submitit", "submitit_delayed"):
+            try:
+                import submitit  # noqa: F401
+            except ImportError as err:
+                raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+        if self._sync and self.config.frames_per_batch % count:
+            raise RuntimeError(f"Cannot dispatch {self.config.frames_per_batch} frames across {count} nodes: use a "
+                               "frames_per_batch divisible by the number of nodes.")
+        if update_after_each_batch and max_interval > -1:
+            raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
+        if update_interval is not None and (not isinstance(update_interval, int) or update_interval < 1):
+            raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
+        if weight_updater is not None and weight_sync_schemes is not None:
+            raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+
+    def _check_sub_workers(self, num_workers_per_collector: int) -> int:
+        if self.collector_class is Collector and num_workers_per_collector != 1:
+            raise RuntimeError("num_workers_per_collector must be 1 when the nodes run a single Collector; use "
+                               "collector_class='sync' or 'async' for several sub-workers per node.")
+        return int(num_workers_per_collector)
+
+    def _node_kwargs(self, collector_kwargs, count: int) -> list[dict]:
+        if isinstance(collector_kwargs, (list, tuple)):
+            if len(collector_kwargs) != count:
+                raise ValueError(f"collector_kwargs must hold exactly one dict per node ({count}), "
+                                 f"got {len(collector_kwargs)}.")
+            kwargs = [dict(k) for k in collector_kwargs]
+        else:
+            kwargs = [dict(collector_kwargs or {}) for _ in range(count)]
+        config = self.config
+        if not self._sync and config.init_random_frames:
+            warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
+                          "policy batches may interleave.", stacklevel=3)
+        for node, entry in enumerate(kwargs):
+            entry.update(max_frames_per_traj=config.max_frames_per_traj,
+                         init_random_frames=config.init_random_frames // count,
+                         reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
+                         **{name: values[node] for name, values in self._devices.items()})
+        return kwargs
+
+    def _main_weights(self, policy) -> TensorDictBase | None:
+        if isinstance(policy, torch.nn.Module):
+            from tensordict import TensorDict
+
+            return TensorDict.from_module(policy).data
+        if not self.policy_factory and policy is not None:
+            warnings.warn(_NON_MODULE_POLICY, stacklevel=3)
+        return None
+
+    def _setup_schemes(self, weight_updater, schemes) -> None:
+        has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
+        if weight_updater is None and schemes is None:
+            schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend, sync=True)} if has_weights else {}
+        self._legacy = weight_updater is not None
+        self._pending_updater = weight_updater
+        self._sender_schemes = dict(schemes or {})
+        if self._legacy:
+            self._sender_schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend)} if has_weights else {}
+            self._weight_sync_schemes = None
+        else:
+            self._weight_sync_schemes = self._sender_schemes
+
+    # ------------------------------------------------------------------ start-up
+    @property
+    def num_workers(self) -> int:
+        return len(self.env_constructors)
+
+    @property
+    def _process_group(self):
+        return self._rendezvous.group if self._rendezvous is not None else None
+
+    def _start(self, count: int) -> None:
+        local = self.launcher == "mp"
+        self._advertised_host = "127.0.0.1" if local else main_host_ip()
+        self._bind_host = "127.0.0.1" if local else ""
+        port = int(self.tcp_port)
+        launched = []
+        Rendezvous.check_port(port, self._bind_host)
+        try:
+            # Nodes first (they wait for the store): forking happens before this process starts threads.
+            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
+                                    slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method,
+                                    node_kwargs={"user_timeout": self._user_timeout})
+            self._launched = launched
+            self._rendezvous = Rendezvous(self._advertised_host, self._bind_host, port, count + 1,
+                                          timeout=self._worker_timeout, user_timeout=self._user_timeout)
+
+            def alive() -> None:
+                for node, entry in enumerate(launched):
+                    if not entry.is_alive():
+                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
+
+            group = self._rendezvous.form_group(self.backend, 1800.0, alive)
+            channels = self._rendezvous.accept_nodes(count, alive)
+            handles = [DistWorkerHandle(channels[rank], group, rank, launched[rank - 1], self._heartbeat_timeout)
+                       for rank in range(1, count + 1)]
+            self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node")
+            self._register_live()
+            for model_id, scheme in self._sender_schemes.items():
+                scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
+            for node, handle in enumerate(handles):
+                handle.conn.send_bytes(cloudpickle.dumps(self._node_spec(node)))
+            for scheme in self._sender_schemes.values():
+                scheme.connect()
+            for node in range(count):
+                self._pool.wait_for(node, WorkerPool.READY)
+            if self._legacy:
+                self.weight_updater = self._pending_updater
+        except BaseException:
+            self._abort_start(launched)
+            raise
+
+    def _abort_start(self, launched) -> None:
+        if self._pool is not None:
+            self._close_workers(5.0)
+        else:
+            for entry in launched:
+                entry.terminate(time.monotonic())
+        for scheme in self._sender_schemes.values():
+            scheme.shutdown()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+
+    def _node_spec(self, node: int) -> WorkerSpec:
+        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node, total_frames=-1)
+        env_fn = self.env_constructors[node]
+        if self.collector_class is not Collector:
+            env_fn = [env_fn] * self.num_workers_per_collector
+        factory = self.policy_factory[node] if self.policy_factory else None
+        policy = None
+        if factory is None and self.policy is not None:
+            policy = setup.stateless_copy(self.policy) if self._sender_schemes else self.policy
+        return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
+                          collector_kwargs=kwargs, policy=policy, policy_factory=factory,
+                          weight_recv_schemes=self._sender_schemes or None, num_threads=1)
+
+    # ------------------------------------------------------------------ collector hooks
+    @property
+    def requested_frames_per_batch(self) -> int:
+        return self.config.frames_per_batch
+
+    def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
+        """Node i's local id k becomes k * W + i; -1 stays -1 (D4)."""
+        ids = batch.get(("collector", "traj_ids"), None)
+        if ids is not None:
+            count = self.num_workers
+            ids.copy_(torch.where(ids == -1, ids, ids * count + worker))
+        return batch
+
+    def _nominal_frames(self, reply) -> int:
+        return self._frames_per_node
+
+    def _before_sync_batch(self) -> None:
+        if self.update_after_each_batch:
+            self._push(list(range(self.num_workers)))
+
+    def _before_relaunch(self, worker: int) -> None:
+        if self.update_after_each_batch and self._iter >= 0:
+            self._push([worker])
+
+    def _after_yield(self, worker: int | None) -> None:
+        served = list(range(self.num_workers)) if worker is None else [worker]
+        for node in served:
+            self._batches_since_update[node] += 1
+        self._yielded += 1
+        if self._reached_total():
+            return
+        if self.update_interval and self._yielded % self.update_interval == 0:
+            self._push(served)
+        if self.max_weight_update_interval >= 0:
+            late = [n for n, count in enumerate(self._batches_since_update) if count > self.max_weight_update_interval]
+            if late:
+                self._push(late)
+
+    def _push(self, workers: list[int]) -> None:
+        if self._sender_schemes or self.weight_updater is not None:
+            self.update_policy_weights_(worker_ids=workers)
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids=None, **kwargs) -> None:
+        super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        targets = range(self.num_workers) if worker_ids is None else (
+            [worker_ids] if isinstance(worker_ids, int) else worker_ids)
+        for node in targets:
+            if isinstance(node, int) and 0 <= node < self.num_workers:
+                self._batches_since_update[node] = 0  # any update of a node resets its counter (D7)
+
+    def _legacy_push(self, worker: int, weights, wait: bool = True) -> None:
+        scheme = self._sender_schemes.get("policy")
+        if scheme is None:
+            return
+        scheme.sync = wait
+        scheme.send(weights=weights, worker_ids=[worker])
+
+    def get_model(self, model_id: str):
+        if model_id == "policy":
+            return self.policy
+        return super().get_model(model_id)
+
+    # ------------------------------------------------------------------ unsupported
+    def state_dict(self) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} has no state_dict (nodes are remote).")
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no load_state_dict (nodes are remote).")
+
+    # ------------------------------------------------------------------ shutdown
+    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
+        try:
+            super()._shutdown_impl(timeout, close_env)
+        finally:
+            if self._rendezvous is not None:
+                self._rendezvous.close()
+                self._rendezvous = None
+
+    def _check_shutdown_args(self, close_env: bool) -> None:
+        """Nodes always close their envs when they stop; close_env is accepted either way (D2)."""
+
+    def __repr__(self) -> str:
+        mode = "sync" if self._sync else "async"
+        return f"DistributedCollector(nodes={self.num_workers}, {mode}, launcher={self.launcher!r}, frames={self._frames})"
+
+
+_ = (Iterator, PortInUseError, Command)

@@ -1,0 +1,77 @@
+"""One contiguous byte buffer holding every leaf of a TensorDict.
+
+A process group moves one tensor per message, so a batch or a weight set travels as one flat
+``uint8`` buffer; both ends build TensorDict *views* into their own flat buffer from the same
+:class:`FlatLayout` (keys, dtypes, shapes, offsets), agreed once. Writing into the views fills the
+buffer; no packing copy is needed when the producer writes into the views directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+__all__ = ["FlatLayout"]
+
+_ALIGN = 16
+
+
+def _sorted_leaves(td: TensorDictBase) -> list:
+    keys = list(td.keys(True, True))
+    return sorted(keys, key=lambda k: (k,) if isinstance(k, str) else tuple(k))
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each leaf lives in the flat buffer.
+
+    Example:
+        >>> td = TensorDict({"a": torch.arange(3), ("b", "c"): torch.ones(2, 2)}, [])
+        >>> layout = FlatLayout.of(td)
+        >>> flat, view = layout.allocate()
+        >>> view.update_(td)["b", "c"].sum().item(), flat.dtype
+        (4.0, torch.uint8)
+    """
+
+    entries: tuple[tuple, ...]  # (key, dtype, shape, offset, nbytes)
+    batch_size: tuple[int, ...]
+    names: tuple | None
+    total_bytes: int
+
+    @classmethod
+    def of(cls, td: TensorDictBase) -> FlatLayout:
+        entries, offset = [], 0
+        for key in _sorted_leaves(td):
+            leaf = td.get(key)
+            nbytes = leaf.numel() * leaf.element_size()
+            entries.append((key, leaf.dtype, tuple(leaf.shape), offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        names = None
+        try:
+            if td.names is not None and any(n is not None for n in td.names):
+                names = tuple(td.names)
+        except Exception:  # some TensorDict types have no names
+            names = None
+        return cls(tuple(entries), tuple(td.batch_size), names, max(offset, _ALIGN))
+
+    def view(self, flat: torch.Tensor) -> TensorDictBase:
+        """A TensorDict whose leaves are views into ``flat``."""
+        leaves = {}
+        for key, dtype, shape, offset, nbytes in self.entries:
+            leaves[key] = flat[offset : offset + nbytes].view(dtype).view(shape)
+        td = TensorDict(leaves, batch_size=self.batch_size, device=flat.device)
+        if self.names is not None:
+            td.refine_names(*self.names)
+        return td
+
+    def allocate(self, device=None, shared: bool = False) -> tuple[torch.Tensor, TensorDictBase]:
+        """A zeroed flat buffer and its TensorDict view."""
+        flat = torch.zeros(self.total_bytes, dtype=torch.uint8, device=device)
+        if shared:
+            flat.share_memory_()
+        return flat, self.view(flat)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}: {tuple(s)} {d}" for k, d, s, _, _ in self.entries)

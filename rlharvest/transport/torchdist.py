@@ -1,0 +1,487 @@
+"""Nodes on other machines: a torch.distributed process group for tensors, TCP for commands.
+
+Ports (``p`` = the collector's ``tcp_port``):
+
+* ``p``   - the process-group rendezvous (a ``TCPStore`` served by rank 0, the main process);
+* ``p+1`` - the *command channel* listener (the next free port if taken; its number and an auth
+  key are published in the store): typed commands and replies, the same messages as the worker
+  processes' pipes, plus heartbeats from the node;
+* ``p+2`` - the weight-sync listener of :class:`~rlharvest.weight_update.DistributedWeightSyncScheme`.
+
+A batch leaves a node as one flat ``uint8`` tensor (``rlharvest.data.flat``) sent point-to-point to
+rank 0, right after the node's BATCH reply; the layout travels once, with the first reply. The
+process group is created explicitly (no ``init_process_group``), so several collectors, or a
+learner's own default group, coexist in one process.
+
+Liveness: a node sends a heartbeat every ``heartbeat_interval`` seconds; the parent declares it
+dead when its connection closes (process death) or when no heartbeat arrived for
+``heartbeat_timeout`` seconds (host unreachable). TCP_USER_TIMEOUT and keepalives make blocked
+sockets fail instead of hanging on either side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing.connection as mpc
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+
+from ..data.flat import FlatLayout
+from ..errors import WorkerError
+from .base import WorkerEndpoint, WorkerHandle
+from .ports import PortInUseError, port_is_free
+
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "make_process_group",
+    "Rendezvous",
+    "DistWorkerHandle",
+    "DistWorkerEndpoint",
+    "run_node",
+    "open_channel",
+    "accept_channel",
+]
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+_STATE = {"created": False}
+
+
+def distributed_state_exists() -> bool:
+    """Whether this process created torch.distributed state (whose threads make fork unsafe)."""
+    return _STATE["created"] or (dist.is_available() and dist.is_initialized())
+BATCH_TAG = 11
+WEIGHTS_TAG = 12
+_CONTROL_KEY, _AUTH_KEY, _WEIGHTS_KEY = "rlharvest/control_port", "rlharvest/authkey", "rlharvest/weights_port"
+
+
+def check_backend(backend: str) -> str:
+    """Validate a backend name and that this torch build provides it.
+
+    Raises:
+        ValueError: for an unknown name.
+        RuntimeError: for a backend this build lacks.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    available = getattr(dist, f"is_{backend}_available", lambda: False)()
+    if not dist.is_available() or not available:
+        raise RuntimeError(
+            f"The torch.distributed backend {backend!r} is not available in this torch build "
+            f"(torch.distributed.is_{backend}_available() is False); use backend='gloo'."
+        )
+    return backend
+
+
+def make_process_group(backend: str, store, rank: int, world_size: int, timeout: float):
+    """An explicit process group (no global default group involved)."""
+    delta = datetime.timedelta(seconds=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, delta)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+    return dist.group.WORLD
+
+
+def _tune_socket(sock: socket.socket, user_timeout: float) -> None:
+    """Fail blocked sends/receives after ``user_timeout`` s of silence instead of ~15 minutes."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(user_timeout / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout * 1000))
+
+
+def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
+    """A listening socket on ``port``, or on one of the next ``attempts`` ports if it is taken."""
+    for candidate in range(port, port + attempts):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(64)
+        return sock
+    raise PortInUseError(f"ports {port}..{port + attempts - 1} are all in use.")
+
+
+def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float):
+    """Accept one authenticated connection (``multiprocessing`` Connection over TCP), or None."""
+    server.settimeout(timeout)
+    try:
+        sock, _ = server.accept()
+    except socket.timeout:
+        return None
+    _tune_socket(sock, user_timeout)
+    sock.settimeout(None)
+    conn = mpc.Connection(sock.detach())
+    mpc.deliver_challenge(conn, authkey)
+    mpc.answer_challenge(conn, authkey)
+    return conn
+
+
+def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float):
+    """Connect to a listener made by :func:`listen` and authenticate."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    _tune_socket(sock, user_timeout)
+    sock.settimeout(None)
+    conn = mpc.Connection(sock.detach())
+    mpc.answer_challenge(conn, authkey)
+    mpc.deliver_challenge(conn, authkey)
+    return conn
+
+
+class Rendezvous:
+    """The main process's side of node start-up: store, command listener, process group.
+
+    Raises:
+        PortInUseError: naming ``port`` when the rendezvous port is taken.
+    """
+
+    def __init__(self, host: str, bind_host: str, port: int, world_size: int, timeout: float,
+                 user_timeout: float) -> None:
+        self.host, self.port, self.world_size = host, port, world_size
+        self.timeout, self.user_timeout = timeout, user_timeout
+        self.check_port(port, bind_host)
+        _STATE["created"] = True
+        self.store = dist.TCPStore(bind_host or "0.0.0.0", port, world_size, True,
+                                   datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        self.authkey = secrets.token_bytes(16)
+        self.server = listen(bind_host, port + 1)
+        self.store.set(_CONTROL_KEY, str(self.server.getsockname()[1]))
+        self.store.set(_AUTH_KEY, self.authkey.hex())
+        self.group = None
+
+    @staticmethod
+    def check_port(port: int, bind_host: str) -> None:
+        """Raises PortInUseError naming ``port`` if the rendezvous port is taken."""
+        if not port_is_free(port, bind_host):
+            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port (ports {port}, "
+                                 f"{port + 1} and {port + 2} should be free).")
+
+    def form_group(self, backend: str, op_timeout: float, alive: Callable[[], None]) -> Any:
+        """Join the process group as rank 0, calling ``alive()`` (which raises) while waiting."""
+        result: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                result["group"] = make_process_group(backend, self.store, 0, self.world_size, op_timeout)
+            except BaseException as err:  # surfaced below
+                result["error"] = err
+
+        thread = threading.Thread(target=build, name="rlharvest-pg-init", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive():
+            thread.join(0.1)
+            alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the nodes did not join the process group within {self.timeout:g} s.")
+        if "error" in result:
+            raise RuntimeError(f"forming the {backend} process group failed: {result['error']}") from result["error"]
+        self.group = result["group"]
+        return self.group
+
+    def accept_nodes(self, count: int, alive: Callable[[], None]) -> dict[int, Any]:
+        """The command channels of ``count`` nodes, keyed by rank."""
+        channels: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(channels) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(channels)} of {count} nodes connected within {self.timeout:g} s.")
+            conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
+            if conn is None:
+                alive()
+                continue
+            hello = conn.recv()
+            channels[int(hello[1])] = conn
+        return channels
+
+    def close(self) -> None:
+        try:
+            self.server.close()
+        except OSError:
+            pass
+        self.group = None
+        self.store = None
+
+
+class DistWorkerHandle(WorkerHandle):
+    """The parent's end of one node: its command channel, its batch buffer, its liveness."""
+
+    def __init__(self, conn, group, rank: int, launched, heartbeat_timeout: float) -> None:
+        self.conn = conn
+        self.group = group
+        self.rank = rank
+        self.worker_idx = rank - 1
+        self.launched = launched
+        self.heartbeat_timeout = heartbeat_timeout
+        self._last_heard = time.monotonic()
+        self._last_check = time.monotonic()
+        self._closed = False
+        self._steps = -1
+        self._interrupts = 0
+        self._layout: FlatLayout | None = None
+        self._flat: torch.Tensor | None = None
+        self._view: TensorDictBase | None = None
+
+    def send(self, message: Any) -> None:
+        self.conn.send(message)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self._closed:
+            return False
+        try:
+            return self.conn.poll(timeout)
+        except (EOFError, OSError):
+            self._closed = True
+            return False
+
+    def recv(self) -> Any:
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            self._closed = True
+            raise
+        self._last_heard = time.monotonic()
+        if isinstance(message, tuple) and message and message[0] == "hb":
+            self._steps = message[1]
+            return None
+        return message
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def is_alive(self) -> bool:
+        """Cheap: the pool drains the channel (heartbeats included) before asking."""
+        now = time.monotonic()
+        if now - self._last_check > self.heartbeat_timeout / 2:
+            # Nobody looked at this node for a while (the caller was busy): heartbeats may be queued
+            # unread, so restart the clock rather than declaring a healthy node dead.
+            self._last_heard = max(self._last_heard, now)
+        self._last_check = now
+        if self._closed or not self.launched.is_alive():
+            return False
+        return now - self._last_heard < self.heartbeat_timeout
+
+    def exit_description(self) -> str:
+        if not self.launched.is_alive():
+            return self.launched.exit_description()
+        if self._closed:
+            return "its connection closed"
+        return f"no heartbeat for {self.heartbeat_timeout:g} s (host unreachable?)"
+
+    def progress(self) -> int:
+        return self._steps
+
+    def interrupt(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.conn.send(("interrupt",))
+            self._interrupts += 1
+        except OSError:
+            self._closed = True
+
+    def interrupt_mark(self) -> int:
+        return self._interrupts
+
+    def fetch_batch(self, reply) -> TensorDictBase:
+        if reply.value is not None:
+            if self._layout is not None and reply.value != self._layout:
+                raise ValueError(
+                    f"node {self.worker_idx} changed its batch layout.\nbefore: {self._layout.describe()}\n"
+                    f"now: {reply.value.describe()}"
+                )
+            self._layout = reply.value
+            self._flat, self._view = self._layout.allocate()
+        if self._layout is None:
+            raise RuntimeError(f"node {self.worker_idx} sent a batch before its layout.")
+        try:
+            work = self.group.recv([self._flat], self.rank, BATCH_TAG)
+            work.wait(datetime.timedelta(seconds=self.heartbeat_timeout))
+        except RuntimeError as err:
+            raise WorkerError(f"receiving its batch failed ({err}).", worker_idx=self.worker_idx) from err
+        return self._view
+
+    def terminate(self, deadline: float) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        self._closed = True
+        self.launched.terminate(deadline)
+
+
+class DistWorkerEndpoint(WorkerEndpoint):
+    """A node's end: a reader/heartbeat thread on the command channel, batches over the group."""
+
+    def __init__(self, conn, group, rank: int, heartbeat_interval: float = 1.0) -> None:
+        self.conn = conn
+        self.group = group
+        self.rank = rank
+        self.worker_idx = rank - 1
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._send_lock = threading.Lock()
+        self._interrupts = 0
+        self._seen = 0
+        self._steps = 0
+        self._parent_dead = False
+        self._stop = threading.Event()
+        self._layout: FlatLayout | None = None
+        self._flat: torch.Tensor | None = None
+        self.batch_buffer: TensorDictBase | None = None
+        self._pending_send = False
+        self._interval = heartbeat_interval
+        self._send_timeout = 60.0
+        self._send_work = None
+        self._thread = threading.Thread(target=self._read_loop, name="rlharvest-node-reader", daemon=True)
+        self._thread.start()
+
+    def _read_loop(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self._interval
+                self._send(("hb", self._steps))
+            try:
+                if not self.conn.poll(max(0.0, next_beat - time.monotonic())):
+                    continue
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, tuple) and message and message[0] == "interrupt":
+                self._interrupts += 1
+                continue
+            self._inbox.put(message)
+            os.write(self._wake_w, b"x")
+        self._parent_dead = True
+        os.write(self._wake_w, b"x")
+
+    def _send(self, message: Any) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:
+            self._parent_dead = True
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def recv(self, timeout: float) -> Any | None:
+        try:
+            message = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        os.read(self._wake_r, 1)
+        return message
+
+    def send(self, message: Any) -> None:
+        self._send(message)
+        if self._pending_send:
+            # Non-blocking: the main process receives when it takes the reply, and meanwhile this node
+            # must stay free to apply weight updates. The buffer is reused only after before_rollout().
+            self._pending_send = False
+            self._send_work = self.group.send([self._flat], 0, BATCH_TAG)
+
+    def before_rollout(self) -> None:
+        """Wait until the previous batch left the buffer (the main took it before asking again)."""
+        work, self._send_work = self._send_work, None
+        if work is not None:
+            try:
+                work.wait(datetime.timedelta(seconds=self._send_timeout))
+            except RuntimeError:  # the main process is gone or unreachable
+                self._parent_dead = True
+                raise
+
+    def publish_batch(self, batch: TensorDictBase) -> FlatLayout | None:
+        first = self._layout is None
+        if first:
+            self._layout = FlatLayout.of(batch)
+            self._flat, self.batch_buffer = self._layout.allocate()
+        if batch is not self.batch_buffer:
+            self.batch_buffer.update_(batch)
+        self._pending_send = True  # sent right after the BATCH reply (see send)
+        return self._layout if first else None
+
+    def interrupted(self) -> bool:
+        return self._interrupts != self._seen
+
+    def clear_interrupt(self, mark: int | None = None) -> None:
+        self._seen = self._interrupts if mark is None else mark
+
+    def report_progress(self, steps: int) -> None:
+        self._steps = steps
+
+    def parent_alive(self) -> bool:
+        return not self._parent_dead
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        self._thread.join(2.0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
+             timeout: float = 120.0, op_timeout: float = 1800.0, user_timeout: float = 10.0,
+             heartbeat_interval: float = 1.0) -> None:
+    """A node's whole life: join the group, connect the command channel, receive its spec, serve.
+
+    Every launcher (local processes, SLURM jobs, nodes started by hand or by
+    ``submitit_delayed_launcher``) runs exactly this; the node learns its configuration from the main
+    process over the command channel.
+    """
+    from ..worker import run_worker
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
+    group = make_process_group(backend, store, rank, world_size, op_timeout)
+    from .torchdist_weights import set_node_group
+
+    set_node_group(group)
+    control_port = int(store.get(_CONTROL_KEY))
+    authkey = bytes.fromhex(store.get(_AUTH_KEY).decode())
+    conn = open_channel(host, control_port, authkey, timeout, user_timeout)
+    conn.send(("hello", rank, os.getpid(), socket.gethostname()))
+    spec = cloudpickle.loads(conn.recv_bytes())
+    torch.set_num_threads(max(1, int(spec.num_threads)))
+    endpoint = DistWorkerEndpoint(conn, group, rank, heartbeat_interval)
+    try:
+        run_worker(spec, endpoint)
+    finally:
+        endpoint.close()
+        del group, store

@@ -1,0 +1,133 @@
+"""Weight sync to torch.distributed nodes: thin layers over ``transport.torchdist_weights``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender
+from .schemes import WeightSyncScheme
+from .strategy import weights_of
+from .updaters import WeightUpdaterBase
+
+__all__ = ["DistributedWeightSyncScheme", "DistributedWeightUpdater"]
+
+
+class DistributedWeightSyncScheme(WeightSyncScheme):
+    """Weights sent point-to-point over the collector's process group, acknowledged with versions.
+
+    Args:
+        backend: the process group's backend (informational: the collector's group is used).
+        sync: ``send`` waits for every targeted node's acknowledgement.
+        timeout: seconds to wait for acknowledgements (dead nodes are detected much sooner).
+
+    ``init_on_sender`` takes ``model_id``, ``num_workers``, ``context`` (the collector: its
+    ``tcp_port`` + 2 is the weight channel's port) and optionally ``model`` or ``weights``.
+
+    Example:
+        >>> collector = DistributedCollector([make_env] * 2, policy, frames_per_batch=100,   # doctest: +SKIP
+        ...     launcher="mp", weight_sync_schemes={"policy": DistributedWeightSyncScheme()})
+    """
+
+    def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0) -> None:
+        super().__init__(sync=sync, timeout=timeout)
+        self.backend = backend
+        self._explicit_weights: Any = None
+
+    def init_on_sender(self, *, model_id: str = "policy", num_workers: int | None = None, context=None,
+                       model=None, weights=None, **kwargs) -> None:
+        """Raises:
+            RuntimeError: for arguments this scheme does not take.
+            ValueError: without a collector context.
+        """
+        if self.initialized_on_sender:
+            return
+        if kwargs:
+            raise RuntimeError(f"DistributedWeightSyncScheme.init_on_sender got unexpected arguments {sorted(kwargs)}")
+        if context is None:
+            raise ValueError("DistributedWeightSyncScheme needs the collector as context (its process group and port).")
+        self._explicit_weights = weights
+        super().init_on_sender(model_id=model_id, context=context, model=model, num_workers=num_workers)
+
+    def _make_sender(self, **kwargs) -> DistWeightSender:
+        context = self.context
+        return DistWeightSender(
+            self._num_workers,
+            host=context._advertised_host,
+            bind_host=context._bind_host,
+            port=int(context.tcp_port) + 2,
+            group=lambda: context._process_group,
+            liveness=context._worker_liveness,
+            user_timeout=getattr(context, "_user_timeout", 10.0),
+        )
+
+    def _initial_payload(self, weights: Any):
+        if weights is not None:
+            return self.prepare_weights(weights, self._model_id, self._strategy, self.context)
+        if self._explicit_weights is not None:
+            return weights_of(self._explicit_weights)
+        model = self.model
+        return weights_of(model) if model is not None and _has_tensors(model) else None
+
+    def init_on_receiver(self, *, model_id: str, context=None, worker_idx: int | None = None, model=None,
+                         **kwargs) -> None:
+        """Raises:
+            ValueError: without a context or a model.
+            RuntimeError: without a worker index, or if the sender was never initialised.
+        """
+        if context is None and model is None:
+            raise ValueError("DistributedWeightSyncScheme needs a context (the node's collector) or a model.")
+        super().init_on_receiver(model_id=model_id, context=context, worker_idx=worker_idx, model=model, **kwargs)
+
+    def _make_receiver(self) -> DistWeightReceiver:
+        info = getattr(self, "_connection_info", None)
+        if info is None:
+            raise RuntimeError("This scheme was never initialised as a sender: no weight channel to connect to.")
+        if self._worker_idx is None:
+            raise RuntimeError("A DistributedWeightSyncScheme receiver needs its worker index (rank - 1).")
+        return DistWeightReceiver(info, self._worker_idx)
+
+
+def _has_tensors(model) -> bool:
+    if isinstance(model, torch.nn.Module):
+        return any(True for _ in model.parameters()) or any(True for _ in model.buffers())
+    return True
+
+
+class DistributedWeightUpdater(WeightUpdaterBase):
+    """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based ids, D3).
+
+    Args:
+        store: accepted for compatibility (rlharvest talks to nodes over its command channels).
+        policy_weights: the weights pushed when none are given.
+        num_workers: number of nodes.
+        sync: wait for each node's acknowledgement.
+    """
+
+    def __init__(self, store=None, policy_weights: TensorDictBase | None = None, num_workers: int = 1,
+                 sync: bool = True) -> None:
+        self.store = store
+        self.policy_weights = policy_weights
+        self.num_workers = num_workers
+        self.sync = sync
+
+    def _get_server_weights(self):
+        return self.policy_weights
+
+    def _maybe_map_weights(self, server_weights):
+        return weights_of(server_weights) if server_weights is not None else None
+
+    def all_worker_ids(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
+        if server_weights is None:
+            return
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError("DistributedWeightUpdater is not registered with a collector.")
+        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
+            raise ValueError(f"Worker {worker_id} not registered (0-based node indices 0..{self.num_workers - 1}).")
+        collector._legacy_push(worker_id, server_weights, wait=self.sync)

@@ -1,0 +1,276 @@
+"""DistributedCollector with launcher="mp" and 2 nodes: SPEC §4 and §7 behaviours 1-9, 39."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+from mocks import CountingPolicy, weight_policy
+from tensordict import TensorDict
+
+from rlharvest import WorkerError
+from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors.distributed import DistributedCollector, DistributedDataCollector, DistributedWeightUpdater
+from rlharvest.envs import ContinuousMockEnv, CountingEnv
+from rlharvest.transport.ports import free_port_block
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make(envs=None, **kwargs):
+    kwargs.setdefault("launcher", "mp")
+    kwargs.setdefault("tcp_port", free_port_block(3))
+    envs = envs or [ContinuousMockEnv] * 2
+    return DistributedCollector(envs, kwargs.pop("policy", None), **kwargs)
+
+
+@pytest.mark.parametrize("frames_per_batch", [50, 100])
+def test_basic(frames_per_batch):  # 1
+    with make(frames_per_batch=frames_per_batch, total_frames=1000) as collector:
+        total = 0
+        for batch in collector:
+            assert batch.numel() == frames_per_batch and batch.names[-1] == "time"
+            total += batch.numel()
+        assert total == 1000
+
+
+def test_total_is_next_multiple():  # 2
+    with make(frames_per_batch=200, total_frames=1000) as collector:
+        assert sum(b.numel() for b in collector) == 1000
+    with make(frames_per_batch=300, total_frames=1000) as collector:
+        assert sum(b.numel() for b in collector) == 1200
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_sync_and_async_traj_ids_never_collide(sync):  # 3, D4
+    with make(frames_per_batch=50, total_frames=200, sync=sync) as collector:
+        per_node: dict[int, set] = {0: set(), 1: set()}
+        total = 0
+        for batch in collector:
+            assert batch.numel() == 50
+            total += 50
+            ids = batch["collector", "traj_ids"]
+            if sync:
+                assert batch.shape == (2, 25)
+                for node in (0, 1):
+                    per_node[node] |= set(ids[node].tolist())
+            else:
+                node = int(ids[0]) % 2
+                assert (ids % 2 == node).all()
+                per_node[node] |= set(ids.tolist())
+        assert total == 200
+        assert per_node[0].isdisjoint(per_node[1])
+
+
+@pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector, MultiAsyncCollector, "sync"])
+def test_node_collector_classes(collector_class):  # 4
+    with make(frames_per_batch=50, total_frames=200, collector_class=collector_class) as collector:
+        sizes = [b.numel() for b in collector]
+        assert all(size == 50 for size in sizes) and sum(sizes) == 200
+
+
+@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("collector_class", ["single", "sync", "async"])
+@pytest.mark.parametrize("source", ["policy", "factory"])
+def test_update_policy(sync, collector_class, source):  # 5
+    envs = [lambda: CountingEnv(max_steps=100)] * 2
+    if source == "policy":
+        policy = CountingPolicy(1.0)
+        kwargs = {"policy": policy}
+    else:
+        kwargs = {"policy_factory": lambda: CountingPolicy(1.0)}
+    with make(envs, frames_per_batch=50, total_frames=300, sync=sync, collector_class=collector_class,
+              **kwargs) as collector:
+        batches = []
+        for i, batch in enumerate(collector):
+            batches.append(batch)
+            if i == 0:
+                if source == "policy":
+                    with torch.no_grad():
+                        policy.weight.fill_(2.0)
+                    collector.update_policy_weights_()
+                else:
+                    collector.update_policy_weights_(TensorDict({"weight": torch.tensor(2.0)}, []))
+        assert (batches[0]["action"] == 1).all()
+        assert (batches[-1]["action"] == 2).all()
+        assert sum(b.numel() for b in batches) == 300
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_update_interval_pushes_in_place_changes(sync):  # 6
+    policy = CountingPolicy(1.0)
+    with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=120,
+              sync=sync, update_interval=1) as collector:
+        batches = []
+        for i, batch in enumerate(collector):
+            batches.append(batch)
+            if i == 0:
+                with torch.no_grad():
+                    policy.weight.fill_(2.0)
+        assert (batches[0]["action"] == 1).all() and (batches[-1]["action"] == 2).all()
+
+
+def test_update_after_each_batch_and_max_interval():
+    policy = CountingPolicy(1.0)
+    with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=200,
+              sync=False, max_weight_update_interval=0) as collector:
+        for i, batch in enumerate(collector):
+            if i == 1:
+                with torch.no_grad():
+                    policy.weight.fill_(3.0)
+            if i >= 4:
+                assert (batch["action"] == 3).all()
+                # every update resets the served node's counter (D7)
+                assert max(collector._batches_since_update) <= 1
+    with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=80,
+              sync=True, update_after_each_batch=True) as collector:
+        with torch.no_grad():
+            policy.weight.fill_(4.0)
+        assert all((b["action"] == 4).all() for b in collector)
+
+
+def test_next_without_iter():  # 8
+    with make(frames_per_batch=50, total_frames=500) as collector:
+        assert collector.next().numel() == 50
+        assert collector.next().numel() == 50
+        for i, batch in enumerate(collector):
+            assert batch.numel() == 50
+            if i == 1:
+                break
+
+
+def test_endless():  # 9, D1
+    with make(frames_per_batch=20, total_frames=-1) as collector:
+        with pytest.raises(RuntimeError, match="Non-terminating"):
+            len(collector)
+        for i, _ in enumerate(collector):
+            if i == 15:
+                break
+        assert i == 15
+
+
+def test_seed_api_and_errors():  # 39, D2, D5
+    policy = CountingPolicy()
+    collector = make([lambda: CountingEnv(max_steps=100, batch_size=(2,))] * 2, policy=policy, frames_per_batch=20,
+                     total_frames=100)
+    try:
+        assert collector.set_seed(7) == 11  # 7 -> 9 -> 11: chained through both nodes
+        with pytest.raises(ValueError):
+            collector.update_policy_weights_(policy, weights=policy)
+        with pytest.raises(ValueError, match="weights_dict"):
+            collector.update_policy_weights_(weights_dict={"policy": {}}, model_id="policy")
+        with pytest.raises(KeyError, match="critic"):
+            collector.update_policy_weights_(weights_dict={"critic": TensorDict.from_module(policy)})
+        with pytest.raises(NotImplementedError):
+            collector.state_dict()
+        assert collector.cascade_execute("num_workers") == 2
+        with pytest.raises(ValueError, match="non-callable"):
+            collector.cascade_execute("num_workers", 1)
+        assert collector.cascade_execute("workers[1].env.max_steps") == 100
+        collector.init_updater()  # no legacy updater: no-op
+        assert collector.worker_idx is None  # D6
+    finally:
+        collector.async_shutdown()
+    assert collector._closed
+
+
+def test_enable_profile_on_nodes(tmp_path):  # D12
+    with make(frames_per_batch=20, total_frames=100, sync=True) as collector:
+        collector.enable_profile(workers=[1], num_rollouts=2, warmup_rollouts=1,
+                                 save_path=str(tmp_path / "node_{worker_idx}.json"))
+        list(collector)
+    assert (tmp_path / "node_1.json").exists() and not (tmp_path / "node_0.json").exists()
+
+
+def test_argument_errors():
+    envs = [ContinuousMockEnv] * 2
+    with pytest.raises(ValueError, match="launcher"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="ssh")
+    with pytest.raises(ValueError, match="backend"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", backend="tcp")
+    with pytest.raises(RuntimeError, match="nccl"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", backend="nccl")
+    with pytest.raises(ValueError, match="collector_class"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", collector_class="parallel")
+    with pytest.raises(RuntimeError, match="Cannot dispatch"):
+        DistributedCollector(envs, frames_per_batch=11, launcher="mp", sync=True)
+    with pytest.raises(RuntimeError, match="conflicting"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", update_after_each_batch=True,
+                             max_weight_update_interval=2)
+    with pytest.raises(ValueError, match="update_interval"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", update_interval=0)
+    with pytest.raises(RuntimeError, match="num_workers_per_collector"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", num_workers_per_collector=2)
+    with pytest.raises(ValueError, match="one dict per node"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", collector_kwargs=[{}])
+    with pytest.raises(TypeError, match="weight_updater"):
+        DistributedCollector(envs, frames_per_batch=10, launcher="mp", weight_updater=DistributedWeightUpdater(),
+                             weight_sync_schemes={})
+    with pytest.warns(UserWarning, match="no-op"):
+        collector = make(policy=lambda td: td.set("action", torch.zeros(7)), frames_per_batch=10, total_frames=10)
+    collector.shutdown()
+
+
+def test_tcp_port_default_and_env_variable(monkeypatch):
+    port = free_port_block(3)
+    monkeypatch.setenv("TCP_PORT", str(port))
+    with DistributedCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=10, launcher="mp") as c:
+        assert c.tcp_port == str(port)
+        assert len(list(c)) == 1
+
+
+def test_port_in_use_is_named_quickly():
+    port = free_port_block(3)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen(1)
+    try:
+        start = time.monotonic()
+        with pytest.raises(OSError, match=str(port)):
+            make(frames_per_batch=10, tcp_port=port)
+        assert time.monotonic() - start < 5
+    finally:
+        blocker.close()
+
+
+def test_dead_node_raises_worker_error_naming_it():
+    collector = make(frames_per_batch=20, total_frames=-1, sync=True)
+    try:
+        collector.next()
+        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            for _ in range(100):
+                collector.next()
+        assert info.value.worker_idx == 1 and "node" in str(info.value)
+        assert time.monotonic() - start < 10
+    finally:
+        collector.shutdown()
+
+
+def test_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="DistributedCollector"):
+        collector = DistributedDataCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=10,
+                                             launcher="mp", tcp_port=free_port_block(3))
+    with collector:
+        assert isinstance(collector, DistributedCollector)
+
+
+def test_legacy_distributed_weight_updater():
+    policy = CountingPolicy(1.0)
+    updater = DistributedWeightUpdater(policy_weights=TensorDict.from_module(policy), num_workers=2)
+    with pytest.warns(DeprecationWarning):
+        collector = make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20,
+                         total_frames=-1, sync=True, weight_updater=updater)
+    with collector:
+        with torch.no_grad():
+            policy.weight.fill_(5.0)
+        collector.update_policy_weights_(worker_ids=1)
+        batch = collector.next()
+        assert (batch["action"][0] == 1).all() and (batch["action"][1] == 5).all()
+        with pytest.raises(ValueError, match="Worker 2 not registered"):
+            collector.update_policy_weights_(worker_ids=2)
