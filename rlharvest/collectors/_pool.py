@@ -105,6 +105,11 @@ class WorkerPool:
         deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
         while True:
             for worker, request_id in requests.items():
+                self._drain(worker)
+                # A dead worker must be noticed even while the others keep answering.
+                if request_id not in self._stash[worker]:
+                    self._check_alive(worker, request_id)
+            for worker, request_id in requests.items():
                 if request_id in self._stash[worker]:
                     return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)

@@ -339,10 +339,14 @@ class RemoteCollectorBase(BaseCollector):
             with contextlib.suppress(Exception):
                 pool.wait_for(worker, request_id, timeout=remaining)
                 closed.add(worker)
+        self._release_workers(closed)
         for worker, handle in enumerate(pool.handles):
             # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
             handle.terminate(max(deadline, time.monotonic() + 0.5) if worker in closed else time.monotonic())
         self._running_free = False
+
+    def _release_workers(self, closed: set[int]) -> None:
+        """Hook between the CLOSE replies and termination (workers that must be told to exit)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, frames={self._frames})"

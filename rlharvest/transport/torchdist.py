@@ -60,6 +60,11 @@ _STATE = {"created": False}
 def distributed_state_exists() -> bool:
     """Whether this process created torch.distributed state (whose threads make fork unsafe)."""
     return _STATE["created"] or (dist.is_available() and dist.is_initialized())
+
+
+def mark_distributed_state() -> None:
+    """Record that torch.distributed (a store, a group, RPC) now runs threads in this process."""
+    _STATE["created"] = True
 BATCH_TAG = 11
 WEIGHTS_TAG = 12
 _CONTROL_KEY, _AUTH_KEY, _WEIGHTS_KEY = "rlharvest/control_port", "rlharvest/authkey", "rlharvest/weights_port"

@@ -1,6 +1,7 @@
 """Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
 
 from .distributed import DistributedWeightSyncScheme
+from .rpc import RPCWeightSyncScheme
 from .schemes import NoWeightSyncScheme, WeightSyncScheme
 from .shared_mem import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from .strategy import WeightStrategy
@@ -11,6 +12,7 @@ __all__ = [
     "WeightStrategy",
     "NoWeightSyncScheme",
     "DistributedWeightSyncScheme",
+    "RPCWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "WeightUpdaterBase",

@@ -2,15 +2,21 @@
 
 from ..._utils import deprecated_alias
 from ...weight_update.distributed import DistributedWeightUpdater
+from ...weight_update.rpc import RPCWeightUpdater
 from .generic import DistributedCollector
+from .rpc import RPCCollector
 from .launchers import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
 
 DistributedDataCollector = deprecated_alias(DistributedCollector, "DistributedDataCollector")
+RPCDataCollector = deprecated_alias(RPCCollector, "RPCDataCollector")
 
 __all__ = [
     "DistributedCollector",
     "DistributedDataCollector",
     "DistributedWeightUpdater",
+    "RPCCollector",
+    "RPCDataCollector",
+    "RPCWeightUpdater",
     "DEFAULT_SLURM_CONF",
     "DEFAULT_SLURM_CONF_MAIN",
     "submitit_delayed_launcher",

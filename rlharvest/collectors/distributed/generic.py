@@ -96,6 +96,8 @@ class DistributedCollector(RemoteCollectorBase):
     """
 
     noun = "node"
+    #: nodes get a stateless policy and receive its weights from the scheme's initial sync
+    _stateless_nodes = True
 
     def __init__(
         self,
@@ -315,7 +317,8 @@ class DistributedCollector(RemoteCollectorBase):
         factory = self.policy_factory[node] if self.policy_factory else None
         policy = None
         if factory is None and self.policy is not None:
-            policy = setup.stateless_copy(self.policy) if self._sender_schemes else self.policy
+            stateless = self._sender_schemes and self._stateless_nodes
+            policy = setup.stateless_copy(self.policy) if stateless else self.policy
         return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
                           collector_kwargs=kwargs, policy=policy, policy_factory=factory,
                           weight_recv_schemes=self._sender_schemes or None, num_threads=1)

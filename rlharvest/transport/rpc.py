@@ -1,0 +1,366 @@
+"""Nodes driven by torch.distributed.rpc (TensorPipe): the worker loop in *pull* mode.
+
+Each node builds a :class:`~rlharvest.worker.Worker` when the main process asks it to (an RRef
+owned by the node), and every command is one RPC that runs ``Worker.handle`` there; batches come
+back inside the reply (TensorPipe moves tensors without pickling their data). Futures complete into
+a wake-up pipe, so :class:`~rlharvest.collectors._pool.WorkerPool` waits on RPC nodes exactly as
+on processes. Names: the main process is ``TRAINER_NODE`` (rank 0), node ``i`` is
+``COLLECTOR_NODE_<i+1>``.
+
+Liveness: an RPC to a dead node fails; the main also pings nodes while waiting and declares a node
+dead when a ping fails or stays unanswered for ``heartbeat_timeout`` seconds. Nodes ping the main
+process the same way and exit when it is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed.rpc as rpc
+from tensordict import TensorDictBase
+
+from ..errors import RemoteFailure, WorkerError
+from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
+
+__all__ = [
+    "TRAINER_NAME",
+    "node_name",
+    "rpc_options",
+    "RPCNodeEndpoint",
+    "RPCWorkerHandle",
+    "RPCWeightSender",
+    "RPCWeightReceiver",
+    "run_rpc_node",
+    "DEFAULT_TENSORPIPE_OPTIONS",
+]
+
+TRAINER_NAME = "TRAINER_NODE"
+DEFAULT_TENSORPIPE_OPTIONS = {"num_worker_threads": 16, "rpc_timeout": 10000, "_transports": ["uv"]}
+_NODE: dict[str, Any] = {"worker": None, "closed": None}
+
+
+def node_name(rank: int) -> str:
+    return f"COLLECTOR_NODE_{rank}"
+
+
+def init_rpc_quietly(name: str, rank: int, world_size: int, options) -> None:
+    """``rpc.init_rpc`` without the deprecation warning torch's own TensorPipe start-up emits."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def rpc_options(host: str, port: int, tensorpipe_options: dict | None, device_maps: dict | None = None):
+    """TensorPipe options: ``tensorpipe_options`` merged over the defaults (D18)."""
+    options = {**DEFAULT_TENSORPIPE_OPTIONS, **(tensorpipe_options or {})}
+    if device_maps:
+        options["device_maps"] = device_maps
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", **options)
+
+
+# ---------------------------------------------------------------------------------------------- node side
+class RPCNodeEndpoint(WorkerEndpoint):
+    """Interrupts and progress of a node's worker (set by concurrent RPCs, read between env steps)."""
+
+    def __init__(self, worker_idx: int) -> None:
+        self.worker_idx = worker_idx
+        self.interrupts = 0
+        self._seen = 0
+        self.steps = 0
+
+    def recv(self, timeout: float):
+        return None
+
+    def send(self, message) -> None:
+        return None
+
+    def publish_batch(self, batch: TensorDictBase) -> TensorDictBase:
+        return batch  # travels inside the reply
+
+    def interrupted(self) -> bool:
+        return self.interrupts != self._seen
+
+    def clear_interrupt(self, mark: int | None = None) -> None:
+        self._seen = self.interrupts if mark is None else mark
+
+    def report_progress(self, steps: int) -> None:
+        self.steps = steps
+
+
+def _create_worker(spec_bytes: bytes):
+    """Runs on the node (through ``rpc.remote``): build the worker; the RRef keeps it there."""
+    from ..worker import Worker
+
+    spec = cloudpickle.loads(spec_bytes)
+    torch.set_num_threads(max(1, int(spec.num_threads)))
+    worker = Worker(spec, RPCNodeEndpoint(spec.worker_idx))
+    worker.command_lock = threading.Lock()
+    _NODE["worker"] = worker
+    return worker
+
+
+def _handle(worker_rref, message):
+    """One command. RPCs run on a thread pool, so commands are serialised like the push loop's."""
+    worker = worker_rref.local_value()
+    with worker.command_lock:
+        return worker.handle(message)
+
+
+def _interrupt(worker_rref) -> None:
+    worker_rref.local_value().endpoint.interrupts += 1
+
+
+def _progress(worker_rref) -> int:
+    return worker_rref.local_value().endpoint.steps
+
+
+def _collector_of(worker_rref):
+    return worker_rref.local_value().collector
+
+
+def _apply_weights(worker_rref, model_id: str, version: int, weights) -> int:
+    """Runs on the node: apply, cascade, return the version (the acknowledgement)."""
+    collector = worker_rref.local_value().collector
+    scheme = (collector._receiver_schemes or {}).get(model_id)
+    if scheme is None:
+        raise KeyError(f"node has no receiver scheme for model {model_id!r}")
+    scheme.apply_pushed(version, weights)
+    return version
+
+
+def _ping() -> bool:
+    return True
+
+
+def _close_node(graceful: bool = False) -> None:
+    _NODE["graceful"] = graceful
+    closed = _NODE["closed"]
+    if closed is not None:
+        closed.set()
+
+
+def rpc_session_state() -> dict:
+    """torch RPC keeps per-process counters (store prefixes of ``init_rpc`` calls, sequence ids of its
+    internal all-gathers) that every participant must agree on. A node is a fresh process, so after a
+    first RPC session in the main process it must start from the main's values."""
+    from torch.distributed.rpc import api
+
+    with api._all_gather_dict_lock:
+        return {"init_counter": rpc._init_counter, "all_gather_ids": dict(api._all_gather_sequence_id)}
+
+
+def _adopt_session_state(state: dict | None) -> None:
+    from torch.distributed.rpc import api
+
+    if not state:
+        return
+    with rpc._init_counter_lock:
+        rpc._init_counter = state["init_counter"]
+    with api._all_gather_dict_lock:
+        api._all_gather_sequence_id.update(state["all_gather_ids"])
+
+
+def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
+                 tensorpipe_options: dict | None = None, user_timeout: float = 10.0, session: dict | None = None,
+                 **_) -> None:
+    """A node's whole life: join the RPC world, serve until the main process closes us or vanishes."""
+    torch.set_num_threads(1)
+    _adopt_session_state(session)
+    closed = threading.Event()
+    _NODE["closed"] = closed
+    init_rpc_quietly(node_name(rank), rank, world_size, rpc_options(host, port, tensorpipe_options))
+    failures = 0
+    try:
+        while not closed.wait(1.0):
+            try:
+                rpc.rpc_sync(TRAINER_NAME, _ping, timeout=user_timeout)
+                failures = 0
+            except Exception:
+                failures += 1
+                if failures >= 2:  # the main process is gone: do not linger
+                    break
+    finally:
+        worker = _NODE["worker"]
+        _NODE["worker"] = None
+        if worker is not None and not worker.closed:
+            worker.collector.shutdown(raise_on_error=False)
+        del worker
+        rpc.shutdown(graceful=False)
+
+
+# ---------------------------------------------------------------------------------------------- main side
+class RPCWorkerHandle(WorkerHandle):
+    """The main process's end of one RPC node: futures completing into a wake-up pipe."""
+
+    def __init__(self, worker_idx: int, rank: int, launched, heartbeat_timeout: float) -> None:
+        self.worker_idx = worker_idx
+        self.name = node_name(rank)
+        self.launched = launched
+        self.heartbeat_timeout = heartbeat_timeout
+        self.worker_rref = None
+        self._replies: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._failed: str | None = None
+        self._interrupts = 0
+        self._ping: Any = None
+        self._ping_sent = 0.0
+
+    def start(self, spec_bytes: bytes, timeout: float) -> None:
+        self.worker_rref = rpc.remote(self.name, _create_worker, args=(spec_bytes,), timeout=timeout)
+
+    def _complete(self, request_id: int, future) -> None:
+        from ..worker import Reply
+
+        try:
+            reply = future.value()
+        except Exception as err:  # the RPC itself failed (node died, unreachable, ...)
+            self._failed = f"its RPC failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            reply = Reply(request_id, self.worker_idx,
+                          failure=RemoteFailure.capture(WorkerError(self._failed, worker_idx=self.worker_idx),
+                                                        self.worker_idx))
+        with self._lock:
+            self._replies.append(reply)
+        os.write(self._wake_w, b"x")
+
+    def send(self, message) -> None:
+        future = rpc.rpc_async(self.name, _handle, args=(self.worker_rref, message), timeout=0)
+        future.add_done_callback(lambda fut, rid=message.request_id: self._complete(rid, fut))
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self._replies:
+            return True
+        if timeout > 0:
+            import select
+
+            select.select([self._wake_r], [], [], timeout)
+        return bool(self._replies)
+
+    def recv(self):
+        with self._lock:
+            reply = self._replies.popleft()
+        os.read(self._wake_r, 1)
+        return reply
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def is_alive(self) -> bool:
+        if self._failed or not self.launched.is_alive():
+            return False
+        now = time.monotonic()
+        ping = self._ping
+        if ping is not None and ping.done():
+            try:
+                ping.value()
+            except Exception as err:
+                self._failed = f"it stopped answering pings ({type(err).__name__})"
+                return False
+            self._ping = None
+        elif ping is not None and now - self._ping_sent > self.heartbeat_timeout:
+            self._failed = f"no answer to a ping for {self.heartbeat_timeout:g} s (host unreachable?)"
+            return False
+        if self._ping is None and now - self._ping_sent > 1.0:
+            self._ping_sent = now
+            self._ping = rpc.rpc_async(self.name, _ping, timeout=self.heartbeat_timeout)
+        return True
+
+    def exit_description(self) -> str:
+        if not self.launched.is_alive():
+            return self.launched.exit_description()
+        return self._failed or "it stopped answering"
+
+    def interrupt(self) -> None:
+        if self.worker_rref is not None and not self._failed:
+            self._interrupts += 1
+            rpc.rpc_async(self.name, _interrupt, args=(self.worker_rref,), timeout=self.heartbeat_timeout)
+
+    def interrupt_mark(self) -> int:
+        return self._interrupts
+
+    def fetch_batch(self, reply) -> TensorDictBase:
+        return reply.value
+
+    def collector_rref(self, timeout: float):
+        return rpc.remote(self.name, _collector_of, args=(self.worker_rref,), timeout=timeout)
+
+    def forget_remote(self) -> None:
+        self.worker_rref = None
+        self._ping = None
+
+    def close_node(self, graceful: bool = False) -> None:
+        try:
+            rpc.rpc_async(self.name, _close_node, args=(graceful,), timeout=self.heartbeat_timeout)
+        except Exception:
+            pass
+
+    def terminate(self, deadline: float) -> None:
+        self.launched.terminate(deadline)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------- weights
+class RPCWeightSender(WeightSender):
+    """Weights ride in an RPC to each targeted node; its return value is the acknowledgement."""
+
+    def __init__(self, handles: list[RPCWorkerHandle], model_id: str) -> None:
+        self.handles = handles
+        self.num_workers = len(handles)
+        self.model_id = model_id
+        self._futures: dict[int, Any] = {}
+
+    def connect(self, initial) -> None:
+        """Nodes received the policy with their spec: nothing to do."""
+
+    def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
+        for worker in worker_ids:
+            handle = self.handles[worker]
+            self._futures[worker] = rpc.rpc_async(
+                handle.name, _apply_weights, args=(handle.worker_rref, self.model_id, version, payload), timeout=0)
+
+    def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for worker in worker_ids:
+            future = self._futures.pop(worker, None)
+            if future is None:
+                continue
+            handle = self.handles[worker]
+            while not future.done():
+                if not handle.is_alive():
+                    raise WorkerError(f"died while applying new weights: {handle.exit_description()}.",
+                                      worker_idx=worker)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {worker} did not acknowledge weights version {version} in time.")
+                time.sleep(0.0005)
+            try:
+                future.wait()
+            except Exception as err:
+                raise WorkerError(f"applying new weights failed: {err}", worker_idx=worker) from err
+
+
+class RPCWeightReceiver(WeightReceiver):
+    """Passive: updates are pushed by the sender's RPC (see ``apply_pushed``), never polled."""
+
+    def connect(self, timeout: float):
+        return None
+
+    def pending(self) -> bool:
+        return False
+
+    def receive(self, timeout: float):
+        return None
+
+    def ack(self, version: int) -> None:
+        return None
