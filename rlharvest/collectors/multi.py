@@ -251,11 +251,15 @@ class _MultiCollector(RemoteCollectorBase):
 
     @property
     def policy_weights(self) -> dict:
-        """``{device: weights}`` staged for the workers (legacy updaters write here)."""
-        scheme = (self._legacy_schemes if self._legacy else self._sender_schemes).get("policy")
-        if scheme is None or scheme.sender_transports is None:
-            return {}
-        return {key: td for key, td in scheme.sender_transports.buffers.items() if not isinstance(key, int)}
+        """``{device: weights}`` staging area of legacy updaters (private copies; pushed on write)."""
+        if getattr(self, "_legacy_staging", None) is None:
+            source = self.get_model("policy")
+            if source is None:
+                return {}
+            weights = weights_of(source)
+            self._legacy_staging = {device: weights.detach().to(device).clone()
+                                    for device in dict.fromkeys(self._worker_policy_devices)}
+        return self._legacy_staging
 
     # ------------------------------------------------------------------ replay buffer
     def _write_to_buffer(self, batch: TensorDictBase) -> None:

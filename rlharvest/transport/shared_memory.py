@@ -1,15 +1,15 @@
 """Weights to worker processes through shared memory (or, for MultiProcess schemes, through pipes).
 
-Atomicity: workers never run on the trainer's tensors, nor on the shared buffer. The sender copies
-new weights into a shared *staging* buffer (one per device, or one per worker for per-worker
-weights), bumps the worker's version in a shared array, and rings the worker's pipe. The worker
-notices between two env steps (a ~0.1 us read of that array), copies the staging buffer into its
-own parameters, cascades to its own workers if it has any, and acknowledges the version. So an
-optimizer step in progress, or an in-place change without ``update_policy_weights_``, never
-reaches a worker, and every frame collected after ``send`` returns uses the new weights.
+The sender copies an update once, into a shared *generation* buffer no worker currently uses
+(``weight_pool``); each targeted worker notices it between two env steps (a ~0.1 us read of a shared
+version array), swaps its model's tensors for views of that buffer, cascades to its own workers if
+it has any, and acknowledges. So an update costs one copy plus a few microseconds per worker, an
+optimizer step in progress (or an in-place change without ``update_policy_weights_``) never reaches
+a worker, and every frame collected after ``send`` returns uses the new weights.
 
-If the sender has no weights (workers built their policies from distinct factories), each worker
-*offers* a shared buffer holding its own weights instead, and updates are written into those.
+Buffers are shared per policy device, or per worker for per-worker weights. A sender without
+weights (workers built their policies from distinct factories) lets workers keep their own weights
+until the first update, whose payload defines the layout.
 """
 
 from __future__ import annotations
@@ -20,32 +20,25 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDictBase
 
+from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
-from ..weight_update.strategy import copy_weights_
 from .base import WeightReceiver, WeightSender
+from .weight_pool import GenerationPool, TorchShmAllocator, copy_into
 
 __all__ = ["SharedMemWeightSender", "SharedMemWeightReceiver"]
 
 Liveness = Callable[[int], tuple[bool, str]]
 
 
-def _shared_copy(weights: TensorDictBase, device: torch.device | None) -> TensorDictBase:
-    copy = weights.detach().clone()
-    if device is not None:
-        copy = copy.to(device)
-    on_cpu = all(leaf.device.type == "cpu" for leaf in copy.values(True, True))
-    return copy.share_memory_() if on_cpu else copy  # CUDA tensors are shared by IPC handle when pickled
-
-
 class SharedMemWeightSender(WeightSender):
-    """Parent end: staging buffers, per-worker versions and one pipe per worker.
+    """Parent end: generation pools, per-worker versions and one pipe per worker.
 
     Args:
         num_workers: receivers.
         ctx: multiprocessing context (pipes are created with it).
         devices: policy device of each worker (buffers are shared per device).
-        per_worker: one buffer per worker instead of per device.
-        via_pipe: send the weights themselves through the pipes (MultiProcess scheme).
+        per_worker: one pool per worker instead of per device.
+        via_pipe: send each update's tensors through the pipes (MultiProcess scheme).
         liveness: ``liveness(worker) -> (alive, description)`` used while waiting for acks.
     """
 
@@ -60,17 +53,28 @@ class SharedMemWeightSender(WeightSender):
         self.conns = [parent for parent, _ in pipes]
         self._child_conns = [child for _, child in pipes]
         self.versions = torch.zeros(num_workers, dtype=torch.int64).share_memory_()
-        self.buffers: dict[Any, TensorDictBase] = {}
-        self._stateless = False
-        self._offers_pending: set[int] = set()
+        self.pools: dict[Any, GenerationPool] = {}
+        self._current: dict[int, int] = {}   # worker -> generation it runs on
+        self._pending: dict[int, int] = {}   # worker -> generation announced, not yet acknowledged
+        self._seen: dict[int, set] = {w: set() for w in range(num_workers)}
         self._unacked: dict[int, int] = {}
 
     @property
     def shared(self) -> dict[Any, TensorDictBase]:
         return self.buffers
 
+    @property
+    def buffers(self) -> dict[Any, TensorDictBase]:
+        """The generation each pool's workers currently run on, by pool key (device or worker)."""
+        out = {}
+        for key, pool in self.pools.items():
+            users = [w for w in range(self.num_workers) if self._key(w) == key and w in self._current]
+            if users:
+                out[key] = pool.get(self._current[users[0]]).view
+        return out
+
     def _key(self, worker: int):
-        return worker if self.per_worker or self._stateless else self.devices[worker]
+        return worker if self.per_worker else self.devices[worker]
 
     def connection_info(self) -> dict:
         return {"conns": self._child_conns, "versions": self.versions, "via_pipe": self.via_pipe}
@@ -78,62 +82,57 @@ class SharedMemWeightSender(WeightSender):
     # ------------------------------------------------------------------ connect
     def connect(self, initial) -> None:
         if initial is None:
-            self._stateless = True
-            self._offers_pending = set(range(self.num_workers))
             for conn in self.conns:
-                conn.send(("offer_please",))
+                conn.send(("init", None, None))
             return
-        for worker, conn in enumerate(self.conns):
-            weights = initial[worker] if isinstance(initial, dict) else initial
-            if self.via_pipe:
-                conn.send(("init", weights.detach().clone()))
-                continue
-            key = self._key(worker)
-            if key not in self.buffers:
-                self.buffers[key] = _shared_copy(weights, self.devices[worker])
-            conn.send(("init", self.buffers[key]))
-
-    def _collect_offers(self, workers: list[int], timeout: float) -> None:
-        for worker in workers:
-            if worker not in self._offers_pending:
-                continue
-            message = self._recv(worker, time.monotonic() + timeout, "its initial weights")
-            if message[0] != "offer":
-                raise RuntimeError(f"worker {worker} sent {message[0]!r} instead of its weights offer.")
-            self.buffers[worker] = message[1]
-            self._offers_pending.discard(worker)
+        if isinstance(initial, dict):
+            self.per_worker = True
+        self._announce(initial, 0, list(range(self.num_workers)), kind="init")
 
     # ------------------------------------------------------------------ updates
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
-        self._collect_offers(worker_ids, 120.0)
-        # A buffer may still be read by a worker of an unacknowledged (sync=False) update.
-        busy = [w for w in self._unacked if self._key(w) in {self._key(t) for t in worker_ids}]
+        # Generations pending for unacknowledged (sync=False) updates may still be read: settle them.
+        busy = [w for w in self._unacked if w in worker_ids or self._key(w) in {self._key(t) for t in worker_ids}]
         if busy:
             self.wait_acks(max(self._unacked[w] for w in busy), busy, 120.0)
+        self._announce(payload, version, worker_ids, kind="update")
+
+    def _announce(self, payload, version: int, worker_ids: list[int], kind: str) -> None:
         if self.via_pipe:
             for worker in worker_ids:
                 weights = payload[worker] if isinstance(payload, dict) else payload
-                self.conns[worker].send(("update", version, weights.detach().clone()))
                 self.versions[worker] = version
-                self._unacked[worker] = version
+                self.conns[worker].send((kind, version, weights.detach().clone()))
+                if kind == "update":
+                    self._unacked[worker] = version
             return
-        written = set()
+        by_key: dict[Any, list[int]] = {}
         for worker in worker_ids:
-            key = self._key(worker)
-            if key not in written:
-                copy_weights_(self.buffers[key], payload[worker] if isinstance(payload, dict) else payload)
-                written.add(key)
-        for worker in worker_ids:
-            self.versions[worker] = version
-            self.conns[worker].send(("update", version))
-            self._unacked[worker] = version
+            by_key.setdefault(self._key(worker), []).append(worker)
+        for key, workers in by_key.items():
+            weights = payload[workers[0]] if isinstance(payload, dict) else payload
+            generation = self._stage(key, weights)
+            for worker in workers:
+                handle = None if generation.gen_id in self._seen[worker] else generation.handle
+                self._seen[worker].add(generation.gen_id)
+                self._pending[worker] = generation.gen_id
+                self.versions[worker] = version
+                self.conns[worker].send((kind, version, (generation.gen_id, handle)))
+                if kind == "update":
+                    self._unacked[worker] = version
+                else:
+                    self._current[worker] = generation.gen_id
 
-    def signal(self, version: int, worker_ids: list[int]) -> None:
-        """Announce weights already written into the buffers (legacy updaters write them)."""
-        for worker in worker_ids:
-            self.versions[worker] = version
-            self.conns[worker].send(("update", version))
-            self._unacked[worker] = version
+    def _stage(self, key, weights: TensorDictBase):
+        pool = self.pools.get(key)
+        if pool is None:
+            device = None if self.per_worker else key
+            layout = FlatLayout.of(weights.to(device) if device is not None else weights)
+            pool = self.pools[key] = GenerationPool(layout, TorchShmAllocator())
+        busy = {g for w, g in list(self._current.items()) + list(self._pending.items()) if self._key(w) == key}
+        generation, _ = pool.acquire(busy)
+        copy_into(generation, pool.keys, weights)
+        return generation
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -142,10 +141,15 @@ class SharedMemWeightSender(WeightSender):
             while worker in self._unacked:
                 message = self._recv(worker, deadline, f"an acknowledgement of weights version {version}")
                 if message[0] == "ack":
-                    if message[1] >= self._unacked[worker]:
+                    _, acked, gen_id = message
+                    if gen_id is not None:
+                        self._current[worker] = gen_id
+                        self._pending.pop(worker, None)
+                    if acked >= self._unacked[worker]:
                         del self._unacked[worker]
                 elif message[0] == "error":
                     del self._unacked[worker]
+                    self._pending.pop(worker, None)
                     raise message[1].to_exception(context="applying new weights")
 
     def _recv(self, worker: int, deadline: float, what: str):
@@ -170,38 +174,44 @@ class SharedMemWeightSender(WeightSender):
                 conn.close()
             except OSError:
                 pass
+        for pool in self.pools.values():
+            pool.close()
 
 
 class SharedMemWeightReceiver(WeightReceiver):
-    """Worker end: watches its version slot, reads the staging buffer, acknowledges."""
+    """Worker end: watches its version slot, maps generations, acknowledges with the one it runs on."""
 
-    def __init__(self, info: dict, worker_idx: int, local_weights: Callable[[], TensorDictBase | None]) -> None:
+    #: the scheme swaps the model's tensors for the received ones instead of copying
+    zero_copy = True
+
+    def __init__(self, info: dict, worker_idx: int) -> None:
         self.conn = info["conns"][worker_idx]
         self.worker_idx = worker_idx
         self.via_pipe = info["via_pipe"]
         self._versions = info["versions"].numpy()
-        self._local_weights = local_weights
         self._applied = 0
-        self.buffer: TensorDictBase | None = None
+        self._generations: dict[int, TensorDictBase] = {}
+        self._gen_id: int | None = None
 
     def fileno(self) -> int:
         return self.conn.fileno()
 
+    def _weights_of(self, body) -> TensorDictBase | None:
+        if self.via_pipe:
+            return body
+        gen_id, handle = body
+        if handle is not None:
+            self._generations[gen_id] = handle
+        self._gen_id = gen_id
+        return self._generations.get(gen_id)
+
     def connect(self, timeout: float) -> TensorDictBase | None:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"worker {self.worker_idx}: no initial weights within {timeout} s.")
-        message = self.conn.recv()
-        if message[0] == "init":
-            self.buffer = message[1]
-            return self.buffer
-        if message[0] == "offer_please":
-            own = self._local_weights()
-            if own is None:
-                raise RuntimeError("The sender has no weights and this worker has no model to offer.")
-            self.buffer = _shared_copy(own, None)
-            self.conn.send(("offer", self.buffer))
-            return None
-        raise RuntimeError(f"Unexpected weight-sync message {message[0]!r} during connect.")
+        kind, version, body = self.conn.recv()
+        if kind != "init":
+            raise RuntimeError(f"Unexpected weight-sync message {kind!r} during connect.")
+        return None if body is None else self._weights_of(body)
 
     def pending(self) -> bool:
         return int(self._versions[self.worker_idx]) != self._applied
@@ -209,15 +219,14 @@ class SharedMemWeightReceiver(WeightReceiver):
     def receive(self, timeout: float):
         if not self.conn.poll(timeout):
             return None
-        message = self.conn.recv()
-        if message[0] != "update":
+        kind, version, body = self.conn.recv()
+        if kind != "update":
             return None
-        version = message[1]
-        return version, (message[2] if self.via_pipe else self.buffer)
+        return version, self._weights_of(body)
 
     def ack(self, version: int) -> None:
         self._applied = version
-        self.conn.send(("ack", version))
+        self.conn.send(("ack", version, None if self.via_pipe else self._gen_id))
 
     def nack(self, failure: RemoteFailure) -> None:
         self.conn.send(("error", failure))

@@ -250,6 +250,9 @@ class WeightSyncScheme:
         model = self.model
         if model is None:
             return
+        if isinstance(model, torch.nn.Module) and getattr(self._receiver, "zero_copy", False):
+            self._strategy.apply_weights(model, weights, inplace=False)  # also materialises meta models
+            return
         if isinstance(model, torch.nn.Module):
             context = self.context
             _materialize(model, weights, getattr(context, "policy_device", None))
@@ -343,7 +346,8 @@ class WeightSyncScheme:
             return None
         version, weights = got
         try:
-            self.apply_weights(weights)
+            # Zero-copy transports hand over a buffer reserved for this update: swap it in.
+            self.apply_weights(weights, inplace=not getattr(self._receiver, "zero_copy", False))
             self._version = version
             self._cascade(weights)
         except BaseException as err:

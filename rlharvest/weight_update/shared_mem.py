@@ -115,7 +115,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             raise RuntimeError("This scheme was never initialised as a sender: it has no channel to receive on.")
         if self._worker_idx is None:
             raise RuntimeError("A SharedMem receiver needs its worker_idx.")
-        return SharedMemWeightReceiver(info, self._worker_idx, local_weights=lambda: self.weights)
+        return SharedMemWeightReceiver(info, self._worker_idx)
 
 
 class MultiProcessWeightSyncScheme(SharedMemWeightSyncScheme):

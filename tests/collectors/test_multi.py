@@ -50,7 +50,7 @@ def test_frames_per_batch_per_worker():  # 11
 
 
 def test_ordering_stack_cat_and_preemption():  # 18
-    make = [lambda i=i: ConstantObsEnv(value=i, delay=0.02 if i % 2 else 0.0) for i in range(8)]
+    make = [lambda i=i: ConstantObsEnv(value=i, delay=0.05 if i % 2 else 0.0) for i in range(8)]
     with MultiSyncCollector(make[:4], frames_per_batch=16, total_frames=16) as collector:
         batch = next(iter(collector))
         for worker in range(4):

@@ -1,0 +1,138 @@
+"""Generation buffers: weight updates with one copy, applied atomically by a pointer swap.
+
+The sender keeps a small pool of flat weight buffers ("generations") in memory that its receivers can
+map. An update is copied once, into a generation *no receiver currently uses*; receivers then swap
+their model's tensors for views of that generation (no copy) between two env steps and acknowledge.
+A generation in use is never written, so a receiver never sees a half-applied update, and the
+trainer's own tensors are never shared. The pool holds at most (distinct generations in use) + 1
+buffers; with whole-fleet updates that is two, alternating.
+
+Two allocators: torch shared memory (worker processes, handles passed through pipes) and named POSIX
+shared memory (nodes on the same host, reached over TCP: they attach by name).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from ..data.flat import FlatLayout
+
+__all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into"]
+
+
+@dataclass
+class Generation:
+    gen_id: int
+    flat: torch.Tensor
+    view: TensorDictBase
+    leaves: list[torch.Tensor]
+    handle: Any  # what a receiver needs to map this buffer
+
+
+class TorchShmAllocator:
+    """Flat buffers in torch shared memory; the handle is the (picklable-through-pipes) view itself."""
+
+    def allocate(self, layout: FlatLayout):
+        flat, view = layout.allocate(shared=True)
+        return flat, view, view
+
+    def release(self, generation: Generation) -> None:
+        return None
+
+
+class NamedShmAllocator:
+    """Flat buffers in named POSIX shared memory; the handle is ``(name, layout)``."""
+
+    def __init__(self) -> None:
+        self._segments: dict[int, shared_memory.SharedMemory] = {}
+
+    def allocate(self, layout: FlatLayout):
+        segment = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
+        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layout.total_bytes)
+        view = layout.view(flat)
+        self._segments[id(flat)] = segment
+        return flat, view, (segment.name, layout)
+
+    def release(self, generation: Generation) -> None:
+        segment = self._segments.pop(id(generation.flat), None)
+        if segment is not None:
+            generation.flat = generation.view = None
+            generation.leaves = []
+            try:
+                segment.close()
+                segment.unlink()
+            except (FileNotFoundError, BufferError):
+                pass
+
+
+def attach_named(handle) -> tuple[Any, TensorDictBase]:
+    """Map a named segment created by :class:`NamedShmAllocator` (receiver side)."""
+    name, layout = handle
+    segment = shared_memory.SharedMemory(name=name)
+    try:  # the creator owns the segment: our resource tracker must not unlink it when we exit
+        resource_tracker.unregister(segment._name, "shared_memory")
+    except Exception:
+        pass
+    flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layout.total_bytes)
+    return segment, layout.view(flat)
+
+
+def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> None:
+    """One fused copy of ``weights`` into a generation.
+
+    Raises:
+        KeyError: when the weight keys differ from the generation's.
+    """
+    try:
+        sources = [weights.get(key) for key in keys]
+    except KeyError:
+        given = sorted(weights.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k)
+        raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
+    if len(list(weights.keys(True, True))) != len(keys):
+        given = sorted(weights.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k)
+        raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
+    with torch.no_grad():
+        torch._foreach_copy_(generation.leaves, sources)
+
+
+class GenerationPool:
+    """Generations of one weight layout; hands out a buffer no receiver uses."""
+
+    def __init__(self, layout: FlatLayout, allocator) -> None:
+        self.layout = layout
+        self.keys = [entry[0] for entry in layout.entries]
+        self.allocator = allocator
+        self._generations: dict[int, Generation] = {}
+        self._ids = itertools.count()
+
+    def acquire(self, busy: set[int]) -> tuple[Generation, bool]:
+        """A generation outside ``busy`` (in use by, or pending for, some receiver); new if needed."""
+        for gen_id, generation in self._generations.items():
+            if gen_id not in busy:
+                return generation, False
+        flat, view, handle = self.allocator.allocate(self.layout)
+        gen_id = next(self._ids)
+        leaves = [view.get(key) for key in self.keys]
+        generation = Generation(gen_id, flat, view, leaves, handle)
+        self._generations[gen_id] = generation
+        return generation, True
+
+    def get(self, gen_id: int) -> Generation:
+        return self._generations[gen_id]
+
+    def trim(self, keep: set[int]) -> None:
+        """Free generations nobody uses beyond one spare."""
+        spare = [g for g in self._generations if g not in keep]
+        for gen_id in spare[1:]:
+            self.allocator.release(self._generations.pop(gen_id))
+
+    def close(self) -> None:
+        for generation in self._generations.values():
+            self.allocator.release(generation)
+        self._generations.clear()
