@@ -25,8 +25,10 @@ import torch
 import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
 
+from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
 from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
+from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = [
     "TRAINER_NAME",
@@ -126,14 +128,27 @@ def _collector_of(worker_rref):
     return worker_rref.local_value().collector
 
 
-def _apply_weights(worker_rref, model_id: str, version: int, weights) -> int:
-    """Runs on the node: apply, cascade, return the version (the acknowledgement)."""
+def _apply_weights(worker_rref, model_id: str, version: int, payload):
+    """Runs on the node: map or take the payload, swap it in, cascade; returns the acknowledgement."""
     collector = worker_rref.local_value().collector
     scheme = (collector._receiver_schemes or {}).get(model_id)
     if scheme is None:
         raise KeyError(f"node has no receiver scheme for model {model_id!r}")
-    scheme.apply_pushed(version, weights)
-    return version
+    gen_id = None
+    if isinstance(payload, tuple):  # ("shm", gen_id, handle): a generation of the sender's pool
+        _, gen_id, handle = payload
+        segments = _NODE.setdefault("segments", {})
+        if handle is not None:
+            segments[gen_id] = attach_named(handle)
+        payload = segments[gen_id][1]
+    scheme.apply_pushed(version, payload)  # fresh tensors or a reserved generation: swapped, not copied
+    return version, gen_id
+
+
+def _boot_id() -> str:
+    from .torchdist_weights import boot_id
+
+    return boot_id()
 
 
 def _ping() -> bool:
@@ -210,6 +225,7 @@ class RPCWorkerHandle(WorkerHandle):
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._failed: str | None = None
+        self.local = False  # on this host: weights through shared memory
         self._interrupts = 0
         self._ping: Any = None
         self._ping_sent = 0.0
@@ -313,22 +329,49 @@ class RPCWorkerHandle(WorkerHandle):
 
 # ---------------------------------------------------------------------------------------------- weights
 class RPCWeightSender(WeightSender):
-    """Weights ride in an RPC to each targeted node; its return value is the acknowledgement."""
+    """Weights ride in an RPC to each targeted node; its return value is the acknowledgement.
+
+    Nodes on this host get a generation of a named shared-memory pool instead of the tensors (one
+    copy by the sender whatever the number of local nodes, then a swap on each node).
+    """
 
     def __init__(self, handles: list[RPCWorkerHandle], model_id: str) -> None:
         self.handles = handles
         self.num_workers = len(handles)
         self.model_id = model_id
         self._futures: dict[int, Any] = {}
+        self._pool: GenerationPool | None = None
+        self._current: dict[int, int] = {}
+        self._seen: dict[int, set] = {w: set() for w in range(len(handles))}
 
     def connect(self, initial) -> None:
         """Nodes received the policy with their spec: nothing to do."""
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
+        if self._futures:  # a generation may still be in flight to a node (sync=False)
+            self.wait_acks(version - 1, list(self._futures), 120.0)
+        local = [w for w in worker_ids if self.handles[w].local]
+        generation = self._stage(payload) if local else None
         for worker in worker_ids:
             handle = self.handles[worker]
+            body = payload
+            if worker in local:
+                new = generation.gen_id not in self._seen[worker]
+                self._seen[worker].add(generation.gen_id)
+                body = ("shm", generation.gen_id, generation.handle if new else None)
             self._futures[worker] = rpc.rpc_async(
-                handle.name, _apply_weights, args=(handle.worker_rref, self.model_id, version, payload), timeout=0)
+                handle.name, _apply_weights, args=(handle.worker_rref, self.model_id, version, body), timeout=0)
+
+    def _stage(self, weights: TensorDictBase):
+        if self._pool is None:
+            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
+        generation, _ = self._pool.acquire(set(self._current.values()))
+        copy_into(generation, self._pool.keys, weights)
+        return generation
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -337,17 +380,20 @@ class RPCWeightSender(WeightSender):
             if future is None:
                 continue
             handle = self.handles[worker]
-            while not future.done():
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            while not done.wait(0.2):  # wakes as soon as the node answers; checks liveness meanwhile
                 if not handle.is_alive():
                     raise WorkerError(f"died while applying new weights: {handle.exit_description()}.",
                                       worker_idx=worker)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"node {worker} did not acknowledge weights version {version} in time.")
-                time.sleep(0.0005)
             try:
-                future.wait()
+                _, gen_id = future.wait()
             except Exception as err:
                 raise WorkerError(f"applying new weights failed: {err}", worker_idx=worker) from err
+            if gen_id is not None:
+                self._current[worker] = gen_id
 
 
 class RPCWeightReceiver(WeightReceiver):

@@ -1,10 +1,16 @@
-"""Weights to nodes over the process group (the transport of DistributedWeightSyncScheme).
+"""Weights to nodes (the transport of DistributedWeightSyncScheme).
 
-Same protocol as the shared-memory transport, other wires: an update is announced on a per-node TCP
-channel (served by the sender on ``tcp_port + 2``) with its version (and the flat layout, the first
-time), the weights follow as one flat tensor sent point-to-point to the node's rank, and the node
-acknowledges the version once it applied (and cascaded) them. The node's receiver reads its channel
-in a thread, so the per-step check is a flag read.
+An update is announced on a per-node TCP channel (served by the sender on ``tcp_port + 2``) with its
+version; the node applies it between two env steps by swapping its model's tensors (no copy) and
+acknowledges the version once it applied (and cascaded) it. The payload travels
+
+* to a node on another host: as one flat tensor sent point-to-point over the process group, into
+  the node's own alternating pair of buffers;
+* to a node on this host (it reached us through loopback, same kernel): through a named
+  shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
+  of local nodes, instead of through loopback TCP.
+
+The node's receiver reads its channel in a thread, so the per-step check is a flag read.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..errors import WorkerError, WorkerTimeoutError
 from ..weight_update.strategy import copy_weights_
 from .base import WeightReceiver, WeightSender
 from .torchdist import WEIGHTS_TAG, accept_channel, listen, open_channel
+from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
 
@@ -40,8 +47,22 @@ def node_group():
     return _NODE_GROUP[0]
 
 
+def boot_id() -> str:
+    """Identifies this kernel (same value = same machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
 class DistWeightSender(WeightSender):
-    """Parent end: a listener for the nodes' weight channels and a flat send buffer."""
+    """Parent end: a listener for the nodes' weight channels, a shared-memory generation pool for
+    nodes on this host and a flat send buffer for the others."""
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, group: Callable[[], Any],
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0) -> None:
@@ -53,9 +74,15 @@ class DistWeightSender(WeightSender):
         self.server = listen(bind_host, port)
         self.authkey = secrets.token_bytes(16)
         self.conns: dict[int, Any] = {}
+        self.local: dict[int, bool] = {}
+        self._pool: GenerationPool | None = None
+        self._current: dict[int, int] = {}
+        self._pending: dict[int, int] = {}
+        self._seen: dict[int, set] = {w: set() for w in range(num_workers)}
         self._layout: FlatLayout | None = None
         self._flat: torch.Tensor | None = None
         self._view: TensorDictBase | None = None
+        self._layout_sent: set[int] = set()
         self._works: list = []
         self._unacked: dict[int, int] = {}
 
@@ -64,10 +91,13 @@ class DistWeightSender(WeightSender):
 
     def connect(self, initial, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
+        here = boot_id()
         while len(self.conns) < self.num_workers:
             conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
             if conn is not None:
-                self.conns[int(conn.recv()[1])] = conn
+                _, worker, local, node_boot = conn.recv()
+                self.conns[int(worker)] = conn
+                self.local[int(worker)] = bool(local) and node_boot == here
                 continue
             self._check_peers(list(range(self.num_workers)), "to connect its weight channel")
             if time.monotonic() > deadline:
@@ -75,22 +105,47 @@ class DistWeightSender(WeightSender):
                                          "weight channel in time.")
         if initial is None:
             for conn in self.conns.values():
-                conn.send(("init", None))
+                conn.send(("init", 0, None))
             return
-        self._stage(initial)
-        for worker, conn in self.conns.items():
-            conn.send(("init", self._layout))
-            self._works.append(self.group().send([self._flat], worker + 1, WEIGHTS_TAG))
+        self._announce(initial, 0, list(range(self.num_workers)), "init")
         self._finish_sends(timeout)
 
-    def _stage(self, weights: TensorDictBase) -> bool:
-        """Copy into the flat buffer; True when the layout is new."""
-        new = self._layout is None
-        if new:
+    def _announce(self, payload: TensorDictBase, version: int, workers: list[int], kind: str) -> None:
+        local = [w for w in workers if self.local[w]]
+        remote = [w for w in workers if not self.local[w]]
+        if local:
+            generation = self._stage_shared(payload, local)
+            for worker in local:
+                handle = None if generation.gen_id in self._seen[worker] else generation.handle
+                self._seen[worker].add(generation.gen_id)
+                self._pending[worker] = generation.gen_id
+                self.conns[worker].send((kind, version, ("shm", generation.gen_id, handle)))
+        if remote:
+            self._stage_flat(payload)
+            for worker in remote:
+                layout = None if worker in self._layout_sent else self._layout
+                self._layout_sent.add(worker)
+                self.conns[worker].send((kind, version, ("pg", layout)))
+                self._works.append(self.group().send([self._flat], worker + 1, WEIGHTS_TAG))
+        if kind == "init":
+            self._current.update({w: g for w, g in self._pending.items()})
+            self._pending.clear()
+        else:
+            self._unacked.update({w: version for w in workers})
+
+    def _stage_shared(self, weights: TensorDictBase, workers: list[int]):
+        if self._pool is None:
+            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
+        busy = set(self._current.values()) | set(self._pending.values())
+        generation, _ = self._pool.acquire(busy)
+        copy_into(generation, self._pool.keys, weights)
+        return generation
+
+    def _stage_flat(self, weights: TensorDictBase) -> None:
+        if self._layout is None:
             self._layout = FlatLayout.of(weights)
             self._flat, self._view = self._layout.allocate()
         copy_weights_(self._view, weights)
-        return new
 
     def _finish_sends(self, timeout: float) -> None:
         works, self._works = self._works, []
@@ -98,12 +153,10 @@ class DistWeightSender(WeightSender):
             work.wait(datetime.timedelta(seconds=timeout))
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
-        self._finish_sends(120.0)  # the buffer may still be read by an unfinished (sync=False) send
-        new = self._stage(payload)
-        for worker in worker_ids:
-            self.conns[worker].send(("update", version, self._layout if new else None))
-            self._works.append(self.group().send([self._flat], worker + 1, WEIGHTS_TAG))
-            self._unacked[worker] = version
+        self._finish_sends(120.0)  # the flat buffer may still be read by an unfinished (sync=False) send
+        if self._pending:  # a generation announced without acknowledgement may still be mapped in
+            self.wait_acks(version - 1, list(self._pending), 120.0)
+        self._announce(payload, version, worker_ids, "update")
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -111,10 +164,16 @@ class DistWeightSender(WeightSender):
         for worker in worker_ids:
             while worker in self._unacked:
                 message = self._recv(worker, deadline)
-                if message[0] == "ack" and message[1] >= self._unacked[worker]:
-                    del self._unacked[worker]
+                if message[0] == "ack":
+                    _, acked, gen_id = message
+                    if gen_id is not None:
+                        self._current[worker] = gen_id
+                        self._pending.pop(worker, None)
+                    if acked >= self._unacked[worker]:
+                        del self._unacked[worker]
                 elif message[0] == "error":
                     del self._unacked[worker]
+                    self._pending.pop(worker, None)
                     raise message[1].to_exception(context="applying new weights")
 
     def _recv(self, worker: int, deadline: float):
@@ -148,10 +207,14 @@ class DistWeightSender(WeightSender):
             self.server.close()
         except OSError:
             pass
+        if self._pool is not None:
+            self._pool.close()
 
 
 class DistWeightReceiver(WeightReceiver):
-    """Node end: a reader thread on the weight channel; weights arrive over the process group."""
+    """Node end: a reader thread on the weight channel; payloads mapped or received, then swapped in."""
+
+    zero_copy = True
 
     def __init__(self, info: dict, worker_idx: int, user_timeout: float = 10.0) -> None:
         self.info = info
@@ -160,9 +223,10 @@ class DistWeightReceiver(WeightReceiver):
         self.conn = None
         self._inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
-        self._layout: FlatLayout | None = None
-        self._flat: torch.Tensor | None = None
-        self._view: TensorDictBase | None = None
+        self._segments: dict[int, tuple] = {}
+        self._gen_id: int | None = None
+        self._buffers: list | None = None  # two (flat, view) pairs received over the process group
+        self._in_use = 1
         self._thread: threading.Thread | None = None
 
     def fileno(self) -> int:
@@ -172,15 +236,13 @@ class DistWeightReceiver(WeightReceiver):
         info = self.info
         self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
                                  self.user_timeout)
-        self.conn.send(("hello", self.worker_idx))
-        kind, layout = self.conn.recv()
+        self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id()))
+        kind, _, body = self.conn.recv()
         if kind != "init":
             raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
         self._thread = threading.Thread(target=self._read_loop, name="rlharvest-weights-reader", daemon=True)
         self._thread.start()
-        if layout is None:
-            return None
-        return self._receive_payload(layout, timeout)
+        return None if body is None else self._payload(body, timeout)
 
     def _read_loop(self) -> None:
         while True:
@@ -191,13 +253,20 @@ class DistWeightReceiver(WeightReceiver):
             self._inbox.put(message)
             os.write(self._wake_w, b"x")
 
-    def _receive_payload(self, layout: FlatLayout | None, timeout: float) -> TensorDictBase:
+    def _payload(self, body, timeout: float) -> TensorDictBase:
+        if body[0] == "shm":
+            _, gen_id, handle = body
+            if handle is not None:
+                self._segments[gen_id] = attach_named(handle)
+            self._gen_id = gen_id
+            return self._segments[gen_id][1]
+        _, layout = body
         if layout is not None:
-            self._layout = layout
-            self._flat, self._view = layout.allocate()
-        group = node_group()
-        group.recv([self._flat], 0, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
-        return self._view
+            self._buffers = [layout.allocate(), layout.allocate()]
+        self._in_use = 1 - self._in_use  # receive into the buffer the model does not run on
+        flat, view = self._buffers[self._in_use]
+        node_group().recv([flat], 0, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
+        return view
 
     def pending(self) -> bool:
         return not self._inbox.empty()
@@ -208,13 +277,13 @@ class DistWeightReceiver(WeightReceiver):
         except queue.Empty:
             return None
         os.read(self._wake_r, 1)
-        if message[0] != "update":
+        kind, version, body = message
+        if kind != "update":
             return None
-        _, version, layout = message
-        return version, self._receive_payload(layout, 120.0)
+        return version, self._payload(body, 120.0)
 
     def ack(self, version: int) -> None:
-        self.conn.send(("ack", version))
+        self.conn.send(("ack", version, self._gen_id))
 
     def nack(self, failure) -> None:
         self.conn.send(("error", failure))
@@ -225,6 +294,11 @@ class DistWeightReceiver(WeightReceiver):
                 self.conn.close()
             except OSError:
                 pass
+        for segment, _ in self._segments.values():
+            try:
+                segment.close()
+            except (BufferError, OSError):
+                pass  # views of the segment may still be alive in the model: the OS frees it at exit
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -14,8 +14,10 @@ shared memory (nodes on the same host, reached over TCP: they attach by name).
 from __future__ import annotations
 
 import itertools
+import mmap
+import os
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -71,16 +73,31 @@ class NamedShmAllocator:
                 pass
 
 
+class _Mapping:
+    """A read/write mapping of a named segment; closing it never unlinks (the creator owns it)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.map.close()
+
+
 def attach_named(handle) -> tuple[Any, TensorDictBase]:
-    """Map a named segment created by :class:`NamedShmAllocator` (receiver side)."""
+    """Map a named segment created by :class:`NamedShmAllocator` (receiver side).
+
+    Mapped directly rather than through ``multiprocessing.shared_memory``, which would register the
+    segment with this process's resource tracker (shared with the creator when forked) and unlink or
+    double-unregister it behind the creator's back.
+    """
     name, layout = handle
-    segment = shared_memory.SharedMemory(name=name)
-    try:  # the creator owns the segment: our resource tracker must not unlink it when we exit
-        resource_tracker.unregister(segment._name, "shared_memory")
-    except Exception:
-        pass
-    flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layout.total_bytes)
-    return segment, layout.view(flat)
+    mapping = _Mapping(name, layout.total_bytes)
+    flat = torch.frombuffer(mapping.map, dtype=torch.uint8, count=layout.total_bytes)
+    return mapping, layout.view(flat)
 
 
 def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> None:

@@ -40,8 +40,8 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         return RPCWeightReceiver()
 
     def apply_pushed(self, version: int, weights: TensorDictBase) -> None:
-        """On a node, inside the sender's RPC: apply, record the version, cascade."""
-        self.apply_weights(weights)
+        """On a node, inside the sender's RPC: swap the (exclusively owned) tensors in, cascade."""
+        self.apply_weights(weights, inplace=False)
         self._version = version
         self._cascade(weights)
 

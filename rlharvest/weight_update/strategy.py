@@ -7,6 +7,7 @@ Weights travel as TensorDicts of parameters and buffers (nested by sub-module). 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,45 @@ def flat_leaves(td: TensorDictBase) -> tuple[list, list[torch.Tensor]]:
     """Sorted leaf keys and their tensors (a deterministic order shared by both ends of a transfer)."""
     keys = sorted(td.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k)
     return keys, [td.get(k) for k in keys]
+
+
+_BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _binding(module: torch.nn.Module, keys: tuple) -> list[tuple]:
+    """``(submodule, attribute, is_parameter)`` for each weight key (cached per module and key set)."""
+    per_module = _BINDINGS.setdefault(module, {})
+    binding = per_module.get(keys)
+    if binding is None:
+        binding = []
+        for key in keys:
+            parts = (key,) if isinstance(key, str) else tuple(key)
+            owner = module
+            for name in parts[:-1]:
+                owner = getattr(owner, name)
+            name = parts[-1]
+            if name in owner._parameters:
+                binding.append((owner, name, True))
+            elif name in owner._buffers:
+                binding.append((owner, name, False))
+            else:
+                raise KeyError(f"{'.'.join(parts)} is neither a parameter nor a buffer of {type(module).__name__}")
+        per_module[keys] = binding
+    return binding
+
+
+def swap_weights(module: torch.nn.Module, weights: TensorDictBase) -> None:
+    """Make ``module`` use the tensors of ``weights`` (no copy). Parameters stay ``nn.Parameter``.
+
+    Raises:
+        KeyError: when a weight key is not a parameter or buffer of the module.
+    """
+    keys, leaves = flat_leaves(weights)
+    for (owner, name, is_parameter), tensor in zip(_binding(module, tuple(keys)), leaves):
+        if is_parameter:
+            owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[name] = tensor
 
 
 def copy_weights_(dest: TensorDictBase, source: TensorDictBase) -> None:
@@ -112,7 +152,7 @@ class WeightStrategy:
             if inplace:
                 copy_weights_(TensorDict.from_module(destination), weights)
             else:
-                weights.to_module(destination)
+                swap_weights(destination, weights)
             return
         if isinstance(destination, (TensorDictBase, dict)):
             if not inplace:

@@ -18,7 +18,9 @@ from ...errors import WorkerError
 from ...policies import ExplorationType
 from ...transport.ports import PortInUseError, port_is_free
 from ...transport.rpc import TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, rpc_options, rpc_session_state
+from ...transport.rpc import _boot_id
 from ...transport.torchdist import mark_distributed_state
+from ...transport.torchdist_weights import boot_id, is_loopback
 from ...weight_update.rpc import RPCWeightSyncScheme
 from .. import _multi_setup as setup
 from .._pool import WorkerPool
@@ -146,6 +148,10 @@ class RPCCollector(DistributedCollector):
             self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
             self._register_live()
             self._create_workers(handles)
+            if is_loopback(self._advertised_host):
+                here = boot_id()
+                for handle in handles:
+                    handle.local = rpc.rpc_sync(handle.name, _boot_id, timeout=self._worker_timeout) == here
             self.collector_infos = [rpc.get_worker_info(h.name) for h in handles]
             self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
             for model_id, scheme in self._sender_schemes.items():
