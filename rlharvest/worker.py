@@ -52,6 +52,10 @@ class Command(enum.Enum):
     CLOSE = "close"
 
 
+#: request ids at or below this mark unsolicited batches of a worker running free (never answered ids)
+FREE_BATCH = -2
+
+
 class UnknownCommandError(ValueError):
     """A message whose command is not a :class:`Command`."""
 
@@ -135,6 +139,8 @@ class Worker:
         self.paused = False
         self.closed = False
         self._steps = itertools.count()
+        self._free_ids = itertools.count()
+        self._free_frames = 0
         receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
         policy = unwrap(spec.policy)
         if "policy" in receivers and _is_stateless(policy):
@@ -256,13 +262,24 @@ class Worker:
             rollout.set_buffer(shared)
 
     def _free_rollout(self) -> None:
-        """One rollout written straight to the replay buffer (running free)."""
+        """One rollout while running free: written to the shared replay buffer, or pushed to the parent
+        (nodes: the parent owns the buffer) as an unsolicited BATCH reply with a negative id."""
         buffer = self.spec.replay_buffer
         target = self.spec.init_random_frames
-        random = bool(target) and buffer.write_count < target
+        if buffer is not None:
+            random = bool(target) and buffer.write_count < target
+        else:
+            random = bool(target) and self._free_frames < target
         self.endpoint.before_rollout()
         self.endpoint.clear_interrupt()
         batch = self.collector._collect_for_parent(random)
+        frames = _valid_frames(batch)
+        self._free_frames += frames
+        if buffer is None:
+            value = self.endpoint.publish_batch(batch)
+            self._adopt_published_buffer(batch)
+            self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, value=value, frames=frames))
+            return
         if self.endpoint.interrupted():
             # pause()/shutdown interrupted the rollout: keep only the steps that were collected
             batch = batch[batch.get(("collector", "traj_ids")) != -1]
@@ -271,8 +288,8 @@ class Worker:
 
     def _run_free(self, _) -> str:
         buffer = self.spec.replay_buffer
-        if buffer is None or buffer.storage is None:
-            raise RuntimeError("Running free needs a replay buffer whose storage is attached.")
+        if buffer is not None and buffer.storage is None:
+            raise RuntimeError("Running free needs the replay buffer's storage to be attached first.")
         self.running_free, self.paused = True, False
         return "running"
 

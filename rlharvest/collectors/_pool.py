@@ -14,6 +14,7 @@ BATCH while waiting for a ``state_dict``) is kept until someone asks for it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing.connection
 import time
@@ -22,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
-from ..worker import Command, Message, Reply
+from ..worker import FREE_BATCH, Command, Message, Reply
 
 __all__ = ["WorkerPool"]
 
@@ -53,6 +54,7 @@ class WorkerPool:
         self._dead: set[int] = set()
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
+        self._free: collections.deque = collections.deque()
         if expect_ready:
             for worker in range(len(self.handles)):
                 self._outstanding[worker][self.READY] = None
@@ -114,6 +116,28 @@ class WorkerPool:
                     return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
 
+    def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
+        """The next batch pushed by a worker running free (of ``workers`` if given), or None after
+        ``timeout`` seconds. Raises when one of the workers died."""
+        workers = list(range(len(self.handles))) if workers is None else workers
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, (worker, reply) in enumerate(self._free):
+                if worker in workers:
+                    del self._free[index]
+                    if reply.failure is not None:
+                        raise reply.failure.to_exception(context="running free")
+                    return worker, reply
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            handles = [self.handles[w] for w in workers if w not in self._dead]
+            multiprocessing.connection.wait(handles, timeout=min(self.liveness_interval, remaining))
+            for worker in workers:
+                self._drain(worker)
+                if not any(w == worker for w, _ in self._free):
+                    self._check_alive(worker, None)
+
     def has_reply(self, worker: int, request_id: int) -> bool:
         """Non-blocking: has this reply arrived?"""
         self._drain(worker)
@@ -138,7 +162,11 @@ class WorkerPool:
             except (EOFError, OSError, ConnectionError):
                 self._dead.add(worker)
                 return
-            if reply is not None:  # None: a heartbeat, consumed by the handle
+            if reply is None:  # a heartbeat, consumed by the handle
+                continue
+            if reply.request_id <= FREE_BATCH:  # pushed by a worker running free
+                self._free.append((worker, reply))
+            else:
                 self._stash[worker][reply.request_id] = reply
 
     def _wait(self, awaited: dict[int, int], deadlines: dict[int, "_Deadline"]) -> None:

@@ -5,15 +5,19 @@ from ...weight_update.distributed import DistributedWeightUpdater
 from ...weight_update.rpc import RPCWeightUpdater
 from .generic import DistributedCollector
 from .rpc import RPCCollector
+from .sync import DistributedSyncCollector
 from .launchers import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
 
 DistributedDataCollector = deprecated_alias(DistributedCollector, "DistributedDataCollector")
 RPCDataCollector = deprecated_alias(RPCCollector, "RPCDataCollector")
+DistributedSyncDataCollector = deprecated_alias(DistributedSyncCollector, "DistributedSyncDataCollector")
 
 __all__ = [
     "DistributedCollector",
     "DistributedDataCollector",
     "DistributedWeightUpdater",
+    "DistributedSyncCollector",
+    "DistributedSyncDataCollector",
     "RPCCollector",
     "RPCDataCollector",
     "RPCWeightUpdater",

@@ -30,6 +30,7 @@ from .. import _multi_setup as setup
 from .._pool import WorkerPool
 from ..remote import RemoteCollectorBase
 from ..single import Collector
+from ._push import PushedBatchReceiver, valid_part
 from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
@@ -157,7 +158,9 @@ class DistributedCollector(RemoteCollectorBase):
         self.update_after_each_batch = bool(update_after_each_batch)
         self.max_weight_update_interval = int(max_weight_update_interval)
         self.update_interval = update_interval
-        self._relaunch_after_yield = bool(update_after_each_batch or update_interval or max_weight_update_interval >= 0)
+        # SPEC §4.3: take a node's batch, yield it, (update), then re-launch that node, so that weights
+        # changed by the caller before the next batch reach the node before it collects again.
+        self._relaunch_after_yield = True
         self.tcp_port = str(tcp_port) if tcp_port is not None else os.environ.get("TCP_PORT", str(TCP_PORT))
         self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}
         self._frames_per_node = frames_per_batch // count if self._sync else frames_per_batch
@@ -384,6 +387,56 @@ class DistributedCollector(RemoteCollectorBase):
         if model_id == "policy":
             return self.policy
         return super().get_model(model_id)
+
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        """Nodes collect continuously and push every batch; the main process writes them into the
+        replay buffer (in a background thread) until :meth:`async_shutdown`.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self._running_free:
+            raise RuntimeError("The collector is already running free.")
+        self._iteration_started = True
+        self._drain_async()
+        self._pool.broadcast(Command.RUN_FREE)
+        self._running_free = True
+        self._receiver = PushedBatchReceiver(self)
+        self._receiver.start()
+
+    def _write_pushed(self, worker: int, reply) -> None:
+        batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
+        batch = valid_part(batch, reply.frames)
+        if batch.numel():
+            self.config.replay_buffer.extend(self._postprocess(batch))
+        self._frames += reply.frames
+
+    def _pause_impl(self):
+        receiver = getattr(self, "_receiver", None)
+        if not self._running_free or receiver is None:
+            raise RuntimeError("Collector cannot be paused.")
+        receiver.pause_requested.set()
+        if not receiver.paused.wait(60.0) or receiver.error is not None:
+            raise receiver.error or TimeoutError("the nodes did not pause within 60 s.")
+        try:
+            yield
+        finally:
+            receiver.resume_requested.set()
+
+    def _stop_background(self, timeout: float | None) -> None:
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.stop_requested.set()
+            receiver.resume_requested.set()
+            receiver.join(timeout if timeout is not None else 60.0)
+            self._receiver = None
+            self._running_free = False
+            if receiver.error is not None:
+                raise receiver.error
+        super()._stop_background(timeout)
 
     # ------------------------------------------------------------------ unsupported
     def state_dict(self) -> dict:

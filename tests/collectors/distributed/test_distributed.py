@@ -167,6 +167,11 @@ def test_seed_api_and_errors():  # 39, D2, D5
             collector.update_policy_weights_(weights_dict={"critic": TensorDict.from_module(policy)})
         with pytest.raises(NotImplementedError):
             collector.state_dict()
+        # 39: pause() outside start() raises when entered (start/pause themselves work: issue 4 item 2)
+        pause = collector.pause()
+        with pytest.raises(RuntimeError, match="cannot be paused"):
+            with pause:
+                pass
         assert collector.cascade_execute("num_workers") == 2
         with pytest.raises(ValueError, match="non-callable"):
             collector.cascade_execute("num_workers", 1)
@@ -274,3 +279,105 @@ def test_legacy_distributed_weight_updater():
         assert (batch["action"][0] == 1).all() and (batch["action"][1] == 5).all()
         with pytest.raises(ValueError, match="Worker 2 not registered"):
             collector.update_policy_weights_(worker_ids=2)
+
+
+# ------------------------------------------------------------------------- running free (issue 4 item 2)
+def test_start_pause_and_async_shutdown():
+    from rlharvest.data import ReplayBuffer
+
+    rb = ReplayBuffer(capacity=1_000_000)
+    collector = make([lambda: CountingEnv(max_steps=100)] * 2, frames_per_batch=20, replay_buffer=rb)
+    with pytest.raises(RuntimeError, match="cannot be paused"):
+        with collector.pause():
+            pass
+    collector.start()
+    try:
+        deadline = time.monotonic() + 10
+        while rb.write_count < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rb.write_count >= 100
+        with pytest.raises(RuntimeError, match="already running"):
+            collector.start()
+        with collector.pause():
+            count = rb.write_count
+            time.sleep(0.5)
+            assert rb.write_count == count  # writes stop inside the block
+        deadline = time.monotonic() + 10
+        while rb.write_count <= count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rb.write_count > count  # and resume after it
+    finally:
+        start = time.monotonic()
+        collector.async_shutdown(timeout=10)
+        assert time.monotonic() - start < 5
+    ids = rb[:]["collector", "traj_ids"]
+    assert set((ids % 2).tolist()) == {0, 1}  # both nodes wrote, ids remapped per node (D4)
+    assert (ids >= 0).all()
+
+
+def test_start_requires_buffer():
+    with make(frames_per_batch=20) as collector:
+        with pytest.raises(RuntimeError, match="replay_buffer"):
+            collector.start()
+
+
+def test_start_with_weight_updates_while_running():
+    from rlharvest.data import ReplayBuffer
+
+    rb = ReplayBuffer(capacity=1_000_000)
+    policy = CountingPolicy(1.0)
+    collector = make([lambda: CountingEnv(max_steps=1000)] * 2, policy=policy, frames_per_batch=20, replay_buffer=rb)
+    collector.start()
+    try:
+        while rb.write_count < 100:
+            time.sleep(0.01)
+        with torch.no_grad():
+            policy.weight.fill_(0.0)
+        collector.update_policy_weights_()
+        marker = rb.write_count
+        deadline = time.monotonic() + 10
+        while rb.write_count < marker + 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (rb.latest(40)["action"] == 0).all()
+    finally:
+        collector.async_shutdown(timeout=10)
+
+
+# ------------------------------------------------------------------------- DistributedSyncCollector (§4.7)
+def test_distributed_sync_collector():
+    from rlharvest.collectors.distributed import DistributedSyncCollector
+
+    policy = CountingPolicy(1.0)
+    collector = DistributedSyncCollector([lambda: CountingEnv(max_steps=100)] * 2, policy, frames_per_batch=20,
+                                         total_frames=200, launcher="mp", tcp_port=free_port_block(3))
+    with collector:
+        batches = []
+        for i, batch in enumerate(collector):
+            assert batch.shape == (2, 10) and batch.names[-1] == "time"
+            batches.append(batch)
+            if i == 0:
+                with torch.no_grad():
+                    policy.weight.fill_(2.0)  # pushed by itself before the next batches (update_interval=1)
+        assert sum(b.numel() for b in batches) == 200
+        assert (batches[0]["action"] == 1).all() and (batches[-1]["action"] == 2).all()
+        ids = torch.stack([b["collector", "traj_ids"] for b in batches])
+        assert set(ids[:, 0].flatten().tolist()).isdisjoint(ids[:, 1].flatten().tolist())
+        for method in (collector.update_policy_weights_, lambda: collector.set_seed(0), collector.state_dict,
+                       collector.start):
+            with pytest.raises(NotImplementedError):
+                method()
+
+
+def test_distributed_sync_collector_validation_and_endless():
+    from rlharvest.collectors.distributed import DistributedSyncCollector
+
+    with pytest.raises(RuntimeError, match="Cannot dispatch"):
+        DistributedSyncCollector([ContinuousMockEnv] * 2, frames_per_batch=11, launcher="mp")
+    with pytest.raises(RuntimeError, match="divisible"):
+        DistributedSyncCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=15, launcher="mp")
+    with DistributedSyncCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=-1, launcher="mp",
+                                  tcp_port=free_port_block(3)) as collector:  # D14
+        for i, batch in enumerate(collector):
+            if i == 4:
+                break
+        assert i == 4

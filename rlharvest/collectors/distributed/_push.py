@@ -1,0 +1,90 @@
+"""Nodes running free: they push batches, the main process writes them into its replay buffer.
+
+While nodes run free, one receiver thread is the only user of the collector's WorkerPool: it takes
+each pushed batch (posting the process-group receive the node waits for), remaps trajectory ids,
+drops steps an interruption left uncollected, and extends the replay buffer. ``pause()`` and the
+shutdown talk to that thread through events, so the pool stays single-threaded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tensordict import TensorDictBase
+
+from ...worker import Command
+
+__all__ = ["PushedBatchReceiver"]
+
+
+class PushedBatchReceiver(threading.Thread):
+    """Drains batches pushed by free-running nodes into the collector's replay buffer."""
+
+    def __init__(self, collector) -> None:
+        super().__init__(name="rlharvest-pushed-batches", daemon=True)
+        self.collector = collector
+        self.error: BaseException | None = None
+        self.stop_requested = threading.Event()
+        self.pause_requested = threading.Event()
+        self.paused = threading.Event()
+        self.resume_requested = threading.Event()
+        self.quiet = threading.Event()  # set once every node stopped pushing (after a stop request)
+
+    def run(self) -> None:
+        try:
+            while not self.stop_requested.is_set():
+                if self.pause_requested.is_set():
+                    self._pause()
+                    continue
+                self._take_one(0.1)
+            self._quiesce()
+        except BaseException as err:  # surfaced by pause() / async_shutdown()
+            self.error = err
+            self.paused.set()
+            self.quiet.set()
+
+    def _take_one(self, timeout: float) -> bool:
+        item = self.collector._pool.next_pushed(timeout)
+        if item is None:
+            return False
+        worker, reply = item
+        self.collector._write_pushed(worker, reply)
+        return True
+
+    def _stop_pushing(self) -> None:
+        """Ask every node to stop after its current rollout; keep writing what arrives meanwhile."""
+        pool = self.collector._pool
+        for handle in pool.handles:
+            handle.interrupt()
+        requests = {w: pool.send(w, Command.PAUSE) for w in range(len(pool))}
+        while requests:
+            for worker, request_id in list(requests.items()):
+                if pool.has_reply(worker, request_id):
+                    pool.wait_for(worker, request_id)
+                    del requests[worker]
+            if requests:
+                self._take_one(0.05)
+        while self._take_one(0.0):  # batches pushed right before the pause
+            pass
+
+    def _pause(self) -> None:
+        self._stop_pushing()
+        self.paused.set()
+        while not (self.resume_requested.wait(0.1) or self.stop_requested.is_set()):
+            pass
+        self.pause_requested.clear()
+        self.resume_requested.clear()
+        self.paused.clear()
+        if not self.stop_requested.is_set():
+            self.collector._pool.broadcast(Command.RESUME)
+
+    def _quiesce(self) -> None:
+        self._stop_pushing()
+        self.quiet.set()
+
+
+def valid_part(batch: TensorDictBase, frames: int) -> TensorDictBase:
+    """The collected steps of a batch an interruption cut short (flattened), or the batch itself."""
+    if frames >= batch.numel():
+        return batch
+    return batch[batch.get(("collector", "traj_ids")) != -1]
