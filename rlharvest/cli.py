@@ -39,12 +39,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-early-stop", action="store_true",
                       help="spend the whole frame budget even once the target return is reached")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    bench = commands.add_parser(
+        "bench", help="measure rlharvest's collectors (and TorchRL's, side by side) and print one table",
+        description="Run benchmarks/ for rlharvest and, when its side environment exists (see "
+                    "benchmarks/README.md), for TorchRL 0.12 in the same run; print frames/s with ratios to the "
+                    "raw gymnasium loop, weight-sync latency with ratios to one in-process copy_, and write JSON.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument("--quick", action="store_true", help="a few small workloads, one run each (< 2 minutes)")
+    bench.add_argument("--workload", action="append", help="run only this workload (repeatable)")
+    bench.add_argument("--repeats", type=_positive_int, help="runs per figure (median); default 3, 1 with --quick")
+    bench.add_argument("--output", default="benchmarks/results/local-latest.json", help="JSON report path")
+    bench.add_argument("--torchrl-python", help="Python of the TorchRL side environment")
+    bench.add_argument("--no-torchrl", action="store_true", help="measure rlharvest only")
+    bench.add_argument("--benchmarks", help="the benchmarks/ folder (default: the source checkout's)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     if args.command != "demo":
         parser.print_help()
         return 2
@@ -63,6 +79,22 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 130 if summary.get("interrupted") else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import format_table, run_bench
+
+    try:
+        report = run_bench(quick=args.quick, workloads=args.workload, repeats=args.repeats, output=args.output,
+                           torchrl_python=args.torchrl_python, benchmarks=args.benchmarks,
+                           with_torchrl=not args.no_torchrl)
+    except FileNotFoundError as err:
+        print(f"rlharvest bench: error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    print(f"\n{report['wall_s']} s; JSON report: {args.output}")
+    failed = [n for n, r in report["rlharvest"].items() if "error" in r]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ class GymEnv(EnvBase):
     def _gym_action(self, action: torch.Tensor):
         if self._one_hot:
             # numpy's argmax costs ~1 us against ~7 us for a tiny torch tensor
-            array = action.detach().cpu().numpy()
+            array = action.numpy() if action.device.type == "cpu" and not action.requires_grad else (
+                action.detach().cpu().numpy())
             return int(array.argmax()) if not self._vector else array.argmax(-1)
         array = action.detach().cpu().numpy()
         if not self._vector and array.ndim == 0:

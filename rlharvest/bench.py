@@ -1,0 +1,174 @@
+"""``rlharvest bench``: run the benchmarks of ``benchmarks/`` for rlharvest (and TorchRL, when its side
+environment exists) and print one table of the results and their ratios.
+
+Both sides run the same measurement code (``benchmarks/measure.py``), each in its own interpreter:
+rlharvest's with this process's Python, TorchRL's with the Python of the side environment made by
+``benchmarks/setup_torchrl_venv.sh`` (``.venv-torchrl`` at the repository root, or
+``--torchrl-python``). Every workload runs in a fresh process; each figure is the median of
+``--repeats`` runs. Results are also written as JSON, to compare across commits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_bench", "find_benchmarks", "find_torchrl_python", "format_table"]
+
+QUICK_WORKLOADS = ["raw_gym_cartpole", "collector_cartpole", "multisync_cartpole", "weightsync_multisync_1m"]
+_MEDIAN_KEYS = ("steps_per_s", "frames_per_s", "first_batch_s", "shutdown_s", "update_s", "copy_s",
+                "ratio_to_copy", "fresh_fraction", "batch_fresh_fraction")
+
+
+def find_benchmarks(path: str | None = None) -> Path:
+    """The ``benchmarks/`` folder (next to the package in a source checkout)."""
+    candidates = [Path(path)] if path else []
+    candidates.append(Path(__file__).resolve().parents[1] / "benchmarks")
+    candidates.append(Path.cwd() / "benchmarks")
+    for candidate in candidates:
+        if (candidate / "rlharvest_side.py").exists():
+            return candidate
+    raise FileNotFoundError("benchmarks/ not found: run from an rlharvest source checkout or pass --benchmarks DIR.")
+
+
+def find_torchrl_python(explicit: str | None, benchmarks: Path) -> str | None:
+    """A Python that can import torchrl (the side environment), or None."""
+    candidates = [explicit] if explicit else []
+    candidates += [os.environ.get("RLHARVEST_TORCHRL_PYTHON"), str(benchmarks.parent / ".venv-torchrl/bin/python")]
+    for python in filter(None, candidates):
+        if Path(python).exists():
+            probe = subprocess.run([python, "-c", "import torchrl"], capture_output=True, timeout=120)
+            if probe.returncode == 0:
+                return python
+    return None
+
+
+def _run_side(python: str, script: Path, workloads: list[str], quick: bool, timeout: float) -> list[dict]:
+    """One pass of a side: every workload in a fresh process, JSON lines parsed."""
+    command = [python, str(script), "--workload", ",".join(workloads), "--json", "--isolated",
+               "--timeout", str(timeout), "--noisy-retries", "0" if quick else "2",
+               "--quiet-wait", "0" if quick else "30"]
+    if quick:
+        command.append("--quick")
+    completed = subprocess.run(command, capture_output=True, text=True,
+                               timeout=timeout * max(1, len(workloads)) + 60)
+    results = []
+    for line in completed.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            results.append(json.loads(line))
+    if not results and completed.returncode:
+        raise RuntimeError(f"{script.name} failed:\n{completed.stderr[-2000:]}")
+    return results
+
+
+def _median_results(passes: list[list[dict]]) -> dict[str, dict]:
+    """Per workload, the median of every figure over the passes (errors kept when all passes failed)."""
+    by_name: dict[str, list[dict]] = {}
+    for results in passes:
+        for result in results:
+            by_name.setdefault(result["workload"], []).append(result)
+    merged = {}
+    for name, runs in by_name.items():
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            merged[name] = runs[-1]
+            continue
+        row = dict(good[-1])
+        for key in _MEDIAN_KEYS:
+            values = [r[key] for r in good if isinstance(r.get(key), (int, float))]
+            if values:
+                row[key] = statistics.median(values)
+        row["runs"] = len(good)
+        merged[name] = row
+    return merged
+
+
+def run_bench(quick: bool = False, workloads: list[str] | None = None, repeats: int | None = None,
+              output: str | None = None, torchrl_python: str | None = None, benchmarks: str | None = None,
+              with_torchrl: bool = True) -> dict[str, Any]:
+    """Run both sides and return ``{"rlharvest": {...}, "torchrl": {...}|None, ...}``."""
+    folder = find_benchmarks(benchmarks)
+    names = workloads or (QUICK_WORKLOADS if quick else None)
+    if names is None:
+        listing = subprocess.run([sys.executable, str(folder / "rlharvest_side.py"), "--list"],
+                                 capture_output=True, text=True, check=True)
+        names = listing.stdout.split()
+    repeats = repeats or (1 if quick else 3)
+    timeout = 60.0 if quick else 180.0
+    started = time.time()
+    report: dict[str, Any] = {"quick": quick, "repeats": repeats, "workloads": names, "started": started}
+    report["rlharvest"] = _median_results(
+        [_run_side(sys.executable, folder / "rlharvest_side.py", names, quick, timeout) for _ in range(repeats)])
+    python = find_torchrl_python(torchrl_python, folder) if with_torchrl else None
+    report["torchrl_python"] = python
+    report["torchrl"] = _median_results(
+        [_run_side(python, folder / "torchrl_side.py", names, quick, timeout) for _ in range(repeats)]
+    ) if python else None
+    report["wall_s"] = round(time.time() - started, 1)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _fmt(value: Any, digits: int = 0, suffix: str = "") -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def _ratio(a: Any, b: Any, digits: int = 2) -> str:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
+        return "-"
+    return f"{a / b:.{digits}f}x"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The results as one plain-text table."""
+    ours, theirs = report["rlharvest"], report.get("torchrl") or {}
+    raw_ours = ours.get("raw_gym_cartpole", {}).get("steps_per_s")
+    raw_theirs = theirs.get("raw_gym_cartpole", {}).get("steps_per_s")
+    lines = [f"{'workload':34s} {'rlharvest':>12s} {'/raw':>6s} {'torchrl':>10s} {'/raw':>6s} {'rlh/trl':>8s}"
+             f" {'1st batch s':>12s} {'shutdown s':>11s}"]
+    for name in report["workloads"]:
+        a, b = ours.get(name, {}), theirs.get(name, {})
+        if "error" in a:
+            lines.append(f"{name:34s} error: {a['error'][:70]}")
+            continue
+        if name.startswith("weightsync_") or name.startswith("freshness_"):
+            continue
+        rate_a = a.get("frames_per_s", a.get("steps_per_s"))
+        rate_b = b.get("frames_per_s", b.get("steps_per_s"))
+        lines.append(
+            f"{name:34s} {_fmt(rate_a):>12s} {_ratio(rate_a, raw_ours):>6s} {_fmt(rate_b):>10s} "
+            f"{_ratio(rate_b, raw_theirs):>6s} {_ratio(rate_a, rate_b):>8s} "
+            f"{_fmt(a.get('first_batch_s'), 2) + ' / ' + _fmt(b.get('first_batch_s'), 2):>12s} "
+            f"{_fmt(a.get('shutdown_s'), 2) + ' / ' + _fmt(b.get('shutdown_s'), 2):>11s}")
+    sync = [n for n in report["workloads"] if n.startswith("weightsync_")]
+    if sync:
+        lines += ["", f"{'weight sync (2 workers)':34s} {'rlharvest ms':>12s} {'/copy':>7s} {'torchrl ms':>11s}"
+                      f" {'/copy':>7s} {'trl/rlh':>8s}"]
+        for name in sync:
+            a, b = ours.get(name, {}), theirs.get(name, {})
+            ms_a = a.get("update_s", 0) * 1e3 if "update_s" in a else None
+            ms_b = b.get("update_s", 0) * 1e3 if "update_s" in b else None
+            lines.append(f"{name:34s} {_fmt(ms_a, 2):>12s} {_fmt(a.get('ratio_to_copy'), 1, 'x'):>7s} "
+                         f"{_fmt(ms_b, 2):>11s} {_fmt(b.get('ratio_to_copy'), 1, 'x'):>7s} {_ratio(ms_b, ms_a):>8s}")
+    fresh = [n for n in report["workloads"] if n.startswith("freshness_")]
+    if fresh:
+        lines += ["", f"{'fresh frames after update':34s} {'rlharvest':>12s} {'(batch)':>8s} {'torchrl':>10s} {'(batch)':>8s}"]
+        for name in fresh:
+            a, b = ours.get(name, {}), theirs.get(name, {})
+            lines.append(f"{name:34s} {_fmt(a.get('fresh_fraction'), 3):>12s} "
+                         f"{_fmt(a.get('batch_fresh_fraction'), 3):>8s} {_fmt(b.get('fresh_fraction'), 3):>10s} "
+                         f"{_fmt(b.get('batch_fresh_fraction'), 3):>8s}")
+    if not theirs:
+        lines += ["", "TorchRL side not run (create it with benchmarks/setup_torchrl_venv.sh)."]
+    return "\n".join(lines)
