@@ -37,7 +37,7 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout
-from ..errors import WorkerError
+from ..errors import RemoteFailure, WorkerError
 from .base import WorkerEndpoint, WorkerHandle
 from .ports import PortInUseError, port_is_free
 
@@ -158,6 +158,15 @@ def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_time
     mpc.answer_challenge(conn, authkey)
     mpc.deliver_challenge(conn, authkey)
     return conn
+
+
+def shutdown_connection(conn) -> None:
+    """Shut a channel's socket down both ways, which wakes a recv() blocked in another thread."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed or never connected
+        pass
 
 
 class Rendezvous:
@@ -470,7 +479,7 @@ def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "g
     ``submitit_delayed_launcher``) runs exactly this; the node learns its configuration from the main
     process over the command channel.
     """
-    from ..worker import run_worker
+    from ..worker import Reply, run_worker
 
     torch.set_num_threads(1)
     store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
@@ -482,9 +491,17 @@ def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "g
     authkey = bytes.fromhex(store.get(_AUTH_KEY).decode())
     conn = open_channel(host, control_port, authkey, timeout, user_timeout)
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
-    spec = cloudpickle.loads(conn.recv_bytes())
-    torch.set_num_threads(max(1, int(spec.num_threads)))
+    payload = conn.recv_bytes()
     endpoint = DistWorkerEndpoint(conn, group, rank, heartbeat_interval)
+    try:
+        # The spec names the env constructors and the policy by reference: a node whose sys.path
+        # lacks their module must say so to the main process, not only in its own log.
+        spec = cloudpickle.loads(payload)
+    except BaseException as err:
+        endpoint.send(Reply(-1, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
+        endpoint.close()
+        return
+    torch.set_num_threads(max(1, int(spec.num_threads)))
     try:
         run_worker(spec, endpoint)
     finally:

@@ -30,7 +30,7 @@ from ..data.flat import FlatLayout
 from ..errors import WorkerError, WorkerTimeoutError
 from ..weight_update.strategy import copy_weights_
 from .base import WeightReceiver, WeightSender
-from .torchdist import WEIGHTS_TAG, accept_channel, listen, open_channel
+from .torchdist import WEIGHTS_TAG, accept_channel, listen, open_channel, shutdown_connection
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
@@ -240,18 +240,13 @@ class DistWeightReceiver(WeightReceiver):
         kind, _, body = self.conn.recv()
         if kind != "init":
             raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
-        self._thread = threading.Thread(target=self._read_loop, name="rlharvest-weights-reader", daemon=True)
+        # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
+        # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
+        # interpreter finalizes can abort the process).
+        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_w),
+                                        name="rlharvest-weights-reader", daemon=True)
         self._thread.start()
         return None if body is None else self._payload(body, timeout)
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                return
-            self._inbox.put(message)
-            os.write(self._wake_w, b"x")
 
     def _payload(self, body, timeout: float) -> TensorDictBase:
         if body[0] == "shm":
@@ -290,10 +285,14 @@ class DistWeightReceiver(WeightReceiver):
 
     def close(self) -> None:
         if self.conn is not None:
+            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
+            shutdown_connection(self.conn)
             try:
                 self.conn.close()
             except OSError:
                 pass
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
         for segment, _ in self._segments.values():
             try:
                 segment.close()
@@ -304,3 +303,17 @@ class DistWeightReceiver(WeightReceiver):
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
+    """Move weight-channel messages to ``inbox`` and wake the worker loop, until the channel closes."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        inbox.put(message)
+        try:
+            os.write(wake_w, b"x")
+        except OSError:  # the receiver closed meanwhile
+            return

@@ -174,7 +174,10 @@ class SlurmNode(LaunchedNode):
         if force or now - self._checked > self.poll_interval:
             self._checked = now
             try:
-                self._state = str(self.job.state).split()[0].upper()
+                # job.state answers from submitit's cache, refreshed at most every max(2 s, age / 2):
+                # a finished job would look RUNNING for up to a minute. Ask sacct when forced.
+                state = self.job.watcher.get_state(self.job.job_id, mode="force" if force else "standard")
+                self._state = str(state).split()[0].upper()
             except Exception:  # sacct hiccup: keep the last known state
                 pass
         return self._state
