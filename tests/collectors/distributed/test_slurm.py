@@ -103,7 +103,8 @@ def local_children() -> list[str]:
     for child in psutil.Process().children(recursive=True):
         try:
             cmdline = " ".join(child.cmdline())
-            if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in cmdline:
+            helper = "multiprocessing.resource_tracker" in cmdline or "multiprocessing.forkserver" in cmdline
+            if child.status() != psutil.STATUS_ZOMBIE and not helper:  # helpers: per interpreter, not ours
                 out.append(f"{child.pid}: {cmdline[:120]}")
         except psutil.NoSuchProcess:
             pass
