@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 
-from rlharvest.envs import Composite, CountingEnv, EnvBase, Unbounded
+from rlharvest.envs import Composite, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 

@@ -22,7 +22,6 @@ sockets fail instead of hanging on either side.
 from __future__ import annotations
 
 import datetime
-import multiprocessing.connection as mpc
 import os
 import queue
 import secrets
@@ -39,6 +38,7 @@ from tensordict import TensorDictBase
 from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
 from .base import WorkerEndpoint, WorkerHandle
+from .channel import accept_channel, listen, open_channel
 from .ports import PortInUseError, port_is_free
 
 __all__ = [
@@ -49,8 +49,6 @@ __all__ = [
     "DistWorkerHandle",
     "DistWorkerEndpoint",
     "run_node",
-    "open_channel",
-    "accept_channel",
 ]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -97,76 +95,6 @@ def make_process_group(backend: str, store, rank: int, world_size: int, timeout:
         return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     return dist.group.WORLD
-
-
-def _tune_socket(sock: socket.socket, user_timeout: float) -> None:
-    """Fail blocked sends/receives after ``user_timeout`` s of silence instead of ~15 minutes."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(user_timeout / 3)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout * 1000))
-
-
-def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
-    """A listening socket on ``port``, or on one of the next ``attempts`` ports if it is taken."""
-    for candidate in range(port, port + attempts):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, candidate))
-        except OSError:
-            sock.close()
-            continue
-        sock.listen(64)
-        return sock
-    raise PortInUseError(f"ports {port}..{port + attempts - 1} are all in use.")
-
-
-def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float):
-    """Accept one authenticated connection (``multiprocessing`` Connection over TCP), or None."""
-    server.settimeout(timeout)
-    try:
-        sock, _ = server.accept()
-    except socket.timeout:
-        return None
-    _tune_socket(sock, user_timeout)
-    sock.settimeout(None)
-    conn = mpc.Connection(sock.detach())
-    mpc.deliver_challenge(conn, authkey)
-    mpc.answer_challenge(conn, authkey)
-    return conn
-
-
-def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float):
-    """Connect to a listener made by :func:`listen` and authenticate."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    _tune_socket(sock, user_timeout)
-    sock.settimeout(None)
-    conn = mpc.Connection(sock.detach())
-    mpc.answer_challenge(conn, authkey)
-    mpc.deliver_challenge(conn, authkey)
-    return conn
-
-
-def shutdown_connection(conn) -> None:
-    """Shut a channel's socket down both ways, which wakes a recv() blocked in another thread."""
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # already closed or never connected
-        pass
 
 
 class Rendezvous:

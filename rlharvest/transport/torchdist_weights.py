@@ -28,9 +28,9 @@ from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout
 from ..errors import WorkerError, WorkerTimeoutError
-from ..weight_update.strategy import copy_weights_
 from .base import WeightReceiver, WeightSender
-from .torchdist import WEIGHTS_TAG, accept_channel, listen, open_channel, shutdown_connection
+from .channel import accept_channel, listen, open_channel, shutdown_connection
+from .torchdist import WEIGHTS_TAG
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
@@ -142,6 +142,9 @@ class DistWeightSender(WeightSender):
         return generation
 
     def _stage_flat(self, weights: TensorDictBase) -> None:
+        # weight_update sits above the transports (its schemes build on this module): import at use
+        from ..weight_update.strategy import copy_weights_
+
         if self._layout is None:
             self._layout = FlatLayout.of(weights)
             self._flat, self._view = self._layout.allocate()

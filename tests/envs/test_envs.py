@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import gymnasium as gym
-import numpy as np
 import pytest
 import torch
 from mocks import TorchRLStyleCountingEnv
-from tensordict import TensorDict
 
 from rlharvest import ExplorationType
 from rlharvest.collectors import Collector

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy, weight_policy
+from mocks import CountingPolicy
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
