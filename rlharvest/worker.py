@@ -236,7 +236,7 @@ class Worker:
     def _collect(self, request) -> Reply:
         random, mark = request if isinstance(request, tuple) else (request, None)
         if self.endpoint is not None:
-            self.endpoint.before_rollout()
+            self.endpoint.before_rollout()  # the parent took the last batch before asking again
             self.endpoint.clear_interrupt(mark)
         collector = self.collector
         batch = collector._collect_for_parent(bool(random))
@@ -270,7 +270,7 @@ class Worker:
             random = bool(target) and buffer.write_count < target
         else:
             random = bool(target) and self._free_frames < target
-        self.endpoint.before_rollout()
+        self.endpoint.before_rollout(idle=self.collector._poll_receivers)
         self.endpoint.clear_interrupt()
         batch = self.collector._collect_for_parent(random)
         frames = _valid_frames(batch)

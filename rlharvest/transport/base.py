@@ -15,7 +15,7 @@ Each backend (``mp.py``: pipes + shared memory; ``torchdist.py``: a torch.distri
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from tensordict import TensorDictBase
 
@@ -144,8 +144,12 @@ class WorkerEndpoint(ABC):
     def publish_batch(self, batch: TensorDictBase) -> Any:
         """Make ``batch`` readable by the parent; returns what the BATCH reply carries."""
 
-    def before_rollout(self) -> None:
-        """Called before a rollout writes into the published buffer (wait for a pending send)."""
+    def before_rollout(self, idle: Callable[[], None] | None = None) -> None:
+        """Called before a rollout writes into the published buffer (wait for a pending send).
+
+        ``idle`` is called while waiting: the worker applies weight updates meanwhile, so a parent
+        that waits for their acknowledgement before taking the batch does not deadlock.
+        """
 
     def interrupted(self) -> bool:
         """Cheap per-step check: did the parent ask to stop the current rollout?"""

@@ -352,15 +352,40 @@ class DistWorkerEndpoint(WorkerEndpoint):
             self._pending_send = False
             self._send_work = self.group.send([self._flat], 0, BATCH_TAG)
 
-    def before_rollout(self) -> None:
-        """Wait until the previous batch left the buffer (the main took it before asking again)."""
+    def before_rollout(self, idle: Callable[[], None] | None = None) -> None:
+        """Wait until the previous batch left the buffer, applying weight updates (``idle``) meanwhile.
+
+        Running free, the main process may wait for this node's acknowledgement of an update that
+        arrived after the last env step, before it takes the batch this node is sending.
+        """
         work, self._send_work = self._send_work, None
-        if work is not None:
-            try:
-                work.wait(datetime.timedelta(seconds=self._send_timeout))
-            except RuntimeError:  # the main process is gone or unreachable
-                self._parent_dead = True
-                raise
+        if work is None:
+            return
+        timeout = datetime.timedelta(seconds=self._send_timeout)
+        try:
+            if idle is None:
+                work.wait(timeout)
+                return
+            # A gloo send reports completion only through wait() (is_completed() stays False until
+            # then), so a thread waits while this one keeps applying updates.
+            done, failure = threading.Event(), []
+
+            def wait_send() -> None:
+                try:
+                    work.wait(timeout)
+                except BaseException as err:
+                    failure.append(err)
+                finally:
+                    done.set()
+
+            threading.Thread(target=wait_send, name="rlharvest-batch-send", daemon=True).start()
+            while not done.wait(1e-3):
+                idle()
+            if failure:
+                raise failure[0]
+        except RuntimeError:  # the main process is gone or unreachable
+            self._parent_dead = True
+            raise
 
     def publish_batch(self, batch: TensorDictBase) -> FlatLayout | None:
         first = self._layout is None

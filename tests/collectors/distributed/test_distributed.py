@@ -368,6 +368,52 @@ def test_distributed_sync_collector():
                 method()
 
 
+def test_distributed_sync_collector_update_racing_the_last_step():
+    """An update that reaches a node after its last env step, while it waits for the main process to take
+    its batch, is applied during that wait: the main process waits for the ack before taking the batch
+    (it deadlocked until the heartbeat timeout). One frame per node per batch makes the race frequent."""
+    from rlharvest.collectors.distributed import DistributedSyncCollector
+
+    policy = CountingPolicy(1.0)
+    collector = DistributedSyncCollector([lambda: CountingEnv(max_steps=100)] * 2, policy, frames_per_batch=2,
+                                         total_frames=2000, launcher="mp", tcp_port=free_port_block(3),
+                                         heartbeat_timeout=5.0)
+    with collector:
+        count = 0
+        for i, batch in enumerate(collector):
+            count += 1
+            with torch.no_grad():
+                policy.weight.fill_(float(i % 7 + 1))
+    assert count == 1000
+
+
+def test_distributed_sync_collector_slow_learner_is_not_a_dead_node():
+    """Nodes waiting for the main process to take their batch keep sending heartbeats."""
+    from rlharvest.collectors.distributed import DistributedSyncCollector
+
+    with DistributedSyncCollector([CountingEnv] * 2, frames_per_batch=4, total_frames=8, launcher="mp",
+                                  tcp_port=free_port_block(3), heartbeat_timeout=1.0) as collector:
+        for batch in collector:
+            assert batch.numel() == 4
+            time.sleep(2.5)  # a learner step longer than heartbeat_timeout
+
+
+def test_waiting_for_an_ack_longer_than_heartbeat_timeout_is_not_a_dead_node():
+    """A node acknowledges an update between two env steps; a step may outlast heartbeat_timeout.
+    Its heartbeats keep arriving meanwhile, and the main process must read them while it waits."""
+    from mocks import ConstantObsEnv
+
+    policy = CountingPolicy(1.0)
+    with make([lambda: ConstantObsEnv(delay=1.6)], policy=policy, frames_per_batch=2, total_frames=-1,
+              sync=False, heartbeat_timeout=1.0) as collector:
+        collector.next()  # the node is now in the middle of the next rollout (async)
+        with torch.no_grad():
+            policy.weight.fill_(2.0)
+        start = time.monotonic()
+        collector.update_policy_weights_()  # acknowledged after the current step (<= 1.6 s)
+        assert time.monotonic() - start < 5
+
+
 def test_distributed_sync_collector_validation_and_endless():
     from rlharvest.collectors.distributed import DistributedSyncCollector
 
