@@ -111,6 +111,19 @@ def local_children() -> list[str]:
     return out
 
 
+def timed_shutdown(collector) -> float:
+    start = time.monotonic()
+    collector.shutdown()
+    return time.monotonic() - start
+
+
+def assert_closed_cleanly(folder, shutdown_seconds: float, jobs: int = 2) -> None:
+    """Shutdown was bounded, and left no SLURM job and no local process."""
+    assert shutdown_seconds < 30, f"shutdown took {shutdown_seconds:.1f} s"
+    assert_jobs_gone(folder, expected=jobs)
+    assert local_children() == []
+
+
 def make(envs, **kwargs):
     kwargs.setdefault("launcher", "submitit")
     kwargs.setdefault("tcp_port", free_port_block(3))
@@ -159,12 +172,8 @@ def test_submitit_two_nodes_core_behaviours(in_tmp, sync):
             # at most one in-flight rollout per node predates the update
             assert all((b["action"] == 2).all() for b in batches[3:])
     finally:
-        start = time.monotonic()
-        collector.shutdown()
-        shutdown_seconds = time.monotonic() - start
-    assert shutdown_seconds < 30, f"shutdown took {shutdown_seconds:.1f} s"
-    assert_jobs_gone(in_tmp, expected=2)
-    assert local_children() == []
+        shutdown_seconds = timed_shutdown(collector)
+    assert_closed_cleanly(in_tmp, shutdown_seconds)
 
 
 @pytest.mark.timeout(120)
@@ -194,23 +203,18 @@ def test_rpc_collector_through_submitit(in_tmp):  # issue 5: RPC core behaviours
         assert (batches[1]["action"][0] == 1).all() and (batches[1]["action"][1] == 2).all()
         assert all((b["action"] == 3).all() for b in batches[2:])
     finally:
-        start = time.monotonic()
-        collector.shutdown()
-        shutdown_seconds = time.monotonic() - start
-    assert shutdown_seconds < 30, f"shutdown took {shutdown_seconds:.1f} s"
-    assert_jobs_gone(in_tmp, expected=2)
-    assert local_children() == []
+        shutdown_seconds = timed_shutdown(collector)
+    assert_closed_cleanly(in_tmp, shutdown_seconds)
 
 
 @pytest.mark.timeout(90)
 def test_shutdown_returns_as_soon_as_node_jobs_ended(in_tmp):
     """shutdown() must not outlive the node jobs by much (the learner is waiting for it).
 
-    SlurmNode._refresh(force=True) (rlharvest/collectors/distributed/launchers.py) reads
-    ``job.state``, which submitit answers from a cache refreshed at most every max(2 s, age/2)
-    (up to 60 s). After a few seconds of collection the forced refreshes of SlurmNode.terminate all
-    see the stale "RUNNING": terminate waits for the whole shutdown deadline, scancels a finished job
-    and waits again, so shutdown() takes ~10-25 s although the jobs were gone after ~2 s.
+    Regression: submitit's ``job.state`` is a cache refreshed at most every max(2 s, age/2) (up to
+    60 s). When SlurmNode read it, after a few seconds of collection terminate() saw a stale "RUNNING",
+    waited for the whole shutdown deadline and scancelled a finished job: shutdown() took ~10-25 s
+    although the jobs were gone after ~2 s. SlurmNode now asks sacct when it needs a fresh state.
     """
     collector = make([ContinuousMockEnv], frames_per_batch=10, total_frames=-1, sync=True)
     ids = submitted_job_ids(in_tmp)
@@ -268,10 +272,9 @@ def test_failing_node_job_is_named(in_tmp, failure):
 def test_node_that_cannot_load_its_spec_says_why(in_tmp, monkeypatch):
     """The everyday multi-host mistake: the env constructor lives in a module the node cannot import.
 
-    errors.py promises that "a worker never dies silently: it catches every exception, sends back a
-    RemoteFailure". run_node (rlharvest/transport/torchdist.py) unpickles its spec outside of any
-    such handler, so the node dies with ModuleNotFoundError in its SLURM log only, and the main
-    process raises "the node died while starting: its connection closed." without the cause.
+    A worker never dies silently (errors.py). Regression: run_node unpickled its spec outside of any
+    handler, so the node died with ModuleNotFoundError in its SLURM log only, and the main process
+    raised "the node died while starting: its connection closed." without the cause.
     """
     main_only = in_tmp / "main_only"  # on this process's sys.path, not on the jobs' (cwd is in_tmp)
     main_only.mkdir()
