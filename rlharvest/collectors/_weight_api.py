@@ -181,6 +181,11 @@ class WeightAPIMixin:
     def _update_local_policy(self, value: Any) -> None:
         """Leaf case: no updater, no scheme. Subclasses with a local policy override this."""
 
+    def _weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+        """A receiver scheme of this collector applied ``weights`` to ``applied_to``: bring the rest of
+        the collector (its own policy copy, its own workers) up to date."""
+        self.update_policy_weights_(model_id=model_id, policy_or_weights=weights)
+
     def _weights_from_value(self, value: Any) -> TensorDictBase:
         if isinstance(value, str):
             value = resolve_attr_path(self, value)

@@ -390,6 +390,13 @@ class Collector(BaseCollector):
         self._copy_into_local_policy(self._weights_from_value(value))
         self.increment_version()
 
+    def _weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+        if (model_id == "policy" and applied_to is self.get_model("policy") and not self._policy_is_copy
+                and self._weight_updater is None and not self._weight_sync_schemes):
+            self.increment_version()  # the scheme wrote into the very modules this collector runs
+            return
+        super()._weights_received(model_id, weights, applied_to)
+
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
         if not isinstance(self.policy, torch.nn.Module):
             return

@@ -8,12 +8,13 @@ buffer; no packing copy is needed when the producer writes into the views direct
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatLayout"]
+__all__ = ["FlatLayout", "flat_leaves", "freeze", "is_frozen"]
 
 _ALIGN = 16
 
@@ -21,6 +22,38 @@ _ALIGN = 16
 def _sorted_leaves(td: TensorDictBase) -> list:
     keys = list(td.keys(True, True))
     return sorted(keys, key=lambda k: (k,) if isinstance(k, str) else tuple(k))
+
+
+#: sorted leaves of frozen TensorDicts: id -> (weak reference, keys, leaves)
+_FROZEN: dict[int, tuple[weakref.ref, list, list[torch.Tensor]]] = {}
+
+
+def freeze(td: TensorDictBase) -> TensorDictBase:
+    """Lock ``td`` (its keys can no longer change) and remember its sorted leaves.
+
+    For TensorDicts that weight updates pass again and again (weight generations, module snapshots):
+    :func:`flat_leaves` of a frozen TensorDict is a dict lookup instead of ~40 us of sorting keys.
+    """
+    td.lock_()
+    keys = _sorted_leaves(td)
+    leaves = [td.get(k) for k in keys]
+    key = id(td)
+    _FROZEN[key] = (weakref.ref(td, lambda _, key=key: _FROZEN.pop(key, None)), keys, leaves)
+    return td
+
+
+def is_frozen(td: TensorDictBase) -> bool:
+    entry = _FROZEN.get(id(td))
+    return entry is not None and entry[0]() is td
+
+
+def flat_leaves(td: TensorDictBase) -> tuple[list, list[torch.Tensor]]:
+    """Sorted leaf keys and their tensors (a deterministic order shared by both ends of a transfer)."""
+    entry = _FROZEN.get(id(td))
+    if entry is not None and entry[0]() is td:
+        return entry[1], entry[2]
+    keys = _sorted_leaves(td)
+    return keys, [td.get(k) for k in keys]
 
 
 @dataclass(frozen=True)

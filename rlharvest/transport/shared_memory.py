@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout
+from ..data.flat import FlatLayout, freeze
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightReceiver, WeightSender
 from .weight_pool import GenerationPool, TorchShmAllocator, copy_into
@@ -53,6 +53,7 @@ class SharedMemWeightSender(WeightSender):
         self.conns = [parent for parent, _ in pipes]
         self._child_conns = [child for _, child in pipes]
         self.versions = torch.zeros(num_workers, dtype=torch.int64).share_memory_()
+        self._versions = self.versions.numpy()  # writes through numpy: 0.3 us instead of 6
         self.pools: dict[Any, GenerationPool] = {}
         self._current: dict[int, int] = {}   # worker -> generation it runs on
         self._pending: dict[int, int] = {}   # worker -> generation announced, not yet acknowledged
@@ -101,7 +102,7 @@ class SharedMemWeightSender(WeightSender):
         if self.via_pipe:
             for worker in worker_ids:
                 weights = payload[worker] if isinstance(payload, dict) else payload
-                self.versions[worker] = version
+                self._versions[worker] = version
                 self.conns[worker].send((kind, version, weights.detach().clone()))
                 if kind == "update":
                     self._unacked[worker] = version
@@ -116,7 +117,7 @@ class SharedMemWeightSender(WeightSender):
                 handle = None if generation.gen_id in self._seen[worker] else generation.handle
                 self._seen[worker].add(generation.gen_id)
                 self._pending[worker] = generation.gen_id
-                self.versions[worker] = version
+                self._versions[worker] = version
                 self.conns[worker].send((kind, version, (generation.gen_id, handle)))
                 if kind == "update":
                     self._unacked[worker] = version
@@ -201,7 +202,7 @@ class SharedMemWeightReceiver(WeightReceiver):
             return body
         gen_id, handle = body
         if handle is not None:
-            self._generations[gen_id] = handle
+            self._generations[gen_id] = freeze(handle)
         self._gen_id = gen_id
         return self._generations.get(gen_id)
 

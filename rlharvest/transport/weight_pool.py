@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout
+from ..data.flat import FlatLayout, flat_leaves, freeze
 
 __all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into"]
 
@@ -42,6 +42,7 @@ class TorchShmAllocator:
 
     def allocate(self, layout: FlatLayout):
         flat, view = layout.allocate(shared=True)
+        freeze(view)
         return flat, view, view
 
     def release(self, generation: Generation) -> None:
@@ -57,7 +58,7 @@ class NamedShmAllocator:
     def allocate(self, layout: FlatLayout):
         segment = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layout.total_bytes)
-        view = layout.view(flat)
+        view = freeze(layout.view(flat))
         self._segments[id(flat)] = segment
         return flat, view, (segment.name, layout)
 
@@ -97,7 +98,7 @@ def attach_named(handle) -> tuple[Any, TensorDictBase]:
     name, layout = handle
     mapping = _Mapping(name, layout.total_bytes)
     flat = torch.frombuffer(mapping.map, dtype=torch.uint8, count=layout.total_bytes)
-    return mapping, layout.view(flat)
+    return mapping, freeze(layout.view(flat))
 
 
 def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> None:
@@ -106,13 +107,8 @@ def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> No
     Raises:
         KeyError: when the weight keys differ from the generation's.
     """
-    try:
-        sources = [weights.get(key) for key in keys]
-    except KeyError:
-        given = sorted(weights.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k)
-        raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
-    if len(list(weights.keys(True, True))) != len(keys):
-        given = sorted(weights.keys(True, True), key=lambda k: (k,) if isinstance(k, str) else k)
+    given, sources = flat_leaves(weights)
+    if given != keys:
         raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
     with torch.no_grad():
         torch._foreach_copy_(generation.leaves, sources)

@@ -25,7 +25,7 @@ from tensordict import TensorDictBase
 
 from .._utils import resolve_attr_path
 from ..transport.base import WeightReceiver, WeightSender
-from .strategy import WeightStrategy, copy_weights_, weights_of
+from .strategy import WeightStrategy, copy_weights_, module_weights, weights_of
 
 __all__ = ["WeightSyncScheme", "NoWeightSyncScheme"]
 
@@ -310,7 +310,7 @@ class WeightSyncScheme:
                 raise RuntimeError(
                     f"No weights given and no model to read them from for model_id={model_id!r}."
                 )
-            return weights_of(model)
+            return module_weights(model) if isinstance(model, torch.nn.Module) else weights_of(model)
         if isinstance(weights, str):
             if context is None:
                 raise ValueError(f"Cannot resolve weights path {weights!r} without a collector context.")
@@ -360,7 +360,11 @@ class WeightSyncScheme:
 
     def _cascade(self, weights: TensorDictBase) -> None:
         context = self.context
-        if context is not None and hasattr(context, "update_policy_weights_"):
+        if context is None:
+            return
+        if hasattr(context, "_weights_received"):
+            context._weights_received(self._model_id, weights, self.model)
+        elif hasattr(context, "update_policy_weights_"):
             context.update_policy_weights_(model_id=self._model_id, policy_or_weights=weights)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
