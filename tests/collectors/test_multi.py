@@ -123,6 +123,31 @@ def test_update_weights(collector_class, scheme):  # 23
                 break
 
 
+@pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
+def test_every_update_of_many_reaches_the_workers(collector_class):
+    """Workers alternate between two weight generations and reuse what they built for each: every
+    update must still be the one applied, also when the trainer replaces a parameter or its .data."""
+    policy = weight_policy(1.0)
+    with collector_class(envs(2), policy, frames_per_batch=8, total_frames=-1, track_policy_version=True) as c:
+        batches = iter(c)
+        for value in range(2, 9):
+            with torch.no_grad():
+                if value == 5:
+                    policy.module.weight = torch.nn.Parameter(torch.full_like(policy.module.weight, value))
+                elif value == 7:
+                    policy.module.weight.data = torch.full_like(policy.module.weight, value)
+                else:
+                    policy.module.weight.fill_(value)
+            c.update_policy_weights_()
+            states = c.state_dict()
+            assert [states[f"worker{w}"]["policy_state_dict"]["module.weight"].item() for w in (0, 1)] == [value] * 2
+            batch = next(batches)
+            if collector_class is MultiSyncCollector:
+                assert (batch["action"] == value).all()
+                assert (batch["policy_version"] == value - 1).all()  # stamped by the workers
+        assert c.policy_version == 7
+
+
 @pytest.mark.parametrize("mode", ["scheme", "legacy"])
 def test_policy_factory_with_explicit_weights(mode):  # 24
     factory = lambda: weight_policy(1.0)  # noqa: E731
