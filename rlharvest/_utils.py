@@ -167,6 +167,50 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+#: environment variable choosing the CPU scheduling policy of worker processes and nodes
+WORKER_SCHED_ENV = "RLHARVEST_WORKER_SCHED"
+_WORKER_SCHED_CHOICES = ("batch", "normal")
+
+
+def worker_scheduling() -> str:
+    """The worker scheduling policy ``$RLHARVEST_WORKER_SCHED`` asks for (``"batch"`` by default).
+
+    Collectors call it before starting workers, so a bad value fails in the main process.
+
+    Raises:
+        ValueError: for a value other than ``"batch"`` or ``"normal"``.
+    """
+    choice = os.environ.get(WORKER_SCHED_ENV, "").strip().lower() or "batch"
+    if choice not in _WORKER_SCHED_CHOICES:
+        raise ValueError(f"{WORKER_SCHED_ENV} must be one of {_WORKER_SCHED_CHOICES}, got {choice!r}")
+    return choice
+
+
+def use_worker_scheduling() -> str:
+    """Put this worker process (or node) under the policy :func:`worker_scheduling` names.
+
+    Called first thing in a worker process, so that every thread it starts inherits the policy.
+    ``"batch"`` (Linux): ``SCHED_BATCH``, the kernel's policy for throughput processes. Same CPU share,
+    but a worker that wakes up no longer preempts the running learner: with as many busy processes
+    as cores, waking two workers for a weight update otherwise stalls the learner each time
+    (measured on 2 cores: 1M-parameter updates ~20% faster, MultiAsync ~20% more frames/s).
+    ``"normal"`` keeps the inherited policy. Returns the policy in effect; a node whose environment
+    holds a bad value (the main process checked its own) warns and keeps the inherited policy.
+    """
+    try:
+        choice = worker_scheduling()
+    except ValueError as err:
+        warnings.warn(f"{err}; keeping the inherited scheduling policy.", RuntimeWarning)
+        return "normal"
+    if choice == "batch" and hasattr(os, "SCHED_BATCH"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:  # pragma: no cover - a sandbox may forbid it; the default policy still works
+            return "normal"
+        return "batch"
+    return "normal"
+
+
 def to_device_list(value: Any, num_workers: int, name: str) -> list[torch.device | None]:
     """Normalise a device argument that may be one device or one per worker."""
     if isinstance(value, (list, tuple)):

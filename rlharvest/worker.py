@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import itertools
 import multiprocessing.connection
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -367,5 +366,3 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
             worker.collector.shutdown(raise_on_error=False)
         endpoint.close()
 
-
-_ = time

@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 
-from rlharvest.envs import Composite, CountingEnv, Unbounded
+from rlharvest.envs import Composite, ContinuousMockEnv, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 
@@ -239,3 +239,10 @@ def counting_env(max_steps: int = 3):
 def faulty_env_factory(bad, mode="raise", after_steps=3):
     """Per-worker env constructors: worker i's env knows its index."""
     return [lambda i=i: FaultyEnv(bad=bad, worker_idx=i, after_steps=after_steps, mode=mode) for i in range(2)]
+
+
+class SchedulingProbeEnv(ContinuousMockEnv):
+    """Reports the CPU scheduling policy of the thread that serves it (through ``cascade_execute``)."""
+
+    def scheduling_policy(self) -> int:
+        return os.sched_getscheduler(0)

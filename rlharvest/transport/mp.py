@@ -21,12 +21,11 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing as torch_mp
 from tensordict import TensorDictBase
 
-from .._utils import CloudpickleWrapper
+from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
 from ..rollout import TrajectoryCounter
 from .base import WorkerEndpoint, WorkerHandle
 
@@ -153,6 +152,7 @@ def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int | None, d
         _set_parent_death_signal()
     if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before we got here
         return
+    use_worker_scheduling()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from ..worker import run_worker
 
@@ -235,7 +235,12 @@ class MPWorkerHandle(WorkerHandle):
 
 
 def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MPWorkerHandle:
-    """Start one worker process running the worker loop for ``spec``."""
+    """Start one worker process running the worker loop for ``spec``.
+
+    Raises:
+        ValueError: for a bad ``$RLHARVEST_WORKER_SCHED``.
+    """
+    worker_scheduling()
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     # User callables inside the spec are already CloudpickleWrapper-ed by the collector; the spec itself
     # goes through multiprocessing's pickler, which knows how to pass pipes, locks and shared tensors.
@@ -253,5 +258,3 @@ def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MP
     child_conn.close()
     return MPWorkerHandle(process, parent_conn, signals.table, worker_idx)
 
-
-_ = np

@@ -25,6 +25,7 @@ import torch
 import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
 
+from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
 from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
@@ -194,6 +195,7 @@ def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str 
                  **_) -> None:
     """A node's whole life: join the RPC world, serve until the main process closes us or vanishes."""
     torch.set_num_threads(1)
+    use_worker_scheduling()  # before init_rpc: its threads, which run the worker, inherit the policy
     _adopt_session_state(session)
     closed = threading.Event()
     _NODE["closed"] = closed

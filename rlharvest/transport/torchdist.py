@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
+from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
 from .base import WorkerEndpoint, WorkerHandle
@@ -434,6 +435,7 @@ def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "g
     """
     from ..worker import Reply, run_worker
 
+    use_worker_scheduling()  # before the store and gloo start their threads: they inherit it
     torch.set_num_threads(1)
     store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
     group = make_process_group(backend, store, rank, world_size, op_timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -146,6 +147,25 @@ def test_every_update_of_many_reaches_the_workers(collector_class):
                 assert (batch["action"] == value).all()
                 assert (batch["policy_version"] == value - 1).all()  # stamped by the workers
         assert c.policy_version == 7
+
+
+def worker_policies(collector) -> list[int]:
+    return [os.sched_getscheduler(handle.process.pid) for handle in collector._pool.handles]
+
+
+def test_workers_run_under_sched_batch_unless_told_otherwise(monkeypatch):
+    """Workers must not preempt the learner when they wake up (SCHED_BATCH); the variable opts out."""
+    learner = os.sched_getscheduler(0)
+    with MultiSyncCollector(envs(2), frames_per_batch=8, total_frames=-1) as c:
+        assert worker_policies(c) == [os.SCHED_BATCH] * 2
+        assert next(iter(c)).numel() == 8
+    assert os.sched_getscheduler(0) == learner  # the main process keeps its own
+    monkeypatch.setenv("RLHARVEST_WORKER_SCHED", "normal")
+    with MultiAsyncCollector(envs(2), frames_per_batch=8, total_frames=-1) as c:
+        assert worker_policies(c) == [learner] * 2
+    monkeypatch.setenv("RLHARVEST_WORKER_SCHED", "fifo")
+    with pytest.raises(ValueError, match=r"RLHARVEST_WORKER_SCHED must be one of \('batch', 'normal'\), got 'fifo'"):
+        MultiSyncCollector(envs(2), frames_per_batch=8, total_frames=-1)
 
 
 @pytest.mark.parametrize("mode", ["scheme", "legacy"])

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..._utils import worker_scheduling
 from ...transport.mp import _set_parent_death_signal, mp_context
 from ...transport.torchdist import distributed_state_exists
 
@@ -212,6 +213,7 @@ def launch_nodes(launcher: str, world_size: int, host: str, port: int, backend: 
                  node_kwargs: dict | None = None) -> list[LaunchedNode]:
     """Start ranks ``1 .. world_size-1`` with ``launcher``."""
     node_kwargs = node_kwargs or {}
+    worker_scheduling()  # a bad RLHARVEST_WORKER_SCHED fails here, not in every node
     ranks = range(1, world_size)
     if launcher == "mp":
         ctx = _node_context(start_method)

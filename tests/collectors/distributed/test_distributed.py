@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy
+from mocks import CountingPolicy, SchedulingProbeEnv
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
@@ -427,3 +427,11 @@ def test_distributed_sync_collector_validation_and_endless():
             if i == 4:
                 break
         assert i == 4
+
+
+def test_nodes_run_under_sched_batch():
+    """Like worker processes, nodes must not preempt the learner when they wake up."""
+    with make([SchedulingProbeEnv] * 2, frames_per_batch=20, total_frames=-1) as collector:
+        assert next(iter(collector)).numel() == 20
+        policies = [collector.cascade_execute(f"workers[{i}].env.scheduling_policy") for i in (0, 1)]
+        assert policies == [os.SCHED_BATCH] * 2
