@@ -412,6 +412,24 @@ def inprocess_copy_seconds(n_params: int, repeats: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
+def copy_buffers(n_params: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source and a destination of ``n_params`` float32, allocated and touched up front."""
+    return torch.randn(n_params, dtype=torch.float32), torch.zeros(n_params, dtype=torch.float32)
+
+
+def timed_copy(source: torch.Tensor, destination: torch.Tensor) -> float:
+    """Seconds of one ``destination.copy_(source)`` with one intra-op thread, the source just written."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        source.add_(1e-3)
+        return time_call(lambda: destination.copy_(source))
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
 def summarize(values: list[float]) -> dict[str, float]:
     """Median, min and max of ``values`` (NaN for an empty list)."""
     if not values:

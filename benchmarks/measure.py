@@ -120,26 +120,37 @@ def measure_weightsync(side: Side, kind: str, n_params: int, budget: common.Budg
     After the first batch, ``budget.weightsync_repeats`` times: add 1e-3 to
     every parameter in place, time ``update_policy_weights_()`` (no argument:
     the collector re-reads its policy), then collect one batch.
+
+    Two baselines of one in-process ``copy_`` of the same bytes: ``copy_s``,
+    repeated between two cache-hot buffers after the run
+    (:func:`common.inprocess_copy_seconds`), and ``copy_in_loop_s``, timed in
+    the same loop just before each update, from a source written just before
+    (as the policy is) into a destination last written one batch earlier (as
+    a weight buffer is): the copy an update has to make, in the cache state
+    it makes it in.
     """
     policy = side.big_policy(n_params)
     collector = side.build_collector(
         kind, side.env_fn("cartpole"), policy, budget.weightsync_frames_per_batch
     )
+    source, destination = common.copy_buffers(n_params)
 
-    def updates() -> tuple[list[float], dict[str, float]]:
+    def updates() -> tuple[list[float], list[float], dict[str, float]]:
         batches = iter(collector)
         next(batches)
         monitor = harness.CpuMonitor().start()
-        latencies = []
+        latencies, copies = [], []
         for _ in range(budget.weightsync_repeats):
+            copies.append(common.timed_copy(source, destination))
             common.bump_parameters(policy)
             latencies.append(common.time_call(collector.update_policy_weights_))
             next(batches)
-        return latencies, monitor.stop()
+        return latencies, copies, monitor.stop()
 
-    latencies, cpu = _collect_or_shutdown(collector, updates)
+    latencies, copies, cpu = _collect_or_shutdown(collector, updates)
     report = shutdown_and_check(collector)
     copy_s = common.inprocess_copy_seconds(n_params)
+    copy_in_loop_s = common.summarize(copies)["median"]
     stats = common.summarize(latencies)
     return {
         "collector_kind": kind,
@@ -150,6 +161,8 @@ def measure_weightsync(side: Side, kind: str, n_params: int, budget: common.Budg
         "repeats": len(latencies),
         "copy_s": copy_s,
         "ratio_to_copy": stats["median"] / copy_s,
+        "copy_in_loop_s": copy_in_loop_s,
+        "ratio_to_copy_in_loop": stats["median"] / copy_in_loop_s,
         **cpu,
         **report,
     }
