@@ -202,3 +202,9 @@ def test_nodes_run_under_sched_batch():
         assert next(iter(collector)).numel() == 20
         policies = [collector.cascade_execute(f"workers[{i}].env.scheduling_policy") for i in (0, 1)]
         assert policies == [os.SCHED_BATCH] * 2
+
+
+def test_bad_worker_scheduling_value_fails_before_any_node_starts(monkeypatch):
+    monkeypatch.setenv("RLHARVEST_WORKER_SCHED", "realtime")
+    with pytest.raises(ValueError, match=r"RLHARVEST_WORKER_SCHED must be one of \('batch', 'normal'\)"):
+        make(frames_per_batch=20, total_frames=-1)
