@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy, SchedulingProbeEnv
+from mocks import CountingPolicy
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
@@ -427,17 +427,3 @@ def test_distributed_sync_collector_validation_and_endless():
             if i == 4:
                 break
         assert i == 4
-
-
-def test_nodes_run_under_sched_batch():
-    """Like worker processes, nodes must not preempt the learner when they wake up."""
-    with make([SchedulingProbeEnv] * 2, frames_per_batch=20, total_frames=-1) as collector:
-        assert next(iter(collector)).numel() == 20
-        policies = [collector.cascade_execute(f"workers[{i}].env.scheduling_policy") for i in (0, 1)]
-        assert policies == [os.SCHED_BATCH] * 2
-
-
-def test_bad_worker_scheduling_value_fails_before_any_node_starts(monkeypatch):
-    monkeypatch.setenv("RLHARVEST_WORKER_SCHED", "realtime")
-    with pytest.raises(ValueError, match=r"RLHARVEST_WORKER_SCHED must be one of \('batch', 'normal'\)"):
-        make(frames_per_batch=20, total_frames=-1)

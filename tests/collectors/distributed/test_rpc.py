@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy, SchedulingProbeEnv
+from mocks import CountingPolicy
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
@@ -194,17 +194,3 @@ def test_deprecated_alias_and_visible_devices_check():
         assert isinstance(collector, RPCCollector) and len(list(collector)) == 1
     with pytest.raises(ValueError, match="visible_devices"):
         RPCCollector([ContinuousMockEnv] * 2, frames_per_batch=10, launcher="mp", visible_devices=["cpu"])
-
-
-def test_nodes_run_under_sched_batch():
-    """Like worker processes, nodes must not preempt the learner when they wake up."""
-    with make([SchedulingProbeEnv] * 2, frames_per_batch=20, total_frames=-1) as collector:
-        assert next(iter(collector)).numel() == 20
-        policies = [collector.cascade_execute(f"workers[{i}].env.scheduling_policy") for i in (0, 1)]
-        assert policies == [os.SCHED_BATCH] * 2
-
-
-def test_bad_worker_scheduling_value_fails_before_any_node_starts(monkeypatch):
-    monkeypatch.setenv("RLHARVEST_WORKER_SCHED", "realtime")
-    with pytest.raises(ValueError, match=r"RLHARVEST_WORKER_SCHED must be one of \('batch', 'normal'\)"):
-        make(frames_per_batch=20, total_frames=-1)
