@@ -68,7 +68,9 @@ def resolve_devices(device, storing_device, policy_device, env_device, env=None)
     policy_device = _device(policy_device) or device
     env_device = _device(env_device) or device
     if env_device is None and env is not None:
-        env_device = _device(getattr(env, "device", None))
+        from .envs.adapters import env_attr
+
+        env_device = _device(env_attr(env, "device"))
     if storing_device is None and env_device is not None and env_device == policy_device:
         storing_device = env_device
     if storing_device is None and env_device is not None and policy_device is None:

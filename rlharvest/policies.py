@@ -150,7 +150,9 @@ def wrap_policy(policy: Any, env, trust_policy: bool | None = None) -> Callable:
 
 
 def _observation_keys(env) -> list[NestedKey]:
-    spec = getattr(env, "observation_spec", None)
+    from .envs.adapters import env_attr
+
+    spec = env_attr(env, "observation_spec")
     if spec is None:
         return []
     return [unravel_key(k) for k in spec.keys(True, True)]

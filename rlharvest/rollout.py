@@ -214,7 +214,7 @@ class Rollout:
                     break
         self._root, self._traj, self._count = root, traj, count
         self.stepped_since_reset = True
-        return self._assemble(steps)
+        return self._assemble(steps, random)
 
     def _to_env_device(self, actions: dict) -> dict:
         device = self.settings.env_device
@@ -256,8 +256,20 @@ class Rollout:
         return root, traj, count
 
     # ------------------------------------------------------------------ batch assembly
-    def _build_layout(self, step) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
+    def _policy_outputs(self, root: dict) -> dict:
+        """What the policy writes for ``root``: one call whose result is only used for its layout.
+
+        A batch of random actions has the same keys as a policy batch (the policy's other outputs,
+        Q-values or log-probabilities, are zero), so a buffer laid out by a random first batch
+        still holds the policy's batches.
+        """
+        with torch.no_grad(), set_interaction_type(self.settings.exploration_type), self._policy_lock:
+            return self.policy_step(dict(root))
+
+    def _build_layout(self, step, random: bool) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
         root, actions, nxt, _, _, _ = step
+        if random and not isinstance(self.policy_step, RandomStep):
+            actions = {**self._policy_outputs(root), **actions}
         layout: dict[NestedKey, tuple[tuple, torch.dtype]] = {}
         flag_shape = (*self.batch_size, 1)
         for key, value in root.items():
@@ -302,9 +314,9 @@ class Rollout:
                 raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
         self.buffer = buffer
 
-    def _assemble(self, steps: list) -> TensorDictBase:
+    def _assemble(self, steps: list, random: bool = False) -> TensorDictBase:
         if self._layout is None:
-            self._layout = self._build_layout(steps[0])
+            self._layout = self._build_layout(steps[0], random)
         layout = self._layout
         use_buffers = self.settings.use_buffers
         if use_buffers and self.buffer is None:
@@ -319,7 +331,9 @@ class Rollout:
             target = out.get(key).narrow(dim, 0, n) if out is not None else None
             leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
         for key, (shape, dtype) in layout.items():
-            if key not in columns:  # implicit root flags: always False under auto-reset
+            # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
+            # actions the policy's other outputs (zero, as TorchRL fills them).
+            if key not in columns:
                 target = out.get(key).narrow(dim, 0, n) if out is not None else None
                 if target is not None:
                     target.zero_()

@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
-from ..envs.adapters import is_env
+from ..envs.adapters import env_attr, is_env
 from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
@@ -27,7 +27,7 @@ def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
     kwargs = create_env_kwargs or {}
     if is_env(create_env_fn):
         if kwargs:
-            if not create_env_fn.batch_size or not hasattr(create_env_fn, "update_kwargs"):
+            if not create_env_fn.batch_size or env_attr(create_env_fn, "update_kwargs") is None:
                 raise RuntimeError(
                     f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
                     "they can only be forwarded to a batched env. Pass a constructor instead."
@@ -45,14 +45,14 @@ def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
 def _env_keys(env) -> set:
     keys = set()
     for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
-        spec = getattr(env, name, None)
+        spec = env_attr(env, name)
         if spec is not None and hasattr(spec, "keys"):
             keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
     return keys
 
 
 def _close_env(env) -> None:
-    if getattr(env, "is_closed", False):
+    if env_attr(env, "is_closed", False):
         return
     try:
         env.close(raise_if_closed=False)
@@ -205,7 +205,7 @@ class Collector(BaseCollector):
                 "max_frames_per_traj is set but the env already has a 'step_count' entry (a step counter); "
                 "remove one of them."
             )
-        done_keys = [as_tuple_key(k)[-1] for k in getattr(self.env, "done_keys", [])]
+        done_keys = [as_tuple_key(k)[-1] for k in env_attr(self.env, "done_keys", [])]
         if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
             raise RuntimeError(
                 "set_truncated=True requires the env to have a 'truncated' done key (or max_frames_per_traj)."
@@ -233,7 +233,7 @@ class Collector(BaseCollector):
         n_env = int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
         use_buffers = config.use_buffers
         if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not getattr(self.env, "_has_dynamic_specs", False)
+            use_buffers = config.replay_buffer is None and not env_attr(self.env, "_has_dynamic_specs", False)
         return RolloutSettings(
             time_steps=self._frames_per_batch // n_env,
             max_frames_per_traj=config.max_frames_per_traj,
