@@ -144,8 +144,6 @@ class CollectorConfig:
             return
         if not hasattr(self.replay_buffer, "extend"):
             raise TypeError(f"replay_buffer must have an extend() method, got {type(self.replay_buffer).__name__}")
-        if self.return_same_td:
-            raise TypeError("return_same_td=True cannot be used with a replay_buffer.")
         if self.use_buffers:
             raise TypeError("use_buffers=True cannot be used with a replay_buffer (the buffer is the storage).")
         if not self.extend_buffer:

@@ -48,6 +48,9 @@ class BaseCollector(WeightAPIMixin):
     _run_thread: threading.Thread | None = None
     _stop_event: threading.Event | None = None
     _background_error: BaseException | None = None
+    #: drop keys with a path part starting with ``_`` from yielded batches (TorchRL's switch of the
+    #: same name)
+    _exclude_private_keys: bool = True
 
     # ------------------------------------------------------------------ identity
     @property
@@ -113,8 +116,9 @@ class BaseCollector(WeightAPIMixin):
             raise RuntimeError("Non-terminating collector (total_frames=-1): len() is undefined.")
         return math.ceil(self.config.total_frames / self.requested_frames_per_batch)
 
-    @staticmethod
-    def _drop_private_keys(batch: TensorDictBase) -> TensorDictBase:
+    def _drop_private_keys(self, batch: TensorDictBase) -> TensorDictBase:
+        if not self._exclude_private_keys:
+            return batch
         private = [k for k in batch.keys(True, True) if is_private_key(k)]
         if not private:
             return batch

@@ -32,8 +32,31 @@ __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "Multi
 DEFAULT_WORKER_TIMEOUT = 120.0
 
 
-class _MultiCollector(RemoteCollectorBase):
-    """Shared constructor and behaviour of the worker-process collectors."""
+class _DispatchOnSync(type(RemoteCollectorBase)):
+    """``MultiCollector(..., sync=...)`` builds a MultiSyncCollector (default) or a MultiAsyncCollector."""
+
+    def __call__(cls, *args, sync: bool | None = None, **kwargs):
+        if cls is MultiCollector:
+            cls = MultiAsyncCollector if sync is False else MultiSyncCollector
+        elif sync is not None and bool(sync) != cls._sync:
+            raise TypeError(f"{cls.__name__} is {'' if cls._sync else 'a'}synchronous: sync={sync!r} contradicts it "
+                            "(use MultiCollector(..., sync=...) to choose).")
+        return super().__call__(*args, **kwargs)
+
+
+class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
+    """Collectors whose rollouts run in worker processes on this machine.
+
+    ``MultiCollector(create_env_fn, policy, sync=True, ...)`` returns a :class:`MultiSyncCollector`,
+    ``sync=False`` a :class:`MultiAsyncCollector`; both are instances of this class.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = MultiCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=8, sync=False)
+        >>> isinstance(collector, (MultiCollector, MultiAsyncCollector))
+        True
+        >>> collector.shutdown()
+    """
 
     _supports_run_free = True
     _sync = True
@@ -107,7 +130,7 @@ class _MultiCollector(RemoteCollectorBase):
         self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(update_at_each_batch)
-        self.preemptive_threshold = None if preemptive_threshold is None else min(1.0, max(0.0, preemptive_threshold))
+        self.preemptive_threshold = setup.validate_preemptive_threshold(preemptive_threshold)
         self._version_tracker = track_policy_version or None
         self._worker_timeout = float(worker_timeout)
         self._mp_context = mp_context(mp_start_method)
@@ -282,7 +305,7 @@ def has_policy_scheme(schemes: dict) -> bool:
     return "policy" in schemes
 
 
-class MultiSyncCollector(_MultiCollector):
+class MultiSyncCollector(MultiCollector):
     """Workers collect in lockstep: every batch stacks one rollout of every worker, ordered by index.
 
     Nothing is stepped between a yield and the next request, so it is safe for on-policy training.
@@ -339,7 +362,7 @@ def _valid_steps(batch: TensorDictBase) -> TensorDictBase:
     return batch[..., : int(valid.sum())]
 
 
-class MultiAsyncCollector(_MultiCollector):
+class MultiAsyncCollector(MultiCollector):
     """Workers collect continuously; each batch is the first one ready (off-policy training).
 
     Example:
@@ -382,11 +405,6 @@ class AsyncCollector(MultiAsyncCollector):
         if kwargs.pop("num_workers", 1) != 1:
             raise ValueError("AsyncCollector runs exactly one worker.")
         super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
-
-
-def MultiCollector(*args, sync: bool = True, **kwargs) -> _MultiCollector:
-    """A :class:`MultiSyncCollector` (``sync=True``) or a :class:`MultiAsyncCollector`."""
-    return (MultiSyncCollector if sync else MultiAsyncCollector)(*args, **kwargs)
 
 
 _ = (weights_of, WorkerError)

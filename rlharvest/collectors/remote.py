@@ -203,6 +203,8 @@ class RemoteCollectorBase(BaseCollector):
         self._drain_async()
         state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
         state.update(frames=self._frames, iter=self._iter)
+        if self._version_tracker:
+            state["policy_version"] = self._policy_version
         return state
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:
@@ -213,6 +215,8 @@ class RemoteCollectorBase(BaseCollector):
                 self._pool.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
+        if "policy_version" in state_dict:
+            self._policy_version = int(state_dict["policy_version"])
 
     def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
         """Reset every worker's envs, or those whose entry of ``reset_idx`` is True."""

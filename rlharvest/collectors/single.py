@@ -261,6 +261,14 @@ class Collector(BaseCollector):
     def _init_sender_schemes(self, schemes: dict | None) -> None:
         if not schemes:
             return
+        for model_id, scheme in schemes.items():
+            if scheme.needs_workers:
+                raise ValueError(
+                    f"weight_sync_schemes[{model_id!r}] is a {type(scheme).__name__}, which sends weights to worker "
+                    "processes or nodes: a Collector has none (its policy runs in this process and "
+                    "update_policy_weights_ updates it directly). Use weight_recv_schemes to receive weights from a "
+                    "parent collector, or a MultiSyncCollector/MultiAsyncCollector to run workers."
+                )
         self._weight_sync_schemes = dict(schemes)
         for model_id, scheme in schemes.items():
             scheme.init_on_sender(model_id=model_id, context=self, num_workers=1)
@@ -431,6 +439,8 @@ class Collector(BaseCollector):
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
+        if self._version_tracker:
+            state["policy_version"] = self._policy_version
         return state
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, **kwargs) -> None:
@@ -440,6 +450,9 @@ class Collector(BaseCollector):
             self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
+        if "policy_version" in state_dict:
+            self._policy_version = int(state_dict["policy_version"])
+            self._on_version_bump(self._policy_version)
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"

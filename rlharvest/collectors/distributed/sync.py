@@ -39,6 +39,9 @@ class DistributedSyncCollector(DistributedCollector):
         [(2, 5), (2, 5)]
     """
 
+    #: whether the nodes were told to run free (a class attribute: shutdown after a failed start reads it)
+    _pushing = False
+
     def __init__(
         self,
         create_env_fn: Sequence[Callable],
