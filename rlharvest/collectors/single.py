@@ -15,6 +15,7 @@ from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
 from ..weight_update.strategy import copy_weights_, weights_of
+from ._dispatch import BackendDispatch
 from .base import BaseCollector
 from .utils import split_trajectories
 
@@ -60,8 +61,13 @@ def _close_env(env) -> None:
         env.close()
 
 
-class Collector(BaseCollector):
+class Collector(BaseCollector, metaclass=BackendDispatch):
     """Collects batches by running the rollout loop in the calling process.
+
+    ``Collector(..., backend=..., num_collectors=..., sync=..., backend_options=...)`` builds the
+    collector of another backend instead (``"process"``: worker processes, ``"distributed"``, ``"rpc"``,
+    ``"submitit"``), as TorchRL 0.14 does; ``backend="direct"`` (the default without
+    ``num_collectors``) is this class.
 
     Args:
         create_env_fn: an env (SPEC §1.1) or a callable returning one.
