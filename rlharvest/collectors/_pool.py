@@ -9,7 +9,8 @@ torch.distributed nodes, RPC nodes). Every wait
 * is bounded: no reply and no progress for ``timeout`` seconds raises :class:`WorkerTimeoutError`.
 
 Replies are matched to requests by id; a reply that arrives while another is awaited (an async
-BATCH while waiting for a ``state_dict``) is kept until someone asks for it.
+BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker the pool saw
+die stays dead until :meth:`WorkerPool.replace` swaps a new handle in for it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
-from ..worker import FREE_BATCH, Command, Message, Reply
+from ..protocol import FREE_BATCH, READY, Command, Message, Reply
 
 __all__ = ["WorkerPool"]
 
@@ -40,7 +41,7 @@ class WorkerPool:
     """
 
     #: request id of the reply every worker sends once it is built (or failed to build)
-    READY = -1
+    READY = READY
 
     def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
                  noun: str = "worker", expect_ready: bool = True) -> None:
@@ -61,6 +62,16 @@ class WorkerPool:
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def replace(self, worker: int, handle: WorkerHandle) -> None:
+        """Talk to ``handle`` as ``worker`` from now on (a replacement): what was outstanding, stashed
+        or pushed for the old one is dropped, and its READY reply is expected."""
+        self.handles[worker] = handle
+        self.forget(worker)
+        self._dead.discard(worker)
+        self.unresponsive.discard(worker)
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+        self._outstanding[worker][self.READY] = None
 
     # ------------------------------------------------------------------ sending
     def send(self, worker: int, command: Command, payload: Any = None) -> int:

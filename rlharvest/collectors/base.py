@@ -51,6 +51,10 @@ class BaseCollector(WeightAPIMixin):
     #: drop keys with a path part starting with ``_`` from yielded batches (TorchRL's switch of the
     #: same name)
     _exclude_private_keys: bool = True
+    #: checks called between env steps (``add_step_check``)
+    _extra_step_checks: tuple = ()
+    #: the device the policy runs on, where known (receiver schemes materialise weights there)
+    policy_device = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -246,7 +250,7 @@ class BaseCollector(WeightAPIMixin):
         with_flops: bool = False,
         on_trace_ready=None,
     ) -> None:
-        """Profile rollouts with torch.profiler and export a Chrome trace (SPEC §5).
+        """Profile rollouts with torch.profiler and export a Chrome trace (docs/collection.md, "Profiling").
 
         Raises:
             RuntimeError: after iteration started.
@@ -298,13 +302,34 @@ class BaseCollector(WeightAPIMixin):
             raise ValueError(f"{attr_path!r} resolves to a non-callable {type(target).__name__}; it takes no arguments.")
         return target
 
-    # ------------------------------------------------------------------ used by the worker loop
-    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+    # ------------------------------------------------------------------ the worker-loop contract
+    # What ``rlharvest.worker.WorkerCollector`` asks of the collector a worker runs.
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One batch for a parent collector (the next batch of an endless iteration)."""
         return self.next()
 
-    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
+        """Write a batch collected for a parent into the replay buffer the parent shares."""
         buffer.extend(batch)
+
+    def add_step_check(self, check) -> None:
+        """Call ``check()`` between env steps of every rollout; a True result ends the rollout early."""
+        self._extra_step_checks = [*self._extra_step_checks, check]
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        """Write future batches into ``buffer`` (same layout) when ``batch`` is this collector's own
+        output buffer, so a transport publishes them without a copy. Default: keep writing as before."""
+
+    def use_profile_config(self, config: ProfileConfig) -> None:
+        """Profile the next rollouts as ``config`` says, also once iteration started (a parent asked)."""
+        self._iteration_started = False
+        self._profile_config = config
+        self._apply_profile_config(config)
+
+    def set_policy_version(self, version: int) -> None:
+        """Count policy versions from ``version`` on (a worker replacing another joins at the current one)."""
+        self._policy_version = int(version)
+        self._on_version_bump(self._policy_version)
 
     # ------------------------------------------------------------------ subclass API
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

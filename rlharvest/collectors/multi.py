@@ -1,8 +1,8 @@
-"""Worker-process collectors: MultiSyncCollector, MultiAsyncCollector, AsyncCollector (SPEC §3.2-3.6).
+"""Worker-process collectors: MultiSyncCollector, MultiAsyncCollector, AsyncCollector (docs/collection.md).
 
-Each worker is a process running the worker loop around its own Collector (so THE rollout loop);
-batches come back through shared memory, weights go out through shared-memory schemes, and every
-wait is bounded and checks that workers are alive.
+Each worker is a process of the ``mp`` backend running the worker loop around its own Collector (so
+THE rollout loop); batches come back through shared memory, weights go out through shared-memory
+schemes, and every wait is bounded and checks that workers are alive.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from tensordict import TensorDictBase
 from .._utils import cpu_count
 from ..config import CollectorConfig
 from ..data import ReplayBuffer
-from ..errors import WorkerError
 from ..policies import ExplorationType
-from ..transport.mp import SharedTrajectoryCounter, SignalBoard, mp_context, start_worker_process
+from ..protocol import Command, WorkerSpec
+from ..transport.base import Backend
+from ..transport.mp import MPBackend, mp_context
 from ..weight_update.strategy import weights_of
-from ..worker import Command, WorkerSpec
-from . import _multi_setup as setup
-from ._pool import WorkerPool
+from ..worker import run_worker
+from . import _worker_args as setup
+from ._fleet import Fleet
 from .remote import RemoteCollectorBase
 from .single import Collector
 
@@ -105,52 +106,48 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         mp_start_method: str | None = None,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True
-        self._pool = None
-        if not reset_when_done:
-            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        env_fns = setup.env_functions(create_env_fn, num_workers)
-        count = len(env_fns)
-        factories = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
-        setup.check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
-        self._frames_per_worker, self._requested = setup.frames_per_worker(frames_per_batch, count, self._sync)
-        self.config = CollectorConfig(
-            frames_per_batch=self._requested, total_frames=total_frames, device=device,
-            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
-            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
-            exploration_type=exploration_type, set_truncated=set_truncated, use_buffers=use_buffers,
-            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
-            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx,
-        )
-        if self.config.replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
-        self._worker_idx = worker_idx
-        self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
-        self._check_uniform_stack()
-        self.update_at_each_batch = bool(update_at_each_batch)
-        self.preemptive_threshold = setup.validate_preemptive_threshold(preemptive_threshold)
-        self._version_tracker = track_policy_version or None
-        self._worker_timeout = float(worker_timeout)
-        self._mp_context = mp_context(mp_start_method)
-        self._devices = setup.device_lists(count, device=device, storing_device=storing_device,
-                                           env_device=env_device, policy_device=policy_device)
-        self._worker_policy_devices = [torch.device(p or d or "cpu")
-                                       for p, d in zip(self._devices["policy_device"], self._devices["device"])]
-        self.policy = policy
-        self.policy_factory = factories
-        self._fallback_policy = None
-        self._setup_weights(policy, factories, weight_updater, weight_sync_schemes)
-        self._setup_buffer()
-        self._set_threads(num_threads, count, env_fns)
-        specs = self._worker_specs(env_fns, create_env_kwargs, collector_class, num_sub_threads)
-        self._start_workers(specs)
+        self._setup(arguments)
         self._closed = False
         if weight_recv_schemes is not None:
             self.register_scheme_receiver(weight_recv_schemes)
 
     # ------------------------------------------------------------------ construction
+    def _setup(self, arguments: dict) -> None:
+        if not arguments["reset_when_done"]:
+            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+        env_fns = setup.env_functions(arguments["create_env_fn"], arguments["num_workers"])
+        count = len(env_fns)
+        policy, factories = arguments["policy"], arguments["policy_factory"]
+        factories = setup.per_worker(factories, count, "policy_factory") if factories is not None else None
+        setup.check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self.config = config = CollectorConfig.from_arguments(arguments)
+        self._frames_per_worker = config.split_frames(count, "share" if self._sync else "whole")
+        if config.replay_buffer is not None and arguments["local_init_rb"] is None:
+            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=4)
+        self._worker_idx = config.worker_idx
+        self._cat_results = setup.validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
+        self._check_uniform_stack()
+        self.update_at_each_batch = bool(arguments["update_at_each_batch"])
+        self.preemptive_threshold = setup.validate_preemptive_threshold(arguments["preemptive_threshold"])
+        self._version_tracker = config.track_policy_version or None
+        self._worker_timeout = float(arguments["worker_timeout"])
+        config.check_workers(count)
+        self._backend = self._make_backend(count, arguments["mp_start_method"])
+        self.policy, self.policy_factory = policy, factories
+        self._fallback_policy = None
+        self._setup_weights(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self._setup_buffer()
+        self._set_threads(arguments["num_threads"], count)
+        specs = self._worker_specs(env_fns, arguments["collector_class"], arguments["num_sub_threads"])
+        self._start_workers(specs)
+
+    def _make_backend(self, count: int, start_method: str | None) -> Backend:
+        """Worker processes (the backend is the one thing that differs for the in-process tests)."""
+        devices = [self.config.policy_device_of(worker) for worker in range(count)]
+        return MPBackend(count, run_worker, mp_context(start_method), policy_devices=devices)
+
     def _check_uniform_stack(self) -> None:
         if self._sync and self._cat_results == "stack" and len(set(self._frames_per_worker)) > 1:
             raise ValueError(
@@ -159,11 +156,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             )
 
     def _setup_weights(self, policy, factories, weight_updater, schemes) -> None:
+        default_name = self._backend.default_scheme()
         if weight_updater is None and schemes is None:
-            schemes = setup.default_schemes(policy, factories)
+            schemes = setup.default_schemes(default_name, policy, factories)
         self._legacy = weight_updater is not None
         if self._legacy:
-            schemes = setup.default_schemes(policy, factories)  # the legacy updater's transport
+            schemes = setup.default_schemes(default_name, policy, factories)  # the legacy updater's transport
             self._legacy_schemes = schemes
             self._weight_sync_schemes = None
         else:
@@ -172,7 +170,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         self._sender_schemes = dict(schemes or {})
         for model_id, scheme in self._sender_schemes.items():
             scheme.init_on_sender(model_id=model_id, context=self, num_workers=len(self._frames_per_worker))
-        if self._sender_schemes and has_policy_scheme(self._sender_schemes) and policy is not None:
+        if self._sender_schemes and "policy" in self._sender_schemes and policy is not None:
             self._worker_policy = setup.stateless_copy(policy) if factories is None else None
         else:
             self._worker_policy = policy if factories is None else None
@@ -181,72 +179,48 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         buffer = self.config.replay_buffer
         self._workers_write = isinstance(buffer, ReplayBuffer)
         if self._workers_write:
-            buffer.make_process_safe(self._mp_context)
+            buffer.make_process_safe(self._backend.ctx)
 
-    def _set_threads(self, num_threads: int | None, count: int, env_fns: list) -> None:
+    def _set_threads(self, num_threads: int | None, count: int) -> None:
         if num_threads is None:
             num_threads = max(1, cpu_count() - count)
         torch.set_num_threads(max(1, int(num_threads)))
 
-    def _worker_specs(self, env_fns, create_env_kwargs, collector_class, num_sub_threads) -> list[WorkerSpec]:
-        count = len(env_fns)
-        env_kwargs = setup.per_worker(create_env_kwargs or {}, count, "create_env_kwargs",
-                                      is_single=lambda v: isinstance(v, dict))
-        counter = SharedTrajectoryCounter(self._mp_context)
+    def _worker_specs(self, env_fns, collector_class, num_sub_threads) -> list[WorkerSpec]:
         config = self.config
-        specs = []
-        for worker in range(count):
-            kwargs = dict(
-                frames_per_batch=self._frames_per_worker[worker], total_frames=-1,
-                create_env_kwargs=env_kwargs[worker], max_frames_per_traj=config.max_frames_per_traj,
-                reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
-                set_truncated=config.set_truncated, use_buffers=config.use_buffers, trust_policy=config.trust_policy,
-                compile_policy=config.compile_policy, cudagraph_policy=config.cudagraph_policy,
-                no_cuda_sync=config.no_cuda_sync, track_policy_version=bool(config.track_policy_version),
-                traj_pool=counter,
-                **{name: values[worker] for name, values in self._devices.items()},
-            )
-            if self._workers_write:
-                kwargs.update(postproc=config.postproc, split_trajs=config.split_trajs)
-            specs.append(WorkerSpec(
-                worker_idx=worker,
-                collector_class=setup.wrap_callable(collector_class or Collector),
-                create_env_fn=setup.wrap_callable(env_fns[worker]),
-                collector_kwargs=kwargs,
-                policy=setup.wrap_callable(self._worker_policy),
-                policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
-                weight_recv_schemes=self._sender_schemes or None,
-                replay_buffer=config.replay_buffer if self._workers_write else None,
-                num_threads=num_sub_threads,
-                init_random_frames=config.init_random_frames,
-            ))
-        return specs
+        counter = self._backend.trajectory_counter()
+        # Workers that write the replay buffer themselves post-process what they write.
+        written = dict(postproc=config.postproc, split_trajs=config.split_trajs) if self._workers_write else {}
+        return [WorkerSpec(
+            worker_idx=worker,
+            collector_class=setup.wrap_callable(collector_class or Collector),
+            create_env_fn=setup.wrap_callable(env_fns[worker]),
+            collector_kwargs=config.for_worker(worker, frames_per_batch=self._frames_per_worker[worker],
+                                               traj_pool=counter, **written),
+            policy=setup.wrap_callable(self._worker_policy),
+            policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
+            weight_recv_schemes=self._sender_schemes or None,
+            replay_buffer=config.replay_buffer if self._workers_write else None,
+            num_threads=num_sub_threads,
+            init_random_frames=config.init_random_frames,
+        ) for worker in range(len(env_fns))]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
-        signals = SignalBoard(len(specs))
-        handles = []
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        self._register_live()
         try:
-            for spec in specs:
-                handles.append(start_worker_process(spec, self._mp_context, signals, spec.worker_idx))
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout)
-            self._register_live()
-            for scheme in self._sender_schemes.values():
-                scheme.connect()
-            for worker in range(len(handles)):
-                self._pool.wait_for(worker, WorkerPool.READY)
-            if self._legacy:
-                self.weight_updater = self._pending_updater
+            self._fleet.start(specs)
         except BaseException:
-            self._pool = self._pool or WorkerPool(handles, timeout=self._worker_timeout)
-            self._close_workers(5.0)
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
             raise
+        if self._legacy:
+            self.weight_updater = self._pending_updater
 
     # ------------------------------------------------------------------ properties
     @property
     def requested_frames_per_batch(self) -> int:
-        return self._requested
+        return self.config.requested_frames
 
     @property
     def frames_per_batch_worker(self) -> list[int]:
@@ -269,7 +243,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     def _on_legacy_weights_written(self, device: torch.device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
         updater = self.weight_updater
-        workers = [w for w, d in enumerate(self._worker_policy_devices) if d == torch.device(device)]
+        workers = [w for w in range(self.num_workers) if self.config.policy_device_of(w) == torch.device(device)]
         self._legacy_schemes["policy"].send(weights=updater.policy_weights[device], worker_ids=workers)
 
     @property
@@ -280,8 +254,8 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             if source is None:
                 return {}
             weights = weights_of(source)
-            self._legacy_staging = {device: weights.detach().to(device).clone()
-                                    for device in dict.fromkeys(self._worker_policy_devices)}
+            devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(self.num_workers))
+            self._legacy_staging = {device: weights.detach().to(device).clone() for device in devices}
         return self._legacy_staging
 
     # ------------------------------------------------------------------ replay buffer
@@ -299,10 +273,6 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if self.config.replay_buffer.storage is None:
             reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))
-
-
-def has_policy_scheme(schemes: dict) -> bool:
-    return "policy" in schemes
 
 
 class MultiSyncCollector(MultiCollector):
@@ -406,5 +376,3 @@ class AsyncCollector(MultiAsyncCollector):
             raise ValueError("AsyncCollector runs exactly one worker.")
         super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
 
-
-_ = (weights_of, WorkerError)

@@ -8,8 +8,9 @@ Workers run the worker loop (``rlharvest.worker``); this class drives them throu
 * weights through sender schemes, seeds chained across workers, state dicts per worker,
   profiling and ``cascade_execute`` forwarded to workers, running free, bounded shutdown.
 
-Subclasses (``multi.py``, ``distributed/``) start the workers and say how a worker's trajectory ids
-map to batch ids and how batches are assembled.
+Subclasses (``multi.py``, ``distributed/``) pick a backend, build one spec per worker and start them
+through a :class:`~rlharvest.collectors._fleet.Fleet`; they say how a worker's trajectory ids map to
+batch ids and how batches are assembled.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import resolve_attr_path
-from ..errors import WorkerError
 from ..profiling import ProfileConfig
-from ..worker import Command
+from ..protocol import Command
+from ..transport.base import Backend, WeightLinks
+from ._fleet import Fleet
 from ._pool import WorkerPool
 from .base import BaseCollector
 
@@ -48,7 +49,8 @@ def _close_live_collectors() -> None:
 class RemoteCollectorBase(BaseCollector):
     """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers)."""
 
-    _pool: WorkerPool | None = None
+    _backend: Backend | None = None
+    _fleet: Fleet | None = None
     _sync: bool = True
     _supports_run_free = False
     _running_free = False
@@ -62,8 +64,15 @@ class RemoteCollectorBase(BaseCollector):
         _LIVE.add(self)
 
     @property
+    def _pool(self) -> WorkerPool | None:
+        return self._fleet.pool if self._fleet is not None else None
+
+    @property
     def num_workers(self) -> int:
         return len(self._pool) if self._pool is not None else 0
+
+    def weight_links(self) -> WeightLinks:
+        return self._backend.weight_links()
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _frames_of(self, reply) -> int:
@@ -262,16 +271,11 @@ class RemoteCollectorBase(BaseCollector):
         if "policy" in work:
             BaseCollector.increment_version(self)
 
-    def _forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
         """Initial weights received from a parent continue down to our own workers (no version bump)."""
         scheme = (self._weight_sync_schemes or {}).get(model_id)
         if scheme is not None and self._pool is not None:
             scheme.send(weights=weights)
-
-    def _worker_liveness(self, worker: int) -> tuple[bool, str]:
-        handle = self._pool.handles[worker]
-        alive = handle.is_alive()
-        return alive, ("alive" if alive else handle.exit_description())
 
     # ------------------------------------------------------------------ profiling
     def _apply_profile_config(self, config: ProfileConfig) -> None:
@@ -324,36 +328,12 @@ class RemoteCollectorBase(BaseCollector):
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""
-        pool = self._pool
-        if pool is None:
-            return
-        deadline = time.monotonic() + timeout
-        requests = {}
-        for worker, handle in enumerate(pool.handles):
-            if pool.is_dead(worker):
-                continue
-            handle.interrupt()
-            with contextlib.suppress(WorkerError):
-                request_id = pool.send(worker, Command.CLOSE)
-                if worker not in pool.unresponsive:  # a hung worker will not answer: terminate it
-                    requests[worker] = request_id
-        closed = set()
-        for worker, request_id in requests.items():
-            remaining = max(0.05, deadline - time.monotonic())
-            with contextlib.suppress(Exception):
-                pool.wait_for(worker, request_id, timeout=remaining)
-                closed.add(worker)
-        self._release_workers(closed)
-        for worker, handle in enumerate(pool.handles):
-            # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
-            handle.terminate(max(deadline, time.monotonic() + 0.5) if worker in closed else time.monotonic())
+        if self._fleet is not None:
+            self._fleet.stop(timeout)
+        elif self._backend is not None:  # construction failed before the workers started
+            self._backend.stop_all(time.monotonic())
         self._running_free = False
-
-    def _release_workers(self, closed: set[int]) -> None:
-        """Hook between the CLOSE replies and termination (workers that must be told to exit)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, frames={self._frames})"
 
-
-_ = resolve_attr_path

@@ -1,4 +1,4 @@
-"""Collector: the rollout loop in the calling process (SPEC §3.1)."""
+"""Collector: the rollout loop in the calling process (docs/collection.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["Collector", "make_env"]
 
 
 def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
-    """An env from an instance or a constructor (SPEC §1.4 for kwargs with instances)."""
+    """An env from an instance or a constructor (docs/envs.md: kwargs reach an instance only if it is batched)."""
     create_env_fn = unwrap(create_env_fn)
     kwargs = create_env_kwargs or {}
     if is_env(create_env_fn):
@@ -39,7 +39,7 @@ def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
         raise TypeError(f"create_env_fn must be an env or a callable returning one, got {type(create_env_fn).__name__}")
     env = create_env_fn(**kwargs)
     if not is_env(env):
-        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (SPEC §1.1).")
+        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (docs/envs.md).")
     return env
 
 
@@ -61,6 +61,20 @@ def _close_env(env) -> None:
         env.close()
 
 
+def _check_arguments(arguments: dict, unknown: dict) -> None:
+    """The checks of Collector's own arguments (CollectorConfig checks the shared ones)."""
+    if unknown:
+        raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(unknown)}.")
+    if not arguments["reset_when_done"]:
+        raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+    if arguments["policy"] is not None and arguments["policy_factory"] is not None:
+        raise TypeError("policy_factory cannot be used together with policy.")
+    if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"]:
+        raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+    if arguments["replay_buffer"] is not None and arguments["local_init_rb"] is None:
+        warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
+
+
 class Collector(BaseCollector, metaclass=BackendDispatch):
     """Collects batches by running the rollout loop in the calling process.
 
@@ -70,14 +84,15 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     ``num_collectors``) is this class.
 
     Args:
-        create_env_fn: an env (SPEC §1.1) or a callable returning one.
+        create_env_fn: an env (docs/envs.md) or a callable returning one.
         policy: a callable TensorDict -> TensorDict (usually an ``nn.Module``); None = random actions.
 
     Keyword Args:
         policy_factory: zero-argument callable returning the policy (exclusive with ``policy``).
         frames_per_batch: frames per batch, rounded up to a multiple of the env batch size.
         total_frames: stop after this many frames (-1 = endless).
-        device, storing_device, policy_device, env_device: SPEC §2.7.
+        device, storing_device, policy_device, env_device: where the policy runs, the env steps and
+            batches are stored (docs/collection.md, "Devices").
         create_env_kwargs: kwargs for ``create_env_fn``.
         max_frames_per_traj: truncate trajectories after this many steps (adds ``step_count``).
         init_random_frames: random actions until this many frames were collected.
@@ -149,29 +164,11 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         worker_idx: int | None = None,
         **kwargs,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True  # until construction succeeds
         traj_counter: TrajectoryCounter | None = kwargs.pop("traj_pool", None)
-        if kwargs:
-            raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(kwargs)}.")
-        if not reset_when_done:
-            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        if policy is not None and policy_factory is not None:
-            raise TypeError("policy_factory cannot be used together with policy.")
-        if weight_updater is not None and weight_sync_schemes:
-            raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-        if replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=2)
-        self.config = CollectorConfig(
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
-            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
-            create_env_kwargs=create_env_kwargs, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, return_same_td=return_same_td,
-            interruptor=interruptor, set_truncated=set_truncated, use_buffers=use_buffers,
-            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
-            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx,
-        )
+        _check_arguments(arguments, kwargs)
+        self.config = CollectorConfig.from_arguments(arguments)
         self._worker_idx = worker_idx
         self.env = make_env(create_env_fn, self.config.create_env_kwargs)
         self._setup_policy(policy, policy_factory)
@@ -179,7 +176,6 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         self._frames_per_batch = self._round_frames_per_batch(self.config.frames_per_batch)
         self._version_tracker = track_policy_version or None
         self._rollout = Rollout(self.env, self.policy, self._rollout_settings(), traj_counter or LocalTrajectoryCounter())
-        self._policy_lock = self._rollout.policy_lock
         self._maybe_compile()
         self._profiler: RolloutProfiler | None = None
         self._frames, self._iter = 0, -1
@@ -309,7 +305,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
             if buffer is not None:
-                self._write_buffer(buffer, batch)
+                self.write_to_replay_buffer(buffer, batch)
                 yield None
             else:
                 yield self._postprocess(batch)
@@ -330,8 +326,16 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 return self._rollout.collect(random=random, between_steps=hook)
         return self._rollout.collect(random=random, between_steps=hook)
 
-    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
         return self.rollout_batch(random)
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        if self._rollout.buffer is batch:
+            self._rollout.set_buffer(buffer)
+
+    @property
+    def policy_lock(self):
+        return self._rollout.policy_lock
 
     def _random_phase(self) -> bool:
         target = self.config.init_random_frames
@@ -349,13 +353,11 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             checks.append(interruptor.collection_stopped)
         if self._stop_event is not None:
             checks.append(self._stop_event.is_set)
-        extra = getattr(self, "_extra_step_checks", None)
-        if extra:
-            checks.extend(extra)
+        checks.extend(self._extra_step_checks)
         receivers = self._receiver_schemes
         if receivers:
             def poll() -> bool:
-                self._poll_receivers()
+                self.poll_weight_receivers()
                 return False
             checks.append(poll)
         if not checks:
@@ -380,7 +382,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             batch = config.postproc(batch)
         return self._drop_private_keys(batch)
 
-    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
         if not self.config.extend_buffer:
             dim = self._rollout.time_dim
             for t in range(batch.shape[dim]):
@@ -404,17 +406,17 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         self._copy_into_local_policy(self._weights_from_value(value))
         self.increment_version()
 
-    def _weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self._policy_is_copy
                 and self._weight_updater is None and not self._weight_sync_schemes):
             self.increment_version()  # the scheme wrote into the very modules this collector runs
             return
-        super()._weights_received(model_id, weights, applied_to)
+        super().weights_received(model_id, weights, applied_to)
 
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
         if not isinstance(self.policy, torch.nn.Module):
             return
-        with self._policy_lock:
+        with self._rollout.policy_lock:
             copy_weights_(weights_of(self.policy), weights)
 
     def _on_version_bump(self, version: int) -> None:

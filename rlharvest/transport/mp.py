@@ -1,4 +1,5 @@
-"""Worker processes on this machine: commands through pipes, batches through shared memory.
+"""The ``mp`` backend: worker processes on this machine, commands through pipes, batches through
+shared memory.
 
 * Commands and replies are small pickled dataclasses on a duplex pipe per worker.
 * A batch is never pickled per rollout: the first BATCH reply carries the worker's batch buffer
@@ -26,10 +27,13 @@ import torch.multiprocessing as torch_mp
 from tensordict import TensorDictBase
 
 from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
+from ..protocol import WorkerSpec
 from ..rollout import TrajectoryCounter
-from .base import WorkerEndpoint, WorkerHandle
+from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .shared_memory import SharedMemLinks
 
-__all__ = ["MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "start_worker_process", "mp_context"]
+__all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "mp_context",
+           "set_parent_death_signal"]
 
 _INTERRUPT, _PROGRESS = 0, 1
 
@@ -75,7 +79,7 @@ class SignalBoard:
         self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
     """Ask Linux to kill this process when the thread that forked it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -97,6 +101,9 @@ class MPWorkerEndpoint(WorkerEndpoint):
 
     def fileno(self) -> int:
         return self.conn.fileno()
+
+    def wait_handle(self):
+        return self.conn
 
     def recv(self, timeout: float) -> Any | None:
         try:
@@ -122,7 +129,6 @@ class MPWorkerEndpoint(WorkerEndpoint):
             self._shared.update_(batch)
         return None
 
-    @property
     def batch_buffer(self) -> TensorDictBase | None:
         return self._shared
 
@@ -147,18 +153,19 @@ class MPWorkerEndpoint(WorkerEndpoint):
             pass
 
 
-def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int | None, death_signal: bool) -> None:
+def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, parent_pid: int | None,
+                  death_signal: bool) -> None:
+    """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
     if death_signal:
-        _set_parent_death_signal()
+        set_parent_death_signal()
     if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before we got here
         return
     use_worker_scheduling()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from ..worker import run_worker
-
+    target = target.payload if isinstance(target, CloudpickleWrapper) else target
     spec = spec.payload if isinstance(spec, CloudpickleWrapper) else spec
     torch.set_num_threads(max(1, int(spec.num_threads)))
-    run_worker(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
+    target(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
 
 
 class MPWorkerHandle(WorkerHandle):
@@ -234,27 +241,59 @@ class MPWorkerHandle(WorkerHandle):
             pass
 
 
-def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MPWorkerHandle:
-    """Start one worker process running the worker loop for ``spec``.
+class MPBackend(Backend):
+    """Worker processes on this machine (``multiprocessing``: fork by default).
 
-    Raises:
-        ValueError: for a bad ``$RLHARVEST_WORKER_SCHED``.
+    Args:
+        num_workers: how many workers the collector runs.
+        target: what each worker process runs, ``target(spec, endpoint)`` (the worker loop).
+        ctx: the multiprocessing context (see :func:`mp_context`).
+        policy_devices: the device each worker runs its policy on (weights are staged there).
+
+    Example:
+        >>> from rlharvest.worker import run_worker
+        >>> backend = MPBackend(2, run_worker, mp_context())
+        >>> backend.default_scheme()
+        'shared'
     """
-    worker_scheduling()
-    parent_conn, child_conn = ctx.Pipe(duplex=True)
-    # User callables inside the spec are already CloudpickleWrapper-ed by the collector; the spec itself
-    # goes through multiprocessing's pickler, which knows how to pass pipes, locks and shared tensors.
-    payload = spec
-    direct_child = ctx.get_start_method() in ("fork", "spawn")
-    death_signal = direct_child and threading.current_thread() is threading.main_thread()
-    parent_pid = os.getpid() if direct_child else None
-    process = ctx.Process(
-        target=_worker_main,
-        args=(payload, child_conn, signals.table, worker_idx, parent_pid, death_signal),
-        name=f"rlharvest-worker-{worker_idx}",
-        daemon=False,
-    )
-    process.start()
-    child_conn.close()
-    return MPWorkerHandle(process, parent_conn, signals.table, worker_idx)
 
+    def __init__(self, num_workers: int, target: WorkerTarget, ctx, policy_devices: list | None = None) -> None:
+        super().__init__(num_workers)
+        self.target = target
+        self.ctx = ctx
+        self.policy_devices = policy_devices
+        self.signals = SignalBoard(num_workers)
+
+    def trajectory_counter(self) -> SharedTrajectoryCounter:
+        """Trajectory ids shared by the workers (held in this process's shared memory)."""
+        return SharedTrajectoryCounter(self.ctx)
+
+    def start_one(self, index: int, spec: WorkerSpec) -> MPWorkerHandle:
+        """Start the process of worker ``index``.
+
+        Raises:
+            ValueError: for a bad ``$RLHARVEST_WORKER_SCHED``.
+        """
+        worker_scheduling()
+        parent_conn, child_conn = self.ctx.Pipe(duplex=True)
+        # The spec goes through multiprocessing's pickler, which knows how to pass pipes, locks and
+        # shared tensors; user callables inside it are already wrapped for cloudpickle.
+        direct_child = self.ctx.get_start_method() in ("fork", "spawn")
+        death_signal = direct_child and threading.current_thread() is threading.main_thread()
+        parent_pid = os.getpid() if direct_child else None
+        process = self.ctx.Process(
+            target=_process_main,
+            args=(self.target, spec, child_conn, self.signals.table, index, parent_pid, death_signal),
+            name=f"rlharvest-worker-{index}",
+            daemon=False,
+        )
+        process.start()
+        child_conn.close()
+        handle = self.handles[index] = MPWorkerHandle(process, parent_conn, self.signals.table, index)
+        return handle
+
+    def default_scheme(self) -> str:
+        return "shared"
+
+    def weight_links(self) -> SharedMemLinks:
+        return SharedMemLinks(self.num_workers, self.liveness, ctx=self.ctx, devices=self.policy_devices)

@@ -18,6 +18,7 @@ import collections
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -28,7 +29,7 @@ from tensordict import TensorDictBase
 from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
-from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
+from .base import WeightLinks, WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "rpc_options",
     "RPCNodeEndpoint",
     "RPCWorkerHandle",
+    "RPCWeightLinks",
     "RPCWeightSender",
     "RPCWeightReceiver",
     "run_rpc_node",
@@ -138,7 +140,7 @@ def _collector_of():
 def _apply_weights(model_id: str, version: int, payload):
     """Runs on the node: map or take the payload, swap it in, cascade; returns the acknowledgement."""
     collector = _node_worker().collector
-    scheme = (collector._receiver_schemes or {}).get(model_id)
+    scheme = (collector._receiver_schemes or {}).get(model_id)  # interim: moves beside the worker loop
     if scheme is None:
         raise KeyError(f"node has no receiver scheme for model {model_id!r}")
     gen_id = None
@@ -336,6 +338,13 @@ class RPCWorkerHandle(WorkerHandle):
 
 
 # ---------------------------------------------------------------------------------------------- weights
+@dataclass
+class RPCWeightLinks(WeightLinks):
+    """What RPC weight senders need: the handles of the nodes (updated in place on replacement)."""
+
+    handles: list = field(default_factory=list)
+
+
 class RPCWeightSender(WeightSender):
     """Weights ride in an RPC to each targeted node; its return value is the acknowledgement.
 
@@ -380,6 +389,12 @@ class RPCWeightSender(WeightSender):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+    def replace(self, worker: int) -> None:
+        raise NotImplementedError("replacing a node comes with the rpc backend")
+
+    def attach(self, worker: int, timeout: float) -> None:
+        raise NotImplementedError("replacing a node comes with the rpc backend")
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout

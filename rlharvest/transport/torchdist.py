@@ -298,7 +298,7 @@ class DistWorkerEndpoint(WorkerEndpoint):
         self._stop = threading.Event()
         self._layout: FlatLayout | None = None
         self._flat: torch.Tensor | None = None
-        self.batch_buffer: TensorDictBase | None = None
+        self._batch_buffer: TensorDictBase | None = None
         self._pending_send = False
         self._interval = heartbeat_interval
         self._send_timeout = 60.0
@@ -336,6 +336,12 @@ class DistWorkerEndpoint(WorkerEndpoint):
 
     def fileno(self) -> int:
         return self._wake_r
+
+    def wait_handle(self):
+        return self
+
+    def batch_buffer(self) -> TensorDictBase | None:
+        return self._batch_buffer
 
     def recv(self, timeout: float) -> Any | None:
         try:
@@ -392,9 +398,9 @@ class DistWorkerEndpoint(WorkerEndpoint):
         first = self._layout is None
         if first:
             self._layout = FlatLayout.of(batch)
-            self._flat, self.batch_buffer = self._layout.allocate()
-        if batch is not self.batch_buffer:
-            self.batch_buffer.update_(batch)
+            self._flat, self._batch_buffer = self._layout.allocate()
+        if batch is not self._batch_buffer:
+            self._batch_buffer.update_(batch)
         self._pending_send = True  # sent right after the BATCH reply (see send)
         return self._layout if first else None
 

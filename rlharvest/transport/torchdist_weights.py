@@ -21,19 +21,38 @@ import queue
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout
+from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import WeightReceiver, WeightSender
+from .base import WeightLinks, WeightReceiver, WeightSender
 from .channel import accept_channel, listen, open_channel, shutdown_connection
 from .torchdist import WEIGHTS_TAG
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
-__all__ = ["DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
+__all__ = ["NodeWeightLinks", "DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
+
+
+@dataclass
+class NodeWeightLinks(WeightLinks):
+    """What the weight senders of nodes need: where to listen, how to reach a node's group.
+
+    Attributes:
+        host: the address nodes connect to; bind_host: the address the listener binds.
+        port: the weight channel's port.
+        group: the process group tensors travel over.
+        user_timeout: seconds of silence after which a blocked socket fails.
+    """
+
+    host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    group: Callable[[], Any] | None = None
+    user_timeout: float = 10.0
 
 _NODE_GROUP: list = [None]
 
@@ -142,13 +161,10 @@ class DistWeightSender(WeightSender):
         return generation
 
     def _stage_flat(self, weights: TensorDictBase) -> None:
-        # weight_update sits above the transports (its schemes build on this module): import at use
-        from ..weight_update.strategy import copy_weights_
-
         if self._layout is None:
             self._layout = FlatLayout.of(weights)
             self._flat, self._view = self._layout.allocate()
-        copy_weights_(self._view, weights)
+        copy_leaves_(self._view, weights)
 
     def _finish_sends(self, timeout: float) -> None:
         works, self._works = self._works, []
@@ -160,6 +176,12 @@ class DistWeightSender(WeightSender):
         if self._pending:  # a generation announced without acknowledgement may still be mapped in
             self.wait_acks(version - 1, list(self._pending), 120.0)
         self._announce(payload, version, worker_ids, "update")
+
+    def replace(self, worker: int) -> None:
+        raise NotImplementedError("replacing a node comes with the torchdist backend")
+
+    def attach(self, worker: int, timeout: float) -> None:
+        raise NotImplementedError("replacing a node comes with the torchdist backend")
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -234,6 +256,9 @@ class DistWeightReceiver(WeightReceiver):
 
     def fileno(self) -> int:
         return self._wake_r
+
+    def wait_handle(self):
+        return self
 
     def connect(self, timeout: float) -> TensorDictBase | None:
         info = self.info

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender
+from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender, NodeWeightLinks
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 from .updaters import WeightUpdaterBase
@@ -53,17 +53,12 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._explicit_weights = weights
         super().init_on_sender(model_id=model_id, context=context, model=model, num_workers=num_workers)
 
-    def _make_sender(self, **kwargs) -> DistWeightSender:
-        context = self.context
-        return DistWeightSender(
-            self._num_workers,
-            host=context._advertised_host,
-            bind_host=context._bind_host,
-            port=int(context.tcp_port) + 2,
-            group=lambda: context._process_group,
-            liveness=context._worker_liveness,
-            user_timeout=getattr(context, "_user_timeout", 10.0),
-        )
+    def _make_sender(self, links: NodeWeightLinks | None, **kwargs) -> DistWeightSender:
+        if not isinstance(links, NodeWeightLinks):
+            raise ValueError("DistributedWeightSyncScheme needs a DistributedCollector as context (its nodes' "
+                             f"process group and port), got {type(links).__name__}.")
+        return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
+                                group=links.group, liveness=links.liveness, user_timeout=links.user_timeout)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:
@@ -99,7 +94,8 @@ def _has_tensors(model) -> bool:
 
 
 class DistributedWeightUpdater(WeightUpdaterBase):
-    """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based ids, D3).
+    """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based node ids, unlike
+    TorchRL's 1-based ranks: docs/torchrl-differences.md).
 
     Args:
         store: accepted for compatibility (rlharvest talks to nodes over its command channels).

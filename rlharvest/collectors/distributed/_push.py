@@ -12,7 +12,7 @@ import threading
 
 from tensordict import TensorDictBase
 
-from ...worker import Command
+from ...protocol import Command
 
 __all__ = ["PushedBatchReceiver"]
 

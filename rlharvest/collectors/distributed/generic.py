@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import cloudpickle
 import torch
@@ -22,11 +22,13 @@ from ..._utils import to_device_list
 from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...policies import ExplorationType
-from ...transport.ports import PortInUseError
 from ...transport.torchdist import DistWorkerHandle, Rendezvous, check_backend
 from ...weight_update.distributed import DistributedWeightSyncScheme
-from ...worker import Command, WorkerSpec
-from .. import _multi_setup as setup
+from ...protocol import Command, WorkerSpec
+from .. import _worker_args as setup
+from ...transport.base import Backend
+from ...transport.torchdist_weights import NodeWeightLinks
+from .._fleet import Fleet
 from .._pool import WorkerPool
 from ..remote import RemoteCollectorBase
 from ..single import Collector
@@ -138,7 +140,6 @@ class DistributedCollector(RemoteCollectorBase):
         mp_start_method: str | None = None,
     ) -> None:
         self._closed = True
-        self._pool = None
         self._rendezvous = None
         if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
@@ -260,6 +261,19 @@ class DistributedCollector(RemoteCollectorBase):
     def _process_group(self):
         return self._rendezvous.group if self._rendezvous is not None else None
 
+    def _release_workers(self, closed: set[int]) -> None:
+        """Hook between the CLOSE replies and termination (nodes that must be told to exit)."""
+
+    def _liveness(self, worker: int) -> tuple[bool, str]:
+        handle = self._pool.handles[worker]
+        alive = handle.is_alive()
+        return alive, ("alive" if alive else handle.exit_description())
+
+    def weight_links(self) -> NodeWeightLinks:
+        return NodeWeightLinks(self.num_workers, self._liveness, host=self._advertised_host,
+                               bind_host=self._bind_host, port=int(self.tcp_port) + 2,
+                               group=lambda: self._process_group, user_timeout=self._user_timeout)
+
     def _start(self, count: int) -> None:
         local = self.launcher == "mp"
         self._advertised_host = "127.0.0.1" if local else main_host_ip()
@@ -285,7 +299,7 @@ class DistributedCollector(RemoteCollectorBase):
             channels = self._rendezvous.accept_nodes(count, alive)
             handles = [DistWorkerHandle(channels[rank], group, rank, launched[rank - 1], self._heartbeat_timeout)
                        for rank in range(1, count + 1)]
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node")
+            self._fleet = _started_fleet(handles, self._release_workers, self._worker_timeout)
             self._register_live()
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
@@ -462,4 +476,33 @@ class DistributedCollector(RemoteCollectorBase):
         return f"DistributedCollector(nodes={self.num_workers}, {mode}, launcher={self.launcher!r}, frames={self._frames})"
 
 
-_ = (Iterator, PortInUseError, Command)
+
+class _StartedNodes(Backend):
+    """Nodes this collector started itself: how the fleet stops them."""
+
+    noun = "node"
+
+    def __init__(self, handles: list, release) -> None:
+        super().__init__(len(handles))
+        self.handles = list(handles)
+        self._release = release
+
+    def start_one(self, index, spec):
+        raise NotImplementedError("replacing a node comes with the torchdist backend")
+
+    def stop_all(self, deadline: float, closing=()) -> None:
+        self._release(set(closing))
+        super().stop_all(deadline, closing)
+
+    def default_scheme(self) -> str:
+        return "distributed"
+
+    def weight_links(self):
+        raise NotImplementedError
+
+
+def _started_fleet(handles: list, release, timeout: float) -> Fleet:
+    fleet = Fleet(_StartedNodes(handles, release), {}, timeout)
+    fleet.specs = [None] * len(handles)
+    fleet.pool = WorkerPool(handles, timeout=timeout, noun="node")
+    return fleet

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from ..._utils import worker_scheduling
-from ...transport.mp import _set_parent_death_signal, mp_context
+from ...transport.mp import mp_context, set_parent_death_signal
 from ...transport.torchdist import distributed_state_exists
 
 __all__ = [
@@ -60,7 +60,7 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
 
 def _local_node(death_signal: bool, parent_pid: int | None, *args, **kwargs) -> None:
     if death_signal:
-        _set_parent_death_signal()
+        set_parent_death_signal()
     if parent_pid is not None and os.getppid() != parent_pid:
         return  # the main process died before this node started
     signal.signal(signal.SIGINT, signal.SIG_IGN)

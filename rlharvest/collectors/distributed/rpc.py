@@ -22,10 +22,11 @@ from ...transport.rpc import _boot_id
 from ...transport.torchdist import mark_distributed_state
 from ...transport.torchdist_weights import boot_id, is_loopback
 from ...weight_update.rpc import RPCWeightSyncScheme
-from .. import _multi_setup as setup
+from .. import _worker_args as setup
 from .._pool import WorkerPool
 from ..single import Collector
-from .generic import DistributedCollector
+from ...transport.rpc import RPCWeightLinks
+from .generic import DistributedCollector, _started_fleet
 from .launchers import launch_nodes
 
 __all__ = ["RPCCollector"]
@@ -112,6 +113,9 @@ class RPCCollector(DistributedCollector):
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 
+    def weight_links(self) -> RPCWeightLinks:
+        return RPCWeightLinks(self.num_workers, self._liveness, handles=self._pool.handles)
+
     def _setup_schemes(self, weight_updater, schemes) -> None:
         has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
         if weight_updater is None and schemes is None:
@@ -145,7 +149,8 @@ class RPCCollector(DistributedCollector):
             self._launched = launched
             self._init_rpc(count, port, launched)
             handles = [RPCWorkerHandle(node, node + 1, launched[node], self._heartbeat_timeout) for node in range(count)]
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
+            self._fleet = _started_fleet(handles, self._release_workers, self._worker_timeout)
+            self._fleet.pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
             self._register_live()
             self._create_workers(handles)
             if is_loopback(self._advertised_host):

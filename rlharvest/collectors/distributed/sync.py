@@ -15,8 +15,8 @@ from tensordict import TensorDictBase
 
 from ...policies import ExplorationType
 from ...weight_update.distributed import DistributedWeightSyncScheme
-from ...worker import Command
-from .. import _multi_setup as setup
+from ...protocol import Command
+from .. import _worker_args as setup
 from ..single import Collector
 from ._push import valid_part
 from .generic import DistributedCollector

@@ -1,0 +1,192 @@
+"""The ``inprocess`` backend: every worker is a thread of this process.
+
+The same commands and replies as worker processes, through the same kind of pipes (messages are
+pickled both ways), so a collector, the worker pool and the weight schemes run against it exactly as
+against processes; a batch is read where the worker wrote it (the worker reuses that buffer for
+its next rollout, as worker processes reuse their shared memory). Starting a worker costs
+milliseconds, which makes it the backend of the unit and contract tests.
+
+Threads cannot be killed: stopping a worker closes its pipe and waits for its thread, and a
+worker hung inside its env keeps its (daemon) thread until the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+from tensordict import TensorDictBase
+
+from ..protocol import WorkerSpec
+from ..rollout import LocalTrajectoryCounter
+from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .shared_memory import SharedMemLinks
+
+__all__ = ["InProcessBackend", "InProcessHandle", "InProcessEndpoint"]
+
+_INTERRUPT, _PROGRESS = 0, 1
+
+
+class _Slot:
+    """Where a worker thread leaves its latest batch for the parent, and their cheap signals."""
+
+    def __init__(self) -> None:
+        self.batch: TensorDictBase | None = None
+        self.signals = np.zeros(2, dtype=np.int64)  # [interrupt, progress]
+        self.failure: str | None = None
+
+
+class InProcessEndpoint(WorkerEndpoint):
+    """A worker thread's end: its pipe and its slot."""
+
+    def __init__(self, conn, slot: _Slot, worker_idx: int) -> None:
+        self.conn = conn
+        self.slot = slot
+        self.worker_idx = worker_idx
+        self._interrupt_seen = int(slot.signals[_INTERRUPT])
+        self._parent_gone = False
+
+    def wait_handle(self):
+        return self.conn
+
+    def recv(self, timeout: float) -> Any | None:
+        try:
+            if self.conn.poll(timeout):
+                return self.conn.recv()
+        except (EOFError, OSError):
+            self._parent_gone = True
+        return None
+
+    def send(self, message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, OSError):
+            self._parent_gone = True
+
+    def publish_batch(self, batch: TensorDictBase) -> None:
+        self.slot.batch = batch
+        return None
+
+    def interrupted(self) -> bool:
+        return int(self.slot.signals[_INTERRUPT]) != self._interrupt_seen
+
+    def clear_interrupt(self, mark: int | None = None) -> None:
+        self._interrupt_seen = int(self.slot.signals[_INTERRUPT]) if mark is None else mark
+
+    def report_progress(self, steps: int) -> None:
+        self.slot.signals[_PROGRESS] = steps
+
+    def parent_alive(self) -> bool:
+        return not self._parent_gone
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class InProcessHandle(WorkerHandle):
+    """The parent's end of one worker thread."""
+
+    def __init__(self, thread: threading.Thread, conn, slot: _Slot, worker_idx: int) -> None:
+        self.thread = thread
+        self.conn = conn
+        self.slot = slot
+        self.worker_idx = worker_idx
+
+    def send(self, message: Any) -> None:
+        self.conn.send(message)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        try:
+            return self.conn.poll(timeout)
+        except (EOFError, OSError):
+            return False
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def exit_description(self) -> str:
+        if self.thread.is_alive():
+            return "it stopped answering (its connection closed) but its thread still runs"
+        return "its thread ended" + (f" with:\n{self.slot.failure}" if self.slot.failure else "")
+
+    def progress(self) -> int:
+        return int(self.slot.signals[_PROGRESS])
+
+    def interrupt(self) -> None:
+        self.slot.signals[_INTERRUPT] += 1
+
+    def interrupt_mark(self) -> int:
+        return int(self.slot.signals[_INTERRUPT])
+
+    def fetch_batch(self, reply) -> TensorDictBase:
+        if self.slot.batch is None:
+            raise RuntimeError(f"worker {self.worker_idx} announced a batch but published none.")
+        return self.slot.batch
+
+    def terminate(self, deadline: float) -> None:
+        try:
+            self.conn.close()  # the worker's next wait sees the parent gone and returns
+        except OSError:
+            pass
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _thread_main(target: WorkerTarget, spec: WorkerSpec, endpoint: InProcessEndpoint) -> None:
+    try:
+        target(spec, endpoint)
+    except BaseException:  # the worker loop reports its own failures; this is a failure of the loop
+        endpoint.slot.failure = traceback.format_exc()
+        raise
+
+
+class InProcessBackend(Backend):
+    """Workers as threads of this process (for tests: milliseconds to start).
+
+    Args:
+        num_workers: how many workers the collector runs.
+        target: what each worker thread runs, ``target(spec, endpoint)`` (the worker loop).
+
+    Example:
+        >>> from rlharvest.worker import run_worker
+        >>> backend = InProcessBackend(1, run_worker)
+        >>> backend.default_scheme()
+        'shared'
+    """
+
+    def __init__(self, num_workers: int, target: WorkerTarget) -> None:
+        super().__init__(num_workers)
+        self.target = target
+        self.ctx = multiprocessing.get_context()
+
+    def trajectory_counter(self) -> LocalTrajectoryCounter:
+        """Trajectory ids shared by the workers (one thread-safe counter)."""
+        return LocalTrajectoryCounter()
+
+    def start_one(self, index: int, spec: WorkerSpec) -> InProcessHandle:
+        parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
+        slot = _Slot()
+        endpoint = InProcessEndpoint(child_conn, slot, index)
+        thread = threading.Thread(target=_thread_main, args=(self.target, spec, endpoint),
+                                  name=f"rlharvest-worker-{index}", daemon=True)
+        thread.start()
+        handle = self.handles[index] = InProcessHandle(thread, parent_conn, slot, index)
+        return handle
+
+    def default_scheme(self) -> str:
+        return "shared"
+
+    def weight_links(self) -> SharedMemLinks:
+        return SharedMemLinks(self.num_workers, self.liveness, ctx=self.ctx)
