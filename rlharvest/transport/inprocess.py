@@ -3,7 +3,9 @@
 The same commands and replies as worker processes, through the same kind of pipes (messages are
 pickled both ways), so a collector, the worker pool and the weight schemes run against it exactly as
 against processes; a batch is read where the worker wrote it (the worker reuses that buffer for
-its next rollout, as worker processes reuse their shared memory). Starting a worker costs
+its next rollout, as worker processes reuse their shared memory). Each worker gets its own copy of
+the spec's policy and env constructor, as it would crossing a process boundary; what is meant to be
+shared (the trajectory counter, the weight channels) stays shared. Starting a worker costs
 milliseconds, which makes it the backend of the unit and contract tests.
 
 Threads cannot be killed: stopping a worker closes its pipe and waits for its thread, and a
@@ -12,6 +14,8 @@ worker hung inside its env keeps its (daemon) thread until the interpreter exits
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -29,6 +33,8 @@ from .shared_memory import SharedMemLinks
 __all__ = ["InProcessBackend", "InProcessHandle", "InProcessEndpoint"]
 
 _INTERRUPT, _PROGRESS = 0, 1
+#: seconds a stopped worker thread gets to return (it polls its pipe at least every 0.25 s)
+_GRACE = 1.0
 
 
 class _Slot:
@@ -141,7 +147,9 @@ class InProcessHandle(WorkerHandle):
             self.conn.close()  # the worker's next wait sees the parent gone and returns
         except OSError:
             pass
-        self.thread.join(max(0.0, deadline - time.monotonic()))
+        # A thread cannot be killed: give it the moment it needs to notice, whatever the deadline
+        # (its weight channels are closed next, and it must not be waiting on them then).
+        self.thread.join(max(_GRACE, deadline - time.monotonic()))
 
 
 def _thread_main(target: WorkerTarget, spec: WorkerSpec, endpoint: InProcessEndpoint) -> None:
@@ -176,6 +184,8 @@ class InProcessBackend(Backend):
         return LocalTrajectoryCounter()
 
     def start_one(self, index: int, spec: WorkerSpec) -> InProcessHandle:
+        spec = dataclasses.replace(spec, policy=copy.deepcopy(spec.policy),
+                                   create_env_fn=copy.deepcopy(spec.create_env_fn))
         parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
         slot = _Slot()
         endpoint = InProcessEndpoint(child_conn, slot, index)
