@@ -286,8 +286,8 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     # ------------------------------------------------------------------ replay buffer
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        buffer.extend(self._postprocess(batch))
         if self._workers_write and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()

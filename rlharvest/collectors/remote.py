@@ -31,7 +31,7 @@ from ..worker import Command
 from ._pool import WorkerPool
 from .base import BaseCollector
 
-__all__ = ["RemoteCollectorBase"]
+__all__ = ["RemoteCollectorBase", "valid_part"]
 
 _TRAJ_IDS = ("collector", "traj_ids")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -43,6 +43,15 @@ def _close_live_collectors() -> None:
     for collector in list(_LIVE):
         with contextlib.suppress(Exception):
             collector.shutdown(timeout=5.0, raise_on_error=False)
+
+
+def valid_part(batch: TensorDictBase) -> TensorDictBase:
+    """The steps of a batch that were collected: the batch itself, or (when a rollout was cut short,
+    its remaining steps having trajectory id -1) those steps, flattened."""
+    ids = batch.get(_TRAJ_IDS, None)
+    if ids is None or not (ids == -1).any():
+        return batch
+    return batch[ids != -1]
 
 
 class RemoteCollectorBase(BaseCollector):
@@ -167,20 +176,22 @@ class RemoteCollectorBase(BaseCollector):
         """Count frames, write or post-process, and yield one batch (or None with a buffer)."""
         if not counted:
             self._frames += self._count_frames(replies)
-        buffer = self.config.replay_buffer
+        if self.config.replay_buffer is not None:
+            # Each worker's batch is written as that worker's own collector would write it, so a
+            # buffer that counts items along the first dim (TorchRL's) gets the frames, not W rows.
+            for batch in batches:
+                self._write_to_buffer(valid_part(batch))
+            yield None
+            return
         if sync and batches:
             batch = self._assemble_sync(batches, replies)
         else:
             batch = batches[0] if batches else None
-        if buffer is not None:
-            if batch is not None:
-                self._write_to_buffer(batch if sync else batch)
-            yield None
-            return
         yield self._postprocess(batch)
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        self.config.replay_buffer.extend(self._postprocess(batch))
+        if batch.numel():
+            self.config.replay_buffer.extend(self._postprocess(batch))
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         from .utils import split_trajectories
