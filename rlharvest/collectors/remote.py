@@ -294,24 +294,47 @@ class RemoteCollectorBase(BaseCollector):
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
+        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
+
+        Workers write into an rlharvest :class:`~rlharvest.data.ReplayBuffer` themselves; any other
+        buffer (a TorchRL ``ReplayBuffer``, ...) is written by a thread of this process.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
         if not self._supports_run_free:
             return super().start()
         if self.config.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if not self._workers_can_write():
+            self._start_thread()
+            return
         self._iteration_started = True
         self._prepare_run_free()
         self._pool.broadcast(Command.RUN_FREE)
         self._running_free = True
 
+    def _workers_can_write(self) -> bool:
+        """Whether workers write the replay buffer themselves (else a thread here does)."""
+        return False
+
     def _prepare_run_free(self) -> None:
         """Make sure workers can write to the buffer themselves."""
 
     def is_running(self) -> bool:
-        return self._running_free
+        return self._running_free or super().is_running()
+
+    def _interrupt_background(self) -> None:
+        if self._pool is not None:
+            for handle in self._pool.handles:
+                handle.interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:
             raise NotImplementedError(f"Collector pause() is not implemented for {type(self).__name__}.")
+        if self._run_thread is not None:
+            yield from self._pause_thread()
+            return
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
         pool = self._pool
