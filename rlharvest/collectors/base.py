@@ -184,35 +184,66 @@ class BaseCollector(WeightAPIMixin):
         raise NotImplementedError(f"Collector start() is not implemented for {type(self).__name__}.")
 
     def _start_thread(self) -> None:
-        """Run the iterator in a daemon thread (the ``start()`` of thread-based collectors)."""
+        """Run the iterator in a daemon thread (the ``start()`` of thread-based collectors).
+
+        While it runs, the thread is the only user of the collector's workers: ``pause()``,
+        ``update_policy_weights_`` and the shutdown are what the caller may do meanwhile.
+        """
         if self.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")
         self._iteration_started = True
         self._stop_event = threading.Event()
+        self._pause_request, self._paused = threading.Event(), threading.Event()
         self._background_error = None
-
-        def run() -> None:
-            try:
-                for _ in self.iterator():
-                    if self._stop_event.is_set():
-                        break
-            except BaseException as err:  # surfaced by async_shutdown
-                self._background_error = err
-
-        self._run_thread = threading.Thread(target=run, name=f"{type(self).__name__}-run", daemon=True)
+        self._run_thread = threading.Thread(target=self._run_in_thread, name=f"{type(self).__name__}-run",
+                                            daemon=True)
         self._run_thread.start()
+
+    def _run_in_thread(self) -> None:
+        try:
+            for _ in self.iterator():
+                if self._stop_event.is_set():
+                    break
+                if self._pause_request.is_set():
+                    self._paused.set()  # the batch just written was the last one before the pause
+                    while self._pause_request.is_set() and not self._stop_event.wait(0.01):
+                        pass
+                    self._paused.clear()
+        except BaseException as err:  # surfaced by pause() / async_shutdown
+            self._background_error = err
+        finally:
+            self._paused.set()
+
+    def _pause_thread(self, timeout: float = 60.0):
+        """``pause()`` of thread-based background collection: no buffer write inside the block."""
+        if not self.is_running():
+            raise RuntimeError("Collector cannot be paused: it is not collecting in the background (start()).")
+        self._pause_request.set()
+        try:
+            if not self._paused.wait(timeout):
+                raise TimeoutError(f"background collection did not pause within {timeout:g} s.")
+            if self._background_error is not None:
+                raise self._background_error
+            yield
+        finally:
+            self._pause_request.clear()
 
     def is_running(self) -> bool:
         """Whether background collection (``start()``) is in progress."""
         return self._run_thread is not None and self._run_thread.is_alive()
+
+    def _interrupt_background(self) -> None:
+        """Hook: make a background batch in progress end soon (collectors with workers interrupt them)."""
 
     def _stop_background(self, timeout: float | None) -> None:
         if self._stop_event is not None:
             self._stop_event.set()
         thread = self._run_thread
         if thread is not None and thread is not threading.current_thread():
+            if thread.is_alive():
+                self._interrupt_background()
             thread.join(timeout if timeout is not None else 30.0)
             if thread.is_alive():
                 raise TimeoutError(f"Background collection did not stop within {timeout} s.")

@@ -260,16 +260,17 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     # ------------------------------------------------------------------ replay buffer
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        buffer.extend(self._postprocess(batch))
         if self._workers_write and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()
             self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)
 
+    def _workers_can_write(self) -> bool:
+        return self._workers_write
+
     def _prepare_run_free(self) -> None:
-        if not self._workers_write:
-            raise RuntimeError("start() needs an rlharvest.data.ReplayBuffer that workers can write into.")
         if self.config.replay_buffer.storage is None:
             reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))

@@ -32,7 +32,7 @@ from ._fleet import Fleet
 from ._pool import WorkerPool
 from .base import BaseCollector
 
-__all__ = ["RemoteCollectorBase"]
+__all__ = ["RemoteCollectorBase", "valid_part"]
 
 _TRAJ_IDS = ("collector", "traj_ids")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -44,6 +44,15 @@ def _close_live_collectors() -> None:
     for collector in list(_LIVE):
         with contextlib.suppress(Exception):
             collector.shutdown(timeout=5.0, raise_on_error=False)
+
+
+def valid_part(batch: TensorDictBase) -> TensorDictBase:
+    """The steps of a batch that were collected: the batch itself, or (when a rollout was cut short,
+    its remaining steps having trajectory id -1) those steps, flattened."""
+    ids = batch.get(_TRAJ_IDS, None)
+    if ids is None or not (ids == -1).any():
+        return batch
+    return batch[ids != -1]
 
 
 class RemoteCollectorBase(BaseCollector):
@@ -176,20 +185,22 @@ class RemoteCollectorBase(BaseCollector):
         """Count frames, write or post-process, and yield one batch (or None with a buffer)."""
         if not counted:
             self._frames += self._count_frames(replies)
-        buffer = self.config.replay_buffer
+        if self.config.replay_buffer is not None:
+            # Each worker's batch is written as that worker's own collector would write it, so a
+            # buffer that counts items along the first dim (TorchRL's) gets the frames, not W rows.
+            for batch in batches:
+                self._write_to_buffer(valid_part(batch))
+            yield None
+            return
         if sync and batches:
             batch = self._assemble_sync(batches, replies)
         else:
             batch = batches[0] if batches else None
-        if buffer is not None:
-            if batch is not None:
-                self._write_to_buffer(batch if sync else batch)
-            yield None
-            return
         yield self._postprocess(batch)
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        self.config.replay_buffer.extend(self._postprocess(batch))
+        if batch.numel():
+            self.config.replay_buffer.extend(self._postprocess(batch))
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         from .utils import split_trajectories
@@ -287,24 +298,47 @@ class RemoteCollectorBase(BaseCollector):
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
+        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
+
+        Workers write into an rlharvest :class:`~rlharvest.data.ReplayBuffer` themselves; any other
+        buffer (a TorchRL ``ReplayBuffer``, ...) is written by a thread of this process.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
         if not self._supports_run_free:
             return super().start()
         if self.config.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if not self._workers_can_write():
+            self._start_thread()
+            return
         self._iteration_started = True
         self._prepare_run_free()
         self._pool.broadcast(Command.RUN_FREE)
         self._running_free = True
 
+    def _workers_can_write(self) -> bool:
+        """Whether workers write the replay buffer themselves (else a thread here does)."""
+        return False
+
     def _prepare_run_free(self) -> None:
         """Make sure workers can write to the buffer themselves."""
 
     def is_running(self) -> bool:
-        return self._running_free
+        return self._running_free or super().is_running()
+
+    def _interrupt_background(self) -> None:
+        if self._pool is not None:
+            for handle in self._pool.handles:
+                handle.interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:
             raise NotImplementedError(f"Collector pause() is not implemented for {type(self).__name__}.")
+        if self._run_thread is not None:
+            yield from self._pause_thread()
+            return
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
         pool = self._pool

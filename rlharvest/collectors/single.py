@@ -304,10 +304,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 return
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
-            if buffer is not None:
+            if buffer is not None and not self.config.return_same_td:
                 self.write_to_replay_buffer(buffer, batch)
                 yield None
-            else:
+            else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
                 yield self._postprocess(batch)
         _close_env(self.env)
 

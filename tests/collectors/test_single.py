@@ -454,12 +454,17 @@ def test_argument_errors(kwargs, error, match):
         Collector(CountingEnv(), **kwargs)
 
 
-def test_return_same_td_with_a_replay_buffer_writes_the_buffer():
+def test_return_same_td_with_a_replay_buffer_yields_the_batch_itself():
+    """As TorchRL: return_same_td hands the collector's own batch over and leaves the buffer to the caller."""
     rb = ReplayBuffer(100)
+    seen = []
     collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, replay_buffer=rb, return_same_td=True,
-                          local_init_rb=True)
-    assert list(collector) == [None, None]
-    assert len(rb) == 8
+                          local_init_rb=True, postproc=lambda td: seen.append(td) or td)
+    first = next(iter(collector))
+    assert first is seen[0] and first.numel() == 4
+    assert len(rb) == 0
+    rb.extend(first)
+    assert len(rb) == 4
     collector.shutdown()
 
 

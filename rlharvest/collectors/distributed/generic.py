@@ -30,9 +30,9 @@ from ...transport.base import Backend
 from ...transport.torchdist_weights import NodeWeightLinks
 from .._fleet import Fleet
 from .._pool import WorkerPool
-from ..remote import RemoteCollectorBase
+from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
-from ._push import PushedBatchReceiver, valid_part
+from ._push import PushedBatchReceiver
 from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
@@ -423,9 +423,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     def _write_pushed(self, worker: int, reply) -> None:
         batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
-        batch = valid_part(batch, reply.frames)
-        if batch.numel():
-            self.config.replay_buffer.extend(self._postprocess(batch))
+        self._write_to_buffer(valid_part(batch))
         self._frames += reply.frames
 
     def _pause_impl(self):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
 from tensordict import TensorDictBase
 
 from ...policies import ExplorationType
@@ -18,7 +17,7 @@ from ...weight_update.distributed import DistributedWeightSyncScheme
 from ...protocol import Command
 from .. import _worker_args as setup
 from ..single import Collector
-from ._push import valid_part
+from ..remote import valid_part
 from .generic import DistributedCollector
 
 __all__ = ["DistributedSyncCollector"]
@@ -112,17 +111,11 @@ class DistributedSyncCollector(DistributedCollector):
                 if reply is None:
                     raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
                 batch = self._remap_traj_ids(pool.handles[node].fetch_batch(reply), node)
-                batches.append(valid_part(batch, reply.frames).clone() if reply.frames < batch.numel() else batch)
+                batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
-            out = torch.stack(batches, 0)
-            out.names = [None] * (out.batch_dims - 1) + ["time"]
             self._frames += frames
             self._yielded += 1
-            if self.config.replay_buffer is not None:
-                self.config.replay_buffer.extend(self._postprocess(out))
-                yield None
-            else:
-                yield self._postprocess(out)
+            yield from self._emit(batches, [], sync=True, counted=True)
 
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")
