@@ -6,14 +6,13 @@ the policy produce the values; the loop appends them to per-key lists); once per
 each key into a preallocated TensorDict of shape ``(*batch_size, T)`` with the time dim named
 ``"time"``. This keeps per-frame bookkeeping to a few microseconds.
 
-Auto-reset invariant (SPEC §1.3): the root of step ``t`` is the state before acting, ``("next", *)``
+Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
 step ``t + 1``.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -107,7 +106,7 @@ class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
 
     Args:
-        env: any env of the protocol (SPEC §1.1).
+        env: any env of the protocol (docs/envs.md).
         policy: the (already wrapped) policy callable.
         settings: loop options.
         traj_counter: where fresh trajectory ids come from.
@@ -369,9 +368,3 @@ class Rollout:
             columns["policy_version"] = columns[("next", "policy_version")] = column
         return columns
 
-
-def trajectory_counter_from_state(start: int) -> LocalTrajectoryCounter:
-    return LocalTrajectoryCounter(start)
-
-
-_ = itertools  # noqa: F401  (kept for readers: ids are drawn in row-major order)

@@ -95,7 +95,7 @@ def _has_tensors(model) -> bool:
 
 class DistributedWeightUpdater(WeightUpdaterBase):
     """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based node ids, unlike
-    TorchRL's 1-based ranks: docs/torchrl-differences.md).
+    TorchRL's 1-based ranks: docs/torchrl-compatibility.md).
 
     Args:
         store: accepted for compatibility (rlharvest talks to nodes over its command channels).

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from mocks import FaultyEnv, faulty_env_factory, weight_policy
+from mocks import faulty_env_factory, weight_policy
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
@@ -184,5 +184,3 @@ def test_unknown_command_lists_valid_ones():
     err = reply.failure.to_exception()
     assert isinstance(err, WorkerError) and isinstance(err, ValueError)
 
-
-_ = FaultyEnv

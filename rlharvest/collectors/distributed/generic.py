@@ -32,7 +32,7 @@ from .._fleet import Fleet
 from .._pool import WorkerPool
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
-from ._push import PushedBatchReceiver
+from ._pushed_batches import PushedBatchReceiver
 from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]

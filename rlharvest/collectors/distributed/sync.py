@@ -124,7 +124,7 @@ class DistributedSyncCollector(DistributedCollector):
 
     def _close_workers(self, timeout: float) -> None:
         if self._pushing:
-            from ._push import PushedBatchReceiver
+            from ._pushed_batches import PushedBatchReceiver
 
             receiver = PushedBatchReceiver(self)
             receiver.stop_requested.set()
