@@ -7,6 +7,7 @@ schemes, and every wait is bounded and checks that workers are alive.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from ..weight_update.strategy import weights_of
 from ..worker import run_worker
 from . import _worker_args as setup
 from ._fleet import Fleet
+from ._signatures import bind_arguments, derived_signature
 from .remote import RemoteCollectorBase
 from .single import Collector
 
@@ -35,6 +37,16 @@ DEFAULT_WORKER_TIMEOUT = 120.0
 
 class _DispatchOnSync(type(RemoteCollectorBase)):
     """``MultiCollector(..., sync=...)`` builds a MultiSyncCollector (default) or a MultiAsyncCollector."""
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """The constructor's parameters (not this ``__call__``'s): what ``inspect.signature`` shows."""
+        for klass in cls.__mro__:
+            own = klass.__dict__.get("__signature__")
+            if isinstance(own, inspect.Signature):  # a derived signature (AsyncCollector)
+                return own
+        signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(cls, *args, sync: bool | None = None, **kwargs):
         if cls is MultiCollector:
@@ -358,9 +370,8 @@ class MultiAsyncCollector(MultiCollector):
 class AsyncCollector(MultiAsyncCollector):
     """One Collector running in a background process (a MultiAsyncCollector with one worker).
 
-    Args:
-        create_env_fn: one env constructor (not a list).
-        create_env_kwargs: one dict of kwargs.
+    Takes MultiAsyncCollector's arguments, with one env constructor and one dict of
+    ``create_env_kwargs`` instead of lists.
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -370,10 +381,14 @@ class AsyncCollector(MultiAsyncCollector):
         >>> collector.shutdown()
     """
 
-    def __init__(self, create_env_fn, policy=None, *, create_env_kwargs: dict | None = None, **kwargs) -> None:
+    __signature__ = derived_signature(MultiCollector.__init__, defaults={"num_workers": 1})
+
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        create_env_fn = arguments.pop("create_env_fn")
         if isinstance(create_env_fn, (list, tuple)):
             raise TypeError("AsyncCollector takes one env constructor, not a list (use MultiAsyncCollector).")
-        if kwargs.pop("num_workers", 1) != 1:
+        if arguments.pop("num_workers") != 1:
             raise ValueError("AsyncCollector runs exactly one worker.")
-        super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
-
+        arguments["create_env_kwargs"] = [arguments["create_env_kwargs"] or {}]
+        super().__init__([create_env_fn], **arguments)

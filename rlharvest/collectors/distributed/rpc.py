@@ -1,4 +1,4 @@
-"""RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe), SPEC §4.8.
+"""RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe).
 
 Everything but the wire is DistributedCollector's: arguments, trajectory ids (``k * W + i``),
 automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Nodes run the
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import cloudpickle
 import torch.distributed.rpc as rpc
 
 from ...errors import WorkerError
-from ...policies import ExplorationType
 from ...transport.ports import PortInUseError, port_is_free
 from ...transport.rpc import TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, rpc_options, rpc_session_state
 from ...transport.rpc import _boot_id
@@ -24,8 +23,8 @@ from ...transport.torchdist_weights import boot_id, is_loopback
 from ...weight_update.rpc import RPCWeightSyncScheme
 from .. import _worker_args as setup
 from .._pool import WorkerPool
-from ..single import Collector
 from ...transport.rpc import RPCWeightLinks
+from .._signatures import bind_arguments, derived_signature, keyword
 from .generic import DistributedCollector, _started_fleet
 from .launchers import launch_nodes
 
@@ -53,63 +52,20 @@ class RPCCollector(DistributedCollector):
         [(2, 5), (2, 5)]
     """
 
-    def __init__(
-        self,
-        create_env_fn: Sequence[Callable],
-        policy: Callable | None = None,
-        *,
-        policy_factory=None,
-        frames_per_batch: int,
-        total_frames: int = -1,
-        device=None,
-        storing_device=None,
-        env_device=None,
-        policy_device=None,
-        max_frames_per_traj: int = -1,
-        init_random_frames: int = -1,
-        reset_at_each_iter: bool = False,
-        postproc=None,
-        split_trajs: bool = False,
-        exploration_type=ExplorationType.RANDOM,
-        collector_class: Any = Collector,
-        collector_kwargs=None,
-        num_workers_per_collector: int = 1,
-        sync: bool = False,
-        slurm_kwargs: dict | None = None,
-        backend: str = "gloo",
-        update_after_each_batch: bool = False,
-        max_weight_update_interval: int = -1,
-        launcher: str = "submitit",
-        tcp_port: int | None = None,
-        visible_devices: Sequence | None = None,
-        tensorpipe_options: dict | None = None,
-        weight_updater=None,
-        weight_sync_schemes: dict | None = None,
-        weight_recv_schemes: dict | None = None,
-        replay_buffer=None,
-        worker_timeout: float = 120.0,
-        heartbeat_timeout: float = 10.0,
-        mp_start_method: str | None = None,
-    ) -> None:
-        if visible_devices is not None and len(visible_devices) != len(create_env_fn):
-            raise ValueError(f"visible_devices must hold one device per node ({len(create_env_fn)}).")
+    __signature__ = derived_signature(
+        DistributedCollector.__init__, drop=("update_interval",), after="tcp_port",
+        add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None")))
+
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        visible_devices = arguments.pop("visible_devices")
+        if visible_devices is not None and len(visible_devices) != len(arguments["create_env_fn"]):
+            raise ValueError(f"visible_devices must hold one device per node ({len(arguments['create_env_fn'])}).")
         self.visible_devices = visible_devices
-        self.tensorpipe_options = dict(tensorpipe_options or {})
+        self.tensorpipe_options = dict(arguments.pop("tensorpipe_options") or {})
         self.collector_rrefs: list = []
         self.collector_infos: list = []
-        super().__init__(
-            create_env_fn, policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
-            total_frames=total_frames, device=device, storing_device=storing_device, env_device=env_device,
-            policy_device=policy_device, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, collector_class=collector_class,
-            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector, sync=sync,
-            slurm_kwargs=slurm_kwargs, backend=backend, update_after_each_batch=update_after_each_batch,
-            max_weight_update_interval=max_weight_update_interval, update_interval=None, launcher=launcher,
-            tcp_port=tcp_port, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-            weight_recv_schemes=weight_recv_schemes, replay_buffer=replay_buffer, worker_timeout=worker_timeout,
-            heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method,
-        )
+        super().__init__(**arguments, update_interval=None)
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 
