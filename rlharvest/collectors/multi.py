@@ -230,8 +230,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
                 handles.append(start_worker_process(spec, self._mp_context, signals, spec.worker_idx))
             self._pool = WorkerPool(handles, timeout=self._worker_timeout)
             self._register_live()
-            for scheme in self._sender_schemes.values():
-                scheme.connect()
+            try:
+                for scheme in self._sender_schemes.values():
+                    scheme.connect()
+            except WorkerError:
+                self._pool.raise_start_failure()  # a worker that failed to build says why
+                raise
             for worker in range(len(handles)):
                 self._pool.wait_for(worker, WorkerPool.READY)
             if self._legacy:
@@ -408,4 +412,4 @@ class AsyncCollector(MultiAsyncCollector):
         super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
 
 
-_ = (weights_of, WorkerError)
+_ = weights_of
