@@ -102,6 +102,21 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
     return out
 
 
+def _or_flag(previous: Any, hit: Any, like: Any, batch_size: torch.Size) -> Any:
+    """``previous | hit`` in the form of ``like`` (a Python bool for unbatched array envs, else a
+    tensor), ``hit`` being one flag per sub-env broadcast over the flag's trailing dims."""
+    if not isinstance(like, torch.Tensor) and not isinstance(previous, torch.Tensor):
+        return bool(previous) or bool(hit)
+    shape = (previous if isinstance(previous, torch.Tensor) else torch.as_tensor(like)).shape
+    if isinstance(hit, torch.Tensor):
+        flags = hit.reshape(*batch_size, *([1] * (len(shape) - len(batch_size)))).expand(shape)
+    else:
+        flags = torch.full(shape, bool(hit), dtype=torch.bool)
+    if previous is None:
+        return flags.clone()
+    return torch.as_tensor(previous).bool() | flags
+
+
 class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
 
@@ -220,23 +235,19 @@ class Rollout:
         return {k: v.to(device, non_blocking=True) for k, v in actions.items()}
 
     def _truncate(self, nxt: dict, done, count, end_of_batch: bool):
-        """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values."""
+        """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values: every
+        truncated flag of the hit sub-envs is set, and their done flags with it."""
         hit = (count + 1 >= self._limit) if self._limit else False
         if end_of_batch:
             hit = True if not self.batch_size else torch.ones(self.batch_size, dtype=torch.bool)
-        if not self.batch_size:
-            if not hit and not self._add_truncated:
-                return nxt, done
-            nxt = dict(nxt)
-            nxt["truncated"] = bool(nxt.get("truncated", False)) or hit
-            nxt["done"] = bool(nxt["done"]) or hit
-            return nxt, done or hit
+        if not self._add_truncated and not (hit if not self.batch_size else bool(hit.any())):
+            return nxt, done
         nxt = dict(nxt)
-        column = hit.reshape(*self.batch_size, 1)
-        previous = nxt.get("truncated")
-        nxt["truncated"] = column.clone() if previous is None else torch.as_tensor(previous) | column
-        nxt["done"] = torch.as_tensor(nxt["done"]) | column
-        return nxt, done | hit
+        for truncated_key, done_key in self.adapter.truncation_keys:
+            like = nxt[done_key]
+            nxt[truncated_key] = _or_flag(nxt.get(truncated_key), hit, like, self.batch_size)
+            nxt[done_key] = _or_flag(like, hit, like, self.batch_size)
+        return nxt, (done or hit) if not self.batch_size else done | hit
 
     def _restart(self, nxt, root, next_root, done, env_done, traj, count):
         """Root, trajectory ids and step counts after a step in which some sub-envs ended."""

@@ -67,8 +67,7 @@ class Fleet:
         try:
             handles = self.backend.start_all(self.specs)
             self.pool = WorkerPool(handles, timeout=self.timeout, noun=self.backend.noun)
-            for scheme in self.schemes.values():
-                scheme.connect()
+            self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
             for worker in range(len(handles)):
                 self.pool.wait_for(worker, READY)
         except BaseException:
@@ -90,10 +89,18 @@ class Fleet:
         spec = self.specs[index] = self.specs[index].replacement(**changes)
         handle = self.backend.start_one(index, spec)
         self.pool.replace(index, handle)
-        for scheme in self.schemes.values():
-            scheme.attach(index)
+        self._reporting_start_failures(lambda: [scheme.attach(index) for scheme in self.schemes.values()])
         self.pool.wait_for(index, READY)
         return handle
+
+    def _reporting_start_failures(self, connect) -> None:
+        """Run ``connect`` (weight channels waiting for workers); when it finds a worker gone, raise
+        what that worker reported while it failed to build, if it did, rather than its exit."""
+        try:
+            connect()
+        except WorkerError:
+            self.pool.raise_start_failure()
+            raise
 
     def stop(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline (idempotent)."""

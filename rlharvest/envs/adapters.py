@@ -112,6 +112,8 @@ class EnvAdapter:
     implicit_root_flags: list[NestedKey] = []
     #: whether the env exposes a ``truncated`` flag at the root of its done keys
     has_truncated: bool
+    #: ``(truncated key, done key)`` of every group of done flags (a time limit sets both)
+    truncation_keys: list[tuple[NestedKey, NestedKey]] = [("truncated", "done")]
 
     def reset(self, mask=None) -> dict:
         raise NotImplementedError
@@ -197,6 +199,10 @@ class TensorDictEnvAdapter(EnvAdapter):
         self.reward_keys = [unravel_key(k) for k in env_attr(env, "reward_keys", ["reward"])]
         self._step_and_reset = env_attr(env, "step_and_maybe_reset")
         self._reset_groups = _reset_groups(self.done_keys)
+        self.truncation_keys = [
+            (unravel_key((*prefix, "truncated")), done_key)
+            for prefix, done_key in _reset_groups([k for k in self.done_keys if as_tuple_key(k)[-1] == "done"])
+        ] or [("truncated", "done")]
 
     def _td(self, values: dict) -> TensorDictBase:
         return TensorDict(values, batch_size=self.batch_size, device=self.device)
