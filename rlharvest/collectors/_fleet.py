@@ -74,6 +74,11 @@ class Fleet:
             self.stop(5.0)
             raise
 
+    def remember(self, index: int, **changes: Any) -> None:
+        """Record in worker ``index``'s spec what it became (a seed it was given), for a replacement."""
+        if self.specs[index] is not None:
+            self.specs[index] = self.specs[index].replacement(**changes)
+
     def replace(self, index: int, **changes: Any) -> WorkerHandle:
         """Start a new worker in place of worker ``index``, from its spec with ``changes``.
 

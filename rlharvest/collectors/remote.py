@@ -216,6 +216,7 @@ class RemoteCollectorBase(BaseCollector):
         """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
         self._drain_async()
         for worker in range(self.num_workers):
+            self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
             seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
         return seed
 

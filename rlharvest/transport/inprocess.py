@@ -20,19 +20,17 @@ import multiprocessing
 import threading
 import time
 import traceback
-from typing import Any
-
 import numpy as np
 from tensordict import TensorDictBase
 
 from ..protocol import WorkerSpec
 from ..rollout import LocalTrajectoryCounter
-from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .base import Backend, WorkerTarget
+from .pipes import PipeEndpoint, PipeHandle
 from .shared_memory import SharedMemLinks
 
 __all__ = ["InProcessBackend", "InProcessHandle", "InProcessEndpoint"]
 
-_INTERRUPT, _PROGRESS = 0, 1
 #: seconds a stopped worker thread gets to return (it polls its pipe at least every 0.25 s)
 _GRACE = 1.0
 
@@ -46,79 +44,25 @@ class _Slot:
         self.failure: str | None = None
 
 
-class InProcessEndpoint(WorkerEndpoint):
+class InProcessEndpoint(PipeEndpoint):
     """A worker thread's end: its pipe and its slot."""
 
     def __init__(self, conn, slot: _Slot, worker_idx: int) -> None:
-        self.conn = conn
+        super().__init__(conn, slot.signals, worker_idx)
         self.slot = slot
-        self.worker_idx = worker_idx
-        self._interrupt_seen = int(slot.signals[_INTERRUPT])
-        self._parent_gone = False
-
-    def wait_handle(self):
-        return self.conn
-
-    def recv(self, timeout: float) -> Any | None:
-        try:
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-        except (EOFError, OSError):
-            self._parent_gone = True
-        return None
-
-    def send(self, message: Any) -> None:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            self._parent_gone = True
 
     def publish_batch(self, batch: TensorDictBase) -> None:
         self.slot.batch = batch
         return None
 
-    def interrupted(self) -> bool:
-        return int(self.slot.signals[_INTERRUPT]) != self._interrupt_seen
 
-    def clear_interrupt(self, mark: int | None = None) -> None:
-        self._interrupt_seen = int(self.slot.signals[_INTERRUPT]) if mark is None else mark
-
-    def report_progress(self, steps: int) -> None:
-        self.slot.signals[_PROGRESS] = steps
-
-    def parent_alive(self) -> bool:
-        return not self._parent_gone
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-
-
-class InProcessHandle(WorkerHandle):
+class InProcessHandle(PipeHandle):
     """The parent's end of one worker thread."""
 
     def __init__(self, thread: threading.Thread, conn, slot: _Slot, worker_idx: int) -> None:
+        super().__init__(conn, slot.signals, worker_idx)
         self.thread = thread
-        self.conn = conn
         self.slot = slot
-        self.worker_idx = worker_idx
-
-    def send(self, message: Any) -> None:
-        self.conn.send(message)
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        try:
-            return self.conn.poll(timeout)
-        except (EOFError, OSError):
-            return False
-
-    def recv(self) -> Any:
-        return self.conn.recv()
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -128,25 +72,13 @@ class InProcessHandle(WorkerHandle):
             return "it stopped answering (its connection closed) but its thread still runs"
         return "its thread ended" + (f" with:\n{self.slot.failure}" if self.slot.failure else "")
 
-    def progress(self) -> int:
-        return int(self.slot.signals[_PROGRESS])
-
-    def interrupt(self) -> None:
-        self.slot.signals[_INTERRUPT] += 1
-
-    def interrupt_mark(self) -> int:
-        return int(self.slot.signals[_INTERRUPT])
-
     def fetch_batch(self, reply) -> TensorDictBase:
         if self.slot.batch is None:
             raise RuntimeError(f"worker {self.worker_idx} announced a batch but published none.")
         return self.slot.batch
 
     def terminate(self, deadline: float) -> None:
-        try:
-            self.conn.close()  # the worker's next wait sees the parent gone and returns
-        except OSError:
-            pass
+        self.close_pipe()  # the worker's next wait sees the parent gone and returns
         # A thread cannot be killed: give it the moment it needs to notice, whatever the deadline
         # (its weight channels are closed next, and it must not be waiting on them then).
         self.thread.join(max(_GRACE, deadline - time.monotonic()))

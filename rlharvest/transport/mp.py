@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -29,13 +28,13 @@ from tensordict import TensorDictBase
 from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
 from ..protocol import WorkerSpec
 from ..rollout import TrajectoryCounter
-from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .base import Backend, WorkerTarget
+from .pipes import PipeEndpoint, PipeHandle
 from .shared_memory import SharedMemLinks
 
 __all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "mp_context",
            "set_parent_death_signal"]
 
-_INTERRUPT, _PROGRESS = 0, 1
 
 
 def mp_context(start_method: str | None = None):
@@ -88,36 +87,13 @@ def set_parent_death_signal() -> None:
         pass
 
 
-class MPWorkerEndpoint(WorkerEndpoint):
+class MPWorkerEndpoint(PipeEndpoint):
     """A worker process's end: the pipe, its signal row, and its shared batch buffer."""
 
-    def __init__(self, conn, signals: torch.Tensor, worker_idx: int, parent_pid: int) -> None:
-        self.conn = conn
-        self.worker_idx = worker_idx
+    def __init__(self, conn, signals: torch.Tensor, worker_idx: int, parent_pid: int | None) -> None:
+        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
         self.parent_pid = parent_pid
-        self._signals = signals.numpy()[worker_idx]
-        self._interrupt_seen = int(self._signals[_INTERRUPT])
         self._shared: TensorDictBase | None = None
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def wait_handle(self):
-        return self.conn
-
-    def recv(self, timeout: float) -> Any | None:
-        try:
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-        except (EOFError, OSError):
-            self.parent_pid = -1  # the parent's end closed: it is gone
-        return None
-
-    def send(self, message: Any) -> None:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            self.parent_pid = -1
 
     def publish_batch(self, batch: TensorDictBase) -> TensorDictBase | None:
         if self._shared is None:
@@ -132,25 +108,9 @@ class MPWorkerEndpoint(WorkerEndpoint):
     def batch_buffer(self) -> TensorDictBase | None:
         return self._shared
 
-    def interrupted(self) -> bool:
-        return int(self._signals[_INTERRUPT]) != self._interrupt_seen
-
-    def clear_interrupt(self, mark: int | None = None) -> None:
-        self._interrupt_seen = int(self._signals[_INTERRUPT]) if mark is None else mark
-
-    def report_progress(self, steps: int) -> None:
-        self._signals[_PROGRESS] = steps
-
     def parent_alive(self) -> bool:
-        if self.parent_pid is None:  # started by a forkserver: the pipe's EOF tells (recv sets -1)
-            return True
-        return self.parent_pid > 0 and os.getppid() == self.parent_pid
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        # Started by a forkserver (no parent pid to compare): the pipe's EOF tells.
+        return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
 
 def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, parent_pid: int | None,
@@ -168,30 +128,13 @@ def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, pa
     target(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
 
 
-class MPWorkerHandle(WorkerHandle):
+class MPWorkerHandle(PipeHandle):
     """The parent's end of one worker process."""
 
     def __init__(self, process, conn, signals: torch.Tensor, worker_idx: int) -> None:
+        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
         self.process = process
-        self.conn = conn
-        self.worker_idx = worker_idx
-        self._signals = signals.numpy()[worker_idx]
         self._batch: TensorDictBase | None = None
-
-    def send(self, message: Any) -> None:
-        self.conn.send(message)
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        try:
-            return self.conn.poll(timeout)
-        except (EOFError, OSError):
-            return False
-
-    def recv(self) -> Any:
-        return self.conn.recv()
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -210,15 +153,6 @@ class MPWorkerHandle(WorkerHandle):
                 return f"it was killed by signal {-code}"
         return f"it exited with code {code}"
 
-    def progress(self) -> int:
-        return int(self._signals[_PROGRESS])
-
-    def interrupt(self) -> None:
-        self._signals[_INTERRUPT] += 1
-
-    def interrupt_mark(self) -> int:
-        return int(self._signals[_INTERRUPT])
-
     def fetch_batch(self, reply) -> TensorDictBase:
         if reply.value is not None:
             self._batch = reply.value
@@ -235,10 +169,7 @@ class MPWorkerHandle(WorkerHandle):
         if process.is_alive():
             process.kill()
             process.join(1.0)
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        self.close_pipe()
 
 
 class MPBackend(Backend):
