@@ -104,6 +104,15 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         worker_idx: int | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         mp_start_method: str | None = None,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        track_traj_ids: bool = True,
+        compact_obs: bool = False,
+        init_fn: Callable[[], None] | None = None,
+        auto_register_policy_transforms: bool | None = None,
     ) -> None:
         self._closed = True
         self._pool = None
@@ -122,8 +131,14 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             exploration_type=exploration_type, set_truncated=set_truncated, use_buffers=use_buffers,
             replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
             compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx,
+            track_policy_version=track_policy_version, worker_idx=worker_idx, pre_collect_hook=pre_collect_hook,
+            post_collect_hook=post_collect_hook, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+            traj_format=traj_format, track_traj_ids=track_traj_ids, compact_obs=compact_obs,
+            auto_register_policy_transforms=auto_register_policy_transforms,
         )
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
+        self._init_fn = init_fn
         if self.config.replay_buffer is not None and local_init_rb is None:
             warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
         self._worker_idx = worker_idx
@@ -203,7 +218,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
                 set_truncated=config.set_truncated, use_buffers=config.use_buffers, trust_policy=config.trust_policy,
                 compile_policy=config.compile_policy, cudagraph_policy=config.cudagraph_policy,
                 no_cuda_sync=config.no_cuda_sync, track_policy_version=bool(config.track_policy_version),
-                traj_pool=counter,
+                traj_pool=counter, track_traj_ids=config.track_traj_ids, compact_obs=config.compact_obs,
+                pre_collect_hook=setup.wrap_callable(config.pre_collect_hook),
+                post_collect_hook=setup.wrap_callable(config.post_collect_hook),
                 **{name: values[worker] for name, values in self._devices.items()},
             )
             if self._workers_write:
@@ -219,6 +236,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
                 replay_buffer=config.replay_buffer if self._workers_write else None,
                 num_threads=num_sub_threads,
                 init_random_frames=config.init_random_frames,
+                init_fn=setup.wrap_callable(self._init_fn),
             ))
         return specs
 
@@ -264,6 +282,25 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
+
+    def fake_tensordict(self) -> TensorDictBase:
+        """Not available for worker-process collectors (as in TorchRL): ask a Collector of the same env.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.fake_tensordict() is not implemented: build a Collector "
+                                  "with one of the env constructors and call its fake_tensordict().")
+
+    def get_cached_weights(self, model_id: str) -> TensorDictBase | None:
+        """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or
+        None when that model's scheme keeps none (pipes, or no update yet)."""
+        scheme = (self._sender_schemes or {}).get(model_id)
+        buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
+        if not buffers:
+            return None
+        device = self._worker_policy_devices[0] if self._worker_policy_devices else None
+        return buffers.get(device, next(iter(buffers.values())))
 
     # ------------------------------------------------------------------ weights
     def _update_local_policy(self, value: Any) -> None:
