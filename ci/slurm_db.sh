@@ -5,8 +5,8 @@
 # MariaDB listens on its unix socket only (skip-networking: no TCP port at
 # all); slurmdbd reaches it there as "localhost" with its own user and a random
 # password kept in slurmdbd.conf (root, 0600). slurmdbd itself listens on
-# DbdPort 6819 like slurmctld on 6817 (both bind every address: slurm has no
-# option to bind a single one); slurmctld talks to it on 127.0.0.1.
+# DbdPort 6819 like slurmctld on 6817 and slurmd on 6818 (all on every
+# address, slurm's default); slurmctld talks to it on 127.0.0.1.
 
 DB_NAME=slurm_acct_db
 DB_USER=slurm
