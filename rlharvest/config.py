@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
 __all__ = ["CollectorConfig", "parse_total_frames", "resolve_devices", "validate_exploration_type"]
@@ -106,6 +107,11 @@ def _flag(value: Any, index: int) -> Any:
     return bool(value)
 
 
+def _pickled(value: Any, index: int) -> Any:
+    """A user callable workers get through cloudpickle (lambdas and local functions survive spawn)."""
+    return CloudpickleWrapper(value) if value is not None else None
+
+
 def _arg(default: Any = None, *, worker: Callable[[Any, int], Any] = _same, factory: Callable | None = None):
     metadata = {"worker": worker}
     if factory is not None:
@@ -150,6 +156,22 @@ class CollectorConfig:
     no_cuda_sync: bool = _arg(False)
     track_policy_version: Any = _arg(False, worker=_flag)
     worker_idx: int | None = _arg(worker=_parent)
+    pre_collect_hook: Callable[[], None] | None = _arg(worker=_pickled)
+    """Called with no argument before each batch is collected (in the process that collects it)."""
+    post_collect_hook: Callable | None = _arg(worker=_pickled)
+    """Called with each collected batch (in the process that collects it)."""
+    track_traj_ids: bool = _arg(True)
+    """Keep ``("collector", "traj_ids")`` in batches (False: no id bookkeeping at all)."""
+    compact_obs: bool = _arg(False)
+    """Drop the observations from ``("next", ...)``: they are the next step's root entries."""
+    trajs_per_batch: int | None = _arg(worker=_parent)
+    """Yield batches of exactly this many complete trajectories (None: fixed frame batches)."""
+    trajs_per_write: int | None = _arg(worker=_parent)
+    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call."""
+    traj_format: str | None = _arg(worker=_parent)
+    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time)."""
+    auto_register_policy_transforms: bool | None = _arg(worker=_parent)
+    """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
 
     @classmethod
     def from_kwargs(cls, owner: str, **kwargs) -> CollectorConfig:
@@ -180,7 +202,33 @@ class CollectorConfig:
         set_(self, "init_random_frames", _optional_count("init_random_frames", self.init_random_frames))
         set_(self, "split_trajs", bool(self.split_trajs))
         set_(self, "exploration_type", validate_exploration_type(self.exploration_type))
+        for name in ("pre_collect_hook", "post_collect_hook"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
+        if self.auto_register_policy_transforms:
+            raise ValueError(
+                "auto_register_policy_transforms=True is not supported: rlharvest does not edit your env. Add the "
+                "transforms the policy needs (e.g. TorchRL's TensorDictPrimer / InitTracker for recurrent modules) "
+                "to the env yourself, and pass None or False."
+            )
+        self._check_trajectory_options()
         self._check_buffer_options()
+
+    def _check_trajectory_options(self) -> None:
+        set_ = object.__setattr__
+        if self.trajs_per_batch is not None:
+            set_(self, "trajs_per_batch", _positive_int("trajs_per_batch", self.trajs_per_batch))
+        if self.trajs_per_write is not None:
+            if self.trajs_per_batch is None or self.replay_buffer is None:
+                raise ValueError("trajs_per_write needs trajs_per_batch and a replay_buffer.")
+            set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
+        if self.traj_format is not None and self.traj_format not in ("padded", "cat"):
+            raise ValueError(f"traj_format must be 'padded' or 'cat', got {self.traj_format!r}")
+        if self.trajs_per_batch is not None:
+            raise NotImplementedError("trajs_per_batch is not implemented yet.")
+        if self.trajs_per_batch is not None and self.split_trajs:
+            raise ValueError("trajs_per_batch and split_trajs are exclusive: trajectory batches are already split.")
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:

@@ -90,6 +90,8 @@ class WorkerSpec:
     num_threads: int = 1
     init_random_frames: int = 0
     """Frames of random actions when running free (decided from the buffer's write count)."""
+    init_fn: Any = None
+    """Called in the worker before it builds its env and collector."""
     seed: int | None = None
     """The seed the parent last gave this worker (``set_seed``); a replacement is seeded with it."""
     static_seed: bool = False

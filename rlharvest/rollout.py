@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._utils import NestedKey, unravel_key
+from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
@@ -69,6 +69,10 @@ class RolloutSettings:
     policy_device: torch.device | None = None
     env_device: torch.device | None = None
     use_buffers: bool = True
+    #: keep ``("collector", "traj_ids")`` (False: no id bookkeeping)
+    track_traj_ids: bool = True
+    #: drop the observations from ``("next", ...)`` (they are the next step's root entries)
+    compact_obs: bool = False
 
 
 def _value_meta(value: Any) -> tuple[tuple, torch.dtype]:
@@ -146,6 +150,7 @@ class Rollout:
         self.policy_version = 0
         self.buffer: TensorDictBase | None = None
         self._layout: dict[NestedKey, tuple[tuple, torch.dtype]] | None = None
+        self._compact_keys: frozenset | None = None
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
@@ -289,20 +294,62 @@ class Rollout:
         for key, value in actions.items():
             layout[key] = _value_meta(value)
         for key, value in nxt.items():
-            layout[unravel_key(("next", key))] = _value_meta(value)
+            if key not in self._compacted(root, nxt):
+                layout[unravel_key(("next", key))] = _value_meta(value)
         if self._add_truncated:
             layout[("next", "truncated")] = (flag_shape, torch.bool)
         if self._limit:
             layout["step_count"] = layout[("next", "step_count")] = (flag_shape, torch.int64)
         if self.settings.track_policy_version:
             layout["policy_version"] = layout[("next", "policy_version")] = (tuple(self.batch_size), torch.int64)
-        layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
+        if self.settings.track_traj_ids:
+            layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
         return layout
+
+    def _compacted(self, root: dict, nxt: dict) -> frozenset:
+        """The ``("next", ...)`` entries ``compact_obs`` drops: the observations and state the next
+        root carries (rewards and done flags stay)."""
+        if not self.settings.compact_obs:
+            return frozenset()
+        if self._compact_keys is None:
+            observations = set(root) | set(self.adapter.observation_keys)
+            kept = {"done", "terminated", "truncated"}
+            self._compact_keys = frozenset(
+                k for k in nxt if k in observations and as_tuple_key(k)[-1] not in kept
+                and k not in self.adapter.reward_keys
+            )
+        return self._compact_keys
 
     @property
     def layout(self) -> dict[NestedKey, tuple[tuple, torch.dtype]] | None:
         """``{key: (per-step shape, dtype)}`` once the first batch ran, else None."""
         return self._layout
+
+    def fake_batch(self) -> TensorDictBase:
+        """A zero batch with the keys, shapes and dtypes of the batches this loop collects.
+
+        Before the first batch, the layout comes from the env's ``fake_tensordict()`` (one
+        transition from its specs) and one policy call on its root, as for a random warm-up.
+
+        Raises:
+            NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
+        """
+        layout = self._layout
+        if layout is None:
+            from .envs.adapters import env_attr
+
+            make_fake = env_attr(self.env, "fake_tensordict")
+            if make_fake is None:
+                raise NotImplementedError(f"{type(self.env).__name__} has no fake_tensordict(): collect one batch "
+                                          "first, whose layout is then known.")
+            transition = make_fake()
+            next_values = {k: transition.get(("next", *((k,) if isinstance(k, str) else k)))
+                           for k in transition.get("next").keys(True, True)}
+            action_keys = {unravel_key(k) for k in env_attr(self.env, "action_keys", ["action"])}
+            root = {k: transition.get(k) for k in transition.exclude("next").keys(True, True) if k not in action_keys}
+            actions = self._policy_outputs(root)
+            layout = self._build_layout((root, actions, next_values, None, None, None), random=False)
+        return self._allocate(layout)
 
     def _allocate(self, layout) -> TensorDictBase:
         steps, dim = self.settings.time_steps, self.time_dim
@@ -353,7 +400,7 @@ class Rollout:
             td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.settings.storing_device)
             td.refine_names(*([None] * dim), "time")
             return td
-        if n < full:
+        if n < full and self.settings.track_traj_ids:
             out.get(_TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
         return out
 
@@ -365,9 +412,12 @@ class Rollout:
             columns[key] = [r[key] for r in roots]
         for key in actions[0]:
             columns[key] = [a[key] for a in actions]
+        dropped = self._compacted(roots[0], nexts[0])
         for key in nexts[0]:
-            columns[unravel_key(("next", key))] = [x[key] for x in nexts]
-        columns[_TRAJ_IDS] = list(trajs)
+            if key not in dropped:
+                columns[unravel_key(("next", key))] = [x[key] for x in nexts]
+        if self.settings.track_traj_ids:
+            columns[_TRAJ_IDS] = list(trajs)
         if self._limit:
             if self.batch_size:
                 counts = [c.unsqueeze(-1) for c in counts]

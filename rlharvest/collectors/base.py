@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tensordict import TensorDictBase
 
@@ -55,6 +55,8 @@ class BaseCollector(WeightAPIMixin):
     _extra_step_checks: tuple = ()
     #: the device the policy runs on, where known (receiver schemes materialise weights there)
     policy_device = None
+    _pre_collect_hook: Callable[[], None] | None = None
+    _post_collect_hook: Callable[[TensorDictBase], None] | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -333,6 +335,81 @@ class BaseCollector(WeightAPIMixin):
             raise ValueError(f"{attr_path!r} resolves to a non-callable {type(target).__name__}; it takes no arguments.")
         return target
 
+    def get_distant_attr(self, attr: str) -> Any:
+        """The attribute at ``attr`` (the path syntax of :meth:`cascade_execute`), never called.
+
+        Example:
+            >>> collector.get_distant_attr("worker_idx")            # doctest: +SKIP
+        """
+        return resolve_attr_path(self, attr)
+
+    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
+               list_of_kwargs: list[dict] | None = None) -> list[Any]:
+        """Call the method at ``method_name`` once per set of arguments; returns the results in order.
+
+        Raises:
+            ValueError: when ``list_of_args`` and ``list_of_kwargs`` have different lengths.
+
+        Example:
+            >>> collector.map_fn("get_distant_attr", [("worker_idx",), ("frames_per_batch",)])  # doctest: +SKIP
+            [None, 16]
+        """
+        calls = _argument_sets(list_of_args, list_of_kwargs, None)
+        method = resolve_attr_path(self, method_name)
+        return [method(*args, **kwargs) for args, kwargs in calls]
+
+    # ------------------------------------------------------------------ hooks and progress
+    @property
+    def pre_collect_hook(self) -> Callable[[], None] | None:
+        """Called with no argument before each batch is collected (where the rollout runs)."""
+        return self._pre_collect_hook
+
+    @pre_collect_hook.setter
+    def pre_collect_hook(self, hook: Callable[[], None] | None) -> None:
+        self._set_hook("_pre_collect_hook", hook)
+
+    @property
+    def post_collect_hook(self) -> Callable[[TensorDictBase], None] | None:
+        """Called with each batch once it is collected (where the rollout runs)."""
+        return self._post_collect_hook
+
+    @post_collect_hook.setter
+    def post_collect_hook(self, hook: Callable[[TensorDictBase], None] | None) -> None:
+        self._set_hook("_post_collect_hook", hook)
+
+    def set_pre_collect_hook(self, hook: Callable[[], None] | None) -> None:
+        """Method form of the ``pre_collect_hook`` setter (callable through ``cascade_execute``)."""
+        self.pre_collect_hook = hook
+
+    def set_post_collect_hook(self, hook: Callable[[TensorDictBase], None] | None) -> None:
+        """Method form of the ``post_collect_hook`` setter (callable through ``cascade_execute``)."""
+        self.post_collect_hook = hook
+
+    def _set_hook(self, name: str, hook: Callable | None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name.strip('_')} must be callable or None, got {type(hook).__name__}")
+        setattr(self, name, hook)
+
+    def stats(self) -> dict[str, int | float | bool]:
+        """A cheap snapshot of progress, plain scalars only (JSON-serialisable, safe while running).
+
+        Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
+        ``requested_frames_per_batch``, and ``policy_version`` when versions are tracked.
+
+        Example:
+            >>> collector.stats()["frames"]                          # doctest: +SKIP
+            0
+        """
+        stats: dict[str, int | float | bool] = {"frames": int(self._frames), "batches": int(self._iter + 1)}
+        if not self.config.endless:
+            stats["total_frames"] = int(self.config.total_frames)
+        stats["completed"] = bool(self._reached_total())
+        stats["requested_frames_per_batch"] = int(self.requested_frames_per_batch)
+        version = self.policy_version
+        if isinstance(version, int):
+            stats["policy_version"] = version
+        return stats
+
     # ------------------------------------------------------------------ the worker-loop contract
     # What ``rlharvest.worker.WorkerCollector`` asks of the collector a worker runs.
     def collect_for_parent(self, random: bool) -> TensorDictBase:
@@ -382,3 +459,19 @@ class BaseCollector(WeightAPIMixin):
         total = "endless" if self.config.endless else self.config.total_frames
         return (f"{type(self).__name__}(frames_per_batch={self.requested_frames_per_batch}, "
                 f"total_frames={total}, frames={self._frames})")
+
+
+def _argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` pairs for ``map_fn``; ``count`` = the number of calls required (None: any)."""
+    if list_of_args is None and list_of_kwargs is None:
+        list_of_args = [()] * (count if count is not None else 1)
+    if list_of_args is None:
+        list_of_args = [()] * len(list_of_kwargs)
+    if list_of_kwargs is None:
+        list_of_kwargs = [{}] * len(list_of_args)
+    if len(list_of_args) != len(list_of_kwargs):
+        raise ValueError(f"list_of_args and list_of_kwargs must have the same length, got {len(list_of_args)} "
+                         f"and {len(list_of_kwargs)}.")
+    if count is not None and len(list_of_args) != count:
+        raise ValueError(f"Expected {count} argument entries (one per worker), got {len(list_of_args)}.")
+    return [(tuple(args), dict(kwargs)) for args, kwargs in zip(list_of_args, list_of_kwargs)]

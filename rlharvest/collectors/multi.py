@@ -117,6 +117,15 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         worker_idx: int | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         mp_start_method: str | None = None,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        track_traj_ids: bool = True,
+        compact_obs: bool = False,
+        init_fn: Callable[[], None] | None = None,
+        auto_register_policy_transforms: bool | None = None,
     ) -> None:
         arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True
@@ -135,6 +144,10 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         factories = setup.per_worker(factories, count, "policy_factory") if factories is not None else None
         setup.check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
         self.config = config = CollectorConfig.from_arguments(arguments)
+        init_fn = arguments["init_fn"]
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
+        self._init_fn = init_fn
         self._frames_per_worker = config.split_frames(count, "share" if self._sync else "whole")
         if config.replay_buffer is not None and arguments["local_init_rb"] is None:
             warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=4)
@@ -215,6 +228,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             replay_buffer=config.replay_buffer if self._workers_write else None,
             num_threads=num_sub_threads,
             init_random_frames=config.init_random_frames,
+            init_fn=setup.wrap_callable(self._init_fn),
         ) for worker in range(len(env_fns))]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
@@ -246,6 +260,24 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
+
+    def fake_tensordict(self) -> TensorDictBase:
+        """Not available for worker-process collectors (as in TorchRL): ask a Collector of the same env.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.fake_tensordict() is not implemented: build a Collector "
+                                  "with one of the env constructors and call its fake_tensordict().")
+
+    def get_cached_weights(self, model_id: str) -> TensorDictBase | None:
+        """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or
+        None when that model's scheme keeps none (pipes, or no update yet)."""
+        scheme = (self._sender_schemes or {}).get(model_id)
+        buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
+        if not buffers:
+            return None
+        return buffers.get(self.config.policy_device_of(0), next(iter(buffers.values())))
 
     # ------------------------------------------------------------------ weights
     def _update_local_policy(self, value: Any) -> None:

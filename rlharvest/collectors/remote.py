@@ -30,7 +30,7 @@ from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
 from ._fleet import Fleet
 from ._pool import WorkerPool
-from .base import BaseCollector
+from .base import BaseCollector, _argument_sets
 
 __all__ = ["RemoteCollectorBase", "valid_part"]
 
@@ -250,6 +250,52 @@ class RemoteCollectorBase(BaseCollector):
         for the iterator (nothing is lost; the worker's buffer is reused only after they are taken)."""
         for worker, request_id in list(self._async_requests.items()):
             self._pool.wait_arrived(worker, request_id)
+
+    def get_distant_attr(self, attr: str) -> list[Any]:
+        """The attribute at ``attr`` in every worker's collector, in worker order."""
+        return self._pool.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
+
+    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
+               list_of_kwargs: list[dict] | None = None) -> list[Any]:
+        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
+
+        Raises:
+            ValueError: when the number of argument sets is not the number of workers.
+        """
+        calls = _argument_sets(list_of_args, list_of_kwargs, self.num_workers)
+        self._drain_async()
+        ids = {w: self._pool.send(w, Command.CASCADE, (method_name, *calls[w])) for w in range(self.num_workers)}
+        return [self._pool.wait_for(w, ids[w]).value for w in range(self.num_workers)]
+
+    def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
+        """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
+        each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
+
+        Raises:
+            ValueError: for another ``workers`` value.
+        """
+        if workers not in ("aggregate", "per_worker", "both"):
+            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
+        stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
+        stats["workers"] = self.num_workers
+        stats["workers_alive"] = sum(not self._pool.is_dead(w) for w in range(self.num_workers)) if self._pool else 0
+        if workers != "aggregate":
+            for worker, worker_stats in enumerate(self.map_fn("stats")):
+                stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
+        return stats
+
+    def _set_hook(self, name: str, hook) -> None:
+        """Hooks run where batches are collected: in the workers."""
+        super()._set_hook(name, hook)
+        if self._pool is not None:
+            from ._worker_args import wrap_callable
+
+            self._drain_async()
+            self._pool.broadcast(Command.CASCADE, (f"set{name.rstrip('_')}", (wrap_callable(hook),), {}))
+            for worker, spec in enumerate(self._fleet.specs):  # a replacement gets the same hook
+                if spec is not None:
+                    self._fleet.remember(worker, collector_kwargs={**spec.collector_kwargs,
+                                                                   name.strip("_"): wrap_callable(hook)})
 
     def getattr_policy(self, name: str) -> Any:
         return self._pool.request(0, Command.GETATTR_POLICY, name)

@@ -162,6 +162,14 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         weight_recv_schemes: dict | None = None,
         track_policy_version: Any = False,
         worker_idx: int | None = None,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        track_traj_ids: bool = True,
+        compact_obs: bool = False,
+        auto_register_policy_transforms: bool | None = None,
         **kwargs,
     ) -> None:
         arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
@@ -170,6 +178,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         _check_arguments(arguments, kwargs)
         self.config = CollectorConfig.from_arguments(arguments)
         self._worker_idx = worker_idx
+        self._pre_collect_hook, self._post_collect_hook = pre_collect_hook, post_collect_hook
         self.env = make_env(create_env_fn, self.config.create_env_kwargs)
         self._setup_policy(policy, policy_factory)
         self._check_env_options()
@@ -246,6 +255,8 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             policy_device=self.policy_device,
             env_device=self.env_device,
             use_buffers=use_buffers,
+            track_traj_ids=config.track_traj_ids,
+            compact_obs=config.compact_obs,
         )
 
     def _maybe_compile(self) -> None:
@@ -302,13 +313,18 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         while not self._reached_total():
             if self._should_stop():
                 return
+            if self._pre_collect_hook is not None:
+                self._pre_collect_hook()
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
             if buffer is not None and not self.config.return_same_td:
-                self.write_to_replay_buffer(buffer, batch)
+                self._write_buffer(buffer, batch, run_hook=True)
                 yield None
             else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
-                yield self._postprocess(batch)
+                batch = self._postprocess(batch)
+                if self._post_collect_hook is not None:
+                    self._post_collect_hook(batch)
+                yield batch
         _close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
@@ -327,7 +343,16 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         return self._rollout.collect(random=random, between_steps=hook)
 
     def collect_for_parent(self, random: bool) -> TensorDictBase:
-        return self.rollout_batch(random)
+        if self._pre_collect_hook is not None:
+            self._pre_collect_hook()
+        batch = self.rollout_batch(random)
+        self._frames += self._batch_frames(batch)
+        if self._post_collect_hook is not None:
+            self._post_collect_hook(batch)
+        return batch
+
+    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
+        self._write_buffer(buffer, batch)  # the post-collect hook already saw it, in collect_for_parent
 
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         if self._rollout.buffer is batch:
@@ -369,8 +394,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def _batch_frames(self, batch: TensorDictBase) -> int:
         if self.config.replay_buffer is not None:
             return self._frames_per_batch
-        traj_ids = batch.get(("collector", "traj_ids"))
-        return int((traj_ids != -1).sum()) if self.config.interruptor is not None else batch.numel()
+        traj_ids = batch.get(("collector", "traj_ids"), None)
+        if self.config.interruptor is None or traj_ids is None:
+            return batch.numel()
+        return int((traj_ids != -1).sum())
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         config = self.config
@@ -382,13 +409,16 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             batch = config.postproc(batch)
         return self._drop_private_keys(batch)
 
-    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
+    def _write_buffer(self, buffer, batch: TensorDictBase, run_hook: bool = False) -> None:
         if not self.config.extend_buffer:
             dim = self._rollout.time_dim
             for t in range(batch.shape[dim]):
                 buffer.add(self._drop_private_keys(batch[(slice(None),) * dim + (t,)].clone()))
             return
-        buffer.extend(self._postprocess(batch))
+        batch = self._postprocess(batch)
+        if run_hook and self._post_collect_hook is not None:
+            self._post_collect_hook(batch)  # the batch as written (a worker's hook already saw it)
+        buffer.extend(batch)
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
@@ -423,6 +453,36 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         self._rollout.policy_version = version
 
     # ------------------------------------------------------------------ other public methods
+    def getattr_policy(self, name: str) -> Any:
+        """An attribute of the policy this collector runs."""
+        return getattr(self.policy, name)
+
+    def getattr_env(self, name: str) -> Any:
+        """An attribute of the env."""
+        return getattr(self.env, name)
+
+    def getattr_rb(self, name: str) -> Any:
+        """An attribute of the replay buffer."""
+        return getattr(self.config.replay_buffer, name)
+
+    def fake_tensordict(self) -> TensorDictBase:
+        """A zero batch shaped like the ones this collector yields (keys, shapes, dtypes, names),
+        e.g. to allocate storage or warm up a compiled model before collecting.
+
+        Raises:
+            NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
+        """
+        rollout = self._rollout
+        batch = rollout.fake_batch()
+        if self.config.set_truncated:  # the last step of every batch is truncated
+            steps = batch.shape[rollout.time_dim]
+            for truncated_key, done_key in rollout.adapter.truncation_keys:
+                for key in (truncated_key, done_key):
+                    full = ("next", *((key,) if isinstance(key, str) else key))
+                    if full in batch.keys(True, True):
+                        batch.get(full).narrow(rollout.time_dim, steps - 1, 1).fill_(True)
+        return self._postprocess(batch)
+
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)

@@ -112,6 +112,9 @@ class EnvAdapter:
     implicit_root_flags: list[NestedKey] = []
     #: whether the env exposes a ``truncated`` flag at the root of its done keys
     has_truncated: bool
+    #: reward entries of ``("next", ...)``, and the observation keys of the env's spec
+    reward_keys: list[NestedKey] = ["reward"]
+    observation_keys: frozenset = frozenset()
     #: ``(truncated key, done key)`` of every group of done flags (a time limit sets both)
     truncation_keys: list[tuple[NestedKey, NestedKey]] = [("truncated", "done")]
 
@@ -142,8 +145,10 @@ class ArrayEnvAdapter(EnvAdapter):
         self.has_truncated = bool(env.has_truncated)
         self.implicit_root_flags = ["done", "terminated"] + (["truncated"] if self.has_truncated else [])
         self.reward_key = env.reward_key
+        self.reward_keys = [unravel_key(env.reward_key)]
         self._batched = len(self.batch_size) > 0
         self._observation_keys = frozenset(unravel_key(k) for k in env.observation_spec.keys(True, True))
+        self.observation_keys = self._observation_keys
 
     def reset(self, mask=None) -> dict:
         return dict(self.env._reset_arrays(mask))
@@ -197,6 +202,8 @@ class TensorDictEnvAdapter(EnvAdapter):
         self.has_truncated = any(as_tuple_key(k)[-1] == "truncated" for k in self.done_keys)
         self.action_keys = [unravel_key(k) for k in env.action_keys]
         self.reward_keys = [unravel_key(k) for k in env_attr(env, "reward_keys", ["reward"])]
+        spec = env_attr(env, "observation_spec")
+        self.observation_keys = frozenset(unravel_key(k) for k in spec.keys(True, True)) if spec is not None else frozenset()
         self._step_and_reset = env_attr(env, "step_and_maybe_reset")
         self._reset_groups = _reset_groups(self.done_keys)
         self.truncation_keys = [

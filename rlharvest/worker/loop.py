@@ -79,7 +79,7 @@ def _is_stateless(policy: Any) -> bool:
 
 
 def _build_collector(spec: WorkerSpec, policy: Any) -> WorkerCollector:
-    kwargs = dict(spec.collector_kwargs)
+    kwargs = {name: unwrap(value) for name, value in spec.collector_kwargs.items()}
     if spec.replay_buffer is not None:
         kwargs["replay_buffer"] = spec.replay_buffer
         kwargs.setdefault("local_init_rb", True)
@@ -139,6 +139,8 @@ class Worker:
 
     def _build(self, spec: WorkerSpec) -> WorkerCollector:
         """The collector, with its weights, its policy version and its seed (a replacement's too)."""
+        if spec.init_fn is not None:
+            unwrap(spec.init_fn)()
         receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
         policy = unwrap(spec.policy)
         if "policy" in receivers and _is_stateless(policy):
