@@ -13,6 +13,14 @@ from rlharvest.envs import Composite, ContinuousMockEnv, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 
+def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(0.01)
+
+
 class CountingPolicy(torch.nn.Module):
     """SPEC §1.6: one scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast."""
 

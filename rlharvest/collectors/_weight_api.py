@@ -181,7 +181,7 @@ class WeightAPIMixin:
         """Leaf case: no updater, no scheme. Subclasses with a local policy override this."""
 
     # ------------------------------------------------------------------ what schemes ask of their context
-    # ``rlharvest.weight_update.schemes.SenderContext`` and ``ReceiverContext``.
+    # ``rlharvest.weight_update.context.SenderContext`` and ``ReceiverContext``.
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme of this collector applied ``weights`` to ``applied_to``: bring the rest of
         the collector (its own policy copy, its own workers) up to date."""

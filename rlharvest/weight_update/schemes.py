@@ -16,51 +16,25 @@ then acknowledge with that version, and ``send`` returns once every targeted wor
 A worker started after the others (a replacement) gets a receiver of its own: ``replace`` before
 it starts, ``attach`` after, and it runs the current weights before it collects.
 
-What a scheme needs from the collector it serves is written down below: :class:`SenderContext` on
-the parent's side, :class:`ReceiverContext` inside a worker. A scheme reads nothing else of it.
+What a scheme needs from the collector it serves is written down in ``context.py``:
+:class:`SenderContext` on the parent's side, :class:`ReceiverContext` inside a worker. A scheme reads
+nothing else of it.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from .._utils import resolve_attr_path
 from ..transport.base import WeightLinks, WeightReceiver, WeightSender
-from .strategy import WeightStrategy, copy_weights_, module_weights, weights_of
+from .context import ReceiverContext, SenderContext
+from .strategy import WeightStrategy, materialize, module_weights, weights_of
 
 __all__ = ["WeightSyncScheme", "NoWeightSyncScheme", "SenderContext", "ReceiverContext"]
-
-
-class SenderContext(Protocol):
-    """What a sender scheme needs from the collector that owns the workers."""
-
-    def get_model(self, model_id: str) -> Any:
-        """The main-side source of ``model_id``'s weights."""
-
-    def weight_links(self) -> WeightLinks:
-        """What the collector's backend offers weight senders (channels, devices, liveness)."""
-
-
-class ReceiverContext(Protocol):
-    """What a receiver scheme needs from the collector of the worker it runs in."""
-
-    worker_idx: int | None
-    policy_device: Any
-    policy_lock: Any
-    """Held while the policy runs (weights are swapped under it), or None."""
-
-    def get_model(self, model_id: str) -> Any:
-        """The model the received weights go into."""
-
-    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
-        """An update was applied to ``applied_to``: bring the rest of the collector up to date."""
-
-    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
-        """The initial weights arrived: pass them on to the collector's own workers, if any."""
 
 _PICKLE_DROPPED = (
     "_context_ref",
@@ -326,7 +300,7 @@ class WeightSyncScheme:
         if isinstance(model, torch.nn.Module) and self._receiver is not None and self._receiver.zero_copy:
             self._strategy.apply_weights(model, weights, inplace=False)  # also materialises meta models
         elif isinstance(model, torch.nn.Module):
-            _materialize(model, weights, context.policy_device if context is not None else None)
+            materialize(model, weights, context.policy_device if context is not None else None)
         elif model is not None:
             self._strategy.apply_weights(model, weights)
         if context is not None:
@@ -502,18 +476,6 @@ class WeightSyncScheme:
     def __repr__(self) -> str:
         role = "sender" if self.initialized_on_sender else "receiver" if self.initialized_on_receiver else "idle"
         return f"{type(self).__name__}(model_id={self._model_id!r}, role={role}, version={self._version})"
-
-
-def _materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:
-    """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
-    from tensordict import TensorDict
-
-    current = TensorDict.from_module(model)
-    if any(t.is_meta for t in current.values(True, True)):
-        device = device or next((t.device for t in weights.values(True, True)), torch.device("cpu"))
-        model.to_empty(device=device)
-        current = TensorDict.from_module(model)
-    copy_weights_(current.detach(), weights)
 
 
 class NoWeightSyncScheme(WeightSyncScheme):

@@ -16,7 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ..data.flat import copy_leaves_ as copy_weights_, flat_leaves, freeze, is_frozen
 
-__all__ = ["WeightStrategy", "weights_of", "module_weights", "copy_weights_", "flat_leaves"]
+__all__ = ["WeightStrategy", "weights_of", "module_weights", "copy_weights_", "flat_leaves", "materialize"]
 
 
 def weights_of(source: Any) -> TensorDictBase:
@@ -192,3 +192,13 @@ class WeightStrategy:
         if weights.is_empty():
             return
         raise ValueError(f"Cannot apply weights to a {type(destination).__name__}.")
+
+
+def materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:
+    """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
+    current = TensorDict.from_module(model)
+    if any(t.is_meta for t in current.values(True, True)):
+        device = device or next((t.device for t in weights.values(True, True)), torch.device("cpu"))
+        model.to_empty(device=device)
+        current = TensorDict.from_module(model)
+    copy_weights_(current.detach(), weights)

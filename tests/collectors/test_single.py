@@ -6,7 +6,8 @@ import time
 
 import pytest
 import torch
-from mocks import ConstantObsEnv, CountingPolicy, PrivateKeysPolicy, StepCountEnv, TorchRLStyleCountingEnv, bias_policy
+from mocks import (ConstantObsEnv, CountingPolicy, PrivateKeysPolicy, StepCountEnv, TorchRLStyleCountingEnv, bias_policy,
+                   wait_until)
 from tensordict import TensorDict
 
 from rlharvest.collectors import Collector, SyncDataCollector
@@ -242,8 +243,7 @@ def test_start_update_policy():  # 32
                           replay_buffer=rb, local_init_rb=True)
     collector.start()
     try:
-        while rb.write_count < 32:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= 32, what="32 frames written")
         assert (rb.latest(16)["action"] == 0).all()
         new_weights = TensorDict.from_module(policy).detach().clone()
         new_weights["module", "bias"] += 1
