@@ -336,3 +336,30 @@ class StructuredEnv:
 
     def close(self, raise_if_closed=True):
         self.is_closed = True
+
+
+class Offset(torch.nn.Module):
+    """A module inside an env (like a TorchRL ModuleTransform): adds ``offset`` to observations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = torch.nn.Parameter(torch.zeros(1))
+
+
+class OffsetCountingEnv(CountingEnv):
+    """A CountingEnv whose observation passes through ``env.transform[0]`` (an :class:`Offset`)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.transform = torch.nn.ModuleList([Offset()])
+        self.observation_spec["observation"] = Unbounded((*self.batch_size, 1), dtype=torch.float32)
+
+    def _shift(self, out: dict) -> dict:
+        return {"observation": out["observation"].float() + self.transform[0].offset.detach()}
+
+    def _reset_arrays(self, mask=None):
+        return self._shift(super()._reset_arrays(mask))
+
+    def _step_arrays(self, actions):
+        obs, reward, terminated, truncated = super()._step_arrays(actions)
+        return self._shift(obs), reward, terminated, truncated

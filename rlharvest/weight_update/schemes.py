@@ -145,11 +145,13 @@ class WeightSyncScheme:
         context = self.context
         if context is None or self._model_id is None:
             return None
-        if hasattr(context, "get_model"):
-            return context.get_model(self._model_id)
         try:
+            if hasattr(context, "get_model"):
+                return context.get_model(self._model_id)
             return resolve_attr_path(context, self._model_id)
         except (AttributeError, KeyError, IndexError):
+            # e.g. "env.transform[0].module" on a collector whose envs live in its workers: there is
+            # no copy here, so updates must carry their weights (update_policy_weights_(weights_dict=...))
             return None
 
     @model.setter

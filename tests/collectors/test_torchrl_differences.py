@@ -200,3 +200,22 @@ def test_a_scheme_initialised_by_the_user_reads_the_collectors_policy():
         assert buffers["module", "weight"].eq(0).all()
     finally:
         collector.shutdown()
+
+
+def test_a_model_inside_the_workers_envs_is_updated_from_given_weights():
+    """weight_sync_schemes for "env.transform[0]": the main process has no env, so the update brings
+    its weights (TorchRL's documented pattern for env-side modules)."""
+    from mocks import OffsetCountingEnv
+    from tensordict import TensorDict
+
+    collector = MultiSyncCollector(
+        [lambda: OffsetCountingEnv(max_steps=3)] * 2, CountingPolicy(), frames_per_batch=8, total_frames=-1,
+        weight_sync_schemes={"policy": SharedMemWeightSyncScheme(), "env.transform[0]": SharedMemWeightSyncScheme()})
+    try:
+        iterator = iter(collector)
+        assert next(iterator)["observation"].min() == 0
+        shifted = TensorDict({"offset": torch.full((1,), 10.0)}, batch_size=[])
+        collector.update_policy_weights_(weights_dict={"env.transform[0]": shifted})
+        assert next(iterator)["next", "observation"].min() >= 10  # the root of step 0 was observed before
+    finally:
+        collector.shutdown()
