@@ -15,7 +15,7 @@ import torch
 
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "parse_total_frames", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
 
 
 def parse_total_frames(total_frames: Any) -> int:
@@ -32,9 +32,25 @@ def parse_total_frames(total_frames: Any) -> int:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """A timeout argument: a positive, finite number of seconds (every wait must end).
+
+    Raises:
+        TypeError: naming ``name`` for a non-number.
+        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _optional_count(name: str, value: Any) -> int:
