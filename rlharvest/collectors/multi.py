@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import cpu_count
-from ..config import CollectorConfig
+from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
 from ..errors import WorkerError
 from ..policies import ExplorationType
@@ -101,15 +101,16 @@ class _MultiCollector(RemoteCollectorBase):
             compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
             track_policy_version=track_policy_version, worker_idx=worker_idx,
         )
-        if self.config.replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
+        if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
+            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                          "storage).", FutureWarning, stacklevel=3)
         self._worker_idx = worker_idx
         self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(update_at_each_batch)
         self.preemptive_threshold = None if preemptive_threshold is None else min(1.0, max(0.0, preemptive_threshold))
         self._version_tracker = track_policy_version or None
-        self._worker_timeout = float(worker_timeout)
+        self._worker_timeout = positive_seconds("worker_timeout", worker_timeout)
         self._mp_context = mp_context(mp_start_method)
         self._devices = setup.device_lists(count, device=device, storing_device=storing_device,
                                            env_device=env_device, policy_device=policy_device)
