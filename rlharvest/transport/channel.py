@@ -48,6 +48,10 @@ class AuthenticationFailed(ConnectionError):
     """A peer did not complete the handshake (wrong key, garbage, silence) or sent a forged message."""
 
 
+class _NoGreeting(AuthenticationFailed):
+    """The listener closed the connection before greeting (it was busy, or is not a listener)."""
+
+
 def new_authkey() -> bytes:
     """A fresh random key (32 bytes)."""
     return os.urandom(32)
@@ -189,7 +193,10 @@ def _server_side(conn: mpc.Connection, authkey: bytes) -> Channel:
 
 def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
     """The connecting peer proves, then requires the listener's proof before it reads anything else."""
-    greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
+    try:
+        greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
+    except EOFError as err:
+        raise _NoGreeting("the listener closed the connection before its greeting") from err
     if len(greeting) != len(_MAGIC) + _NONCE or not greeting.startswith(_MAGIC):
         raise AuthenticationFailed("the listener does not speak the rlharvest channel protocol")
     server_nonce, client_nonce = greeting[len(_MAGIC):], os.urandom(_NONCE)
@@ -270,15 +277,16 @@ def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_time
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            break
+            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False)[0]
+        except _NoGreeting as err:  # a listener busy with strangers closes newcomers at once: try again
+            if time.monotonic() > deadline:
+                raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
+        except AuthenticationFailed as err:
+            raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
         except OSError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)
-    try:
-        return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False)[0]
-    except AuthenticationFailed as err:
-        raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
+        time.sleep(0.1)
 
 
 def shutdown_connection(conn) -> None:

@@ -163,7 +163,7 @@ def _create_worker(spec_bytes: bytes):
     """Runs on the node (through ``rpc.remote``): build the worker; the RRef keeps it there."""
     from ..worker import Worker
 
-    spec = cloudpickle.loads(spec_bytes)
+    spec = cloudpickle.loads(spec_bytes)  # torch RPC unpickled this call already: it authenticates nobody
     torch.set_num_threads(max(1, int(spec.num_threads)))
     worker = Worker(spec, RPCNodeEndpoint(spec.worker_idx))
     worker.command_lock = threading.Lock()

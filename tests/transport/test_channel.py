@@ -120,6 +120,17 @@ def test_strangers_are_dropped_and_logged_while_real_peers_get_in(listener, atta
     stranger.close()
 
 
+def test_a_flood_of_silent_peers_only_delays_a_real_one(listener):
+    """Beyond MAX_PENDING handshakes newcomers are closed at once; a real peer retries until a slot frees."""
+    flood = [raw(listener.port) for _ in range(ChannelListener.MAX_PENDING)]
+    time.sleep(0.2)  # all of them are in a handshake now
+    peer = connect(listener)
+    assert listener.next(5.0)[1] == ("hello", 1)
+    for sock in flood:
+        sock.close()
+    peer.close()
+
+
 def test_wrong_key_is_refused_on_both_sides(listener, caplog, tmp_path):
     caplog.set_level(logging.WARNING, logger="rlharvest")
     with pytest.raises(AuthenticationFailed, match="refused the listener"):

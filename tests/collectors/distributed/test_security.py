@@ -25,7 +25,8 @@ import torch
 from mocks import CountingPolicy
 
 import netns
-from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
+from rlharvest.collectors.distributed import DistributedCollector, RPCCollector, node
+from rlharvest.collectors.distributed.launchers import private_job_folder
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
 from rlharvest.transport.ports import free_port_block
@@ -232,3 +233,32 @@ def test_local_launchers_stay_on_loopback_in_a_host_with_a_routable_address():
         assert len(result[framework]) == 3, result  # the main process and two nodes
         for pid, addresses in result[framework].items():
             assert addresses == ["127.0.0.1"], (framework, pid, result)
+
+
+def test_submitit_job_folder_is_private(tmp_path):
+    folder = tmp_path / "log_test"
+    private_job_folder(str(folder))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o755)  # made by an older version, or by hand
+    private_job_folder(str(folder))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # someone else's folder (the tests run as root)
+    with pytest.raises(PermissionError, match="belongs to uid 65534"):
+        private_job_folder(str(theirs))
+
+
+def test_a_node_started_by_hand_needs_the_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("RLHARVEST_AUTHKEY", raising=False)
+    argv = ["--rank", "1", "--world-size", "2", "--host", "127.0.0.1", "--port", str(free_port_block(3))]
+    with pytest.raises(ValueError, match="RLHARVEST_AUTHKEY"):
+        node.main(argv)
+    keyfile = tmp_path / "key"
+    keyfile.write_text(new_authkey().hex())
+    keyfile.chmod(0o644)
+    with pytest.raises(PermissionError, match="readable by other users"):
+        node.main(argv + ["--authkey-file", str(keyfile)])
+    monkeypatch.setenv("RLHARVEST_AUTHKEY", "not hex")
+    with pytest.raises(ValueError, match="RLHARVEST_AUTHKEY must be hex"):
+        node.main(argv)
