@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The TorchRL compatibility suite's venv: rlharvest beside TorchRL 0.14.1 (tests only).
+TRL_VENV  ?= .venv-torchrl14
+TRL_STAMP := $(TRL_VENV)/.installed
 
-.PHONY: setup services test test-fast demo bench clean
+.PHONY: setup setup-torchrl services test test-fast test-torchrl demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +20,26 @@ $(STAMP): requirements-dev.txt pyproject.toml | $(BIN)/python
 
 setup: $(STAMP)
 
+$(TRL_STAMP): compat/requirements.txt pyproject.toml
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q -r compat/requirements.txt
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(TRL_STAMP)
+
+setup-torchrl: $(TRL_STAMP)
+
 # The local one-node SLURM cluster the submitit tests submit to (idempotent, quick when running).
 services:
 	./ci/slurm_up.sh
 
-test: setup services
+test: setup setup-torchrl services
 	$(BIN)/python -m pytest -q
+	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q
+
+# rlharvest's collectors with TorchRL 0.14.1's envs, policies and replay buffers (compat/).
+test-torchrl: setup-torchrl
+	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q
 
 # The suite without the SLURM tests, for quick local iterations.
 test-fast: setup
@@ -35,4 +52,4 @@ bench: setup
 	$(BIN)/rlharvest bench
 
 clean:
-	rm -rf $(VENV) demo_out log_test build *.egg-info
+	rm -rf $(VENV) $(TRL_VENV) demo_out log_test build *.egg-info

@@ -8,10 +8,11 @@ ci/slurm_up.sh:
 
 Takes no arguments, prints what it checks with timings, exits 0 on success and
 1 on the first failure. Jobs and their logs go to a fresh folder under /tmp,
-which is removed on success. Takes about 10 s.
+which is removed on success. Takes about 15 s.
 
 What it checks:
-  1. AutoExecutor picks the "slurm" cluster.
+  1. AutoExecutor picks the "slurm" cluster, and sacct in PATH is the real
+     program (the accounting database answers it, no shim in front).
   2. A job returns its result through job.result(); it ran with the same python
      executable, the submitter's working directory and environment, as the same
      user, with SLURM_JOB_ID set, and could reach a TCP server of the
@@ -19,8 +20,10 @@ What it checks:
   3. Three 1-CPU jobs run at the same time (a file barrier that only passes
      if all three are running together).
   4. A job asking for more CPUs than the node has is rejected at submission.
-  5. job.state reports RUNNING, and a cancelled job is seen as done with state
-     CANCELLED (both need the sacct shim installed by ci/slurm_up.sh).
+  5. sacct reports the finished job of 2 as COMPLETED, a running job as
+     RUNNING, a cancelled job as done with state CANCELLED, and a job whose
+     function raised as FAILED (submitit reads them all through sacct, i.e.
+     slurmctld -> slurmdbd -> MariaDB).
 """
 import os
 import shutil
@@ -42,6 +45,24 @@ def log(msg):
 def fail(msg):
     log(f"FAILED: {msg}")
     sys.exit(1)
+
+
+def wait_state(job, expected, timeout, what):
+    """Wait until sacct reports ``expected`` (a prefix: "CANCELLED by 0")."""
+    deadline = time.time() + timeout
+    state = ""
+    while not state.startswith(expected):
+        if time.time() > deadline:
+            fail(f"{what}: sacct says {state!r} for job {job.job_id} after {timeout}s, expected {expected}; "
+                 "is slurmdbd running (ci/slurm_up.sh)?")
+        time.sleep(0.1)
+        state = job.get_info(mode="force").get("State", "")
+    return state
+
+
+def boom():
+    # runs inside the SLURM job
+    raise ValueError("raised on purpose by slurm_check.py")
 
 
 def wait_done(job, timeout, what):
@@ -102,6 +123,10 @@ def main():
         fail(f"submitit is not importable by {sys.executable}")
     if shutil.which("sbatch") is None:
         fail("sbatch not in PATH: run ci/slurm_up.sh first")
+    sacct = shutil.which("sacct")
+    with open(sacct, "rb") as f:
+        if f.read(4) != b"\x7fELF":
+            fail(f"sacct in PATH is {sacct}, a script, not the real program: run ci/slurm_up.sh")
 
     folder = tempfile.mkdtemp(prefix="slurm_check_", dir="/tmp")
     log(f"python {sys.executable}, submitit {submitit.__version__}, folder {folder}")
@@ -159,10 +184,9 @@ def main():
     if not received or not received[0].startswith("hello from job"):
         fail(f"job did not reach the submitter's TCP server: {received}")
     log(f"job ran as {info['user']} on {info['hostname']}, same python/cwd/env, TCP back OK")
-    state = job.get_info(mode="force").get("State")
-    if state != "COMPLETED":
-        fail(f"sacct (via submitit) says state={state!r} for finished job {job.job_id}; is the sacct shim installed?")
-    log(f"sacct (via submitit) says state={state}")
+    # the result file is written before the job ends: sacct may still say RUNNING (or PENDING) for a moment
+    state = wait_state(job, "COMPLETED", 30, "basic job")
+    log(f"sacct (via submitit) says state={state} {time.time() - t:.2f}s after the submission")
 
     # --- 3. concurrency
     n = 3
@@ -193,9 +217,9 @@ def main():
     deadline = time.time() + 30
     while job.get_info(mode="force").get("State") != "RUNNING":
         if time.time() > deadline:
-            fail(f"job {job.job_id} not RUNNING after 30s (state {job.state}); is the sacct shim installed?")
+            fail(f"job {job.job_id} not RUNNING after 30s (state {job.state}); is slurmdbd running?")
         time.sleep(0.25)
-    log(f"job {job.job_id} RUNNING after {time.time() - t:.2f}s")
+    log(f"job {job.job_id} RUNNING (sacct) after {time.time() - t:.2f}s")
     t = time.time()
     job.cancel()
     wait_done(job, 30, "cancelled job")
@@ -212,6 +236,20 @@ def main():
         log(f"result() of the cancelled job raises {type(e).__name__}")
     else:
         fail("result() of a cancelled job did not raise")
+
+    t = time.time()
+    job = executor.submit(boom)
+    wait_done(job, 30, "failing job")
+    state = wait_state(job, "FAILED", 30, "failing job")
+    log(f"job {job.job_id} whose function raised: done after {time.time() - t:.2f}s, state {state}")
+    try:
+        job.result()
+    except Exception as e:
+        if "raised on purpose" not in str(e):
+            fail(f"result() of the failing job raised without the job's error: {e}")
+        log(f"result() of the failing job raises {type(e).__name__} with the job's error")
+    else:
+        fail("result() of a failing job did not raise")
 
     shutil.rmtree(folder, ignore_errors=True)
     log("OK: submitit works against the local SLURM cluster")

@@ -4,21 +4,33 @@
 # Usage (as root):  ci/slurm_up.sh      # install, configure, start, smoke-test
 #                   ci/slurm_down.sh    # cancel all jobs, stop the daemons
 #                   python ci/slurm_check.py   # with a python that has submitit
+# The cluster has real accounting, as production clusters do: slurmdbd stores
+# every job in Debian's MariaDB (ci/slurm_db.sh), so sacct is /usr/bin/sacct.
 # Idempotent: on a machine where it already ran it only checks that munged,
-# slurmctld and slurmd run (starting/restarting what is missing or stale,
-# resuming a down/drained node) and redoes the smoke test. Exits non-zero with
-# diagnostics (processes, sinfo, scontrol, log tails) when the cluster is not
-# healthy. Knobs (env): SLURM_CI_CPUS (8), SLURM_CI_PARTITION (train),
-# SLURM_CI_READY_TIMEOUT (60), SLURM_CI_SMOKE_TIMEOUT (60), SLURM_CI_SACCT_SHIM (1).
+# mariadbd, slurmdbd, slurmctld and slurmd run and answer (starting/restarting
+# what is missing, stale or configured differently, re-creating the database
+# user or the cluster registration if gone, resuming a down/drained node) and
+# redoes the smoke test. Exits non-zero with diagnostics (processes, sinfo,
+# scontrol, sacctmgr, log tails of slurmctld/slurmd/slurmdbd/MariaDB/munged)
+# when the cluster is not healthy; every wait is bounded. Knobs (env):
+# SLURM_CI_CPUS (8), SLURM_CI_PARTITION (train), SLURM_CI_READY_TIMEOUT (60),
+# SLURM_CI_SMOKE_TIMEOUT (60), SLURM_CI_DB_TIMEOUT (60).
 #
 # ============================ NOTES FOR TEST WRITERS ==========================
 # Measured on the 2-core / 24 GiB Debian 12 machine, slurm 22.05.8, submitit 1.5.4.
 #
-# Start-up: fresh machine ~21 s (apt-get install of slurm-wlm + munge, ~8 MB,
-#   43 packages, is ~19 s of it; no apt-get update needed when the lists exist).
-#   Packages installed, daemons stopped: ~1.5 s. Already running: ~1 s (mostly
-#   the two smoke tests). The daemons detach (own session, parent pid 1) and
-#   outlive the script; nothing starts them at boot: run this script again.
+# Start-up: fresh machine ~19 s: apt-get install --no-install-recommends of
+#   slurm-wlm munge slurmdbd mariadb-server (27 packages, 22 MB) is ~14 s of it
+#   (no apt-get update needed when the lists exist), then MariaDB 0.3 s,
+#   slurmdbd's first start (creates its tables) ~1 s, the cluster registration
+#   ~1-2 s, slurmctld+slurmd ~1 s, smoke tests ~1 s. Packages installed,
+#   daemons stopped (after slurm_down.sh): ~3 s. Already running: 1.2-1.8 s
+#   (checking the five daemons ~0.7 s, the smoke tests the rest). A killed mariadbd or
+#   slurmdbd is restarted in ~1.5 s; slurmctld reconnects to slurmdbd by itself.
+#   The daemons detach (own session, parent pid 1) and outlive the script;
+#   nothing starts them at boot: run this script again. Changing slurm.conf
+#   restarts slurmctld/slurmd cleanly (running jobs survive); only then do
+#   commands fail, for ~1-2 s.
 # Job start: the scheduler starts a job 0.1-1 s after sbatch (srun hostname
 #   takes ~0.1 s, an `sbatch --wrap` job is gone from squeue in ~0.5-0.9 s); a
 #   trivial submitit job returns from job.result() in 0.3-2 s.
@@ -53,17 +65,33 @@
 #   job gets SIGCONT+SIGTERM, then SIGKILL after KillWait=5 s. Plain processes
 #   die at once (job gone from squeue in ~0.2 s); submitit's job process
 #   ignores SIGTERM ("Bypassing signal SIGTERM"), so a cancelled submitit job
-#   ends ~5 s later with state CANCELLED. slurm_down.sh cancels everything.
-# sacct: there is no accounting database, so /usr/bin/sacct only says "Slurm
-#   accounting storage is disabled" (rc 1). submitit then logs "Bypassing sacct
-#   error" at every poll, job.state stays "UNKNOWN", and a job that ends
-#   without writing its result pickle (scancel, time limit, kill) is NEVER
-#   seen as done: job.wait()/result() hang. Hence this script installs
-#   ci/sacct_shim.sh as /usr/local/bin/sacct (before /usr/bin in PATH), which
-#   answers from the job completion log (JobCompType=jobcomp/filetxt) and
-#   squeue: job.state is PENDING/RUNNING/COMPLETED/FAILED/CANCELLED/TIMEOUT,
-#   array tasks included, and cancelled or timed-out jobs are seen as done.
-#   Set SLURM_CI_SACCT_SHIM=0 to remove it.
+#   stays in squeue as CG and its processes live ~5 s more (until SIGKILL),
+#   although sacct says CANCELLED at once. slurm_down.sh cancels everything.
+# sacct (real, /usr/bin/sacct; the accounting database keeps jobs forever, and
+#   `sacct -j ID` searches all time):
+#   * A new job is unknown to sacct (no row; submitit's job.state "UNKNOWN")
+#     until slurmctld's db-index thread records it -- it runs every 5 s, not
+#     configurable -- or the job starts: measured 0.1-5 s after sbatch.
+#   * RUNNING lags: sacct says PENDING for 0.5-5 s after squeue says RUNNING
+#     (until that thread's next pass); a job shorter than that may go from
+#     PENDING (or no row) straight to COMPLETED. Do not wait for RUNNING in
+#     sacct to know that a job started: wait for what the job does.
+#   * End states are prompt: COMPLETED, FAILED (non-zero exit), TIMEOUT and
+#     "CANCELLED by 0" (uid of the canceller) show within ~0.2 s of the job
+#     leaving squeue, CANCELLED within ~0.2 s of the scancel itself. Only a job
+#     that ends before sacct ever saw it can wait the 0-5 s above to appear.
+#   * Through submitit: job.get_info(mode="force") / watcher.get_state(id,
+#     mode="force") run sacct now; job.state is submitit's cache, refreshed
+#     at most every max(2 s, age/2), so it trails by seconds. Measured for a
+#     submitit job: result() of a trivial job at ~1 s, sacct COMPLETED ~0.2 s
+#     later (the result file is written before the job ends); a function that
+#     raises: done(force_check=True) and FAILED at its end, or up to ~5 s
+#     after submission if sacct had not seen it yet.
+#   * rlharvest's SlurmNode reads these states: PENDING/RUNNING/UNKNOWN count
+#     as alive; a node job scancelled during collection is reported as
+#     "SLURM job N is CANCELLED" when its processes die (KillWait, ~5 s).
+#   * Earlier versions of this script put a shim at /usr/local/bin/sacct
+#     (there was no database then); this version removes it.
 # submitit pitfalls:
 #   * --signal=USR2@90 is submitit's default (slurm_signal_delay_s=90). SLURM
 #     sends that signal once "time left <= 90 s + 30 s", checked every 30 s, so
@@ -74,7 +102,8 @@
 #     timeout_min=1 pass slurm_signal_delay_s=0 (no signal at all), or use
 #     timeout_min >= 3 for jobs shorter than a minute.
 #   * Time limits are enforced on a 30 s tick: a timeout_min=1 job is killed
-#     60-90 s after its start (measured 76 s until done, state TIMEOUT).
+#     60-90 s after its start (measured 76 s and 79 s until done; sacct says
+#     TIMEOUT as soon as it is gone from squeue).
 #   * job.result() of a job that left no result file (cancelled, timed out)
 #     first waits job._results_timeout_s = 15 s for that file, then raises
 #     UncompletedJobError.
@@ -84,7 +113,8 @@
 #     up to 10 min): use job.done(force_check=True) in bounded wait loops.
 #   * Job ids keep growing across restarts: after a clean stop (slurm_down.sh)
 #     slurmctld recovers its state; after a crash/kill it is cold-started
-#     (stale jobs discarded) with FirstJobId = highest id in its logs + 1.
+#     (stale jobs discarded) with FirstJobId = highest id in its logs or in
+#     the accounting database + 1 (sacct -j must never find two jobs).
 #     Still, prefer a fresh submitit folder per test (tmp_path): torchrl's
 #     collectors use AutoExecutor(folder="log_test"), relative to the cwd.
 # Addresses: the job runs on this same machine, in the same network namespace.
@@ -94,9 +124,11 @@
 #   Note socket.gethostbyname(socket.gethostname()) -- what torchrl's
 #   collectors use for MASTER_ADDR -- gives 127.0.0.1 here (/etc/hosts maps
 #   "vm" to 127.0.0.1), which works on this one-node cluster.
-# Logs: /var/log/slurm/{slurmctld,slurmd}.log, job completions in
-#   /var/log/slurm/jobcomp.log, munged in /var/log/munge/munged.log. Harmless
-#   noise there: "mpi/pmix_v4 ... can not load PMIx library" errors.
+# Logs: /var/log/slurm/{slurmctld,slurmd,slurmdbd}.log, job completions in
+#   /var/log/slurm/jobcomp.log, MariaDB in /var/log/mysql/error.log, munged in
+#   /var/log/munge/munged.log. Harmless noise there: "mpi/pmix_v4 ... can not
+#   load PMIx library" errors. MariaDB (data in /var/lib/mysql) has no TCP
+#   port (skip-networking): `mariadb -uroot` as root reaches it on its socket.
 # ==============================================================================
 set -euo pipefail
 
@@ -104,22 +136,15 @@ PARTITION="${SLURM_CI_PARTITION:-train}"
 MIN_CPUS="${SLURM_CI_CPUS:-8}"          # CPUs advertised to slurm (at least nproc)
 READY_TIMEOUT="${SLURM_CI_READY_TIMEOUT:-60}"
 SMOKE_TIMEOUT="${SLURM_CI_SMOKE_TIMEOUT:-60}"
+CLUSTER=ci
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-SACCT_SHIM=/usr/local/bin/sacct
-CONF_DIR=/etc/slurm
-CONF="$CONF_DIR/slurm.conf"
-LOG_DIR=/var/log/slurm
-STATE_DIR=/var/spool/slurmctld
-SPOOL_DIR=/var/spool/slurmd
-CTLD_PID=/run/slurmctld.pid
-SLURMD_PID=/run/slurmd.pid
-MUNGE_KEY=/etc/munge/munge.key
-CLEAN_MARKER=/var/spool/slurmctld/clean_shutdown  # written by slurm_down.sh
+LOG_TAG=slurm_up
+# shellcheck source=ci/slurm_lib.sh
+. "$SCRIPT_DIR/slurm_lib.sh"
+# shellcheck source=ci/slurm_db.sh
+. "$SCRIPT_DIR/slurm_db.sh"
 
-T0=$(date +%s.%N)
-elapsed() { echo "$(date +%s.%N) $T0" | awk '{printf "%.1f", $1 - $2}'; }
-log() { echo "[slurm_up +$(elapsed)s] $*"; }
 die() {
     echo "[slurm_up +$(elapsed)s] ERROR: $*" >&2
     diagnostics >&2 || true
@@ -129,63 +154,49 @@ diagnostics() {
     echo "----- diagnostics -----"
     echo "## processes"
     # shellcheck disable=SC2009  # want full command lines of all related processes
-    ps -eo pid,user,stat,etime,args | grep -E '[m]unged|[s]lurm' || true
+    ps -eo pid,user,stat,etime,args | grep -E '[m]unged|[s]lurm|[m]ariadbd' || true
     echo "## munge -n | unmunge"; (munge -n | unmunge) 2>&1 | head -5 || true
     echo "## scontrol ping"; timeout 10 scontrol ping 2>&1 || true
     echo "## sinfo"; timeout 10 sinfo -N -l 2>&1 || true
     echo "## squeue"; timeout 10 squeue 2>&1 || true
     echo "## scontrol show node"; timeout 10 scontrol show node 2>&1 || true
+    db_diagnostics
     for f in "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" /var/log/munge/munged.log; do
         echo "## tail $f"; tail -n 30 "$f" 2>&1 || true
     done
     echo "-----------------------"
 }
-# is pid a live (not zombie) process named comm?
-running() { # pid [comm]
-    local st
-    [ -r "/proc/$1/stat" ] || return 1
-    st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
-    [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ] || return 1
-    [ -z "${2:-}" ] || [ "$(cat "/proc/$1/comm" 2>/dev/null)" = "$2" ]
-}
-# pids of live processes named exactly comm
-pids_of() { # comm
-    local pid
-    for pid in $(pgrep -x "$1" 2>/dev/null); do running "$pid" "$1" && echo "$pid"; done | tr '\n' ' '
-}
-# pid of a running daemon: from its pidfile if that process is alive and has
-# the expected name, else the oldest live process with exactly that name
-alive_pid() { # pidfile comm
-    local pid=""
-    [ -s "$1" ] && pid=$(cat "$1" 2>/dev/null)
-    if [ -n "$pid" ] && running "$pid" "$2"; then
-        echo "$pid"
-        return 0
-    fi
-    pid=$(pids_of "$2" | awk '{print $1}')
-    [ -n "$pid" ] && echo "$pid"
-}
 [ "$(id -u)" -eq 0 ] || { echo "slurm_up.sh must run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
 
 # ---------------------------------------------------------------- 1. packages
-pkgs_ok() {
-    for p in slurm-wlm slurmctld slurmd slurm-client munge; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || return 1
+missing_pkgs() { # package...: those not installed
+    local p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
     done
 }
-if pkgs_ok; then
-    log "slurm-wlm and munge already installed"
-else
-    log "installing slurm-wlm munge (apt-get)"
-    APT_OPTS=(-y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
-    if ! apt-get install "${APT_OPTS[@]}" slurm-wlm munge >/tmp/slurm_up.apt.log 2>&1; then
+apt_install() { # apt-get option... package...
+    local opts=(-y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
+    log "installing $* (apt-get)"
+    if ! apt-get install "${opts[@]}" "$@" >>/tmp/slurm_up.apt.log 2>&1; then
         log "apt-get install failed, running apt-get update and retrying"
         apt-get update -q >>/tmp/slurm_up.apt.log 2>&1 || true
-        apt-get install "${APT_OPTS[@]}" slurm-wlm munge >>/tmp/slurm_up.apt.log 2>&1 \
-            || { tail -n 30 /tmp/slurm_up.apt.log >&2; die "apt-get install slurm-wlm munge failed"; }
+        apt-get install "${opts[@]}" "$@" >>/tmp/slurm_up.apt.log 2>&1 \
+            || { tail -n 30 /tmp/slurm_up.apt.log >&2; die "apt-get install $* failed"; }
     fi
-    pkgs_ok || die "packages still not installed after apt-get"
+}
+PKGS=(slurm-wlm slurmctld slurmd slurm-client munge slurmdbd slurm-wlm-mysql-plugin mariadb-server)
+if [ -z "$(missing_pkgs "${PKGS[@]}")" ]; then
+    log "slurm-wlm, munge, slurmdbd and mariadb-server already installed"
+else
+    : >/tmp/slurm_up.apt.log
+    # No recommends: they are slurm plugins this configuration does not load
+    # (hdf5/influxdb profiling, jwt, elasticsearch, rrd, ipmi, rsmi), their
+    # -dev packages, and MariaDB's perl CGI modules and compression providers.
+    apt_install --no-install-recommends slurm-wlm munge slurmdbd mariadb-server
+    [ -z "$(missing_pkgs "${PKGS[@]}")" ] \
+        || die "packages still not installed after apt-get: $(missing_pkgs "${PKGS[@]}" | tr '\n' ' ')"
     log "packages installed"
 fi
 
@@ -208,7 +219,7 @@ munge_ok() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 if munge_ok; then
     log "munged already running"
 else
-    if pid=$(alive_pid /run/munge/munged.pid munged); then
+    if pid=$(alive_pid "$MUNGE_PID" munged); then
         log "munged (pid $pid) is not answering, restarting it"
         kill "$pid" 2>/dev/null || true
         sleep 1
@@ -273,9 +284,12 @@ Waittime=0
 MessageTimeout=10
 SlurmctldTimeout=60
 SlurmdTimeout=60
-# no accounting database
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
+# accounting: slurmdbd (MariaDB behind it) records every job, so sacct
+# answers as on a production cluster; the completion log is kept as well
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=${DBD_PORT}
+JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/filetxt
 JobCompLoc=${LOG_DIR}/jobcomp.log
 # node and partition
@@ -303,30 +317,18 @@ fi
 
 touch "$LOG_DIR/jobcomp.log"
 
-# sacct shim (see ci/sacct_shim.sh): answers from the job completion log + squeue
-if [ "${SLURM_CI_SACCT_SHIM:-1}" = 1 ]; then
-    if ! cmp -s "$SCRIPT_DIR/sacct_shim.sh" "$SACCT_SHIM"; then
-        install -m 0755 "$SCRIPT_DIR/sacct_shim.sh" "$SACCT_SHIM"
-        log "installed sacct shim as $SACCT_SHIM"
-    fi
-elif [ -f "$SACCT_SHIM" ] && grep -q "installed by ci/slurm_up.sh" "$SACCT_SHIM"; then
-    rm -f "$SACCT_SHIM"
-    log "removed sacct shim $SACCT_SHIM"
-fi
+db_write_configs
 
-# ---------------------------------------------------------------- 4. daemons
-stop_pid() { # pid: TERM, wait up to 10 s, then KILL (and return 1)
-    local pid=$1
-    kill "$pid" 2>/dev/null || return 0
-    for _ in $(seq 100); do running "$pid" || return 0; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null
-    return 1
-}
+# ------------------------------------------------- 4. accounting: MariaDB, slurmdbd
+# before slurmctld, so that its first job records find the database
+mariadb_up
+slurmdbd_up
+
+# ---------------------------------------------------------------- 5. slurm daemons
 if [ "$CONF_CHANGED" = 1 ]; then
     for pf in "$SLURMD_PID:slurmd" "$CTLD_PID:slurmctld"; do
         if pid=$(alive_pid "${pf%%:*}" "${pf##*:}"); then
-            log "config changed: stopping ${pf##*:} (pid $pid)"
-            if stop_pid "$pid" && [ "${pf##*:}" = slurmctld ]; then touch "$CLEAN_MARKER"; fi
+            if stop_pids "${pf##*:} (slurm.conf changed)" 10 "$pid" && [ "${pf##*:}" = slurmctld ]; then touch "$CLEAN_MARKER"; fi
         fi
     done
 fi
@@ -345,11 +347,13 @@ else
         # first start, or the controller was killed: its saved state may be
         # stale (finished jobs shown RUNNING, job ids reused), so start clean
         # Job ids would restart at 1; continue after the highest id ever used
-        # here instead, so that submitit folders keyed by job id never meet
-        # files of an older job with the same id.
+        # here instead (logs and accounting database), so that submitit
+        # folders keyed by job id never meet files of an older job with the
+        # same id, and `sacct -j ID` (all time by default) never finds two.
         # (only lines where slurmctld creates/starts/ends a job: a kill RPC
         # for a mistyped id must not count; array tasks read "JobId=9_1(11)")
         last_id=$( { grep -o '^JobId=[0-9]*' "$LOG_DIR/jobcomp.log" 2>/dev/null
+                     echo "JobId=$(db_max_job_id)"
                      grep -E 'submit_batch_job|allocate_resources|sched: Allocate|_start_job|_job_complete' \
                          "$LOG_DIR/slurmctld.log" 2>/dev/null | grep -oE 'JobId=[0-9]+|\([0-9]+\)'
                    } | tr -dc '0-9\n' | sort -n | tail -n1 || true)
@@ -370,7 +374,7 @@ SLURMD_STARTED=0
 if [ "$CTLD_STARTED" = 1 ] && pid=$(alive_pid "$SLURMD_PID" slurmd); then
     # a fresh controller: restart slurmd too so that it registers right away
     log "restarting slurmd (pid $pid) for the new slurmctld"
-    stop_pid "$pid"
+    stop_pids slurmd 10 "$pid" || true
 fi
 if pid=$(alive_pid "$SLURMD_PID" slurmd); then
     log "slurmd already running (pid $pid)"
@@ -407,7 +411,15 @@ while :; do
 done
 log "node $HOST is $state in partition $PARTITION"
 
-# ------------------------------------------------------------ 5. smoke test
+# the sacct shim of earlier versions of this script would hide the real sacct
+if [ -f "$OLD_SACCT_SHIM" ] && grep -q "installed by ci/slurm_up.sh" "$OLD_SACCT_SHIM"; then
+    rm -f "$OLD_SACCT_SHIM"
+    hash -r
+    log "removed the old sacct shim $OLD_SACCT_SHIM"
+fi
+[ "$(type -P sacct)" = /usr/bin/sacct ] || log "WARNING: sacct in PATH is $(type -P sacct), not /usr/bin/sacct"
+
+# ------------------------------------------------------------ 6. smoke test
 SMOKE_OUT=$(mktemp /tmp/slurm_smoke.XXXXXX)
 SMOKE_ERR=$(mktemp /tmp/slurm_smoke.XXXXXX)
 t=$(date +%s.%N)
@@ -430,6 +442,12 @@ done
 grep -q "^ok .* $jobid\$" "$SMOKE_OUT" || { cat "$SMOKE_OUT" >&2; die "sbatch job $jobid produced unexpected output"; }
 log "sbatch job $jobid finished in $(echo "$(date +%s.%N) $t" | awk '{printf "%.2f", $1-$2}')s"
 rm -f "$SMOKE_OUT"
+
+# the job's record went slurmctld -> slurmdbd -> MariaDB and back through sacct
+sacct_completed() { [ "$(sacct -n -X -P -o State -j "$jobid" 2>/dev/null)" = COMPLETED ]; }
+wait_for "$SMOKE_TIMEOUT" sacct_completed \
+    || die "sacct does not show job $jobid COMPLETED after ${SMOKE_TIMEOUT}s: '$(sacct -n -X -P -o State -j "$jobid" 2>&1)'"
+log "sacct: job $jobid COMPLETED $(echo "$(date +%s.%N) $t" | awk '{printf "%.2f", $1-$2}')s after its submission"
 
 log "SLURM cluster ready: node $HOST ($CPUS CPUs), partition $PARTITION; IP for jobs: $(hostname -I | awk '{print $1}')"
 log "total time $(elapsed)s"

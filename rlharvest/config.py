@@ -84,7 +84,9 @@ def resolve_devices(device, storing_device, policy_device, env_device, env=None)
     policy_device = _device(policy_device) or device
     env_device = _device(env_device) or device
     if env_device is None and env is not None:
-        env_device = _device(getattr(env, "device", None))
+        from .envs.adapters import env_attr
+
+        env_device = _device(env_attr(env, "device"))
     if storing_device is None and env_device is not None and env_device == policy_device:
         storing_device = env_device
     if storing_device is None and env_device is not None and policy_device is None:
@@ -125,6 +127,22 @@ class CollectorConfig:
     no_cuda_sync: bool = False
     track_policy_version: Any = False
     worker_idx: int | None = None
+    pre_collect_hook: Callable[[], None] | None = None
+    """Called with no argument before each batch is collected (in the process that collects it)."""
+    post_collect_hook: Callable | None = None
+    """Called with each collected batch (in the process that collects it)."""
+    track_traj_ids: bool = True
+    """Keep ``("collector", "traj_ids")`` in batches (False: no id bookkeeping at all)."""
+    compact_obs: bool = False
+    """Drop the observations from ``("next", ...)``: they are the next step's root entries."""
+    trajs_per_batch: int | None = None
+    """Yield batches of exactly this many complete trajectories (None: fixed frame batches)."""
+    trajs_per_write: int | None = None
+    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call."""
+    traj_format: str | None = None
+    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time)."""
+    auto_register_policy_transforms: bool | None = None
+    """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
 
     @classmethod
     def from_kwargs(cls, owner: str, **kwargs) -> CollectorConfig:
@@ -151,15 +169,39 @@ class CollectorConfig:
         set_(self, "init_random_frames", _optional_count("init_random_frames", self.init_random_frames))
         set_(self, "split_trajs", bool(self.split_trajs))
         set_(self, "exploration_type", validate_exploration_type(self.exploration_type))
+        for name in ("pre_collect_hook", "post_collect_hook"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
+        if self.auto_register_policy_transforms:
+            raise ValueError(
+                "auto_register_policy_transforms=True is not supported: rlharvest does not edit your env. Add the "
+                "transforms the policy needs (e.g. TorchRL's TensorDictPrimer / InitTracker for recurrent modules) "
+                "to the env yourself, and pass None or False."
+            )
+        self._check_trajectory_options()
         self._check_buffer_options()
+
+    def _check_trajectory_options(self) -> None:
+        set_ = object.__setattr__
+        if self.trajs_per_batch is not None:
+            set_(self, "trajs_per_batch", _positive_int("trajs_per_batch", self.trajs_per_batch))
+        if self.trajs_per_write is not None:
+            if self.trajs_per_batch is None or self.replay_buffer is None:
+                raise ValueError("trajs_per_write needs trajs_per_batch and a replay_buffer.")
+            set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
+        if self.traj_format is not None and self.traj_format not in ("padded", "cat"):
+            raise ValueError(f"traj_format must be 'padded' or 'cat', got {self.traj_format!r}")
+        if self.trajs_per_batch is not None:
+            raise NotImplementedError("trajs_per_batch is not implemented yet.")
+        if self.trajs_per_batch is not None and self.split_trajs:
+            raise ValueError("trajs_per_batch and split_trajs are exclusive: trajectory batches are already split.")
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:
             return
         if not hasattr(self.replay_buffer, "extend"):
             raise TypeError(f"replay_buffer must have an extend() method, got {type(self.replay_buffer).__name__}")
-        if self.return_same_td:
-            raise TypeError("return_same_td=True cannot be used with a replay_buffer.")
         if self.use_buffers:
             raise TypeError("use_buffers=True cannot be used with a replay_buffer (the buffer is the storage).")
         if not self.extend_buffer:

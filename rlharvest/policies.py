@@ -44,7 +44,8 @@ class RandomPolicy(torch.nn.Module):
     """Draws uniformly random actions from an action spec.
 
     Args:
-        action_spec: a spec with ``rand()`` (a Composite of action keys, or one leaf spec).
+        action_spec: a spec with ``rand()`` (a Composite of action keys, or one leaf spec); None to
+            let the collector give it the env's ``full_action_spec``.
         action_key: where to write a leaf spec's sample.
 
     Example:
@@ -55,14 +56,26 @@ class RandomPolicy(torch.nn.Module):
         True
     """
 
-    def __init__(self, action_spec, action_key: NestedKey = "action") -> None:
+    def __init__(self, action_spec=None, action_key: NestedKey = "action") -> None:
         super().__init__()
         self.action_spec = action_spec
         self.action_key = action_key
 
+    def set_action_spec_from_env(self, env) -> None:
+        """Take ``env.full_action_spec`` when no spec was given (collectors call it)."""
+        if self.action_spec is None:
+            self.action_spec = env.full_action_spec
+
     def sample(self) -> dict[NestedKey, torch.Tensor]:
-        """One random action per action key."""
+        """One random action per action key.
+
+        Raises:
+            RuntimeError: when no action spec was given and no collector set one.
+        """
         spec = self.action_spec
+        if spec is None:
+            raise RuntimeError("RandomPolicy has no action_spec: pass one, or give the policy to a collector, "
+                               "which sets the env's.")
         if hasattr(spec, "keys"):
             return {unravel_key(k): spec[k].rand() for k in spec.keys(True, True)}
         return {unravel_key(self.action_key): spec.rand()}
@@ -119,6 +132,9 @@ def wrap_policy(policy: Any, env, trust_policy: bool | None = None) -> Callable:
     """
     if policy is None:
         return RandomPolicy(env.full_action_spec)
+    if _has_static_member(policy, "set_action_spec_from_env"):
+        # a spec-less random policy (ours or TorchRL's) takes the env's, as TorchRL's collectors do
+        policy.set_action_spec_from_env(env)
     if trust_policy is None:
         trust_policy = isinstance(policy, RandomPolicy)
     if trust_policy or isinstance(policy, (TensorDictModuleBase, ObservationModule, RandomPolicy)):
@@ -149,8 +165,18 @@ def wrap_policy(policy: Any, env, trust_policy: bool | None = None) -> Callable:
     )
 
 
+def _has_static_member(obj: Any, name: str) -> bool:
+    try:
+        inspect.getattr_static(obj, name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _observation_keys(env) -> list[NestedKey]:
-    spec = getattr(env, "observation_spec", None)
+    from .envs.adapters import env_attr
+
+    spec = env_attr(env, "observation_spec")
     if spec is None:
         return []
     return [unravel_key(k) for k in spec.keys(True, True)]
@@ -236,9 +262,9 @@ class TensorDictStep(PolicyStep):
 class RandomStep(PolicyStep):
     """Random actions from the env's action spec (init_random_frames, policy=None)."""
 
-    def __init__(self, env):
+    def __init__(self, env, random_policy: RandomPolicy | None = None):
         self.env = env
-        self.random_policy = RandomPolicy(env.full_action_spec)
+        self.random_policy = random_policy or RandomPolicy(env.full_action_spec)
         self.out_keys = [unravel_key(k) for k in env.action_keys]
 
     def __call__(self, root: dict) -> dict:
@@ -276,7 +302,7 @@ def _stages_of(policy) -> list[tuple] | None:
 def make_policy_step(policy: Callable, env, root_keys: set, device: torch.device | None) -> PolicyStep:
     """The fastest :class:`PolicyStep` that computes exactly what ``policy`` would."""
     if isinstance(policy, RandomPolicy):
-        return RandomStep(env)
+        return RandomStep(env, policy)
     stages = _stages_of(policy)
     if stages is not None:
         available = set(root_keys)

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._utils import NestedKey, unravel_key
+from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
 from .envs.checks import check_step_specs, raise_if_changed
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
@@ -71,6 +71,10 @@ class RolloutSettings:
     policy_device: torch.device | None = None
     env_device: torch.device | None = None
     use_buffers: bool = True
+    #: keep ``("collector", "traj_ids")`` (False: no id bookkeeping)
+    track_traj_ids: bool = True
+    #: drop the observations from ``("next", ...)`` (they are the next step's root entries)
+    compact_obs: bool = False
 
 
 def _value_meta(value: Any) -> tuple[tuple, torch.dtype]:
@@ -106,6 +110,21 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
     return out
 
 
+def _or_flag(previous: Any, hit: Any, like: Any, batch_size: torch.Size) -> Any:
+    """``previous | hit`` in the form of ``like`` (a Python bool for unbatched array envs, else a
+    tensor), ``hit`` being one flag per sub-env broadcast over the flag's trailing dims."""
+    if not isinstance(like, torch.Tensor) and not isinstance(previous, torch.Tensor):
+        return bool(previous) or bool(hit)
+    shape = (previous if isinstance(previous, torch.Tensor) else torch.as_tensor(like)).shape
+    if isinstance(hit, torch.Tensor):
+        flags = hit.reshape(*batch_size, *([1] * (len(shape) - len(batch_size)))).expand(shape)
+    else:
+        flags = torch.full(shape, bool(hit), dtype=torch.bool)
+    if previous is None:
+        return flags.clone()
+    return torch.as_tensor(previous).bool() | flags
+
+
 class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
 
@@ -135,6 +154,7 @@ class Rollout:
         self.policy_version = 0
         self.buffer: TensorDictBase | None = None
         self._layout: dict[NestedKey, tuple[tuple, torch.dtype]] | None = None
+        self._compact_keys: frozenset | None = None
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
@@ -217,30 +237,26 @@ class Rollout:
                     break
         self._root, self._traj, self._count = root, traj, count
         self.stepped_since_reset = True
-        return self._assemble(steps)
+        return self._assemble(steps, random)
 
     def _to_env_device(self, actions: dict) -> dict:
         device = self.settings.env_device
         return {k: v.to(device, non_blocking=True) for k, v in actions.items()}
 
     def _truncate(self, nxt: dict, done, count, end_of_batch: bool):
-        """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values."""
+        """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values: every
+        truncated flag of the hit sub-envs is set, and their done flags with it."""
         hit = (count + 1 >= self._limit) if self._limit else False
         if end_of_batch:
             hit = True if not self.batch_size else torch.ones(self.batch_size, dtype=torch.bool)
-        if not self.batch_size:
-            if not hit and not self._add_truncated:
-                return nxt, done
-            nxt = dict(nxt)
-            nxt["truncated"] = bool(nxt.get("truncated", False)) or hit
-            nxt["done"] = bool(nxt["done"]) or hit
-            return nxt, done or hit
+        if not self._add_truncated and not (hit if not self.batch_size else bool(hit.any())):
+            return nxt, done
         nxt = dict(nxt)
-        column = hit.reshape(*self.batch_size, 1)
-        previous = nxt.get("truncated")
-        nxt["truncated"] = column.clone() if previous is None else torch.as_tensor(previous) | column
-        nxt["done"] = torch.as_tensor(nxt["done"]) | column
-        return nxt, done | hit
+        for truncated_key, done_key in self.adapter.truncation_keys:
+            like = nxt[done_key]
+            nxt[truncated_key] = _or_flag(nxt.get(truncated_key), hit, like, self.batch_size)
+            nxt[done_key] = _or_flag(like, hit, like, self.batch_size)
+        return nxt, (done or hit) if not self.batch_size else done | hit
 
     def _restart(self, nxt, root, next_root, done, env_done, traj, count):
         """Root, trajectory ids and step counts after a step in which some sub-envs ended."""
@@ -259,8 +275,20 @@ class Rollout:
         return root, traj, count
 
     # ------------------------------------------------------------------ batch assembly
-    def _build_layout(self, step) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
+    def _policy_outputs(self, root: dict) -> dict:
+        """What the policy writes for ``root``: one call whose result is only used for its layout.
+
+        A batch of random actions has the same keys as a policy batch (the policy's other outputs,
+        Q-values or log-probabilities, are zero), so a buffer laid out by a random first batch
+        still holds the policy's batches.
+        """
+        with torch.no_grad(), set_interaction_type(self.settings.exploration_type), self._policy_lock:
+            return self.policy_step(dict(root))
+
+    def _build_layout(self, step, random: bool) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
         root, actions, nxt, _, _, _ = step
+        if random and not isinstance(self.policy_step, RandomStep):
+            actions = {**self._policy_outputs(root), **actions}
         layout: dict[NestedKey, tuple[tuple, torch.dtype]] = {}
         flag_shape = (*self.batch_size, 1)
         for key, value in root.items():
@@ -270,20 +298,62 @@ class Rollout:
         for key, value in actions.items():
             layout[key] = _value_meta(value)
         for key, value in nxt.items():
-            layout[unravel_key(("next", key))] = _value_meta(value)
+            if key not in self._compacted(root, nxt):
+                layout[unravel_key(("next", key))] = _value_meta(value)
         if self._add_truncated:
             layout[("next", "truncated")] = (flag_shape, torch.bool)
         if self._limit:
             layout["step_count"] = layout[("next", "step_count")] = (flag_shape, torch.int64)
         if self.settings.track_policy_version:
             layout["policy_version"] = layout[("next", "policy_version")] = (tuple(self.batch_size), torch.int64)
-        layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
+        if self.settings.track_traj_ids:
+            layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
         return layout
+
+    def _compacted(self, root: dict, nxt: dict) -> frozenset:
+        """The ``("next", ...)`` entries ``compact_obs`` drops: the observations and state the next
+        root carries (rewards and done flags stay)."""
+        if not self.settings.compact_obs:
+            return frozenset()
+        if self._compact_keys is None:
+            observations = set(root) | set(self.adapter.observation_keys)
+            kept = {"done", "terminated", "truncated"}
+            self._compact_keys = frozenset(
+                k for k in nxt if k in observations and as_tuple_key(k)[-1] not in kept
+                and k not in self.adapter.reward_keys
+            )
+        return self._compact_keys
 
     @property
     def layout(self) -> dict[NestedKey, tuple[tuple, torch.dtype]] | None:
         """``{key: (per-step shape, dtype)}`` once the first batch ran, else None."""
         return self._layout
+
+    def fake_batch(self) -> TensorDictBase:
+        """A zero batch with the keys, shapes and dtypes of the batches this loop collects.
+
+        Before the first batch, the layout comes from the env's ``fake_tensordict()`` (one
+        transition from its specs) and one policy call on its root, as for a random warm-up.
+
+        Raises:
+            NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
+        """
+        layout = self._layout
+        if layout is None:
+            from .envs.adapters import env_attr
+
+            make_fake = env_attr(self.env, "fake_tensordict")
+            if make_fake is None:
+                raise NotImplementedError(f"{type(self.env).__name__} has no fake_tensordict(): collect one batch "
+                                          "first, whose layout is then known.")
+            transition = make_fake()
+            next_values = {k: transition.get(("next", *((k,) if isinstance(k, str) else k)))
+                           for k in transition.get("next").keys(True, True)}
+            action_keys = {unravel_key(k) for k in env_attr(self.env, "action_keys", ["action"])}
+            root = {k: transition.get(k) for k in transition.exclude("next").keys(True, True) if k not in action_keys}
+            actions = self._policy_outputs(root)
+            layout = self._build_layout((root, actions, next_values, None, None, None), random=False)
+        return self._allocate(layout)
 
     def _allocate(self, layout) -> TensorDictBase:
         steps, dim = self.settings.time_steps, self.time_dim
@@ -305,9 +375,9 @@ class Rollout:
                 raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
         self.buffer = buffer
 
-    def _assemble(self, steps: list) -> TensorDictBase:
+    def _assemble(self, steps: list, random: bool = False) -> TensorDictBase:
         if self._layout is None:
-            self._layout = self._build_layout(steps[0])
+            self._layout = self._build_layout(steps[0], random)
             check_step_specs(self.env, steps[0][0], steps[0][2])
         layout = self._layout
         use_buffers = self.settings.use_buffers
@@ -327,7 +397,9 @@ class Rollout:
                 raise_if_changed(key, values, shape, dtype, err)
                 raise
         for key, (shape, dtype) in layout.items():
-            if key not in columns:  # implicit root flags: always False under auto-reset
+            # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
+            # actions the policy's other outputs (zero, as TorchRL fills them).
+            if key not in columns:
                 target = out.get(key).narrow(dim, 0, n) if out is not None else None
                 if target is not None:
                     target.zero_()
@@ -337,7 +409,7 @@ class Rollout:
             td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.settings.storing_device)
             td.refine_names(*([None] * dim), "time")
             return td
-        if n < full:
+        if n < full and self.settings.track_traj_ids:
             out.get(_TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
         return out
 
@@ -349,9 +421,12 @@ class Rollout:
             columns[key] = [r[key] for r in roots]
         for key in actions[0]:
             columns[key] = [a[key] for a in actions]
+        dropped = self._compacted(roots[0], nexts[0])
         for key in nexts[0]:
-            columns[unravel_key(("next", key))] = [x[key] for x in nexts]
-        columns[_TRAJ_IDS] = list(trajs)
+            if key not in dropped:
+                columns[unravel_key(("next", key))] = [x[key] for x in nexts]
+        if self.settings.track_traj_ids:
+            columns[_TRAJ_IDS] = list(trajs)
         if self._limit:
             if self.batch_size:
                 counts = [c.unsqueeze(-1) for c in counts]

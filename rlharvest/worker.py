@@ -92,6 +92,8 @@ class WorkerSpec:
     num_threads: int = 1
     #: frames of random actions when running free (decided from the buffer's write count)
     init_random_frames: int = 0
+    #: called in the worker before it builds its env and collector
+    init_fn: Any = None
 
 
 def _is_stateless(policy: Any) -> bool:
@@ -100,7 +102,7 @@ def _is_stateless(policy: Any) -> bool:
 
 
 def _build_collector(spec: WorkerSpec, policy: Any):
-    kwargs = dict(spec.collector_kwargs)
+    kwargs = {name: unwrap(value) for name, value in spec.collector_kwargs.items()}
     if spec.replay_buffer is not None:
         kwargs["replay_buffer"] = spec.replay_buffer
         kwargs.setdefault("local_init_rb", True)
@@ -140,6 +142,8 @@ class Worker:
         self._steps = itertools.count()
         self._free_ids = itertools.count()
         self._free_frames = 0
+        if spec.init_fn is not None:
+            unwrap(spec.init_fn)()
         receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
         policy = unwrap(spec.policy)
         if "policy" in receivers and _is_stateless(policy):

@@ -246,3 +246,23 @@ class SchedulingProbeEnv(ContinuousMockEnv):
 
     def scheduling_policy(self) -> int:
         return os.sched_getscheduler(0)
+
+
+class ItemBuffer:
+    """A replay buffer that, like TorchRL's, stores one item per entry of the first batch dim."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.items: list = []
+        self.write_count = 0
+        self._lock = threading.Lock()
+
+    def extend(self, data) -> None:
+        with self._lock:
+            rows = list(data.unbind(0))
+            self.items.extend(row.clone() for row in rows)
+            self.write_count += len(rows)
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -1,6 +1,7 @@
 """Collectors: single-process, worker-process and (in ``distributed``) multi-node."""
 
 from .._utils import deprecated_alias
+from ..policies import RandomPolicy
 from ..profiling import ProfileConfig
 from ..weight_update.updaters import (
     MultiProcessedWeightUpdater,
@@ -17,11 +18,13 @@ MultiSyncDataCollector = deprecated_alias(MultiSyncCollector, "MultiSyncDataColl
 MultiaSyncDataCollector = deprecated_alias(MultiAsyncCollector, "MultiaSyncDataCollector")
 aSyncDataCollector = deprecated_alias(AsyncCollector, "aSyncDataCollector")
 DataCollectorBase = BaseCollector
+_MultiDataCollector = MultiCollector  # TorchRL 0.12's name of the common base (listed in its __all__)
 
 __all__ = [
     "BaseCollector",
     "Collector",
     "ProfileConfig",
+    "RandomPolicy",
     "WeightUpdaterBase",
     "VanillaWeightUpdater",
     "MultiProcessedWeightUpdater",

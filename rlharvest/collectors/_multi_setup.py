@@ -100,6 +100,15 @@ def validate_cat_results(cat_results, sync: bool, use_buffers) -> str | int:
     return cat_results
 
 
+def validate_preemptive_threshold(value: Any) -> float | None:
+    """None (off) or a fraction of workers in [0, 1] (1.0 waits for every worker: never preempts)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"preemptive_threshold must be None or a number between 0.0 and 1.0, got {value!r}")
+    return float(value)
+
+
 def has_weights(policy: Any) -> bool:
     return isinstance(policy, torch.nn.Module) and any(True for _ in policy.parameters()) or (
         isinstance(policy, torch.nn.Module) and any(True for _ in policy.buffers())

@@ -138,6 +138,18 @@ class WorkerPool:
                 if not any(w == worker for w, _ in self._free):
                     self._check_alive(worker, None)
 
+    def raise_start_failure(self) -> None:
+        """Raise the failure a worker reported while starting (its READY reply), if one did.
+
+        A worker that fails to build its collector reports why, then exits: whoever noticed the exit
+        first (a weight channel waiting for it) calls this so the user sees the cause, not the exit.
+        """
+        for worker in range(len(self.handles)):
+            self._drain(worker)
+            reply = self._stash[worker].get(self.READY)
+            if reply is not None and reply.failure is not None:
+                self._take(worker, self.READY)
+
     def has_reply(self, worker: int, request_id: int) -> bool:
         """Non-blocking: has this reply arrived?"""
         self._drain(worker)

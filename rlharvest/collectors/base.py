@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tensordict import TensorDictBase
 
@@ -48,6 +48,11 @@ class BaseCollector(WeightAPIMixin):
     _run_thread: threading.Thread | None = None
     _stop_event: threading.Event | None = None
     _background_error: BaseException | None = None
+    #: drop keys with a path part starting with ``_`` from yielded batches (TorchRL's switch of the
+    #: same name)
+    _exclude_private_keys: bool = True
+    _pre_collect_hook: Callable[[], None] | None = None
+    _post_collect_hook: Callable[[TensorDictBase], None] | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -113,8 +118,9 @@ class BaseCollector(WeightAPIMixin):
             raise RuntimeError("Non-terminating collector (total_frames=-1): len() is undefined.")
         return math.ceil(self.config.total_frames / self.requested_frames_per_batch)
 
-    @staticmethod
-    def _drop_private_keys(batch: TensorDictBase) -> TensorDictBase:
+    def _drop_private_keys(self, batch: TensorDictBase) -> TensorDictBase:
+        if not self._exclude_private_keys:
+            return batch
         private = [k for k in batch.keys(True, True) if is_private_key(k)]
         if not private:
             return batch
@@ -176,35 +182,66 @@ class BaseCollector(WeightAPIMixin):
         raise NotImplementedError(f"Collector start() is not implemented for {type(self).__name__}.")
 
     def _start_thread(self) -> None:
-        """Run the iterator in a daemon thread (the ``start()`` of thread-based collectors)."""
+        """Run the iterator in a daemon thread (the ``start()`` of thread-based collectors).
+
+        While it runs, the thread is the only user of the collector's workers: ``pause()``,
+        ``update_policy_weights_`` and the shutdown are what the caller may do meanwhile.
+        """
         if self.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")
         self._iteration_started = True
         self._stop_event = threading.Event()
+        self._pause_request, self._paused = threading.Event(), threading.Event()
         self._background_error = None
-
-        def run() -> None:
-            try:
-                for _ in self.iterator():
-                    if self._stop_event.is_set():
-                        break
-            except BaseException as err:  # surfaced by async_shutdown
-                self._background_error = err
-
-        self._run_thread = threading.Thread(target=run, name=f"{type(self).__name__}-run", daemon=True)
+        self._run_thread = threading.Thread(target=self._run_in_thread, name=f"{type(self).__name__}-run",
+                                            daemon=True)
         self._run_thread.start()
+
+    def _run_in_thread(self) -> None:
+        try:
+            for _ in self.iterator():
+                if self._stop_event.is_set():
+                    break
+                if self._pause_request.is_set():
+                    self._paused.set()  # the batch just written was the last one before the pause
+                    while self._pause_request.is_set() and not self._stop_event.wait(0.01):
+                        pass
+                    self._paused.clear()
+        except BaseException as err:  # surfaced by pause() / async_shutdown
+            self._background_error = err
+        finally:
+            self._paused.set()
+
+    def _pause_thread(self, timeout: float = 60.0):
+        """``pause()`` of thread-based background collection: no buffer write inside the block."""
+        if not self.is_running():
+            raise RuntimeError("Collector cannot be paused: it is not collecting in the background (start()).")
+        self._pause_request.set()
+        try:
+            if not self._paused.wait(timeout):
+                raise TimeoutError(f"background collection did not pause within {timeout:g} s.")
+            if self._background_error is not None:
+                raise self._background_error
+            yield
+        finally:
+            self._pause_request.clear()
 
     def is_running(self) -> bool:
         """Whether background collection (``start()``) is in progress."""
         return self._run_thread is not None and self._run_thread.is_alive()
+
+    def _interrupt_background(self) -> None:
+        """Hook: make a background batch in progress end soon (collectors with workers interrupt them)."""
 
     def _stop_background(self, timeout: float | None) -> None:
         if self._stop_event is not None:
             self._stop_event.set()
         thread = self._run_thread
         if thread is not None and thread is not threading.current_thread():
+            if thread.is_alive():
+                self._interrupt_background()
             thread.join(timeout if timeout is not None else 30.0)
             if thread.is_alive():
                 raise TimeoutError(f"Background collection did not stop within {timeout} s.")
@@ -294,6 +331,81 @@ class BaseCollector(WeightAPIMixin):
             raise ValueError(f"{attr_path!r} resolves to a non-callable {type(target).__name__}; it takes no arguments.")
         return target
 
+    def get_distant_attr(self, attr: str) -> Any:
+        """The attribute at ``attr`` (the path syntax of :meth:`cascade_execute`), never called.
+
+        Example:
+            >>> collector.get_distant_attr("worker_idx")            # doctest: +SKIP
+        """
+        return resolve_attr_path(self, attr)
+
+    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
+               list_of_kwargs: list[dict] | None = None) -> list[Any]:
+        """Call the method at ``method_name`` once per set of arguments; returns the results in order.
+
+        Raises:
+            ValueError: when ``list_of_args`` and ``list_of_kwargs`` have different lengths.
+
+        Example:
+            >>> collector.map_fn("get_distant_attr", [("worker_idx",), ("frames_per_batch",)])  # doctest: +SKIP
+            [None, 16]
+        """
+        calls = _argument_sets(list_of_args, list_of_kwargs, None)
+        method = resolve_attr_path(self, method_name)
+        return [method(*args, **kwargs) for args, kwargs in calls]
+
+    # ------------------------------------------------------------------ hooks and progress
+    @property
+    def pre_collect_hook(self) -> Callable[[], None] | None:
+        """Called with no argument before each batch is collected (where the rollout runs)."""
+        return self._pre_collect_hook
+
+    @pre_collect_hook.setter
+    def pre_collect_hook(self, hook: Callable[[], None] | None) -> None:
+        self._set_hook("_pre_collect_hook", hook)
+
+    @property
+    def post_collect_hook(self) -> Callable[[TensorDictBase], None] | None:
+        """Called with each batch once it is collected (where the rollout runs)."""
+        return self._post_collect_hook
+
+    @post_collect_hook.setter
+    def post_collect_hook(self, hook: Callable[[TensorDictBase], None] | None) -> None:
+        self._set_hook("_post_collect_hook", hook)
+
+    def set_pre_collect_hook(self, hook: Callable[[], None] | None) -> None:
+        """Method form of the ``pre_collect_hook`` setter (callable through ``cascade_execute``)."""
+        self.pre_collect_hook = hook
+
+    def set_post_collect_hook(self, hook: Callable[[TensorDictBase], None] | None) -> None:
+        """Method form of the ``post_collect_hook`` setter (callable through ``cascade_execute``)."""
+        self.post_collect_hook = hook
+
+    def _set_hook(self, name: str, hook: Callable | None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name.strip('_')} must be callable or None, got {type(hook).__name__}")
+        setattr(self, name, hook)
+
+    def stats(self) -> dict[str, int | float | bool]:
+        """A cheap snapshot of progress, plain scalars only (JSON-serialisable, safe while running).
+
+        Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
+        ``requested_frames_per_batch``, and ``policy_version`` when versions are tracked.
+
+        Example:
+            >>> collector.stats()["frames"]                          # doctest: +SKIP
+            0
+        """
+        stats: dict[str, int | float | bool] = {"frames": int(self._frames), "batches": int(self._iter + 1)}
+        if not self.config.endless:
+            stats["total_frames"] = int(self.config.total_frames)
+        stats["completed"] = bool(self._reached_total())
+        stats["requested_frames_per_batch"] = int(self.requested_frames_per_batch)
+        version = self.policy_version
+        if isinstance(version, int):
+            stats["policy_version"] = version
+        return stats
+
     # ------------------------------------------------------------------ used by the worker loop
     def _collect_for_parent(self, random: bool) -> TensorDictBase:
         """One batch for a parent collector (the next batch of an endless iteration)."""
@@ -322,3 +434,19 @@ class BaseCollector(WeightAPIMixin):
         total = "endless" if self.config.endless else self.config.total_frames
         return (f"{type(self).__name__}(frames_per_batch={self.requested_frames_per_batch}, "
                 f"total_frames={total}, frames={self._frames})")
+
+
+def _argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` pairs for ``map_fn``; ``count`` = the number of calls required (None: any)."""
+    if list_of_args is None and list_of_kwargs is None:
+        list_of_args = [()] * (count if count is not None else 1)
+    if list_of_args is None:
+        list_of_args = [()] * len(list_of_kwargs)
+    if list_of_kwargs is None:
+        list_of_kwargs = [{}] * len(list_of_args)
+    if len(list_of_args) != len(list_of_kwargs):
+        raise ValueError(f"list_of_args and list_of_kwargs must have the same length, got {len(list_of_args)} "
+                         f"and {len(list_of_kwargs)}.")
+    if count is not None and len(list_of_args) != count:
+        raise ValueError(f"Expected {count} argument entries (one per worker), got {len(list_of_args)}.")
+    return [(tuple(args), dict(kwargs)) for args, kwargs in zip(list_of_args, list_of_kwargs)]

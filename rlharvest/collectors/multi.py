@@ -32,8 +32,31 @@ __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "Multi
 DEFAULT_WORKER_TIMEOUT = 120.0
 
 
-class _MultiCollector(RemoteCollectorBase):
-    """Shared constructor and behaviour of the worker-process collectors."""
+class _DispatchOnSync(type(RemoteCollectorBase)):
+    """``MultiCollector(..., sync=...)`` builds a MultiSyncCollector (default) or a MultiAsyncCollector."""
+
+    def __call__(cls, *args, sync: bool | None = None, **kwargs):
+        if cls is MultiCollector:
+            cls = MultiAsyncCollector if sync is False else MultiSyncCollector
+        elif sync is not None and bool(sync) != cls._sync:
+            raise TypeError(f"{cls.__name__} is {'' if cls._sync else 'a'}synchronous: sync={sync!r} contradicts it "
+                            "(use MultiCollector(..., sync=...) to choose).")
+        return super().__call__(*args, **kwargs)
+
+
+class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
+    """Collectors whose rollouts run in worker processes on this machine.
+
+    ``MultiCollector(create_env_fn, policy, sync=True, ...)`` returns a :class:`MultiSyncCollector`,
+    ``sync=False`` a :class:`MultiAsyncCollector`; both are instances of this class.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = MultiCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=8, sync=False)
+        >>> isinstance(collector, (MultiCollector, MultiAsyncCollector))
+        True
+        >>> collector.shutdown()
+    """
 
     _supports_run_free = True
     _sync = True
@@ -81,6 +104,15 @@ class _MultiCollector(RemoteCollectorBase):
         worker_idx: int | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         mp_start_method: str | None = None,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        track_traj_ids: bool = True,
+        compact_obs: bool = False,
+        init_fn: Callable[[], None] | None = None,
+        auto_register_policy_transforms: bool | None = None,
     ) -> None:
         self._closed = True
         self._pool = None
@@ -99,8 +131,14 @@ class _MultiCollector(RemoteCollectorBase):
             exploration_type=exploration_type, set_truncated=set_truncated, use_buffers=use_buffers,
             replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
             compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx,
+            track_policy_version=track_policy_version, worker_idx=worker_idx, pre_collect_hook=pre_collect_hook,
+            post_collect_hook=post_collect_hook, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+            traj_format=traj_format, track_traj_ids=track_traj_ids, compact_obs=compact_obs,
+            auto_register_policy_transforms=auto_register_policy_transforms,
         )
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
+        self._init_fn = init_fn
         if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                           "storage).", FutureWarning, stacklevel=3)
@@ -108,7 +146,7 @@ class _MultiCollector(RemoteCollectorBase):
         self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(update_at_each_batch)
-        self.preemptive_threshold = None if preemptive_threshold is None else min(1.0, max(0.0, preemptive_threshold))
+        self.preemptive_threshold = setup.validate_preemptive_threshold(preemptive_threshold)
         self._version_tracker = track_policy_version or None
         self._worker_timeout = positive_seconds("worker_timeout", worker_timeout)
         self._mp_context = mp_context(mp_start_method)
@@ -181,7 +219,9 @@ class _MultiCollector(RemoteCollectorBase):
                 set_truncated=config.set_truncated, use_buffers=config.use_buffers, trust_policy=config.trust_policy,
                 compile_policy=config.compile_policy, cudagraph_policy=config.cudagraph_policy,
                 no_cuda_sync=config.no_cuda_sync, track_policy_version=bool(config.track_policy_version),
-                traj_pool=counter,
+                traj_pool=counter, track_traj_ids=config.track_traj_ids, compact_obs=config.compact_obs,
+                pre_collect_hook=setup.wrap_callable(config.pre_collect_hook),
+                post_collect_hook=setup.wrap_callable(config.post_collect_hook),
                 **{name: values[worker] for name, values in self._devices.items()},
             )
             if self._workers_write:
@@ -197,6 +237,7 @@ class _MultiCollector(RemoteCollectorBase):
                 replay_buffer=config.replay_buffer if self._workers_write else None,
                 num_threads=num_sub_threads,
                 init_random_frames=config.init_random_frames,
+                init_fn=setup.wrap_callable(self._init_fn),
             ))
         return specs
 
@@ -208,8 +249,12 @@ class _MultiCollector(RemoteCollectorBase):
                 handles.append(start_worker_process(spec, self._mp_context, signals, spec.worker_idx))
             self._pool = WorkerPool(handles, timeout=self._worker_timeout)
             self._register_live()
-            for scheme in self._sender_schemes.values():
-                scheme.connect()
+            try:
+                for scheme in self._sender_schemes.values():
+                    scheme.connect()
+            except WorkerError:
+                self._pool.raise_start_failure()  # a worker that failed to build says why
+                raise
             for worker in range(len(handles)):
                 self._pool.wait_for(worker, WorkerPool.READY)
             if self._legacy:
@@ -239,6 +284,25 @@ class _MultiCollector(RemoteCollectorBase):
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
 
+    def fake_tensordict(self) -> TensorDictBase:
+        """Not available for worker-process collectors (as in TorchRL): ask a Collector of the same env.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.fake_tensordict() is not implemented: build a Collector "
+                                  "with one of the env constructors and call its fake_tensordict().")
+
+    def get_cached_weights(self, model_id: str) -> TensorDictBase | None:
+        """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or
+        None when that model's scheme keeps none (pipes, or no update yet)."""
+        scheme = (self._sender_schemes or {}).get(model_id)
+        buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
+        if not buffers:
+            return None
+        device = self._worker_policy_devices[0] if self._worker_policy_devices else None
+        return buffers.get(device, next(iter(buffers.values())))
+
     # ------------------------------------------------------------------ weights
     def _update_local_policy(self, value: Any) -> None:
         # No scheme (parameter-free policy): nothing to send; versions still move.
@@ -264,16 +328,17 @@ class _MultiCollector(RemoteCollectorBase):
 
     # ------------------------------------------------------------------ replay buffer
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        buffer.extend(self._postprocess(batch))
         if self._workers_write and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()
             self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)
 
+    def _workers_can_write(self) -> bool:
+        return self._workers_write
+
     def _prepare_run_free(self) -> None:
-        if not self._workers_write:
-            raise RuntimeError("start() needs an rlharvest.data.ReplayBuffer that workers can write into.")
         if self.config.replay_buffer.storage is None:
             reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))
@@ -283,7 +348,7 @@ def has_policy_scheme(schemes: dict) -> bool:
     return "policy" in schemes
 
 
-class MultiSyncCollector(_MultiCollector):
+class MultiSyncCollector(MultiCollector):
     """Workers collect in lockstep: every batch stacks one rollout of every worker, ordered by index.
 
     Nothing is stepped between a yield and the next request, so it is safe for on-policy training.
@@ -340,7 +405,7 @@ def _valid_steps(batch: TensorDictBase) -> TensorDictBase:
     return batch[..., : int(valid.sum())]
 
 
-class MultiAsyncCollector(_MultiCollector):
+class MultiAsyncCollector(MultiCollector):
     """Workers collect continuously; each batch is the first one ready (off-policy training).
 
     Example:
@@ -385,9 +450,4 @@ class AsyncCollector(MultiAsyncCollector):
         super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
 
 
-def MultiCollector(*args, sync: bool = True, **kwargs) -> _MultiCollector:
-    """A :class:`MultiSyncCollector` (``sync=True``) or a :class:`MultiAsyncCollector`."""
-    return (MultiSyncCollector if sync else MultiAsyncCollector)(*args, **kwargs)
-
-
-_ = (weights_of, WorkerError)
+_ = weights_of

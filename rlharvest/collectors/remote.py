@@ -29,9 +29,9 @@ from ..errors import WorkerError
 from ..profiling import ProfileConfig
 from ..worker import Command
 from ._pool import WorkerPool
-from .base import BaseCollector
+from .base import BaseCollector, _argument_sets
 
-__all__ = ["RemoteCollectorBase"]
+__all__ = ["RemoteCollectorBase", "valid_part"]
 
 _TRAJ_IDS = ("collector", "traj_ids")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -43,6 +43,15 @@ def _close_live_collectors() -> None:
     for collector in list(_LIVE):
         with contextlib.suppress(Exception):
             collector.shutdown(timeout=5.0, raise_on_error=False)
+
+
+def valid_part(batch: TensorDictBase) -> TensorDictBase:
+    """The steps of a batch that were collected: the batch itself, or (when a rollout was cut short,
+    its remaining steps having trajectory id -1) those steps, flattened."""
+    ids = batch.get(_TRAJ_IDS, None)
+    if ids is None or not (ids == -1).any():
+        return batch
+    return batch[ids != -1]
 
 
 class RemoteCollectorBase(BaseCollector):
@@ -167,20 +176,22 @@ class RemoteCollectorBase(BaseCollector):
         """Count frames, write or post-process, and yield one batch (or None with a buffer)."""
         if not counted:
             self._frames += self._count_frames(replies)
-        buffer = self.config.replay_buffer
+        if self.config.replay_buffer is not None:
+            # Each worker's batch is written as that worker's own collector would write it, so a
+            # buffer that counts items along the first dim (TorchRL's) gets the frames, not W rows.
+            for batch in batches:
+                self._write_to_buffer(valid_part(batch))
+            yield None
+            return
         if sync and batches:
             batch = self._assemble_sync(batches, replies)
         else:
             batch = batches[0] if batches else None
-        if buffer is not None:
-            if batch is not None:
-                self._write_to_buffer(batch if sync else batch)
-            yield None
-            return
         yield self._postprocess(batch)
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        self.config.replay_buffer.extend(self._postprocess(batch))
+        if batch.numel():
+            self.config.replay_buffer.extend(self._postprocess(batch))
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         from .utils import split_trajectories
@@ -203,6 +214,8 @@ class RemoteCollectorBase(BaseCollector):
         self._drain_async()
         state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
         state.update(frames=self._frames, iter=self._iter)
+        if self._version_tracker:
+            state["policy_version"] = self._policy_version
         return state
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:
@@ -213,6 +226,8 @@ class RemoteCollectorBase(BaseCollector):
                 self._pool.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
+        if "policy_version" in state_dict:
+            self._policy_version = int(state_dict["policy_version"])
 
     def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
         """Reset every worker's envs, or those whose entry of ``reset_idx`` is True."""
@@ -225,6 +240,48 @@ class RemoteCollectorBase(BaseCollector):
         for the iterator (nothing is lost; the worker's buffer is reused only after they are taken)."""
         for worker, request_id in list(self._async_requests.items()):
             self._pool.wait_arrived(worker, request_id)
+
+    def get_distant_attr(self, attr: str) -> list[Any]:
+        """The attribute at ``attr`` in every worker's collector, in worker order."""
+        return self._pool.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
+
+    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
+               list_of_kwargs: list[dict] | None = None) -> list[Any]:
+        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
+
+        Raises:
+            ValueError: when the number of argument sets is not the number of workers.
+        """
+        calls = _argument_sets(list_of_args, list_of_kwargs, self.num_workers)
+        self._drain_async()
+        ids = {w: self._pool.send(w, Command.CASCADE, (method_name, *calls[w])) for w in range(self.num_workers)}
+        return [self._pool.wait_for(w, ids[w]).value for w in range(self.num_workers)]
+
+    def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
+        """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
+        each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
+
+        Raises:
+            ValueError: for another ``workers`` value.
+        """
+        if workers not in ("aggregate", "per_worker", "both"):
+            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
+        stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
+        stats["workers"] = self.num_workers
+        stats["workers_alive"] = sum(not self._pool.is_dead(w) for w in range(self.num_workers)) if self._pool else 0
+        if workers != "aggregate":
+            for worker, worker_stats in enumerate(self.map_fn("stats")):
+                stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
+        return stats
+
+    def _set_hook(self, name: str, hook) -> None:
+        """Hooks run where batches are collected: in the workers."""
+        super()._set_hook(name, hook)
+        if self._pool is not None:
+            from ._multi_setup import wrap_callable
+
+            self._drain_async()
+            self._pool.broadcast(Command.CASCADE, (f"set{name.rstrip('_')}", (wrap_callable(hook),), {}))
 
     def getattr_policy(self, name: str) -> Any:
         return self._pool.request(0, Command.GETATTR_POLICY, name)
@@ -279,24 +336,47 @@ class RemoteCollectorBase(BaseCollector):
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
+        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
+
+        Workers write into an rlharvest :class:`~rlharvest.data.ReplayBuffer` themselves; any other
+        buffer (a TorchRL ``ReplayBuffer``, ...) is written by a thread of this process.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
         if not self._supports_run_free:
             return super().start()
         if self.config.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if not self._workers_can_write():
+            self._start_thread()
+            return
         self._iteration_started = True
         self._prepare_run_free()
         self._pool.broadcast(Command.RUN_FREE)
         self._running_free = True
 
+    def _workers_can_write(self) -> bool:
+        """Whether workers write the replay buffer themselves (else a thread here does)."""
+        return False
+
     def _prepare_run_free(self) -> None:
         """Make sure workers can write to the buffer themselves."""
 
     def is_running(self) -> bool:
-        return self._running_free
+        return self._running_free or super().is_running()
+
+    def _interrupt_background(self) -> None:
+        if self._pool is not None:
+            for handle in self._pool.handles:
+                handle.interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:
             raise NotImplementedError(f"Collector pause() is not implemented for {type(self).__name__}.")
+        if self._run_thread is not None:
+            yield from self._pause_thread()
+            return
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
         pool = self._pool

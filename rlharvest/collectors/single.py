@@ -10,11 +10,12 @@ from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
-from ..envs.adapters import is_env
+from ..envs.adapters import env_attr, is_env
 from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
 from ..weight_update.strategy import copy_weights_, weights_of
+from ._dispatch import BackendDispatch
 from .base import BaseCollector
 from .utils import split_trajectories
 
@@ -27,7 +28,7 @@ def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
     kwargs = create_env_kwargs or {}
     if is_env(create_env_fn):
         if kwargs:
-            if not create_env_fn.batch_size or not hasattr(create_env_fn, "update_kwargs"):
+            if not create_env_fn.batch_size or env_attr(create_env_fn, "update_kwargs") is None:
                 raise RuntimeError(
                     f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
                     "they can only be forwarded to a batched env. Pass a constructor instead."
@@ -45,14 +46,14 @@ def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
 def _env_keys(env) -> set:
     keys = set()
     for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
-        spec = getattr(env, name, None)
+        spec = env_attr(env, name)
         if spec is not None and hasattr(spec, "keys"):
             keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
     return keys
 
 
 def _close_env(env) -> None:
-    if getattr(env, "is_closed", False):
+    if env_attr(env, "is_closed", False):
         return
     try:
         env.close(raise_if_closed=False)
@@ -60,8 +61,13 @@ def _close_env(env) -> None:
         env.close()
 
 
-class Collector(BaseCollector):
+class Collector(BaseCollector, metaclass=BackendDispatch):
     """Collects batches by running the rollout loop in the calling process.
+
+    ``Collector(..., backend=..., num_collectors=..., sync=..., backend_options=...)`` builds the
+    collector of another backend instead (``"process"``: worker processes, ``"distributed"``, ``"rpc"``,
+    ``"submitit"``), as TorchRL 0.14 does; ``backend="direct"`` (the default without
+    ``num_collectors``) is this class.
 
     Args:
         create_env_fn: an env (SPEC §1.1) or a callable returning one.
@@ -141,6 +147,14 @@ class Collector(BaseCollector):
         weight_recv_schemes: dict | None = None,
         track_policy_version: Any = False,
         worker_idx: int | None = None,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        track_traj_ids: bool = True,
+        compact_obs: bool = False,
+        auto_register_policy_transforms: bool | None = None,
         **kwargs,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -165,9 +179,13 @@ class Collector(BaseCollector):
             interruptor=interruptor, set_truncated=set_truncated, use_buffers=use_buffers,
             replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
             compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx,
+            track_policy_version=track_policy_version, worker_idx=worker_idx, pre_collect_hook=pre_collect_hook,
+            post_collect_hook=post_collect_hook, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+            traj_format=traj_format, track_traj_ids=track_traj_ids, compact_obs=compact_obs,
+            auto_register_policy_transforms=auto_register_policy_transforms,
         )
         self._worker_idx = worker_idx
+        self._pre_collect_hook, self._post_collect_hook = pre_collect_hook, post_collect_hook
         self.env = make_env(create_env_fn, self.config.create_env_kwargs)
         self._setup_policy(policy, policy_factory)
         self._check_env_options()
@@ -206,7 +224,7 @@ class Collector(BaseCollector):
                 "max_frames_per_traj is set but the env already has a 'step_count' entry (a step counter); "
                 "remove one of them."
             )
-        done_keys = [as_tuple_key(k)[-1] for k in getattr(self.env, "done_keys", [])]
+        done_keys = [as_tuple_key(k)[-1] for k in env_attr(self.env, "done_keys", [])]
         if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
             raise RuntimeError(
                 "set_truncated=True requires the env to have a 'truncated' done key (or max_frames_per_traj)."
@@ -234,7 +252,7 @@ class Collector(BaseCollector):
         n_env = int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
         use_buffers = config.use_buffers
         if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not getattr(self.env, "_has_dynamic_specs", False)
+            use_buffers = config.replay_buffer is None and not env_attr(self.env, "_has_dynamic_specs", False)
         return RolloutSettings(
             time_steps=self._frames_per_batch // n_env,
             max_frames_per_traj=config.max_frames_per_traj,
@@ -245,6 +263,8 @@ class Collector(BaseCollector):
             policy_device=self.policy_device,
             env_device=self.env_device,
             use_buffers=use_buffers,
+            track_traj_ids=config.track_traj_ids,
+            compact_obs=config.compact_obs,
         )
 
     def _maybe_compile(self) -> None:
@@ -262,6 +282,14 @@ class Collector(BaseCollector):
     def _init_sender_schemes(self, schemes: dict | None) -> None:
         if not schemes:
             return
+        for model_id, scheme in schemes.items():
+            if scheme.needs_workers:
+                raise ValueError(
+                    f"weight_sync_schemes[{model_id!r}] is a {type(scheme).__name__}, which sends weights to worker "
+                    "processes or nodes: a Collector has none (its policy runs in this process and "
+                    "update_policy_weights_ updates it directly). Use weight_recv_schemes to receive weights from a "
+                    "parent collector, or a MultiSyncCollector/MultiAsyncCollector to run workers."
+                )
         self._weight_sync_schemes = dict(schemes)
         for model_id, scheme in schemes.items():
             scheme.init_on_sender(model_id=model_id, context=self, num_workers=1)
@@ -293,13 +321,18 @@ class Collector(BaseCollector):
         while not self._reached_total():
             if self._should_stop():
                 return
+            if self._pre_collect_hook is not None:
+                self._pre_collect_hook()
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
-            if buffer is not None:
-                self._write_buffer(buffer, batch)
+            if buffer is not None and not self.config.return_same_td:
+                self._write_buffer(buffer, batch, run_hook=True)
                 yield None
-            else:
-                yield self._postprocess(batch)
+            else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
+                batch = self._postprocess(batch)
+                if self._post_collect_hook is not None:
+                    self._post_collect_hook(batch)
+                yield batch
         _close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
@@ -318,7 +351,13 @@ class Collector(BaseCollector):
         return self._rollout.collect(random=random, between_steps=hook)
 
     def _collect_for_parent(self, random: bool) -> TensorDictBase:
-        return self.rollout_batch(random)
+        if self._pre_collect_hook is not None:
+            self._pre_collect_hook()
+        batch = self.rollout_batch(random)
+        self._frames += self._batch_frames(batch)
+        if self._post_collect_hook is not None:
+            self._post_collect_hook(batch)
+        return batch
 
     def _random_phase(self) -> bool:
         target = self.config.init_random_frames
@@ -354,8 +393,10 @@ class Collector(BaseCollector):
     def _batch_frames(self, batch: TensorDictBase) -> int:
         if self.config.replay_buffer is not None:
             return self._frames_per_batch
-        traj_ids = batch.get(("collector", "traj_ids"))
-        return int((traj_ids != -1).sum()) if self.config.interruptor is not None else batch.numel()
+        traj_ids = batch.get(("collector", "traj_ids"), None)
+        if self.config.interruptor is None or traj_ids is None:
+            return batch.numel()
+        return int((traj_ids != -1).sum())
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         config = self.config
@@ -367,13 +408,16 @@ class Collector(BaseCollector):
             batch = config.postproc(batch)
         return self._drop_private_keys(batch)
 
-    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+    def _write_buffer(self, buffer, batch: TensorDictBase, run_hook: bool = False) -> None:
         if not self.config.extend_buffer:
             dim = self._rollout.time_dim
             for t in range(batch.shape[dim]):
                 buffer.add(self._drop_private_keys(batch[(slice(None),) * dim + (t,)].clone()))
             return
-        buffer.extend(self._postprocess(batch))
+        batch = self._postprocess(batch)
+        if run_hook and self._post_collect_hook is not None:
+            self._post_collect_hook(batch)  # the batch as written (a worker's hook already saw it)
+        buffer.extend(batch)
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
@@ -408,6 +452,36 @@ class Collector(BaseCollector):
         self._rollout.policy_version = version
 
     # ------------------------------------------------------------------ other public methods
+    def getattr_policy(self, name: str) -> Any:
+        """An attribute of the policy this collector runs."""
+        return getattr(self.policy, name)
+
+    def getattr_env(self, name: str) -> Any:
+        """An attribute of the env."""
+        return getattr(self.env, name)
+
+    def getattr_rb(self, name: str) -> Any:
+        """An attribute of the replay buffer."""
+        return getattr(self.config.replay_buffer, name)
+
+    def fake_tensordict(self) -> TensorDictBase:
+        """A zero batch shaped like the ones this collector yields (keys, shapes, dtypes, names),
+        e.g. to allocate storage or warm up a compiled model before collecting.
+
+        Raises:
+            NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
+        """
+        rollout = self._rollout
+        batch = rollout.fake_batch()
+        if self.config.set_truncated:  # the last step of every batch is truncated
+            steps = batch.shape[rollout.time_dim]
+            for truncated_key, done_key in rollout.adapter.truncation_keys:
+                for key in (truncated_key, done_key):
+                    full = ("next", *((key,) if isinstance(key, str) else key))
+                    if full in batch.keys(True, True):
+                        batch.get(full).narrow(rollout.time_dim, steps - 1, 1).fill_(True)
+        return self._postprocess(batch)
+
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
@@ -432,6 +506,8 @@ class Collector(BaseCollector):
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
+        if self._version_tracker:
+            state["policy_version"] = self._policy_version
         return state
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, **kwargs) -> None:
@@ -441,6 +517,9 @@ class Collector(BaseCollector):
             self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
+        if "policy_version" in state_dict:
+            self._policy_version = int(state_dict["policy_version"])
+            self._on_version_bump(self._policy_version)
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"

@@ -2,7 +2,7 @@
 
 * :class:`ArrayEnvAdapter` drives rlharvest's envs through their array protocol (no TensorDict per
   step; Python scalars for unbatched envs).
-* :class:`TensorDictEnvAdapter` drives any object with the TensorDict protocol (SPEC §1.1), TorchRL's
+* :class:`TensorDictEnvAdapter` drives any object with the TensorDict protocol (docs/envs.md), TorchRL's
   ``EnvBase`` included, using ``step_and_maybe_reset`` when available.
 
 Both exchange *step dicts*: ``{nested_key: value}`` for the root of a step and for its ``"next"``
@@ -12,6 +12,7 @@ entries. Done-ness per sub-env is a Python bool for unbatched envs and a bool te
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,14 +21,76 @@ from tensordict import TensorDict, TensorDictBase
 
 from .._utils import NestedKey, as_tuple_key, unravel_key
 
-__all__ = ["StepOutcome", "EnvAdapter", "ArrayEnvAdapter", "TensorDictEnvAdapter", "make_env_adapter", "is_env"]
+__all__ = ["StepOutcome", "EnvAdapter", "ArrayEnvAdapter", "TensorDictEnvAdapter", "make_env_adapter", "is_env", "is_env_factory", "env_attr",
+           "uses_array_protocol"]
 
 _PROTOCOL_MEMBERS = ("batch_size", "reset", "step", "set_seed", "close", "full_action_spec")
+#: what the array fast path would skip: a user's version of any of these must run
+_TENSORDICT_ENTRY_POINTS = ("reset", "step", "step_and_maybe_reset")
+
+
+def _has_static(obj: Any, name: str) -> bool:
+    """Whether ``obj`` has ``name``, looked up without running any code of ``obj``.
+
+    ``hasattr`` would run properties and ``__getattr__``: TorchRL's ``ParallelEnv`` raises or starts
+    its workers, its ``SerialEnv`` recurses, and batched envs forward the question to their sub-envs.
+    """
+    try:
+        inspect.getattr_static(obj, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def env_attr(env: Any, name: str, default: Any = None) -> Any:
+    """``getattr(env, name, default)`` for an optional member of the env protocol.
+
+    Only members that exist on the object or its class are read (properties run, ``__getattr__``
+    never does): a foreign batched env must not forward the question to its sub-envs.
+    """
+    return getattr(env, name) if _has_static(env, name) else default
 
 
 def is_env(obj: Any) -> bool:
-    """True when ``obj`` has the members the collectors need (duck typing, SPEC §1.1)."""
-    return all(hasattr(obj, name) for name in _PROTOCOL_MEMBERS)
+    """True when ``obj`` is an env *instance* with the members collectors need (docs/envs.md).
+
+    A class is never an env (it is a factory, even though it has every attribute its instances
+    have), nor is a function, a ``functools.partial`` or TorchRL's ``EnvCreator``. The members are
+    looked up statically, so no code of a foreign object runs.
+    """
+    if isinstance(obj, type):
+        return False
+    return all(_has_static(obj, name) for name in _PROTOCOL_MEMBERS)
+
+
+def is_env_factory(obj: Any) -> bool:
+    """True when ``obj`` builds envs: a class, a function, a ``partial``, an ``EnvCreator``..."""
+    return not is_env(obj) and callable(obj)
+
+
+def uses_array_protocol(env: Any) -> bool:
+    """Whether the rollout may drive ``env`` through rlharvest's array protocol (the fast path).
+
+    Decided from the env's *type*: it must be one of rlharvest's envs, and neither a user subclass
+    nor the instance itself may redefine ``reset``, ``step`` or ``step_and_maybe_reset`` (the array
+    protocol would silently skip that code). Subclasses that implement the array methods
+    themselves stay on the fast path.
+    """
+    from .base import EnvBase
+
+    if not isinstance(env, EnvBase):
+        return False
+    instance_attrs = getattr(env, "__dict__", {})
+    if any(name in instance_attrs for name in _TENSORDICT_ENTRY_POINTS):
+        return False
+    for cls in type(env).__mro__:
+        if cls is EnvBase:
+            break
+        if cls.__module__.split(".")[0] == "rlharvest":
+            continue
+        if any(name in vars(cls) for name in _TENSORDICT_ENTRY_POINTS):
+            return False
+    return True
 
 
 class StepOutcome(NamedTuple):
@@ -49,6 +112,11 @@ class EnvAdapter:
     implicit_root_flags: list[NestedKey] = []
     #: whether the env exposes a ``truncated`` flag at the root of its done keys
     has_truncated: bool
+    #: reward entries of ``("next", ...)``, and the observation keys of the env's spec
+    reward_keys: list[NestedKey] = ["reward"]
+    observation_keys: frozenset = frozenset()
+    #: ``(truncated key, done key)`` of every group of done flags (a time limit sets both)
+    truncation_keys: list[tuple[NestedKey, NestedKey]] = [("truncated", "done")]
 
     def reset(self, mask=None) -> dict:
         raise NotImplementedError
@@ -77,8 +145,10 @@ class ArrayEnvAdapter(EnvAdapter):
         self.has_truncated = bool(env.has_truncated)
         self.implicit_root_flags = ["done", "terminated"] + (["truncated"] if self.has_truncated else [])
         self.reward_key = env.reward_key
+        self.reward_keys = [unravel_key(env.reward_key)]
         self._batched = len(self.batch_size) > 0
         self._observation_keys = frozenset(unravel_key(k) for k in env.observation_spec.keys(True, True))
+        self.observation_keys = self._observation_keys
 
     def reset(self, mask=None) -> dict:
         return dict(self.env._reset_arrays(mask))
@@ -127,13 +197,19 @@ class TensorDictEnvAdapter(EnvAdapter):
     def __init__(self, env) -> None:
         self.env = env
         self.batch_size = torch.Size(env.batch_size)
-        self.device = getattr(env, "device", None)
-        self.done_keys = [unravel_key(k) for k in getattr(env, "done_keys", ["done"])]
+        self.device = env_attr(env, "device")
+        self.done_keys = [unravel_key(k) for k in env_attr(env, "done_keys", ["done"])]
         self.has_truncated = any(as_tuple_key(k)[-1] == "truncated" for k in self.done_keys)
         self.action_keys = [unravel_key(k) for k in env.action_keys]
-        self.reward_keys = [unravel_key(k) for k in getattr(env, "reward_keys", ["reward"])]
-        self._step_and_reset = getattr(env, "step_and_maybe_reset", None)
+        self.reward_keys = [unravel_key(k) for k in env_attr(env, "reward_keys", ["reward"])]
+        spec = env_attr(env, "observation_spec")
+        self.observation_keys = frozenset(unravel_key(k) for k in spec.keys(True, True)) if spec is not None else frozenset()
+        self._step_and_reset = env_attr(env, "step_and_maybe_reset")
         self._reset_groups = _reset_groups(self.done_keys)
+        self.truncation_keys = [
+            (unravel_key((*prefix, "truncated")), done_key)
+            for prefix, done_key in _reset_groups([k for k in self.done_keys if as_tuple_key(k)[-1] == "done"])
+        ] or [("truncated", "done")]
 
     def _td(self, values: dict) -> TensorDictBase:
         return TensorDict(values, batch_size=self.batch_size, device=self.device)
@@ -202,8 +278,8 @@ def _leaves(td: TensorDictBase) -> dict:
 def make_env_adapter(env) -> EnvAdapter:
     """The adapter for ``env``: the array fast path when the env implements it."""
     if not is_env(env):
-        missing = [name for name in _PROTOCOL_MEMBERS if not hasattr(env, name)]
-        raise TypeError(f"{type(env).__name__} is not an env: it lacks {missing} (see SPEC §1.1).")
-    if hasattr(env, "_reset_arrays") and hasattr(env, "_step_arrays"):
+        missing = [name for name in _PROTOCOL_MEMBERS if not _has_static(env, name)]
+        raise TypeError(f"{type(env).__name__} is not an env: it lacks {missing} (see docs/envs.md).")
+    if uses_array_protocol(env):
         return ArrayEnvAdapter(env)
     return TensorDictEnvAdapter(env)

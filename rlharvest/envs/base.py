@@ -17,7 +17,7 @@ here once on top of the array protocol, so a subclass only writes the two array 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -201,18 +201,69 @@ class EnvBase:
         td.set("next", nxt)
         return td
 
-    def rollout(self, max_steps: int, policy=None) -> TensorDictBase:
-        """A plain rollout without auto-reset (stops at the first done), handy for debugging."""
-        td = self.reset()
+    def rollout(
+        self,
+        max_steps: int,
+        policy: Callable | None = None,
+        callback: Callable | None = None,
+        *,
+        auto_reset: bool = True,
+        break_when_any_done: bool | None = None,
+        break_when_all_done: bool | None = None,
+        tensordict: TensorDictBase | None = None,
+        set_truncated: bool = False,
+    ) -> TensorDictBase:
+        """Up to ``max_steps`` steps, stacked along a last dim named ``"time"`` (for debugging and
+        evaluation; collectors use the rollout loop instead).
+
+        Args:
+            max_steps: number of steps.
+            policy: TensorDict -> TensorDict callable writing the action; random actions if None.
+            callback: called as ``callback(env, tensordict)`` after every step.
+            auto_reset: reset before the first step; with False, ``tensordict`` is the first state.
+            break_when_any_done: stop after the first step in which a sub-env is done (the default
+                when neither break flag is given); with False, finished sub-envs are reset and the
+                rollout goes on.
+            break_when_all_done: stop once every sub-env is done.
+            tensordict: the starting state (required when ``auto_reset=False``).
+            set_truncated: mark the last step as truncated (and done).
+
+        Raises:
+            RuntimeError: when ``auto_reset=False`` without a ``tensordict``, or when both break
+                flags are True.
+
+        Example:
+            >>> from rlharvest.envs import CountingEnv
+            >>> CountingEnv(max_steps=2).rollout(10).batch_size
+            torch.Size([3])
+        """
+        if break_when_any_done and break_when_all_done:
+            raise RuntimeError("break_when_any_done and break_when_all_done cannot both be True.")
+        if break_when_any_done is None:
+            break_when_any_done = not break_when_all_done
+        if auto_reset:
+            td = self.reset(tensordict)
+        elif tensordict is None:
+            raise RuntimeError("rollout(auto_reset=False) needs the starting state as tensordict=.")
+        else:
+            td = tensordict
         steps = []
-        for _ in range(max_steps):
+        for index in range(max_steps):
             td = policy(td) if policy is not None else self.rand_action(td)
-            td = self.step(td)
-            steps.append(td.clone())
-            if td.get(("next", "done")).any():
+            td, next_root = self.step_and_maybe_reset(td)
+            if set_truncated and index == max_steps - 1 and self.has_truncated:
+                td.set(("next", "truncated"), torch.ones_like(td.get(("next", "truncated"))))
+                td.set(("next", "done"), torch.ones_like(td.get(("next", "done"))))
+            if callback is not None:
+                callback(self, td)
+            steps.append(td)
+            done = td.get(("next", "done"))
+            if (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
                 break
-            td = td.get("next").exclude(self.reward_key)
-        return torch.stack(steps, dim=len(self.batch_size))
+            td = next_root
+        out = torch.stack(steps, dim=len(self.batch_size))
+        out.refine_names(*([None] * len(self.batch_size)), "time")
+        return out
 
     def state_dict(self) -> dict:
         return {}

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._utils import NestedKey, unravel_key
+from .adapters import env_attr
 
 __all__ = ["check_step_specs", "raise_if_changed"]
 
@@ -46,13 +47,13 @@ def _env_specs(env: Any) -> dict[NestedKey, tuple[str, Any]]:
     ``"next"``) and rewards (under ``"next"``); empty for envs without specs."""
     specs: dict[NestedKey, tuple[str, Any]] = {}
     try:
-        observations = getattr(env, "observation_spec", None)
+        observations = env_attr(env, "observation_spec")
         for key, leaf in (_leaf_specs(observations) if observations is not None else {}).items():
             specs[key] = specs[unravel_key(("next", key))] = ("observation", leaf)
-        rewards = getattr(env, "full_reward_spec", None)
+        rewards = env_attr(env, "full_reward_spec")
         if rewards is None:
-            reward = getattr(env, "reward_spec", None)
-            keys = getattr(env, "reward_keys", None) or ["reward"]
+            reward = env_attr(env, "reward_spec")
+            keys = env_attr(env, "reward_keys") or ["reward"]
             rewards = {keys[0]: reward} if isinstance(getattr(reward, "dtype", None), torch.dtype) else None
             rewards = {unravel_key(k): v for k, v in rewards.items()} if rewards else None
         else:

@@ -286,6 +286,13 @@ def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str 
 
 
 # ---------------------------------------------------------------------------------------------- main side
+class _FailedRPC:
+    """Placeholder reply of a request whose RPC failed (the node died or is unreachable)."""
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+
 class RPCWorkerHandle(WorkerHandle):
     """The main process's end of one RPC node: futures completing into a wake-up pipe."""
 
@@ -308,18 +315,22 @@ class RPCWorkerHandle(WorkerHandle):
         self.worker_rref = rpc.remote(self.name, _create_worker, args=(spec_bytes,), timeout=timeout)
 
     def _complete(self, request_id: int, future) -> None:
-        from ..worker import Reply
-
         try:
             reply = future.value()
         except Exception as err:  # the RPC itself failed (node died, unreachable, ...)
             self._failed = f"its RPC failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-            reply = Reply(request_id, self.worker_idx,
-                          failure=RemoteFailure.capture(WorkerError(self._failed, worker_idx=self.worker_idx),
-                                                        self.worker_idx))
+            reply = _FailedRPC(request_id)  # described in recv(): asking the launcher may take a moment
         with self._lock:
             self._replies.append(reply)
         os.write(self._wake_w, b"x")
+
+    def _failure_reply(self, request_id: int):
+        from ..worker import Reply
+
+        if self.launched.ended(timeout=2.0):
+            self._failed = f"the node died: {self.launched.exit_description()}"
+        error = WorkerError(self._failed, worker_idx=self.worker_idx)
+        return Reply(request_id, self.worker_idx, failure=RemoteFailure.capture(error, self.worker_idx))
 
     def send(self, message) -> None:
         future = rpc.rpc_async(self.name, _handle, args=(message,), timeout=0)
@@ -338,6 +349,8 @@ class RPCWorkerHandle(WorkerHandle):
         with self._lock:
             reply = self._replies.popleft()
         os.read(self._wake_r, 1)
+        if isinstance(reply, _FailedRPC):
+            return self._failure_reply(reply.request_id)
         return reply
 
     def fileno(self) -> int:
@@ -364,7 +377,7 @@ class RPCWorkerHandle(WorkerHandle):
         return True
 
     def exit_description(self) -> str:
-        if not self.launched.is_alive():
+        if self.launched.ended():
             return self.launched.exit_description()
         return self._failed or "it stopped answering"
 

@@ -167,7 +167,7 @@ class SharedMemWeightSender(WeightSender):
                 if not alive:
                     raise WorkerError(f"died while the parent waited for {what}: {description}.", worker_idx=worker)
             if remaining <= 0:
-                raise WorkerTimeoutError(f"no {what} within the weight-sync timeout.", worker_idx=worker)
+                raise WorkerTimeoutError(f"{what} did not arrive within the weight-sync timeout.", worker_idx=worker)
 
     def close(self) -> None:
         for conn in self.conns + self._child_conns:

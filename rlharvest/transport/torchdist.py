@@ -115,7 +115,8 @@ class DistWorkerHandle(WorkerHandle):
         return now - self._last_heard < self.heartbeat_timeout
 
     def exit_description(self) -> str:
-        if not self.launched.is_alive():
+        # a dropped connection usually means the node ended: say how, as its launcher saw it
+        if self.launched.ended(timeout=2.0 if self._closed else 0.0):
             return self.launched.exit_description()
         if self._closed:
             return "its connection closed"
@@ -151,7 +152,10 @@ class DistWorkerHandle(WorkerHandle):
             work = self.group.recv([self._flat], self.rank, BATCH_TAG)
             work.wait(datetime.timedelta(seconds=self.heartbeat_timeout))
         except RuntimeError as err:
-            raise WorkerError(f"receiving its batch failed ({err}).", worker_idx=self.worker_idx) from err
+            cause = f"receiving its batch failed ({err})"
+            if self.launched.ended(timeout=2.0):  # e.g. killed mid-transfer: that is the news
+                cause = f"the node died while sending its batch: {self.launched.exit_description()}"
+            raise WorkerError(f"{cause}.", worker_idx=self.worker_idx) from err
         return self._view
 
     def terminate(self, deadline: float) -> None:

@@ -110,6 +110,8 @@ def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> No
     given, sources = flat_leaves(weights)
     if given != keys:
         raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
+    if not sources:  # a parameter-free model (e.g. a random policy): nothing to move
+        return
     with torch.no_grad():
         torch._foreach_copy_(generation.leaves, sources)
 

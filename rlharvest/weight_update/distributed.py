@@ -31,6 +31,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         ...     launcher="mp", weight_sync_schemes={"policy": DistributedWeightSyncScheme()})
     """
 
+    needs_workers = True
+
     def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0) -> None:
         super().__init__(sync=sync, timeout=timeout)
         self.backend = backend

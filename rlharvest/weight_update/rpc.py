@@ -26,6 +26,8 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         ...                          weight_sync_schemes={"policy": RPCWeightSyncScheme()})
     """
 
+    needs_workers = True
+
     def __init__(self, strategy: str = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         super().__init__(strategy=strategy, sync=sync, timeout=timeout)
 

@@ -67,6 +67,8 @@ class WeightSyncScheme:
 
     #: whether ``{worker_idx: weights}`` payloads are understood
     supports_per_worker_weights = False
+    #: whether the sender talks to workers of its collector (a leaf Collector has none)
+    needs_workers = False
 
     def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
@@ -77,6 +79,41 @@ class WeightSyncScheme:
         self._num_workers: int | None = None
         self._version = 0
         self._reset_roles()
+
+    #: ``from_backend`` names: the scheme of each deployment backend (aliases in ``_BACKEND_ALIASES``)
+    _BACKENDS = {
+        "none": "rlharvest.weight_update.schemes:NoWeightSyncScheme",
+        "shared": "rlharvest.weight_update.shared_mem:SharedMemWeightSyncScheme",
+        "process": "rlharvest.weight_update.shared_mem:MultiProcessWeightSyncScheme",
+        "distributed": "rlharvest.weight_update.distributed:DistributedWeightSyncScheme",
+        "rpc": "rlharvest.weight_update.rpc:RPCWeightSyncScheme",
+    }
+    _BACKEND_ALIASES = {"direct": "none", "thread": "shared", "multiprocessing": "process"}
+
+    @classmethod
+    def from_backend(cls, backend: str, **kwargs) -> WeightSyncScheme:
+        """The scheme that moves weights over ``backend``, built with ``kwargs``.
+
+        Args:
+            backend: ``"none"``, ``"shared"``, ``"process"``, ``"distributed"`` or ``"rpc"`` (also
+                ``"direct"``, ``"thread"`` and ``"multiprocessing"``, aliases of the first three).
+            **kwargs: the scheme's constructor arguments.
+
+        Raises:
+            ValueError: for another backend name.
+
+        Example:
+            >>> WeightSyncScheme.from_backend("shared")
+            SharedMemWeightSyncScheme(model_id=None, role=idle, version=0)
+        """
+        import importlib
+
+        name = cls._BACKEND_ALIASES.get(backend, backend)
+        if not isinstance(name, str) or name not in cls._BACKENDS:
+            choices = sorted(set(cls._BACKENDS) | set(cls._BACKEND_ALIASES))
+            raise ValueError(f"backend must be one of {choices}, got {backend!r}")
+        module, _, qualname = cls._BACKENDS[name].partition(":")
+        return getattr(importlib.import_module(module), qualname)(**kwargs)
 
     def _reset_roles(self) -> None:
         self._context_ref = None

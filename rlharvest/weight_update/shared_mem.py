@@ -38,6 +38,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         ...                                weight_sync_schemes={"policy": scheme})  # doctest: +SKIP
     """
 
+    needs_workers = True
     supports_per_worker_weights = True
     _via_pipe = False
 

@@ -444,8 +444,6 @@ def test_policy_factory():
         ({"frames_per_batch": 4, "reset_when_done": False}, ValueError, "reset_when_done"),
         ({"frames_per_batch": 4, "exploration_type": "sometimes"}, ValueError, "exploration_type"),
         ({"frames_per_batch": 4, "replay_buffer": object()}, TypeError, "extend"),
-        ({"frames_per_batch": 4, "replay_buffer": ReplayBuffer(10), "local_init_rb": True, "return_same_td": True}, TypeError,
-         "return_same_td"),
         ({"frames_per_batch": 4, "replay_buffer": ReplayBuffer(10), "local_init_rb": True, "use_buffers": True}, TypeError, "use_buffers"),
         ({"frames_per_batch": 4, "create_env_kwargs": {"x": 1}}, RuntimeError, "create_env_kwargs"),
         ({"frames_per_batch": 4, "total_frames": "many"}, TypeError, "total_frames"),
@@ -454,6 +452,20 @@ def test_policy_factory():
 def test_argument_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         Collector(CountingEnv(), **kwargs)
+
+
+def test_return_same_td_with_a_replay_buffer_yields_the_batch_itself():
+    """As TorchRL: return_same_td hands the collector's own batch over and leaves the buffer to the caller."""
+    rb = ReplayBuffer(100)
+    seen = []
+    collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, replay_buffer=rb, return_same_td=True,
+                          local_init_rb=True, postproc=lambda td: seen.append(td) or td)
+    first = next(iter(collector))
+    assert first is seen[0] and first.numel() == 4
+    assert len(rb) == 0
+    rb.extend(first)
+    assert len(rb) == 4
+    collector.shutdown()
 
 
 def test_extend_buffer_false_writes_steps_and_rejects_postproc():

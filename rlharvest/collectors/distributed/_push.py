@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import threading
 
-from tensordict import TensorDictBase
-
 from ...worker import Command
 
 __all__ = ["PushedBatchReceiver"]
@@ -81,10 +79,3 @@ class PushedBatchReceiver(threading.Thread):
     def _quiesce(self) -> None:
         self._stop_pushing()
         self.quiet.set()
-
-
-def valid_part(batch: TensorDictBase, frames: int) -> TensorDictBase:
-    """The collected steps of a batch an interruption cut short (flattened), or the batch itself."""
-    if frames >= batch.numel():
-        return batch
-    return batch[batch.get(("collector", "traj_ids")) != -1]

@@ -27,10 +27,10 @@ from ...weight_update.distributed import DistributedWeightSyncScheme
 from ...worker import Command, WorkerSpec
 from .. import _multi_setup as setup
 from .._pool import WorkerPool
-from ..remote import RemoteCollectorBase
+from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
-from ._push import PushedBatchReceiver, valid_part
 from ._network import NetworkConfig
+from ._push import PushedBatchReceiver
 from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, launch_nodes
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
@@ -309,14 +309,21 @@ class DistributedCollector(RemoteCollectorBase):
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
             for node, handle in enumerate(handles):
                 handle.conn.send_bytes(cloudpickle.dumps(self._node_spec(node)))
-            for scheme in self._sender_schemes.values():
-                scheme.connect()
+            self._connect_schemes()
             for node in range(count):
                 self._pool.wait_for(node, WorkerPool.READY)
             if self._legacy:
                 self.weight_updater = self._pending_updater
         except BaseException:
             self._abort_start(launched)
+            raise
+
+    def _connect_schemes(self) -> None:
+        try:
+            for scheme in self._sender_schemes.values():
+                scheme.connect()
+        except WorkerError:
+            self._pool.raise_start_failure()  # a node that failed to build says why
             raise
 
     def _abort_start(self, launched) -> None:
@@ -342,7 +349,9 @@ class DistributedCollector(RemoteCollectorBase):
             policy = setup.stateless_copy(self.policy) if stateless else self.policy
         return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
                           collector_kwargs=kwargs, policy=policy, policy_factory=factory,
-                          weight_recv_schemes=self._sender_schemes or None, num_threads=1)
+                          weight_recv_schemes=self._sender_schemes or None, num_threads=1,
+                          # a node running free decides alone: its share of the random warm-up
+                          init_random_frames=self.config.init_random_frames // self.num_workers)
 
     # ------------------------------------------------------------------ collector hooks
     @property
@@ -427,9 +436,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     def _write_pushed(self, worker: int, reply) -> None:
         batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
-        batch = valid_part(batch, reply.frames)
-        if batch.numel():
-            self.config.replay_buffer.extend(self._postprocess(batch))
+        self._write_to_buffer(valid_part(batch))
         self._frames += reply.frames
 
     def _pause_impl(self):

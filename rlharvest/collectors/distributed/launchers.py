@@ -127,8 +127,25 @@ def _process_class(ctx):
 class LaunchedNode:
     """A started node as its launcher sees it."""
 
+    _end_awaited = False
+
     def is_alive(self) -> bool:
         return True
+
+    def ended(self, timeout: float = 0.0) -> bool:
+        """Whether the node has ended, from a fresh look, waiting up to ``timeout`` s for the end.
+
+        For a node whose connection just dropped: its launcher may learn of the end a moment later.
+        Only the first call waits, so that the failures of a node that lives on cost that wait once.
+        """
+        if self._end_awaited:
+            timeout = 0.0
+        elif timeout > 0:
+            self._end_awaited = True
+        return self._ended(timeout)
+
+    def _ended(self, timeout: float) -> bool:
+        return not self.is_alive()
 
     def exit_description(self) -> str:
         return "it stopped answering"
@@ -145,6 +162,10 @@ class LocalNode(LaunchedNode):
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    def _ended(self, timeout: float) -> bool:
+        self.process.join(timeout)
+        return not self.process.is_alive()
 
     def exit_description(self) -> str:
         code = self.process.exitcode
@@ -192,6 +213,15 @@ class SlurmNode(LaunchedNode):
 
     def is_alive(self) -> bool:
         return self._refresh() in _ALIVE_STATES
+
+    def _ended(self, timeout: float) -> bool:
+        # sacct has a job's end state ~0.1-0.5 s after its processes are gone (a scancel: at once)
+        deadline = time.monotonic() + timeout
+        while self._refresh(force=True) in _ALIVE_STATES:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def exit_description(self) -> str:
         state = self._refresh(force=True)

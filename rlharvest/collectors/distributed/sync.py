@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
 from tensordict import TensorDictBase
 
 from ...policies import ExplorationType
@@ -18,7 +17,7 @@ from ...weight_update.distributed import DistributedWeightSyncScheme
 from ...worker import Command
 from .. import _multi_setup as setup
 from ..single import Collector
-from ._push import valid_part
+from ..remote import valid_part
 from .generic import DistributedCollector
 
 __all__ = ["DistributedSyncCollector"]
@@ -38,6 +37,9 @@ class DistributedSyncCollector(DistributedCollector):
         >>> [tuple(b.shape) for b in collector]                                      # doctest: +SKIP
         [(2, 5), (2, 5)]
     """
+
+    #: whether the nodes were told to run free (a class attribute: shutdown after a failed start reads it)
+    _pushing = False
 
     def __init__(
         self,
@@ -114,17 +116,11 @@ class DistributedSyncCollector(DistributedCollector):
                 if reply is None:
                     raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
                 batch = self._remap_traj_ids(pool.handles[node].fetch_batch(reply), node)
-                batches.append(valid_part(batch, reply.frames).clone() if reply.frames < batch.numel() else batch)
+                batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
-            out = torch.stack(batches, 0)
-            out.names = [None] * (out.batch_dims - 1) + ["time"]
             self._frames += frames
             self._yielded += 1
-            if self.config.replay_buffer is not None:
-                self.config.replay_buffer.extend(self._postprocess(out))
-                yield None
-            else:
-                yield self._postprocess(out)
+            yield from self._emit(batches, [], sync=True, counted=True)
 
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")

@@ -271,6 +271,40 @@ def test_failing_node_job_is_named(in_tmp, failure):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["distributed-sync", "distributed-async", "rpc"])
+def test_node_job_cancelled_during_collection_is_named(in_tmp, kind):
+    """A node job scancelled mid-run (pre-emption, an operator): WorkerError naming that node, at once.
+
+    SLURM marks the job CANCELLED at the scancel; its processes get SIGTERM, which submitit's job process
+    ignores, and SIGKILL KillWait=5 s later. The collector must not wait for the connection to drop nor
+    report a mere "connection closed": the state SLURM recorded (read through sacct) is in the message.
+    """
+    envs = [ContinuousMockEnv] * 2
+    if kind == "rpc":
+        collector = RPCCollector(envs, None, launcher="submitit", tcp_port=free_port_block(3),
+                                 slurm_kwargs=SLURM_KWARGS, frames_per_batch=20, total_frames=-1, sync=True)
+    else:
+        collector = make(envs, frames_per_batch=20, total_frames=-1, sync=kind == "distributed-sync")
+    try:
+        batches = iter(collector)
+        assert next(batches).numel() == 20  # both node jobs run and answer
+        job_id = str(collector._launched[1].job.job_id)
+        subprocess.run(["scancel", job_id], check=True, timeout=10)
+        cancelled = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            while time.monotonic() < cancelled + 60:
+                next(batches)
+        detected = time.monotonic() - cancelled
+    finally:
+        shutdown_seconds = timed_shutdown(collector)
+    message = str(info.value)
+    assert info.value.worker_idx == 1, message
+    assert f"SLURM job {job_id} is CANCELLED" in message, message
+    assert detected < 30, f"the cancelled node job was noticed {detected:.1f} s after scancel\n{message}"
+    assert_closed_cleanly(in_tmp, shutdown_seconds)
+
+
+@pytest.mark.timeout(90)
 def test_node_that_cannot_load_its_spec_says_why(in_tmp, monkeypatch):
     """The everyday multi-host mistake: the env constructor lives in a module the node cannot import.
 

@@ -1,0 +1,98 @@
+"""``Collector(..., backend=...)``: TorchRL 0.14's one constructor for every backend."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from mocks import CountingPolicy
+
+from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
+from rlharvest.envs import CountingEnv
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_signature_shows_the_collector_parameters():
+    parameters = inspect.signature(Collector).parameters
+    assert "self" not in parameters and list(parameters)[:2] == ["create_env_fn", "policy"]
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, Collector),
+    ({"backend": "direct"}, Collector),
+    ({"backend": "direct", "num_collectors": 1}, Collector),
+    ({"num_collectors": 2}, MultiAsyncCollector),
+    ({"num_collectors": 2, "sync": True}, MultiSyncCollector),
+    ({"backend": "process", "num_collectors": 2, "sync": False}, MultiAsyncCollector),
+    ({"backend": "multiprocessing", "sync": True}, MultiSyncCollector),
+])
+def test_local_backends(kwargs, expected):
+    collector = Collector(CountingEnv, CountingPolicy(), frames_per_batch=8, total_frames=8, **kwargs)
+    try:
+        assert type(collector) is expected and isinstance(collector, BaseCollector)
+        assert sum(b.numel() for b in collector) == 8
+        if expected is not Collector:
+            assert collector.num_workers == kwargs.get("num_collectors", 1)
+    finally:
+        collector.shutdown()
+
+
+def test_a_list_of_env_constructors_fixes_the_number_of_collectors():
+    collector = Collector([CountingEnv] * 3, backend="process", sync=True, frames_per_batch=6, total_frames=6)
+    try:
+        assert collector.num_workers == 3
+        assert next(iter(collector)).shape == (3, 2)
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("backend, expected", [("distributed", DistributedCollector), ("rpc", RPCCollector)])
+def test_node_backends_take_backend_options(backend, expected, free_port):
+    collector = Collector(CountingEnv, CountingPolicy(), backend=backend, num_collectors=2, sync=True,
+                          backend_options={"launcher": "mp", "tcp_port": free_port},
+                          frames_per_batch=8, total_frames=8)
+    try:
+        assert type(collector) is expected and collector.num_workers == 2 and collector.launcher == "mp"
+        assert next(iter(collector)).shape == (2, 4)
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"backend": "threads"}, ValueError, "backend must be one of"),
+    ({"backend": "process", "num_collectors": 0}, ValueError, "positive integer"),
+    ({"backend": "process", "num_collectors": True}, TypeError, "positive integer"),
+    ({"backend": "direct", "num_collectors": 2}, ValueError, "at most one"),
+    ({"backend": "direct", "sync": True}, ValueError, "sync"),
+    ({"backend": "direct", "backend_options": {"x": 1}}, ValueError, "backend_options"),
+    ({"backend": "process", "backend_options": {"sync": True}}, ValueError, "reserved"),
+    ({"backend": "process", "backend_options": {"frames_per_batch": 4}}, ValueError, "duplicate"),
+    ({"backend": "process", "sync": "yes"}, TypeError, "sync"),
+    ({"backend": "submitit", "backend_options": {"launcher": "mp"}}, ValueError, "requires launcher='submitit'"),
+])
+def test_dispatch_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Collector(CountingEnv, frames_per_batch=8, **kwargs)
+
+
+def test_dispatch_errors_about_env_constructors():
+    with pytest.raises(ValueError, match="does not match"):
+        Collector([CountingEnv], backend="process", num_collectors=2, frames_per_batch=8)
+    with pytest.raises(ValueError, match="exactly one"):
+        Collector([CountingEnv, CountingEnv], backend="direct", frames_per_batch=8)
+    with pytest.raises(ValueError, match="duplicate"):
+        Collector(CountingEnv, None, backend="process", backend_options={"policy": None}, frames_per_batch=8)
+    with pytest.raises(TypeError, match="at most"):
+        Collector(CountingEnv, None, 3, backend="process", frames_per_batch=8)
+
+
+def test_subclasses_refuse_the_selectors():
+    class MyCollector(Collector):
+        pass
+
+    with pytest.raises(TypeError, match="only Collector"):
+        MyCollector(CountingEnv(), frames_per_batch=4, num_collectors=2)
+    with pytest.raises(TypeError):
+        MultiSyncCollector([CountingEnv], frames_per_batch=4, backend="process")

@@ -1,0 +1,54 @@
+"""Which child processes of this process are alive: every test asserts that it leaves none behind.
+
+Shared by the main suite (tests/conftest.py) and the TorchRL compatibility suite (compat/).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+# Python's own per-interpreter helpers (started once for spawn/forkserver, gone with the interpreter).
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def children() -> set[int]:
+    me = psutil.Process(os.getpid())
+    alive = set()
+    for child in me.children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any(helper in " ".join(child.cmdline()) for helper in _INTERPRETER_HELPERS):
+                continue
+            alive.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def assert_no_children(before: set[int] | None = None, timeout: float = 5.0) -> None:
+    """Fail if a child process (other than those in ``before``) is still alive after ``timeout``."""
+    before = before or set()
+    deadline = time.monotonic() + timeout
+    left = children() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = children() - before
+    if left:
+        details = []
+        for pid in left:
+            try:
+                details.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        if details:
+            for pid in left:  # do not let one leak poison the following tests
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            pytest.fail("child processes survived the test:\n" + "\n".join(details))
