@@ -24,7 +24,7 @@ from tensordict.nn import (
     TensorDictSequential,
 )
 
-from ._utils import NestedKey, unravel_key
+from ._utils import NestedKey, as_tuple_key, unravel_key
 
 __all__ = [
     "ExplorationType",
@@ -236,6 +236,12 @@ class TensorModuleStep(PolicyStep):
         return outputs
 
 
+def step_leaves(td: TensorDictBase) -> dict:
+    from .envs.adapters import step_leaves as leaves
+
+    return leaves(td)
+
+
 class TensorDictStep(PolicyStep):
     """The general path: build a TensorDict of the step's root values and call the policy on it."""
 
@@ -248,15 +254,23 @@ class TensorDictStep(PolicyStep):
 
     def __call__(self, root: dict) -> dict:
         td = TensorDict(root, batch_size=self.batch_size, device=self.device)
-        before = {k: td.get(k) for k in td.keys(True, True)} if self.out_keys is None else None
+        before = step_leaves(td) if self.out_keys is None else None
         result = self.policy(td)
         result = td if result is None else result
         if self.out_keys is None:
-            self.out_keys = [
-                k for k in result.keys(True, True) if k not in before or result.get(k) is not before[k]
-            ]
-            self.out_keys += [k for k in self.action_keys if k not in self.out_keys]
+            self.out_keys = self._written_keys(before, step_leaves(result))
         return {k: result.get(k) for k in self.out_keys}
+
+    def _written_keys(self, before: dict, after: dict) -> list[NestedKey]:
+        """What the policy wrote: new or replaced entries, and the action keys. An action inside an
+        entry kept whole (a heterogeneous sub-TensorDict) makes that whole entry an output."""
+        written = [k for k, v in after.items() if k not in before or v is not before[k]]
+        for action in self.action_keys:
+            action_path = as_tuple_key(action)
+            owner = next((k for k in after if as_tuple_key(k) == action_path[:len(as_tuple_key(k))]), None)
+            if owner is not None and owner not in written:
+                written.append(owner)
+        return written
 
 
 class RandomStep(PolicyStep):

@@ -20,12 +20,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
+from tensordict import is_non_tensor, is_tensor_collection
 
 from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
 from .envs.checks import check_step_specs, raise_if_changed
+from .envs.base import to_tensor
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
 __all__ = ["Rollout", "RolloutSettings", "TrajectoryCounter", "LocalTrajectoryCounter"]
@@ -75,16 +77,34 @@ class RolloutSettings:
     track_traj_ids: bool = True
     #: drop the observations from ``("next", ...)`` (they are the next step's root entries)
     compact_obs: bool = False
+    #: stack steps lazily (envs with dynamic specs, whose shapes change between steps)
+    lazy_stack: bool = False
 
 
-def _value_meta(value: Any) -> tuple[tuple, torch.dtype]:
+#: layout "dtype" of values kept whole (non-tensor data, heterogeneous or extra-batch-dim sub-TensorDicts)
+STRUCTURED = "structured"
+
+
+def _value_meta(value: Any) -> tuple[tuple, Any]:
     if isinstance(value, torch.Tensor):
         return tuple(value.shape), value.dtype
+    if is_tensor_collection(value):  # sub-TensorDicts kept whole, non-tensor data
+        return tuple(value.shape), STRUCTURED
     if isinstance(value, np.ndarray):
         return value.shape, torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
     if isinstance(value, np.generic):
         return (1,), torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
     return (1,), _PY_DTYPES[type(value)]
+
+
+def _stack_structured(values: list, dim: int) -> TensorDictBase:
+    """Stack values kept whole: dense when their shapes agree, lazily (heterogeneous) otherwise."""
+    if len({getattr(v, "device", None) for v in values}) > 1:
+        # the same entry built with and without a device (reset vs step): stack them device-less
+        values = [v.copy().clear_device_() for v in values]
+    if is_non_tensor(values[0]):
+        return torch.stack(values, dim)
+    return LazyStackedTensorDict.maybe_dense_stack(values, dim)
 
 
 def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, dtype) -> torch.Tensor:
@@ -155,6 +175,7 @@ class Rollout:
         self.buffer: TensorDictBase | None = None
         self._layout: dict[NestedKey, tuple[tuple, torch.dtype]] | None = None
         self._compact_keys: frozenset | None = None
+        self._structured = False
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
@@ -379,8 +400,11 @@ class Rollout:
         if self._layout is None:
             self._layout = self._build_layout(steps[0], random)
             check_step_specs(self.env, steps[0][0], steps[0][2])
+            self._structured = any(dtype is STRUCTURED for _, dtype in self._layout.values())
+        if self.settings.lazy_stack:
+            return self._assemble_lazily(steps)
         layout = self._layout
-        use_buffers = self.settings.use_buffers
+        use_buffers = self.settings.use_buffers and not self._structured
         if use_buffers and self.buffer is None:
             self.buffer = self._allocate(layout)
         n, dim, full = len(steps), self.time_dim, self.settings.time_steps
@@ -389,6 +413,9 @@ class Rollout:
         columns = self._columns(steps)
         for key, values in columns.items():
             shape, dtype = layout[key]
+            if dtype is STRUCTURED:
+                leaves[key] = _stack_structured(values, dim)
+                continue
             stacked_shape = (*shape[:dim], n, *shape[dim:])
             target = out.get(key).narrow(dim, 0, n) if out is not None else None
             try:
@@ -399,7 +426,7 @@ class Rollout:
         for key, (shape, dtype) in layout.items():
             # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
             # actions the policy's other outputs (zero, as TorchRL fills them).
-            if key not in columns:
+            if key not in columns and dtype is not STRUCTURED:
                 target = out.get(key).narrow(dim, 0, n) if out is not None else None
                 if target is not None:
                     target.zero_()
@@ -411,6 +438,23 @@ class Rollout:
             return td
         if n < full and self.settings.track_traj_ids:
             out.get(_TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
+        return out
+
+    def _assemble_lazily(self, steps: list) -> TensorDictBase:
+        """Envs whose shapes change from step to step (dynamic specs): one TensorDict per step,
+        stacked lazily along time, as TorchRL does."""
+        columns = self._columns(steps)
+        batch = self.batch_size
+        per_step = []
+        for t in range(len(steps)):
+            values = {key: column[t] for key, column in columns.items()}
+            for key, (shape, dtype) in self._layout.items():
+                if key not in values and dtype is not STRUCTURED:
+                    values[key] = torch.zeros(shape, dtype=dtype)
+            values = {k: v if isinstance(v, (torch.Tensor, TensorDictBase)) else to_tensor(v) for k, v in values.items()}
+            per_step.append(TensorDict(values, batch_size=batch, device=self.settings.storing_device))
+        out = LazyStackedTensorDict.lazy_stack(per_step, self.time_dim)
+        out.refine_names(*([None] * self.time_dim), "time")
         return out
 
     def _columns(self, steps: list) -> dict[NestedKey, list]:

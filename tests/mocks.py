@@ -266,3 +266,100 @@ class ItemBuffer:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+class StructuredEnv:
+    """A TensorDict-protocol env with entries the rollout must keep whole (a TorchRL multi-agent,
+    heterogeneous, text or dynamic-shape env looks like this):
+
+    * ``("agents", ...)``: a sub-TensorDict with an agent dim of its own (``(*B, agents)``), holding
+      each agent's counter, reward and done flags;
+    * ``"note"``: non-tensor data (a string naming the step);
+    * ``"parts"`` (``heterogeneous=True``): a lazy stack of one TensorDict per agent, agent ``i``'s
+      ``"x"`` of shape ``(i + 1,)``;
+    * with ``dynamic=True`` the observation ``"grow"`` gets one row longer every step
+      (``_has_dynamic_specs``).
+
+    Episodes end after ``max_steps`` steps.
+    """
+
+    def __init__(self, max_steps: int = 3, agents: int = 2, heterogeneous: bool = False, dynamic: bool = False):
+        from rlharvest.envs.specs import Binary as _Binary
+
+        self.batch_size = torch.Size([])
+        self.device = torch.device("cpu")
+        self.max_steps, self.agents = max_steps, agents
+        self.heterogeneous, self.dynamic = heterogeneous, dynamic
+        self._has_dynamic_specs = dynamic
+        self.full_action_spec = Composite(action=_Binary(shape=(1,), dtype=torch.int8), shape=())
+        self.observation_spec = Composite(shape=())
+        self.action_keys = ["action"]
+        self.done_keys = ["done", "terminated"]
+        self.reward_keys = ["reward"]
+        self.t = 0
+        self.is_closed = False
+
+    def _state(self, reset: bool) -> TensorDict:
+        from tensordict import LazyStackedTensorDict, NonTensorData
+
+        agents = TensorDict({"count": torch.full((self.agents, 1), self.t, dtype=torch.int64)},
+                            batch_size=(self.agents,))
+        false = torch.zeros(1, dtype=torch.bool)
+        state = TensorDict({"agents": agents, "done": false, "terminated": false.clone(),
+                            "note": NonTensorData("reset" if reset else f"step {self.t}")}, batch_size=())
+        if self.heterogeneous:
+            state["parts"] = LazyStackedTensorDict.lazy_stack(
+                [TensorDict({"x": torch.full((i + 1,), float(self.t))}, batch_size=()) for i in range(self.agents)])
+        if self.dynamic:
+            state["grow"] = torch.full((self.t + 1, 2), float(self.t))
+        return state
+
+    def reset(self, tensordict=None, **kwargs):
+        self.t = 0
+        return self._state(reset=True)
+
+    def step(self, tensordict):
+        self.t += 1
+        nxt = self._state(reset=False)
+        done = torch.tensor([self.t >= self.max_steps])
+        nxt["done"], nxt["terminated"] = done, done.clone()
+        nxt["reward"] = torch.ones(1)
+        tensordict.set("next", nxt)
+        return tensordict
+
+    def rand_action(self, tensordict):
+        tensordict.set("action", torch.ones(1, dtype=torch.int8))
+        return tensordict
+
+    def set_seed(self, seed, static_seed=False):
+        return seed + 1
+
+    def close(self, raise_if_closed=True):
+        self.is_closed = True
+
+
+class Offset(torch.nn.Module):
+    """A module inside an env (like a TorchRL ModuleTransform): adds ``offset`` to observations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = torch.nn.Parameter(torch.zeros(1))
+
+
+class OffsetCountingEnv(CountingEnv):
+    """A CountingEnv whose observation passes through ``env.transform[0]`` (an :class:`Offset`)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.transform = torch.nn.ModuleList([Offset()])
+        self.observation_spec["observation"] = Unbounded((*self.batch_size, 1), dtype=torch.float32)
+
+    def _shift(self, out: dict) -> dict:
+        return {"observation": out["observation"].float() + self.transform[0].offset.detach()}
+
+    def _reset_arrays(self, mask=None):
+        return self._shift(super()._reset_arrays(mask))
+
+    def _step_arrays(self, actions):
+        obs, reward, terminated, truncated = super()._step_arrays(actions)
+        return self._shift(obs), reward, terminated, truncated

@@ -250,9 +250,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def _rollout_settings(self) -> RolloutSettings:
         config = self.config
         n_env = int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
+        dynamic = bool(env_attr(self.env, "_has_dynamic_specs", False))
         use_buffers = config.use_buffers
         if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not env_attr(self.env, "_has_dynamic_specs", False)
+            use_buffers = config.replay_buffer is None and not dynamic
         return RolloutSettings(
             time_steps=self._frames_per_batch // n_env,
             max_frames_per_traj=config.max_frames_per_traj,
@@ -265,6 +266,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             use_buffers=use_buffers,
             track_traj_ids=config.track_traj_ids,
             compact_obs=config.compact_obs,
+            lazy_stack=dynamic,
         )
 
     def _maybe_compile(self) -> None:

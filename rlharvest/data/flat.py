@@ -14,9 +14,20 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatLayout", "flat_leaves", "freeze", "is_frozen"]
+__all__ = ["FlatLayout", "flat_leaves", "freeze", "is_frozen", "is_dense"]
 
 _ALIGN = 16
+
+
+def is_dense(td: TensorDictBase) -> bool:
+    """Whether every entry of ``td`` is a tensor of fixed shape (in plain TensorDicts): what a flat
+    buffer or a shared-memory batch buffer can hold. Non-tensor data and lazily stacked
+    (heterogeneous, or dynamic-shape) TensorDicts are not."""
+    from tensordict import is_tensor_collection
+
+    if type(td) is not TensorDict:
+        return False
+    return not any(is_tensor_collection(v) and type(v) is not TensorDict for v in td.values(True))
 
 
 def _sorted_leaves(td: TensorDictBase) -> list:

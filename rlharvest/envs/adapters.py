@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import is_non_tensor
 
 from .._utils import NestedKey, as_tuple_key, unravel_key
 
@@ -216,7 +217,7 @@ class TensorDictEnvAdapter(EnvAdapter):
 
     def reset(self, mask=None) -> dict:
         if mask is None:
-            return _leaves(self.env.reset())
+            return step_leaves(self.env.reset())
         raise RuntimeError("masked resets go through reset_rows")
 
     def step(self, root: dict, actions: dict) -> StepOutcome:
@@ -224,10 +225,10 @@ class TensorDictEnvAdapter(EnvAdapter):
         if self._step_and_reset is not None:
             stepped, next_root = self._step_and_reset(td)
             nxt = stepped.get("next")
-            return StepOutcome(_leaves(nxt), self._done_rows(nxt), _leaves(next_root))
+            return StepOutcome(step_leaves(nxt), self._done_rows(nxt), step_leaves(next_root))
         stepped = self.env.step(td)
         nxt = stepped.get("next")
-        return StepOutcome(_leaves(nxt), self._done_rows(nxt), None)
+        return StepOutcome(step_leaves(nxt), self._done_rows(nxt), None)
 
     def next_root(self, nxt: dict, root: dict) -> dict:
         out = {k: v for k, v in root.items() if k not in self.action_keys and k not in self.reward_keys}
@@ -256,7 +257,7 @@ class TensorDictEnvAdapter(EnvAdapter):
             rows = torch.as_tensor(mask).reshape(*self.batch_size, *([1] * (len(shape) - len(self.batch_size))))
             td.set((*prefix, "_reset"), rows.expand(shape).clone())
         out = self.env.reset(td)
-        values = _leaves(out)
+        values = step_leaves(out)
         return {k: v for k, v in values.items() if as_tuple_key(k)[-1] != "_reset"}
 
 
@@ -271,8 +272,32 @@ def _reset_groups(done_keys: list[NestedKey]) -> list[tuple[tuple, NestedKey]]:
     return groups
 
 
-def _leaves(td: TensorDictBase) -> dict:
-    return {key: td.get(key) for key in td.keys(True, True)}
+def step_leaves(td: TensorDictBase) -> dict:
+    """``{nested key: value}`` of a step: tensors, and whole sub-TensorDicts the rollout must keep
+    as they are (see :func:`is_structured`)."""
+    out: dict = {}
+    batch_dims = td.batch_dims
+    stack = [((), td)]
+    while stack:
+        prefix, node = stack.pop()
+        for name, value in node.items():
+            key = (*prefix, name)
+            if isinstance(value, TensorDictBase) and not is_structured(value, batch_dims):
+                stack.append((key, value))
+            else:
+                out[key[0] if len(key) == 1 else key] = value
+    return out
+
+
+def is_structured(value: Any, batch_dims: int) -> bool:
+    """Values the rollout keeps whole instead of splitting into tensors: non-tensor data, lazily
+    stacked (heterogeneous) TensorDicts, and sub-TensorDicts with batch dims of their own (e.g. one
+    row per agent), whose leaves alone would lose those dims."""
+    if not isinstance(value, TensorDictBase):
+        return False
+    if is_non_tensor(value) or isinstance(value, LazyStackedTensorDict):
+        return True
+    return value.batch_dims > batch_dims
 
 
 def make_env_adapter(env) -> EnvAdapter:

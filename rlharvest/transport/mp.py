@@ -26,6 +26,7 @@ import torch.multiprocessing as torch_mp
 from tensordict import TensorDictBase
 
 from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
+from ..data.flat import is_dense
 from ..rollout import TrajectoryCounter
 from .base import WorkerEndpoint, WorkerHandle
 
@@ -113,6 +114,10 @@ class MPWorkerEndpoint(WorkerEndpoint):
             self.parent_pid = -1
 
     def publish_batch(self, batch: TensorDictBase) -> TensorDictBase | None:
+        if not is_dense(batch):
+            # Non-tensor or heterogeneous entries cannot live in one reused buffer: the batch travels
+            # in the reply (tensors through shared memory, the rest pickled).
+            return batch
         if self._shared is None:
             if not batch.is_shared():
                 batch.share_memory_()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from .._utils import use_worker_scheduling
-from ..data.flat import FlatLayout
+from ..data.flat import FlatLayout, is_dense
 from ..errors import RemoteFailure, WorkerError
 from .base import WorkerEndpoint, WorkerHandle
 from .channel import AUTHKEY_ENV, open_channel, parse_authkey
@@ -138,6 +138,8 @@ class DistWorkerHandle(WorkerHandle):
         return self._interrupts
 
     def fetch_batch(self, reply) -> TensorDictBase:
+        if isinstance(reply.value, TensorDictBase):  # a batch that does not fit a flat buffer
+            return reply.value
         if reply.value is not None:
             if self._layout is not None and reply.value != self._layout:
                 raise ValueError(
@@ -275,7 +277,9 @@ class DistWorkerEndpoint(WorkerEndpoint):
             self._parent_dead = True
             raise
 
-    def publish_batch(self, batch: TensorDictBase) -> FlatLayout | None:
+    def publish_batch(self, batch: TensorDictBase) -> FlatLayout | TensorDictBase | None:
+        if not is_dense(batch):
+            return batch  # non-tensor or heterogeneous entries: pickled into the reply itself
         first = self._layout is None
         if first:
             self._layout = FlatLayout.of(batch)

@@ -45,7 +45,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             ValueError: without a collector context.
         """
         if self.initialized_on_sender:
-            return
+            return super().init_on_sender(model_id=model_id, context=context)  # learns its collector
         if kwargs:
             raise RuntimeError(f"DistributedWeightSyncScheme.init_on_sender got unexpected arguments {sorted(kwargs)}")
         if context is None:

@@ -38,6 +38,7 @@ _PICKLE_DROPPED = (
     "initialized_on_receiver",
     "synchronized_on_sender",
     "synchronized_on_receiver",
+    "_last_payload",
 )
 
 
@@ -144,11 +145,13 @@ class WeightSyncScheme:
         context = self.context
         if context is None or self._model_id is None:
             return None
-        if hasattr(context, "get_model"):
-            return context.get_model(self._model_id)
         try:
+            if hasattr(context, "get_model"):
+                return context.get_model(self._model_id)
             return resolve_attr_path(context, self._model_id)
         except (AttributeError, KeyError, IndexError):
+            # e.g. "env.transform[0].module" on a collector whose envs live in its workers: there is
+            # no copy here, so updates must carry their weights (update_policy_weights_(weights_dict=...))
             return None
 
     @model.setter
@@ -207,8 +210,12 @@ class WeightSyncScheme:
     # ------------------------------------------------------------------ life cycle
     def init_on_sender(self, *, model_id: str = "policy", context=None, model=None, num_workers: int | None = None,
                        **kwargs) -> None:
-        """Prepare the sender side. A scheme already initialised (e.g. by the user) is left as is."""
+        """Prepare the sender side. A scheme already initialised (e.g. by the user) is left as is,
+        except that it learns the collector it serves if it had none (its policy is then where
+        ``update_policy_weights_()`` reads the weights)."""
         if self.initialized_on_sender:
+            if self._context_ref is None and context is not None:
+                self._context_ref = _weak(context)
             return
         try:
             self._model_id = model_id

@@ -48,6 +48,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         self.per_worker_weights = per_worker_weights
         self._params_map: dict[int, Any] | None = None
         self._explicit_weights: Any = None
+        self._last_payload: Any = None
 
     def init_on_sender(self, *, model_id: str = "policy", context=None, model=None, weights=None,
                        devices: list | None = None, params_map: dict | None = None,
@@ -59,7 +60,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             ValueError: for conflicting weight sources or a missing worker count.
         """
         if self.initialized_on_sender:
-            return
+            return super().init_on_sender(model_id=model_id, context=context)  # learns its collector
         sources = [name for name, value in (("model", model), ("weights", weights), ("params_map", params_map))
                    if value is not None]
         if len(sources) > 1:
@@ -105,10 +106,23 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         model = self.model
         return weights_of(model) if model is not None else None
 
+    def send(self, weights: Any = None, worker_ids=None) -> None:
+        """Send as every scheme does; weights given as ``params_map`` buffers at ``init_on_sender``
+        are kept up to date too (the caller may read them)."""
+        super().send(weights, worker_ids)
+        if self._params_map and self._last_payload is not None and not isinstance(self._last_payload, dict):
+            with torch.no_grad():
+                for buffer in {id(b): b for b in self._params_map.values()}.values():
+                    if buffer is not self._last_payload:
+                        buffer.update_(self._last_payload)
+
     def prepare_weights(self, weights, model_id, strategy, context=None):
         if weights is None and self.model is None and self._explicit_weights is not None:
-            return weights_of(self._explicit_weights)
-        return super().prepare_weights(weights, model_id, strategy, context)
+            payload = weights_of(self._explicit_weights)
+        else:
+            payload = super().prepare_weights(weights, model_id, strategy, context)
+        self._last_payload = payload
+        return payload
 
     def _make_receiver(self) -> SharedMemWeightReceiver:
         info = getattr(self, "_connection_info", None)

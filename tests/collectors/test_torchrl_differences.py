@@ -176,3 +176,46 @@ def test_env_rollout_arguments():
     truncated = gym.rollout(5, break_when_any_done=False, set_truncated=True)
     assert truncated["next", "truncated"][-1].all() and truncated["next", "done"][-1].all()
     gym.close()
+
+
+def test_a_scheme_initialised_by_the_user_reads_the_collectors_policy():
+    """A SharedMemWeightSyncScheme set up with params_map before the collector exists: a later
+    update_policy_weights_() reads the collector's policy, reaches the workers, and refreshes the
+    buffers the user gave (as TorchRL's, which workers read directly)."""
+    from tensordict import TensorDict
+
+    policy = weight_policy(1.0)
+    buffers = TensorDict.from_module(policy).clone().share_memory_()
+    scheme = SharedMemWeightSyncScheme()
+    scheme.init_on_sender(params_map={0: buffers, 1: buffers})
+    collector = MultiSyncCollector(envs(2), policy, frames_per_batch=8, total_frames=-1,
+                                   weight_sync_schemes={"policy": scheme})
+    try:
+        iterator = iter(collector)
+        assert next(iterator)["action"].eq(1).all()
+        with torch.no_grad():
+            policy.module.weight.fill_(0.0)
+        collector.update_policy_weights_()
+        assert next(iterator)["action"].eq(0).all()
+        assert buffers["module", "weight"].eq(0).all()
+    finally:
+        collector.shutdown()
+
+
+def test_a_model_inside_the_workers_envs_is_updated_from_given_weights():
+    """weight_sync_schemes for "env.transform[0]": the main process has no env, so the update brings
+    its weights (TorchRL's documented pattern for env-side modules)."""
+    from mocks import OffsetCountingEnv
+    from tensordict import TensorDict
+
+    collector = MultiSyncCollector(
+        [lambda: OffsetCountingEnv(max_steps=3)] * 2, CountingPolicy(), frames_per_batch=8, total_frames=-1,
+        weight_sync_schemes={"policy": SharedMemWeightSyncScheme(), "env.transform[0]": SharedMemWeightSyncScheme()})
+    try:
+        iterator = iter(collector)
+        assert next(iterator)["observation"].min() == 0
+        shifted = TensorDict({"offset": torch.full((1,), 10.0)}, batch_size=[])
+        collector.update_policy_weights_(weights_dict={"env.transform[0]": shifted})
+        assert next(iterator)["next", "observation"].min() >= 10  # the root of step 0 was observed before
+    finally:
+        collector.shutdown()
