@@ -20,7 +20,7 @@ import torch
 from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "parse_total_frames", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
 
 
 def parse_total_frames(total_frames: Any) -> int:
@@ -37,9 +37,25 @@ def parse_total_frames(total_frames: Any) -> int:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """A timeout argument: a positive, finite number of seconds (every wait must end).
+
+    Raises:
+        TypeError: naming ``name`` for a non-number.
+        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _optional_count(name: str, value: Any) -> int:
@@ -331,11 +347,11 @@ def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
     if value is None:
         raise TypeError("frames_per_batch is required.")
     if not isinstance(value, (list, tuple)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
+                            f"{type(value).__name__} {value!r}")
         return _positive_int("frames_per_batch", value)
-    for entry in value:
-        if isinstance(entry, bool) or not isinstance(entry, int) or entry <= 0:
-            raise ValueError(f"frames_per_batch values must be positive ints, got {list(value)!r}")
-    return tuple(value)
+    return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
 
 
 def _is_default(spec, value: Any) -> bool:

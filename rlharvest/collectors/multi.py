@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import cpu_count
-from ..config import CollectorConfig
+from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
 from ..policies import ExplorationType
 from ..protocol import Command, WorkerSpec
@@ -149,15 +149,16 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         self._init_fn = init_fn
         self._frames_per_worker = config.split_frames(count, "share" if self._sync else "whole")
-        if config.replay_buffer is not None and arguments["local_init_rb"] is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=4)
+        if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
+            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                          "storage).", FutureWarning, stacklevel=4)
         self._worker_idx = config.worker_idx
         self._cat_results = setup.validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(arguments["update_at_each_batch"])
         self.preemptive_threshold = setup.validate_preemptive_threshold(arguments["preemptive_threshold"])
         self._version_tracker = config.track_policy_version or None
-        self._worker_timeout = float(arguments["worker_timeout"])
+        self._worker_timeout = positive_seconds("worker_timeout", arguments["worker_timeout"])
         config.check_workers(count)
         self._backend = self._make_backend(count, arguments["mp_start_method"])
         self.policy, self.policy_factory = policy, factories

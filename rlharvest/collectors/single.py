@@ -71,8 +71,9 @@ def _check_arguments(arguments: dict, unknown: dict) -> None:
         raise TypeError("policy_factory cannot be used together with policy.")
     if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"]:
         raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-    if arguments["replay_buffer"] is not None and arguments["local_init_rb"] is None:
-        warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
+    if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
+        warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                      "storage).", FutureWarning, stacklevel=3)
 
 
 class Collector(BaseCollector, metaclass=BackendDispatch):

@@ -58,7 +58,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             raise ValueError("DistributedWeightSyncScheme needs a DistributedCollector as context (its nodes' "
                              f"process group and port), got {type(links).__name__}.")
         return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
-                                group=links.group, liveness=links.liveness, user_timeout=links.user_timeout)
+                                group=links.group, liveness=links.liveness, user_timeout=links.user_timeout,
+                                handshake_timeout=links.handshake_timeout)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:

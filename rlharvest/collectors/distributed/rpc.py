@@ -16,15 +16,17 @@ import torch.distributed.rpc as rpc
 
 from ...errors import WorkerError
 from ...transport.ports import PortInUseError, port_is_free
-from ...transport.rpc import TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, rpc_options, rpc_session_state
+from ...transport.rendezvous import loopback_interface, mark_distributed_state
+from ...transport.rpc import (TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, release_store, rpc_options,
+                              rpc_session_state, serve_store, tensorpipe_interface)
 from ...transport.rpc import _boot_id
-from ...transport.torchdist import mark_distributed_state
 from ...transport.torchdist_weights import boot_id, is_loopback
 from ...weight_update.rpc import RPCWeightSyncScheme
 from .. import _worker_args as setup
 from .._pool import WorkerPool
 from ...transport.rpc import RPCWeightLinks
 from .._signatures import bind_arguments, derived_signature, keyword
+from ._network import NetworkConfig
 from .generic import DistributedCollector, _started_fleet
 from .launchers import launch_nodes
 
@@ -41,6 +43,10 @@ class RPCCollector(DistributedCollector):
         tensorpipe_options: merged over ``{"num_worker_threads": 16, "rpc_timeout": 10000,
             "_transports": ["uv"]}``.
 
+    ``bind_address`` is where the store listens (DistributedCollector's default: loopback with
+    ``"mp"``, where TensorPipe listens on loopback too). torch RPC authenticates nobody, whatever the
+    address: see docs/security.md before exposing its ports.
+
     Remote references to the node collectors are in ``collector_rrefs`` (``collector_infos``
     holds their RPC worker infos), e.g. to attach an ``RPCWeightUpdater``.
 
@@ -53,7 +59,7 @@ class RPCCollector(DistributedCollector):
     """
 
     __signature__ = derived_signature(
-        DistributedCollector.__init__, drop=("update_interval",), after="tcp_port",
+        DistributedCollector.__init__, drop=("update_interval", "authkey", "handshake_timeout"), after="tcp_port",
         add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None")))
 
     def __init__(self, *args, **kwargs) -> None:
@@ -81,29 +87,35 @@ class RPCCollector(DistributedCollector):
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
         self._weight_sync_schemes = None if self._legacy else self._sender_schemes
 
+    @staticmethod
+    def _network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
+                 handshake_timeout) -> NetworkConfig:
+        return NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=None,
+                                   worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+                                   needs_key=False)
+
     # ------------------------------------------------------------------ start-up
     def _start(self, count: int) -> None:
         if rpc.api._is_current_rpc_agent_set():
             raise RuntimeError("torch RPC is already initialised in this process (one RPCCollector at a time: "
                                "shut the other one down first).")
-        local = self.launcher == "mp"
-        self._advertised_host = "127.0.0.1" if local else __import__(
-            "rlharvest.collectors.distributed.launchers", fromlist=["x"]).main_host_ip()
-        self._bind_host = "127.0.0.1" if local else ""
-        port = int(self.tcp_port)
-        if not port_is_free(port, self._bind_host):
-            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port.")
+        net = self._net
+        if not port_is_free(net.tcp_port, net.bind_host):
+            raise PortInUseError(f"tcp_port {net.tcp_port} is already in use: pick another tcp_port, or tcp_port=0 "
+                                 "for free ports.")
+        self._tp_interface = loopback_interface() if net.local else None
         launched = []
         self._rpc_ready = False
+        self._init_method = None
         try:
-            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
+            launched = launch_nodes(self.launcher, count + 1, net.advertised_host, net.tcp_port, self.backend,
                                     framework="rpc", slurm_kwargs=self.slurm_kwargs,
                                     start_method=self._mp_start_method,
                                     node_kwargs={"tensorpipe_options": self.tensorpipe_options,
-                                                 "user_timeout": self._user_timeout,
-                                                 "session": rpc_session_state()})
+                                                 "user_timeout": net.user_timeout, "session": rpc_session_state(),
+                                                 "tp_interface": self._tp_interface})
             self._launched = launched
-            self._init_rpc(count, port, launched)
+            self._init_rpc(count, net.tcp_port, launched)
             handles = [RPCWorkerHandle(node, node + 1, launched[node], self._heartbeat_timeout) for node in range(count)]
             self._fleet = _started_fleet(handles, self._release_workers, self._worker_timeout)
             self._fleet.pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
@@ -126,7 +138,9 @@ class RPCCollector(DistributedCollector):
 
     def _init_rpc(self, count: int, port: int, launched) -> None:
         """Join the RPC world as rank 0, watching the nodes while they start."""
-        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count))
+        self._init_method = serve_store(self._bind_host, port, count + 1, self._worker_timeout)
+        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count),
+                              init_method=self._init_method)
         result: dict[str, Any] = {}
 
         def init() -> None:
@@ -136,16 +150,18 @@ class RPCCollector(DistributedCollector):
                 result["error"] = err
 
         mark_distributed_state()
-        thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._worker_timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            for node, entry in enumerate(launched):
-                if not entry.is_alive():
-                    raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
+        with tensorpipe_interface(self._tp_interface):
+            thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
+            thread.start()
+            deadline = time.monotonic() + self._worker_timeout
+            while thread.is_alive():
+                thread.join(0.1)
+                for node, entry in enumerate(launched):
+                    if not entry.is_alive():
+                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.",
+                                          worker_idx=node)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
         if "error" in result:
             raise RuntimeError(f"starting torch RPC failed: {result['error']}") from result["error"]
         self._rpc_ready = True
@@ -197,6 +213,7 @@ class RPCCollector(DistributedCollector):
     def _stop_rpc(self) -> None:
         """Non-graceful by design: a graceful shutdown is a barrier that hangs on a dead node, and
         waits for remote-reference bookkeeping that repeated sessions in one process confuse."""
+        release_store(getattr(self, "_init_method", None))
         if getattr(self, "_rpc_ready", False):
             self._rpc_ready = False
             self.collector_rrefs = []
