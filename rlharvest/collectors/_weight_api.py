@@ -271,6 +271,17 @@ class WeightAPIMixin:
                 if scheme.synchronized_on_receiver and scheme.has_pending():
                     scheme.receive(timeout=0.0)
 
+    def receiver_scheme(self, model_id: str) -> WeightSyncScheme:
+        """The receiver scheme of ``model_id`` (a node's weights arrive through it).
+
+        Raises:
+            KeyError: when this collector receives no weights for ``model_id``.
+        """
+        scheme = (self._receiver_schemes or {}).get(model_id)
+        if scheme is None:
+            raise KeyError(f"this collector has no receiver scheme for model {model_id!r}")
+        return scheme
+
     def weight_receiver_waitables(self) -> list:
         """What ``multiprocessing.connection.wait`` wakes on when a receiver scheme gets an update."""
         waitables = []

@@ -407,6 +407,16 @@ class RemoteCollectorBase(BaseCollector):
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._close_workers(self._shutdown_timeout if timeout is None else timeout)
 
+    # ------------------------------------------------------------------ workers
+    def _replacement_changes(self, worker: int) -> dict:
+        """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
+        return {"policy_version": self._policy_version}
+
+    def _replace_worker(self, worker: int) -> None:
+        """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
+        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker")."""
+        self._fleet.replace(worker, **self._replacement_changes(worker))
+
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""
         if self._fleet is not None:

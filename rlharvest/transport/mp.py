@@ -33,7 +33,7 @@ from .base import Backend, WorkerTarget
 from .pipes import PipeEndpoint, PipeHandle
 from .shared_memory import SharedMemLinks
 
-__all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "mp_context",
+__all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "describe_exit", "mp_context",
            "set_parent_death_signal"]
 
 
@@ -77,6 +77,18 @@ class SignalBoard:
 
     def __init__(self, num_workers: int) -> None:
         self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, from its exit code, for error messages."""
+    if code is None:
+        return "it is still running"
+    if code < 0:
+        try:
+            return f"it was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"it was killed by signal {-code}"
+    return f"it exited with code {code}"
 
 
 def set_parent_death_signal() -> None:
@@ -151,12 +163,7 @@ class MPWorkerHandle(PipeHandle):
             code = self.process.exitcode
         if code is None:
             return "it stopped answering (its connection closed) but is still running"
-        if code < 0:
-            try:
-                return f"it was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"it was killed by signal {-code}"
-        return f"it exited with code {code}"
+        return describe_exit(code)
 
     def fetch_batch(self, reply) -> TensorDictBase:
         if reply.value is not None:

@@ -1,9 +1,12 @@
-"""Nodes on other machines: a torch.distributed process group for tensors, TCP for commands.
+"""The ``torchdist`` backend: nodes (on this or other machines) started through a launcher, a
+torch.distributed process group per node for tensors, an authenticated TCP channel for commands.
 
-Start-up (store, command listener, group) is :mod:`rlharvest.transport.rendezvous`; this module is
-what runs afterwards. The command channel of a node (``tcp_port + 1``, authenticated, see
-:mod:`rlharvest.transport.channel`) carries typed commands and replies, the same messages as the
-worker processes' pipes, plus heartbeats from the node.
+Start-up (store, command listener, groups) is :mod:`rlharvest.transport.rendezvous`; the launchers
+(``mp``, ``submitit``, ``submitit_delayed``) are :mod:`rlharvest.transport.launchers`. The command
+channel of a node (``tcp_port + 1``, authenticated, see :mod:`rlharvest.transport.channel`) carries
+typed commands and replies, the same messages as the worker processes' pipes, plus heartbeats from
+the node. A node that replaces another is launched like the first ones, with the next *generation*
+of its rank: it forms a group of its own with the main process, the other nodes keep theirs.
 
 A batch leaves a node as one flat ``uint8`` tensor (``rlharvest.data.flat``) sent point-to-point to
 rank 0, right after the node's BATCH reply; the layout travels once, with the first reply (over the
@@ -30,40 +33,35 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout, is_dense
-from ..errors import RemoteFailure, WorkerError
-from .base import WorkerEndpoint, WorkerHandle
+from ..errors import WorkerError
+from ..protocol import WorkerSpec
+from .base import Backend, WorkerEndpoint, WorkerHandle
 from .channel import AUTHKEY_ENV, open_channel, parse_authkey
-from .rendezvous import (BACKENDS, CONTROL_KEY, Rendezvous, check_backend, distributed_state_exists,
-                         make_process_group, mark_distributed_state)
+from .launchers import LaunchedNode, NodeTarget, launch_nodes
+from .rendezvous import BATCH_TAG, CONTROL_KEY, PAIR_BACKENDS, Rendezvous, node_group
+from .torchdist_weights import NodeGroupLinks, NodeWeightLinks
 
-__all__ = [
-    "BACKENDS",
-    "check_backend",
-    "make_process_group",
-    "Rendezvous",
-    "DistWorkerHandle",
-    "DistWorkerEndpoint",
-    "node_authkey",
-    "run_node",
-]
-
-# re-exported: the launchers and collectors import them from here
-_ = (distributed_state_exists, mark_distributed_state)
-
-BATCH_TAG = 11
-WEIGHTS_TAG = 12
+__all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_authkey"]
 
 
 class DistWorkerHandle(WorkerHandle):
-    """The parent's end of one node: its command channel, its batch buffer, its liveness."""
+    """The parent's end of one node: its command channel, its batch buffer, its liveness.
 
-    def __init__(self, conn, group, rank: int, launched, heartbeat_timeout: float) -> None:
+    Args:
+        conn: the node's command channel.
+        group: the node's process group; ``peer_rank``: the node's rank in it.
+        worker_idx: the node's index (its rank - 1).
+        launched: how its launcher sees it.
+        heartbeat_timeout: seconds without a heartbeat before the node counts as dead.
+    """
+
+    def __init__(self, conn, group, peer_rank: int, worker_idx: int, launched: LaunchedNode,
+                 heartbeat_timeout: float) -> None:
         self.conn = conn
         self.group = group
-        self.rank = rank
-        self.worker_idx = rank - 1
+        self.peer_rank = peer_rank
+        self.worker_idx = worker_idx
         self.launched = launched
         self.heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
@@ -151,7 +149,7 @@ class DistWorkerHandle(WorkerHandle):
         if self._layout is None:
             raise RuntimeError(f"node {self.worker_idx} sent a batch before its layout.")
         try:
-            work = self.group.recv([self._flat], self.rank, BATCH_TAG)
+            work = self.group.recv([self._flat], self.peer_rank, BATCH_TAG)
             work.wait(datetime.timedelta(seconds=self.heartbeat_timeout))
         except RuntimeError as err:
             cause = f"receiving its batch failed ({err})"
@@ -172,11 +170,11 @@ class DistWorkerHandle(WorkerHandle):
 class DistWorkerEndpoint(WorkerEndpoint):
     """A node's end: a reader/heartbeat thread on the command channel, batches over the group."""
 
-    def __init__(self, conn, group, rank: int, heartbeat_interval: float = 1.0) -> None:
+    def __init__(self, conn, group, worker_idx: int, heartbeat_interval: float = 1.0, store=None) -> None:
         self.conn = conn
         self.group = group
-        self.rank = rank
-        self.worker_idx = rank - 1
+        self.store = store  # the store the group was formed through: it lives as long as the node
+        self.worker_idx = worker_idx
         self._inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self._send_lock = threading.Lock()
@@ -231,6 +229,9 @@ class DistWorkerEndpoint(WorkerEndpoint):
 
     def batch_buffer(self) -> TensorDictBase | None:
         return self._batch_buffer
+
+    def receiver_links(self) -> NodeGroupLinks:
+        return NodeGroupLinks(self.group)
 
     def recv(self, timeout: float) -> Any | None:
         try:
@@ -336,47 +337,143 @@ def node_authkey(authkey: bytes | str | None) -> bytes:
     return parse_authkey(authkey)
 
 
-def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
-             authkey: bytes | str | None = None, timeout: float = 120.0, op_timeout: float = 1800.0,
-             user_timeout: float = 10.0, heartbeat_interval: float = 1.0, handshake_timeout: float = 5.0,
-             device_host: str | None = None) -> None:
-    """A node's whole life: join the group, connect the command channel, receive its spec, serve.
+def join_as_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
+                 authkey: bytes | str | None = None, timeout: float = 120.0, op_timeout: float = 1800.0,
+                 user_timeout: float = 10.0, heartbeat_interval: float = 1.0, handshake_timeout: float = 5.0,
+                 device_host: str | None = None, generation: int = 0) -> tuple[DistWorkerEndpoint, bytes]:
+    """A node's side of start-up: join its group, connect its command channel, receive its spec.
 
-    Every launcher (local processes, SLURM jobs, nodes started by hand or by
-    ``submitit_delayed_launcher``) runs exactly this; the node learns its configuration from the main
-    process over the command channel, which it uses only once the main process proved it holds
-    ``authkey`` (what it reads from the store, a port number, can only make it fail, see
-    docs/security.md).
+    Returns the endpoint the worker loop serves and the (pickled) spec. The node uses the channel only
+    once the main process proved it holds ``authkey``; what it reads from the store, a port number,
+    can only make it fail (docs/security.md).
 
     Raises:
         AuthenticationFailed: the command listener did not prove it holds the key.
     """
-    from ..worker import Reply, run_worker
-
     key = node_authkey(authkey)
-    use_worker_scheduling()  # before the store and gloo start their threads: they inherit it
-    torch.set_num_threads(1)
     store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
-    group = make_process_group(backend, store, rank, world_size, op_timeout, device_host)
-    from .torchdist_weights import set_node_group
-
-    set_node_group(group)
+    group, _ = node_group(backend, store, rank, world_size, generation, op_timeout, device_host)
     control_port = int(store.get(CONTROL_KEY))
     conn = open_channel(host, control_port, key, timeout, user_timeout, handshake_timeout)
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
     payload = conn.recv_bytes()
-    endpoint = DistWorkerEndpoint(conn, group, rank, heartbeat_interval)
-    try:
-        # The spec names the env constructors and the policy by reference: a node whose sys.path
-        # lacks their module must say so to the main process, not only in its own log.
-        spec = cloudpickle.loads(payload)  # authenticated bytes from the main process
-    except BaseException as err:
-        endpoint.send(Reply(-1, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
-        endpoint.close()
-        return
-    torch.set_num_threads(max(1, int(spec.num_threads)))
-    try:
-        run_worker(spec, endpoint)
-    finally:
-        endpoint.close()
-        del group, store
+    return DistWorkerEndpoint(conn, group, rank - 1, heartbeat_interval, store), payload
+
+
+class TorchDistBackend(Backend):
+    """Nodes in torch.distributed process groups, started through a launcher.
+
+    Args:
+        num_workers: how many nodes.
+        target: what every node runs (the node entry point, ``rlharvest.worker.nodes.node_main``).
+        net: addresses, ports, key and timeouts (``collectors.distributed._network.NetworkConfig``).
+        launcher: ``"mp"``, ``"submitit"`` or ``"submitit_delayed"``.
+        backend: the process-group backend (``"gloo"``, ...).
+        slurm_kwargs: SLURM parameters of the node jobs; start_method: of ``"mp"`` nodes.
+        op_timeout: seconds a group operation may take.
+    """
+
+    noun = "node"
+
+    def __init__(self, num_workers: int, target: NodeTarget, net: Any, *, launcher: str, backend: str = "gloo",
+                 slurm_kwargs: dict | None = None, start_method: str | None = None, op_timeout: float = 1800.0) -> None:
+        super().__init__(num_workers)
+        self.target, self.net, self.launcher, self.backend = target, net, launcher, backend
+        self.slurm_kwargs, self.start_method, self.op_timeout = slurm_kwargs, start_method, op_timeout
+        self.launched: list[LaunchedNode | None] = [None] * num_workers
+        self.generations = [0] * num_workers
+        self.rendezvous: Rendezvous | None = None
+        #: seconds the last replacement's own group took to form, once the node reached the store
+        self.last_group_seconds: float | None = None
+
+    def _launch(self, indices: list[int]) -> None:
+        net = self.net
+        for index in indices:
+            kwargs = {**net.node_kwargs(), "generation": self.generations[index]}
+            self.launched[index], = launch_nodes(
+                self.launcher, [index + 1], self.num_workers + 1, net.advertised_host, net.tcp_port, self.backend,
+                target=self.target, slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,
+                node_kwargs=kwargs)
+
+    def _alive(self, indices: list[int]):
+        def check() -> None:
+            for index in indices:
+                node = self.launched[index]
+                if not node.is_alive():
+                    raise WorkerError(f"the node died while starting: {node.exit_description()}.", worker_idx=index)
+        return check
+
+    def _connect(self, specs: list[WorkerSpec], generation: int) -> list[DistWorkerHandle]:
+        """Form the groups of the launched nodes, take their channels, send them their specs."""
+        indices = [spec.worker_idx for spec in specs]
+        ranks = [index + 1 for index in indices]
+        alive = self._alive(indices)
+        start = time.monotonic()
+        groups = self.rendezvous.form_groups(self.backend, ranks, generation, self.op_timeout, alive)
+        self.last_group_seconds = time.monotonic() - start
+        channels = self.rendezvous.accept_nodes(ranks, alive)
+        handles = []
+        for spec, rank in zip(specs, ranks):
+            group, peer_rank = groups[rank]
+            handle = DistWorkerHandle(channels[rank], group, peer_rank, spec.worker_idx, self.launched[spec.worker_idx],
+                                      self.net.heartbeat_timeout)
+            handle.conn.send_bytes(cloudpickle.dumps(spec))
+            self.handles[spec.worker_idx] = handle
+            handles.append(handle)
+        return handles
+
+    def start_all(self, specs) -> list[DistWorkerHandle]:
+        net = self.net
+        Rendezvous.check_port(net.tcp_port, net.bind_host)
+        # Nodes first (they wait for the store): forking happens before this process starts threads.
+        self._launch([spec.worker_idx for spec in specs])
+        self.rendezvous = Rendezvous(net.bind_host, net.tcp_port, self.num_workers + 1, net.authkey,
+                                     timeout=net.worker_timeout, user_timeout=net.user_timeout,
+                                     handshake_timeout=net.handshake_timeout, device_host=net.device_host)
+        return self._connect(list(specs), generation=0)
+
+    def start_one(self, index: int, spec: WorkerSpec) -> DistWorkerHandle:
+        """Launch a node in place of node ``index`` (its next generation), which forms a group of its
+        own with this process; the other nodes keep theirs.
+
+        Raises:
+            NotImplementedError: for nodes started elsewhere (``submitit_delayed``), or a backend
+                whose group spans every node (mpi, ucc).
+        """
+        if self.launcher == "submitit_delayed":
+            raise NotImplementedError("launcher='submitit_delayed': nodes are started elsewhere, so the collector "
+                                      "cannot start one in place of another.")
+        if self.backend not in PAIR_BACKENDS:
+            raise NotImplementedError(f"backend={self.backend!r} forms one group of every node: a node cannot be "
+                                      f"replaced (use one of {list(PAIR_BACKENDS)}).")
+        self.generations[index] += 1
+        self.rendezvous.open_commands()
+        self._launch([index])
+        return self._connect([spec], self.generations[index])[0]
+
+    def stop_one(self, index: int, deadline: float) -> None:
+        handle, node = self.handles[index], self.launched[index]
+        if handle is not None:
+            handle.terminate(deadline)
+        elif node is not None:
+            node.terminate(deadline)
+
+    def stop_all(self, deadline: float, closing=()) -> None:
+        super().stop_all(deadline, closing)
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
+
+    def default_scheme(self) -> str:
+        return "distributed"
+
+    def peer(self, index: int) -> tuple[Any, int]:
+        """The group reaching node ``index``, and the node's rank in it."""
+        handle = self.handles[index]
+        return handle.group, handle.peer_rank
+
+    def weight_links(self) -> NodeWeightLinks:
+        net = self.net
+        return NodeWeightLinks(self.num_workers, self.liveness, host=net.advertised_host, bind_host=net.bind_host,
+                               port=net.tcp_port + 2, peer=self.peer, user_timeout=net.user_timeout,
+                               handshake_timeout=net.handshake_timeout)

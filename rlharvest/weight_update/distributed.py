@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender, NodeWeightLinks
+from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender, NodeGroupLinks, NodeWeightLinks
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 from .updaters import WeightUpdaterBase
@@ -58,7 +58,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             raise ValueError("DistributedWeightSyncScheme needs a DistributedCollector as context (its nodes' "
                              f"process group and port), got {type(links).__name__}.")
         return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
-                                group=links.group, liveness=links.liveness, user_timeout=links.user_timeout,
+                                peer=links.peer, liveness=links.liveness, user_timeout=links.user_timeout,
                                 handshake_timeout=links.handshake_timeout)
 
     def _initial_payload(self, weights: Any):
@@ -79,13 +79,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             raise ValueError("DistributedWeightSyncScheme needs a context (the node's collector) or a model.")
         super().init_on_receiver(model_id=model_id, context=context, worker_idx=worker_idx, model=model, **kwargs)
 
-    def _make_receiver(self) -> DistWeightReceiver:
+    def _make_receiver(self, links: NodeGroupLinks | None = None) -> DistWeightReceiver:
         info = getattr(self, "_connection_info", None)
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: no weight channel to connect to.")
         if self._worker_idx is None:
             raise RuntimeError("A DistributedWeightSyncScheme receiver needs its worker index (rank - 1).")
-        return DistWeightReceiver(info, self._worker_idx)
+        return DistWeightReceiver(info, self._worker_idx, links)
 
 
 def _has_tensors(model) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from ..transport.rpc import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
+from ..transport.rpc_weights import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 from .updaters import WeightUpdaterBase
@@ -34,9 +34,9 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     def _make_sender(self, links: RPCWeightLinks | None, **kwargs) -> RPCWeightSender:
         if not isinstance(links, RPCWeightLinks):
             raise RuntimeError(f"RPCWeightSyncScheme needs an RPCCollector context, got {type(links).__name__}.")
-        return RPCWeightSender(links.handles, self._model_id)
+        return RPCWeightSender(links.handles, self._model_id, links.apply_weights)
 
-    def _make_receiver(self) -> RPCWeightReceiver:
+    def _make_receiver(self, links=None) -> RPCWeightReceiver:
         return RPCWeightReceiver()
 
     def apply_pushed(self, version: int, weights: TensorDictBase) -> None:

@@ -46,6 +46,7 @@ _PICKLE_DROPPED = (
     "synchronized_on_sender",
     "synchronized_on_receiver",
     "_last_payload",
+    "_receiver_links",
 )
 
 
@@ -77,6 +78,8 @@ class WeightSyncScheme:
     supports_per_worker_weights = False
     #: whether the sender talks to workers of its collector (a leaf Collector has none)
     needs_workers = False
+    #: receiver side: what the worker's transport offers (``use_receiver_links``)
+    _receiver_links: Any = None
 
     def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
@@ -114,6 +117,15 @@ class WeightSyncScheme:
             >>> WeightSyncScheme.from_backend("shared")
             SharedMemWeightSyncScheme(model_id=None, role=idle, version=0)
         """
+        return cls.class_for(backend)(**kwargs)
+
+    @classmethod
+    def class_for(cls, backend: str) -> type[WeightSyncScheme]:
+        """The scheme class of ``backend`` (a ``from_backend`` name).
+
+        Raises:
+            ValueError: for another backend name.
+        """
         import importlib
 
         name = cls._BACKEND_ALIASES.get(backend, backend)
@@ -121,7 +133,7 @@ class WeightSyncScheme:
             choices = sorted(set(cls._BACKENDS) | set(cls._BACKEND_ALIASES))
             raise ValueError(f"backend must be one of {choices}, got {backend!r}")
         module, _, qualname = cls._BACKENDS[name].partition(":")
-        return getattr(importlib.import_module(module), qualname)(**kwargs)
+        return getattr(importlib.import_module(module), qualname)
 
     def _reset_roles(self) -> None:
         self._context_ref = None
@@ -217,9 +229,15 @@ class WeightSyncScheme:
         are ``init_on_sender``'s extras."""
         return None
 
-    def _make_receiver(self) -> WeightReceiver | None:
-        """Build this worker's receiver transport from the pickled connection info."""
+    def _make_receiver(self, links: Any = None) -> WeightReceiver | None:
+        """Build this worker's receiver transport from the pickled connection info, over ``links``
+        (what the worker's transport offers receivers, e.g. a node's process group; or None)."""
         return None
+
+    def use_receiver_links(self, links: Any) -> None:
+        """Receiver side, before ``init_on_receiver``: what the transport of the worker this receiver
+        runs in offers it (``WorkerEndpoint.receiver_links()``; set by the worker loop)."""
+        self._receiver_links = links
 
     # ------------------------------------------------------------------ life cycle
     def init_on_sender(self, *, model_id: str = "policy", context=None, model=None, num_workers: int | None = None,
@@ -260,7 +278,7 @@ class WeightSyncScheme:
         if worker_idx is None and context is not None:
             worker_idx = context.worker_idx
         self._worker_idx = worker_idx
-        self._receiver = self._make_receiver(**kwargs)
+        self._receiver = self._make_receiver(self._receiver_links, **kwargs)
         self.initialized_on_receiver = True
 
     def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:

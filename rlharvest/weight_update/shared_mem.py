@@ -125,7 +125,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         self._last_payload = payload
         return payload
 
-    def _make_receiver(self) -> SharedMemWeightReceiver:
+    def _make_receiver(self, links=None) -> SharedMemWeightReceiver:
         info = getattr(self, "_connection_info", None)
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: it has no channel to receive on.")

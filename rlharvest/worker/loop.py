@@ -142,6 +142,9 @@ class Worker:
         if spec.init_fn is not None:
             unwrap(spec.init_fn)()
         receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
+        links = self.endpoint.receiver_links() if self.endpoint is not None else None
+        for scheme in receivers.values():
+            scheme.use_receiver_links(links)
         policy = unwrap(spec.policy)
         if "policy" in receivers and _is_stateless(policy):
             # Give the stateless policy its weights before the collector is built: a collector that

@@ -22,11 +22,15 @@ from rlharvest.collectors._fleet import Fleet
 from rlharvest.collectors._worker_args import stateless_copy
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import Command, WorkerSpec
+from rlharvest.collectors.distributed._network import NetworkConfig
 from rlharvest.transport.inprocess import InProcessBackend
 from rlharvest.transport.mp import MPBackend, mp_context
+from rlharvest.transport.rpc import RPCBackend
+from rlharvest.transport.torchdist import TorchDistBackend
 from rlharvest.weight_update.schemes import WeightSyncScheme
 from rlharvest.weight_update.strategy import weights_of
 from rlharvest.worker import run_worker
+from rlharvest.worker.nodes import RPC_CALLS, node_main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,9 +62,19 @@ class Setup:
     stateless: bool = True
 
 
+def network(port: int, key: bool = True) -> NetworkConfig:
+    """Local nodes ("mp" launcher) on loopback, with the timeouts of a test."""
+    return NetworkConfig.parse(launcher="mp", tcp_port=port, bind_address=None, authkey=None, worker_timeout=30.0,
+                               heartbeat_timeout=10.0, needs_key=key)
+
+
 SETUPS = {
     "inprocess": Setup(lambda count, port: InProcessBackend(count, run_worker), shared_ids=True),
     "mp": Setup(lambda count, port: MPBackend(count, run_worker, mp_context()), shared_ids=True),
+    "torchdist": Setup(lambda count, port: TorchDistBackend(count, node_main, network(port), launcher="mp"),
+                       shared_ids=False),
+    "rpc": Setup(lambda count, port: RPCBackend(count, node_main, RPC_CALLS, network(port, key=False), launcher="mp"),
+                 shared_ids=False, stateless=False),
 }
 
 
@@ -91,15 +105,22 @@ class Harness:
         self.fleet = Fleet(self.backend, {"policy": self.scheme}, timeout=30.0)
         self.fleet.start(specs)
         self.pool = self.fleet.pool
+        self.count = count
         self.seen_ids: dict[int, set[int]] = {w: set() for w in range(count)}
+        self.local_max = [-1] * count
 
     def collect(self, worker: int) -> dict:
-        """One rollout of ``worker``, as plain lists (the worker reuses its batch buffer)."""
+        """One rollout of ``worker``, as plain lists (the worker reuses its batch buffer); ids are made
+        unique across workers as collectors make them (nodes count on their own: ``k * W + i``)."""
         reply = self.pool.wait_for(worker, self.pool.send(worker, Command.COLLECT, (False, 0)))
         batch = self.pool.handles[worker].fetch_batch(reply)
         out = {key: batch.get(key).reshape(-1).tolist()
                for key in ("observation", "action", "policy_version", ("collector", "traj_ids"))}
-        self.seen_ids[worker].update(out[("collector", "traj_ids")])
+        ids = out[("collector", "traj_ids")]
+        if not self.setup.shared_ids:
+            self.local_max[worker] = max(self.local_max[worker], *ids)
+            ids = out[("collector", "traj_ids")] = [k * self.count + worker for k in ids]
+        self.seen_ids[worker].update(ids)
         return out
 
     def set_weight(self, value: float) -> None:
@@ -109,8 +130,8 @@ class Harness:
 
     def replace(self, worker: int) -> None:
         changes = {"policy_version": self.scheme.version}
-        if not self.setup.shared_ids:
-            changes["traj_offset"] = max(max(ids) for ids in self.seen_ids.values() if ids) + 1
+        if not self.setup.shared_ids:  # past every id the worker it replaces handed out
+            changes["traj_offset"] = self.local_max[worker] + 1
         self.fleet.replace(worker, **changes)
 
     def close(self) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 from ...config import positive_seconds
 from ...transport.channel import AUTHKEY_ENV, new_authkey, parse_authkey
 from ...transport.ports import free_port_block
-from .launchers import TCP_PORT, main_host_ip
+from ...transport.launchers import main_host_ip
+from .launchers import TCP_PORT
 
 __all__ = ["NetworkConfig", "parse_tcp_port"]
 

@@ -1,48 +1,46 @@
-"""DistributedCollector: one node per env constructor, over a torch.distributed process group.
+"""DistributedCollector: one node per env constructor, each with a torch.distributed group of its own.
 
-The main process is rank 0, node ``i`` is rank ``i + 1``. Nodes run the worker loop around their own
-collector (``collector_class``); batches come back as flat tensors over the process group, commands
-and replies travel on a TCP channel per node, weights through DistributedWeightSyncScheme. All of
-the collector logic (sync/async iteration, weights, seeds, profiling, shutdown) is the one of
-:class:`~rlharvest.collectors.remote.RemoteCollectorBase`.
+The main process is rank 0, node ``i`` is rank ``i + 1``; the nodes are the workers of the
+``torchdist`` backend (``rlharvest.transport.torchdist``), started through its launchers. Nodes run
+the worker loop around their own collector (``collector_class``); batches come back as flat tensors
+over each node's group, commands and replies travel on a TCP channel per node, weights through
+DistributedWeightSyncScheme. All of the collector logic (sync/async iteration, weights, seeds,
+profiling, shutdown) is the one of :class:`~rlharvest.collectors.remote.RemoteCollectorBase`.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, Callable, Sequence
 
-import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from ..._utils import to_device_list
 from ...config import CollectorConfig
-from ...errors import WorkerError
 from ...policies import ExplorationType
-from ...transport.torchdist import DistWorkerHandle, Rendezvous, check_backend
-from ...weight_update.distributed import DistributedWeightSyncScheme
 from ...protocol import Command, WorkerSpec
-from .. import _worker_args as setup
 from ...transport.base import Backend
-from ...transport.torchdist_weights import NodeWeightLinks
+from ...transport.rendezvous import check_backend
+from ...transport.torchdist import TorchDistBackend
+from ...weight_update.schemes import WeightSyncScheme
+from ...worker.nodes import node_main
+from .. import _worker_args as setup
 from .._fleet import Fleet
-from .._pool import WorkerPool
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
 from ._network import NetworkConfig
 from ._pushed_batches import PushedBatchReceiver
-from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, launch_nodes
+from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
 
 _NON_MODULE_POLICY = ("The policy is not an nn.Module and no policy_factory was given: "
                       "update_policy_weights_ will be a no-op.")
+_IDS = ("collector", "traj_ids")
 
 
 def resolve_collector_class(collector_class: Any) -> type:
-    """``"single"``, ``"sync"``, ``"async"`` or a class (D13: unknown strings raise ValueError)."""
+    """``"single"``, ``"sync"``, ``"async"`` or a class (an unknown string raises ValueError)."""
     from ..multi import MultiAsyncCollector, MultiSyncCollector
 
     names = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
@@ -149,81 +147,78 @@ class DistributedCollector(RemoteCollectorBase):
         authkey: bytes | str | None = None,
         handshake_timeout: float = 5.0,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True
-        self._rendezvous = None
-        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
-            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
-        self.env_constructors = list(create_env_fn)
-        count = len(self.env_constructors)
-        self._sync = bool(sync)
-        self.config = CollectorConfig(
-            frames_per_batch=frames_per_batch, total_frames=total_frames, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, replay_buffer=replay_buffer,
-        )
-        self._check_arguments(count, launcher, backend, update_after_each_batch, max_weight_update_interval,
-                              update_interval, weight_updater, weight_sync_schemes)
-        self.collector_class = resolve_collector_class(collector_class)
-        self.num_workers_per_collector = self._check_sub_workers(num_workers_per_collector)
-        self.backend, self.launcher = backend, launcher
-        self.update_after_each_batch = bool(update_after_each_batch)
-        self.max_weight_update_interval = int(max_weight_update_interval)
-        self.update_interval = update_interval
-        # SPEC §4.3: take a node's batch, yield it, (update), then re-launch that node, so that weights
-        # changed by the caller before the next batch reach the node before it collects again.
-        self._relaunch_after_yield = True
-        self._net = self._network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
-                                  handshake_timeout)
-        self.tcp_port = str(self._net.tcp_port)
-        self._advertised_host, self._bind_host = self._net.advertised_host, self._net.bind_host
-        self._worker_timeout, self._heartbeat_timeout = self._net.worker_timeout, self._net.heartbeat_timeout
-        self._handshake_timeout, self._user_timeout = self._net.handshake_timeout, self._net.user_timeout
-        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}
-        self._frames_per_node = frames_per_batch // count if self._sync else frames_per_batch
-        self._mp_start_method = mp_start_method
-        self._devices = {name: to_device_list(value, count, name) for name, value in (
-            ("device", device), ("storing_device", storing_device), ("env_device", env_device),
-            ("policy_device", policy_device))}
-        self.collector_kwargs = self._node_kwargs(collector_kwargs, count)
-        self.policy = policy
-        self.policy_factory = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory else None
-        self.policy_weights = self._main_weights(policy)
-        self._batches_since_update = [0] * count
-        self._yielded = 0
-        self._setup_schemes(weight_updater, weight_sync_schemes)
-        self._worker_idx = None
-        self._start(count)
+        self._setup(arguments)
         self._closed = False
         if weight_recv_schemes is not None:
             self.register_scheme_receiver(weight_recv_schemes)
 
-    # ------------------------------------------------------------------ validation
-    def _check_arguments(self, count, launcher, backend, update_after_each_batch, max_interval, update_interval,
-                         weight_updater, weight_sync_schemes) -> None:
+    # ------------------------------------------------------------------ construction
+    def _setup(self, arguments: dict) -> None:
+        create_env_fn = arguments["create_env_fn"]
+        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
+            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
+        self.env_constructors = list(create_env_fn)
+        count = len(self.env_constructors)
+        self._sync = bool(arguments["sync"])
+        self.config = config = CollectorConfig.from_arguments(arguments)
+        self._check_arguments(count, arguments)
+        self._frames_per_node = config.split_frames(count, "exact" if self._sync else "whole")[0]
+        config.check_workers(count)
+        self.collector_class = resolve_collector_class(arguments["collector_class"])
+        self.num_workers_per_collector = self._check_sub_workers(arguments["num_workers_per_collector"])
+        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
+        self.update_after_each_batch = bool(arguments["update_after_each_batch"])
+        self.max_weight_update_interval = int(arguments["max_weight_update_interval"])
+        self.update_interval = arguments["update_interval"]
+        # Take a node's batch, yield it, (update), then re-launch that node: weights the caller
+        # changed before the next batch reach the node before it collects again (docs/weights.md).
+        self._relaunch_after_yield = True
+        self._net = net = self._network(arguments)
+        self.tcp_port = str(net.tcp_port)
+        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
+        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
+        self._mp_start_method = arguments["mp_start_method"]
+        self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
+        self.policy = arguments["policy"]
+        factory = arguments["policy_factory"]
+        self.policy_factory = setup.per_worker(factory, count, "policy_factory") if factory else None
+        self.policy_weights = self._main_weights(self.policy)
+        self._batches_since_update = [0] * count
+        self._max_local_id = [-1] * count
+        self._yielded = 0
+        self._worker_idx = None
+        self._backend = self._make_backend(count)
+        self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self._start_nodes(count)
+
+    def _check_arguments(self, count: int, arguments: dict) -> None:
+        launcher = arguments["launcher"]
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
-        check_backend(backend)
+        check_backend(arguments["backend"])
         if launcher in ("submitit", "submitit_delayed"):
             try:
-                import submitit  # noqa: F401
+                import submitit  # noqa: F401  (only whether it is there)
             except ImportError as err:
                 raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
-        if self._sync and self.config.frames_per_batch % count:
-            raise RuntimeError(f"Cannot dispatch {self.config.frames_per_batch} frames across {count} nodes: use a "
-                               "frames_per_batch divisible by the number of nodes.")
-        if update_after_each_batch and max_interval > -1:
+        if isinstance(self.config.frames_per_batch, tuple):
+            raise TypeError(f"frames_per_batch must be an int for {type(self).__name__} (nodes collect equal "
+                            "shares), got a list.")
+        if arguments["update_after_each_batch"] and arguments["max_weight_update_interval"] > -1:
             raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
-        if update_interval is not None and (not isinstance(update_interval, int) or update_interval < 1):
-            raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
-        if weight_updater is not None and weight_sync_schemes is not None:
+        interval = arguments["update_interval"]
+        if interval is not None and (not isinstance(interval, int) or interval < 1):
+            raise ValueError(f"update_interval must be an int >= 1 (or None), got {interval!r}")
+        if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"] is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
 
-    @staticmethod
-    def _network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
-                 handshake_timeout) -> NetworkConfig:
-        return NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=authkey,
-                                   worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
-                                   handshake_timeout=handshake_timeout)
+    def _network(self, arguments: dict) -> NetworkConfig:
+        return NetworkConfig.parse(
+            launcher=arguments["launcher"], tcp_port=arguments["tcp_port"], bind_address=arguments["bind_address"],
+            authkey=arguments["authkey"], worker_timeout=arguments["worker_timeout"],
+            heartbeat_timeout=arguments["heartbeat_timeout"], handshake_timeout=arguments["handshake_timeout"])
 
     def _check_sub_workers(self, num_workers_per_collector: int) -> int:
         if self.collector_class is Collector and num_workers_per_collector != 1:
@@ -232,6 +227,8 @@ class DistributedCollector(RemoteCollectorBase):
         return int(num_workers_per_collector)
 
     def _node_kwargs(self, collector_kwargs, count: int) -> list[dict]:
+        """The node collectors' keyword arguments: the user's ``collector_kwargs``, then this
+        collector's own arguments for its nodes (``CollectorConfig.for_worker``)."""
         if isinstance(collector_kwargs, (list, tuple)):
             if len(collector_kwargs) != count:
                 raise ValueError(f"collector_kwargs must hold exactly one dict per node ({count}), "
@@ -242,13 +239,9 @@ class DistributedCollector(RemoteCollectorBase):
         config = self.config
         if not self._sync and config.init_random_frames:
             warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
-                          "policy batches may interleave.", stacklevel=3)
-        for node, entry in enumerate(kwargs):
-            entry.update(max_frames_per_traj=config.max_frames_per_traj,
-                         init_random_frames=config.init_random_frames // count,
-                         reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
-                         **{name: values[node] for name, values in self._devices.items()})
-        return kwargs
+                          "policy batches may interleave.", stacklevel=4)
+        share = config.init_random_frames // count  # a node running free decides alone: its share
+        return [{**entry, **config.for_worker(node, init_random_frames=share)} for node, entry in enumerate(kwargs)]
 
     def _main_weights(self, policy) -> TensorDictBase | None:
         if isinstance(policy, torch.nn.Module):
@@ -256,104 +249,47 @@ class DistributedCollector(RemoteCollectorBase):
 
             return TensorDict.from_module(policy).data
         if not self.policy_factory and policy is not None:
-            warnings.warn(_NON_MODULE_POLICY, stacklevel=3)
+            warnings.warn(_NON_MODULE_POLICY, stacklevel=4)
         return None
 
-    def _setup_schemes(self, weight_updater, schemes) -> None:
+    def _make_backend(self, count: int) -> Backend:
+        return TorchDistBackend(count, node_main, self._net, launcher=self.launcher, backend=self.backend,
+                                slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
+
+    def _default_schemes(self, sync: bool) -> dict:
         has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
+        scheme_class = WeightSyncScheme.class_for(self._backend.default_scheme())
+        return {"policy": scheme_class(backend=self.backend, sync=sync)} if has_weights else {}
+
+    def _setup_schemes(self, weight_updater, schemes) -> None:
         if weight_updater is None and schemes is None:
-            schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend, sync=True)} if has_weights else {}
+            schemes = self._default_schemes(sync=True)
         self._legacy = weight_updater is not None
         self._pending_updater = weight_updater
         self._sender_schemes = dict(schemes or {})
         if self._legacy:
-            self._sender_schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend)} if has_weights else {}
+            self._sender_schemes = self._default_schemes(sync=True)  # the legacy updater's transport
             self._weight_sync_schemes = None
         else:
             self._weight_sync_schemes = self._sender_schemes
 
-    # ------------------------------------------------------------------ start-up
-    @property
-    def num_workers(self) -> int:
-        return len(self.env_constructors)
-
-    @property
-    def _process_group(self):
-        return self._rendezvous.group if self._rendezvous is not None else None
-
-    def _release_workers(self, closed: set[int]) -> None:
-        """Hook between the CLOSE replies and termination (nodes that must be told to exit)."""
-
-    def _liveness(self, worker: int) -> tuple[bool, str]:
-        handle = self._pool.handles[worker]
-        alive = handle.is_alive()
-        return alive, ("alive" if alive else handle.exit_description())
-
-    def weight_links(self) -> NodeWeightLinks:
-        return NodeWeightLinks(self.num_workers, self._liveness, host=self._advertised_host,
-                               bind_host=self._bind_host, port=int(self.tcp_port) + 2,
-                               group=lambda: self._process_group, user_timeout=self._user_timeout,
-                               handshake_timeout=self._handshake_timeout)
-
-    def _start(self, count: int) -> None:
-        net = self._net
-        launched = []
-        Rendezvous.check_port(net.tcp_port, net.bind_host)
+    def _start_nodes(self, count: int) -> None:
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        self._register_live()
         try:
-            # Nodes first (they wait for the store): forking happens before this process starts threads.
-            launched = launch_nodes(self.launcher, count + 1, net.advertised_host, net.tcp_port, self.backend,
-                                    slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method,
-                                    node_kwargs=net.node_kwargs())
-            self._launched = launched
-            self._rendezvous = Rendezvous(net.bind_host, net.tcp_port, count + 1, net.authkey,
-                                          timeout=net.worker_timeout, user_timeout=net.user_timeout,
-                                          handshake_timeout=net.handshake_timeout, device_host=net.device_host)
-
-            def alive() -> None:
-                for node, entry in enumerate(launched):
-                    if not entry.is_alive():
-                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
-
-            group = self._rendezvous.form_group(self.backend, 1800.0, alive)
-            channels = self._rendezvous.accept_nodes(count, alive)
-            handles = [DistWorkerHandle(channels[rank], group, rank, launched[rank - 1], self._heartbeat_timeout)
-                       for rank in range(1, count + 1)]
-            self._fleet = _started_fleet(handles, self._release_workers, self._worker_timeout)
-            self._register_live()
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-            for node, handle in enumerate(handles):
-                handle.conn.send_bytes(cloudpickle.dumps(self._node_spec(node)))
-            self._connect_schemes()
-            for node in range(count):
-                self._pool.wait_for(node, WorkerPool.READY)
-            if self._legacy:
-                self.weight_updater = self._pending_updater
+            self._fleet.start([self._node_spec(node) for node in range(count)])
         except BaseException:
-            self._abort_start(launched)
-            raise
-
-    def _connect_schemes(self) -> None:
-        try:
-            for scheme in self._sender_schemes.values():
-                scheme.connect()
-        except WorkerError:
-            self._pool.raise_start_failure()  # a node that failed to build says why
-            raise
-
-    def _abort_start(self, launched) -> None:
-        if self._pool is not None:
             self._close_workers(5.0)
-        else:
-            for entry in launched:
-                entry.terminate(time.monotonic())
-        for scheme in self._sender_schemes.values():
-            scheme.shutdown()
-        if self._rendezvous is not None:
-            self._rendezvous.close()
+            for scheme in self._sender_schemes.values():
+                scheme.shutdown()
+            raise
+        if self._legacy:
+            self.weight_updater = self._pending_updater
 
     def _node_spec(self, node: int) -> WorkerSpec:
-        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node, total_frames=-1)
+        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node)
         env_fn = self.env_constructors[node]
         if self.collector_class is not Collector:
             env_fn = [env_fn] * self.num_workers_per_collector
@@ -368,15 +304,29 @@ class DistributedCollector(RemoteCollectorBase):
                           # a node running free decides alone: its share of the random warm-up
                           init_random_frames=self.config.init_random_frames // self.num_workers)
 
+    @property
+    def num_workers(self) -> int:
+        return len(self.env_constructors)
+
+    @property
+    def _launched(self) -> list:
+        """How the launcher sees each node (a process, a SLURM job)."""
+        return self._backend.launched
+
+    def _replacement_changes(self, worker: int) -> dict:
+        # a node counts its own trajectory ids: its replacement starts past every id it handed out
+        return {**super()._replacement_changes(worker), "traj_offset": self._max_local_id[worker] + 1}
+
     # ------------------------------------------------------------------ collector hooks
     @property
     def requested_frames_per_batch(self) -> int:
         return self.config.frames_per_batch
 
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
-        """Node i's local id k becomes k * W + i; -1 stays -1 (D4)."""
-        ids = batch.get(("collector", "traj_ids"), None)
+        """Node i's local id k becomes k * W + i; -1 stays -1 (docs/collection.md, "Trajectory ids")."""
+        ids = batch.get(_IDS, None)
         if ids is not None:
+            self._max_local_id[worker] = max(self._max_local_id[worker], int(ids.max()))
             count = self.num_workers
             ids.copy_(torch.where(ids == -1, ids, ids * count + worker))
         return batch
@@ -416,7 +366,7 @@ class DistributedCollector(RemoteCollectorBase):
             [worker_ids] if isinstance(worker_ids, int) else worker_ids)
         for node in targets:
             if isinstance(node, int) and 0 <= node < self.num_workers:
-                self._batches_since_update[node] = 0  # any update of a node resets its counter (D7)
+                self._batches_since_update[node] = 0  # any update of a node resets its counter
 
     def _legacy_push(self, worker: int, weights, wait: bool = True) -> None:
         scheme = self._sender_schemes.get("policy")
@@ -486,49 +436,9 @@ class DistributedCollector(RemoteCollectorBase):
         raise NotImplementedError(f"{type(self).__name__} has no load_state_dict (nodes are remote).")
 
     # ------------------------------------------------------------------ shutdown
-    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
-        try:
-            super()._shutdown_impl(timeout, close_env)
-        finally:
-            if self._rendezvous is not None:
-                self._rendezvous.close()
-                self._rendezvous = None
-
     def _check_shutdown_args(self, close_env: bool) -> None:
-        """Nodes always close their envs when they stop; close_env is accepted either way (D2)."""
+        """Nodes always close their envs when they stop; close_env is accepted either way."""
 
     def __repr__(self) -> str:
         mode = "sync" if self._sync else "async"
         return f"DistributedCollector(nodes={self.num_workers}, {mode}, launcher={self.launcher!r}, frames={self._frames})"
-
-
-
-class _StartedNodes(Backend):
-    """Nodes this collector started itself: how the fleet stops them."""
-
-    noun = "node"
-
-    def __init__(self, handles: list, release) -> None:
-        super().__init__(len(handles))
-        self.handles = list(handles)
-        self._release = release
-
-    def start_one(self, index, spec):
-        raise NotImplementedError("replacing a node comes with the torchdist backend")
-
-    def stop_all(self, deadline: float, closing=()) -> None:
-        self._release(set(closing))
-        super().stop_all(deadline, closing)
-
-    def default_scheme(self) -> str:
-        return "distributed"
-
-    def weight_links(self):
-        raise NotImplementedError
-
-
-def _started_fleet(handles: list, release, timeout: float) -> Fleet:
-    fleet = Fleet(_StartedNodes(handles, release), {}, timeout)
-    fleet.specs = [None] * len(handles)
-    fleet.pool = WorkerPool(handles, timeout=timeout, noun="node")
-    return fleet

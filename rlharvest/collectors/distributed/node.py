@@ -16,7 +16,7 @@ import argparse
 import os
 
 from ...transport.channel import AUTHKEY_ENV
-from .launchers import node_main
+from ...worker.nodes import node_main
 
 
 def read_authkey_file(path: str) -> str:

@@ -1,34 +1,21 @@
 """RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe).
 
 Everything but the wire is DistributedCollector's: arguments, trajectory ids (``k * W + i``),
-automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Nodes run the
-worker loop in pull mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
+automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Its nodes are
+the workers of the ``rpc`` backend (``rlharvest.transport.rpc``): they run the worker loop in pull
+mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
-
-import cloudpickle
-import torch.distributed.rpc as rpc
-
-from ...errors import WorkerError
-from ...transport.ports import PortInUseError, port_is_free
-from ...transport.rendezvous import loopback_interface, mark_distributed_state
-from ...transport.rpc import (TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, release_store, rpc_options,
-                              rpc_session_state, serve_store, tensorpipe_interface)
-from ...transport.rpc import _boot_id
-from ...transport.torchdist_weights import boot_id, is_loopback
+from ...transport.base import Backend
+from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
+from ...worker.nodes import RPC_CALLS, node_main
 from .. import _worker_args as setup
-from .._pool import WorkerPool
-from ...transport.rpc import RPCWeightLinks
 from .._signatures import bind_arguments, derived_signature, keyword
 from ._network import NetworkConfig
-from .generic import DistributedCollector, _started_fleet
-from .launchers import launch_nodes
+from .generic import DistributedCollector
 
 __all__ = ["RPCCollector"]
 
@@ -75,8 +62,19 @@ class RPCCollector(DistributedCollector):
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 
-    def weight_links(self) -> RPCWeightLinks:
-        return RPCWeightLinks(self.num_workers, self._liveness, handles=self._pool.handles)
+    def _network(self, arguments: dict) -> NetworkConfig:
+        return NetworkConfig.parse(launcher=arguments["launcher"], tcp_port=arguments["tcp_port"],
+                                   bind_address=arguments["bind_address"], authkey=None,
+                                   worker_timeout=arguments["worker_timeout"],
+                                   heartbeat_timeout=arguments["heartbeat_timeout"], needs_key=False)
+
+    def _make_backend(self, count: int) -> Backend:
+        device_maps = None
+        if self.visible_devices is not None:
+            device_maps = {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
+        return RPCBackend(count, node_main, RPC_CALLS, self._net, launcher=self.launcher,
+                          tensorpipe_options=self.tensorpipe_options, device_maps=device_maps,
+                          slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
 
     def _setup_schemes(self, weight_updater, schemes) -> None:
         has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
@@ -87,140 +85,18 @@ class RPCCollector(DistributedCollector):
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
         self._weight_sync_schemes = None if self._legacy else self._sender_schemes
 
-    @staticmethod
-    def _network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
-                 handshake_timeout) -> NetworkConfig:
-        return NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=None,
-                                   worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
-                                   needs_key=False)
+    def _start_nodes(self, count: int) -> None:
+        super()._start_nodes(count)
+        handles = self._pool.handles
+        self.collector_infos = [h.info for h in handles]
+        self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
-    # ------------------------------------------------------------------ start-up
-    def _start(self, count: int) -> None:
-        if rpc.api._is_current_rpc_agent_set():
-            raise RuntimeError("torch RPC is already initialised in this process (one RPCCollector at a time: "
-                               "shut the other one down first).")
-        net = self._net
-        if not port_is_free(net.tcp_port, net.bind_host):
-            raise PortInUseError(f"tcp_port {net.tcp_port} is already in use: pick another tcp_port, or tcp_port=0 "
-                                 "for free ports.")
-        self._tp_interface = loopback_interface() if net.local else None
-        launched = []
-        self._rpc_ready = False
-        self._init_method = None
-        try:
-            launched = launch_nodes(self.launcher, count + 1, net.advertised_host, net.tcp_port, self.backend,
-                                    framework="rpc", slurm_kwargs=self.slurm_kwargs,
-                                    start_method=self._mp_start_method,
-                                    node_kwargs={"tensorpipe_options": self.tensorpipe_options,
-                                                 "user_timeout": net.user_timeout, "session": rpc_session_state(),
-                                                 "tp_interface": self._tp_interface})
-            self._launched = launched
-            self._init_rpc(count, net.tcp_port, launched)
-            handles = [RPCWorkerHandle(node, node + 1, launched[node], self._heartbeat_timeout) for node in range(count)]
-            self._fleet = _started_fleet(handles, self._release_workers, self._worker_timeout)
-            self._fleet.pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
-            self._register_live()
-            self._create_workers(handles)
-            if is_loopback(self._advertised_host):
-                here = boot_id()
-                for handle in handles:
-                    handle.local = rpc.rpc_sync(handle.name, _boot_id, timeout=self._worker_timeout) == here
-            self.collector_infos = [rpc.get_worker_info(h.name) for h in handles]
-            self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
-            for model_id, scheme in self._sender_schemes.items():
-                scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-                scheme.connect()
-            if self._legacy:
-                self.weight_updater = self._pending_updater
-        except BaseException:
-            self._abort_start(launched)
-            raise
+    def _replace_worker(self, worker: int) -> None:
+        super()._replace_worker(worker)
+        handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
+        self.collector_infos[worker] = handle.info
+        self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
 
-    def _init_rpc(self, count: int, port: int, launched) -> None:
-        """Join the RPC world as rank 0, watching the nodes while they start."""
-        self._init_method = serve_store(self._bind_host, port, count + 1, self._worker_timeout)
-        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count),
-                              init_method=self._init_method)
-        result: dict[str, Any] = {}
-
-        def init() -> None:
-            try:
-                init_rpc_quietly(TRAINER_NAME, 0, count + 1, options)
-            except BaseException as err:  # surfaced below
-                result["error"] = err
-
-        mark_distributed_state()
-        with tensorpipe_interface(self._tp_interface):
-            thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
-            thread.start()
-            deadline = time.monotonic() + self._worker_timeout
-            while thread.is_alive():
-                thread.join(0.1)
-                for node, entry in enumerate(launched):
-                    if not entry.is_alive():
-                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.",
-                                          worker_idx=node)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
-        if "error" in result:
-            raise RuntimeError(f"starting torch RPC failed: {result['error']}") from result["error"]
-        self._rpc_ready = True
-
-    def _device_maps(self, count: int) -> dict | None:
-        if self.visible_devices is None:
-            return None
-        from ...transport.rpc import node_name
-
-        return {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
-
-    def _create_workers(self, handles: list[RPCWorkerHandle]) -> None:
-        for node, handle in enumerate(handles):
-            handle.start(cloudpickle.dumps(self._node_spec(node)), timeout=self._worker_timeout)
-        for node, handle in enumerate(handles):
-            future = handle.worker_rref._get_future()
-            deadline = time.monotonic() + self._worker_timeout
-            while not future.done():
-                if not handle.is_alive():
-                    raise WorkerError(f"the node died while starting: {handle.exit_description()}.", worker_idx=node)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"node {node} did not build its collector within {self._worker_timeout:g} s.")
-                time.sleep(0.005)
-            try:
-                future.wait()
-            except Exception as err:
-                raise WorkerError(f"building its collector failed: {err}", worker_idx=node) from err
-
-    # ------------------------------------------------------------------ shutdown
-    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
-        try:
-            self._close_workers(self._shutdown_timeout if timeout is None else timeout)
-        finally:
-            self._stop_rpc()
-
-    def _abort_start(self, launched) -> None:
-        try:
-            super()._abort_start(launched)
-        finally:
-            self._stop_rpc()
-
-    def _release_workers(self, closed: set[int]) -> None:
-        self.collector_rrefs = []
-        for worker, handle in enumerate(self._pool.handles):
-            handle.forget_remote()  # no RRef may outlive the RPC agent
-            if not self._pool.is_dead(worker):
-                handle.close_node()
-
-    def _stop_rpc(self) -> None:
-        """Non-graceful by design: a graceful shutdown is a barrier that hangs on a dead node, and
-        waits for remote-reference bookkeeping that repeated sessions in one process confuse."""
-        release_store(getattr(self, "_init_method", None))
-        if getattr(self, "_rpc_ready", False):
-            self._rpc_ready = False
-            self.collector_rrefs = []
-            import gc
-
-            gc.collect()  # release dropped RRefs before the agent goes away
-            try:
-                rpc.shutdown(graceful=False)
-            except Exception:
-                pass
+    def _close_workers(self, timeout: float) -> None:
+        self.collector_rrefs = []  # no RRef may outlive the RPC agent the backend stops
+        super()._close_workers(timeout)

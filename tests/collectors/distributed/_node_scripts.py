@@ -90,7 +90,7 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
     collector = DistributedCollector([_make_env], policy, launcher="submitit_delayed", tcp_port=args.port,
                                      heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=args.frames_per_batch,
                                      total_frames=-1, worker_timeout=60.0)
-    _emit(event="started", advertised=collector._advertised_host)
+    _emit(event="started", advertised=collector._net.advertised_host)
     code = 0
     updated_at = None
     try:

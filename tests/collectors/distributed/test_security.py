@@ -30,7 +30,7 @@ from rlharvest.collectors.distributed.launchers import private_job_folder
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
 from rlharvest.transport.ports import free_port_block
-from rlharvest.transport.rendezvous import CONTROL_KEY, make_process_group, store_server
+from rlharvest.transport.rendezvous import CONTROL_KEY, group_store, make_process_group, store_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ def weight_port(collector) -> int:
 def test_store_holds_no_secret_and_mp_listens_on_loopback_only():
     with counting_collector() as collector:
         collector.next()
-        store = collector._rendezvous.store
+        store = collector._backend.rendezvous.store
         keys = store.list_keys()
         values = {key: store.get(key) for key in keys}
         secrets_ = [collector._net.authkey, collector._sender_schemes["policy"].sender_transports.authkey]
@@ -114,8 +114,8 @@ def test_rewritten_control_port_cannot_make_a_node_run_code(tmp_path):
 
     group: dict = {}
     threads = [threading.Thread(target=attack, daemon=True),
-               threading.Thread(target=lambda: group.update(pg=make_process_group("gloo", store, 0, 2, 30.0)),
-                                daemon=True)]
+               threading.Thread(target=lambda: group.update(pg=make_process_group("gloo", group_store(store, 1, 0), 0, 2,
+                                                                                  30.0)), daemon=True)]
     for thread in threads:
         thread.start()
     env = {**os.environ, "RLHARVEST_AUTHKEY": key.hex(), "TORCH_CPP_LOG_LEVEL": "ERROR"}
