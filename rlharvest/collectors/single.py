@@ -10,7 +10,8 @@ from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
-from ..envs.adapters import env_attr, is_env
+from ..envs.adapters import env_attr
+from ..envs.factory import close_env, env_keys, make_env
 from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
@@ -20,45 +21,6 @@ from .base import BaseCollector
 from .utils import split_trajectories
 
 __all__ = ["Collector", "make_env"]
-
-
-def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
-    """An env from an instance or a constructor (docs/envs.md: kwargs reach an instance only if it is batched)."""
-    create_env_fn = unwrap(create_env_fn)
-    kwargs = create_env_kwargs or {}
-    if is_env(create_env_fn):
-        if kwargs:
-            if not create_env_fn.batch_size or env_attr(create_env_fn, "update_kwargs") is None:
-                raise RuntimeError(
-                    f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
-                    "they can only be forwarded to a batched env. Pass a constructor instead."
-                )
-            create_env_fn.update_kwargs(kwargs)
-        return create_env_fn
-    if not callable(create_env_fn):
-        raise TypeError(f"create_env_fn must be an env or a callable returning one, got {type(create_env_fn).__name__}")
-    env = create_env_fn(**kwargs)
-    if not is_env(env):
-        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (docs/envs.md).")
-    return env
-
-
-def _env_keys(env) -> set:
-    keys = set()
-    for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
-        spec = env_attr(env, name)
-        if spec is not None and hasattr(spec, "keys"):
-            keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
-    return keys
-
-
-def _close_env(env) -> None:
-    if env_attr(env, "is_closed", False):
-        return
-    try:
-        env.close(raise_if_closed=False)
-    except TypeError:
-        env.close()
 
 
 def _check_arguments(arguments: dict, unknown: dict) -> None:
@@ -212,7 +174,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
 
     def _check_env_options(self) -> None:
         config = self.config
-        if config.max_frames_per_traj and ("step_count",) in _env_keys(self.env):
+        if config.max_frames_per_traj and ("step_count",) in env_keys(self.env):
             raise ValueError(
                 "max_frames_per_traj is set but the env already has a 'step_count' entry (a step counter); "
                 "remove one of them."
@@ -328,7 +290,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 if self._post_collect_hook is not None:
                     self._post_collect_hook(batch)
                 yield batch
-        _close_env(self.env)
+        close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
         """Collect one raw batch (no postproc): the unit of work of a worker."""
@@ -535,4 +497,4 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if self._profiler is not None:
             self._profiler.stop()
         if close_env:
-            _close_env(self.env)
+            close_env(self.env)

@@ -1,23 +1,20 @@
 """The ``rpc`` backend: nodes driven by torch.distributed.rpc (TensorPipe), the worker loop in *pull* mode.
 
-Each node builds its worker when the main process asks it to (it keeps it), and every command is one RPC that runs ``Worker.handle`` there; batches come back inside the reply
-(TensorPipe moves tensors without pickling their data). Futures complete into a wake-up pipe, so the
-worker pool waits on RPC nodes exactly as on processes. The functions the main process calls on a
-node are given to the backend (:class:`RPCNodeCalls`, from ``rlharvest.worker.nodes``). Names: the
-main process is ``TRAINER_NODE`` (rank 0), node ``i`` starts as ``COLLECTOR_NODE_<i+1>``.
+Each node builds its worker when the main process asks it to, and every command is one RPC that runs
+``Worker.handle`` there; batches come back inside the reply (TensorPipe moves tensors without
+pickling their data). Futures complete into a wake-up pipe, so the worker pool waits on RPC nodes as
+on processes. The functions called on nodes are given to the backend (:class:`RPCNodeCalls`, from
+``rlharvest.worker.nodes``). The main process is ``TRAINER_NODE``, node ``i`` starts as
+``COLLECTOR_NODE_<i+1>``. The group is *dynamic* (``init_rpc`` without a world size): a replacement
+joins with a fresh rank and name once the node it replaces left the membership (TensorPipe keeps
+pipes per rank, and a joining node greets every member the store lists).
 
-The RPC group is *dynamic* (``init_rpc`` without a world size): a node that replaces another joins
-it with a fresh rank and name, once the one it replaces was removed from the group's membership
-(TensorPipe keeps pipes per rank, and a joining node greets every member the store lists).
+Security (docs/security.md): torch RPC authenticates nobody: any process that reaches a TensorPipe
+port can send requests, which the agent unpickles. With local nodes, the store and every TensorPipe
+listener are on loopback (``TP_SOCKET_IFNAME`` is set while the agent starts).
 
-Security (docs/security.md): torch RPC has no authentication; any process that reaches a TensorPipe
-port can send requests, which the agent unpickles, or crash it with a malformed frame. rlharvest can
-only narrow who reaches them: with local nodes, the store and every TensorPipe listener are on
-loopback (``TP_SOCKET_IFNAME`` is set to the loopback interface while the agent starts).
-
-Liveness: an RPC to a dead node fails; the main also pings nodes while waiting and declares a node
-dead when a ping fails or stays unanswered for ``heartbeat_timeout`` seconds. Nodes ping the main
-process the same way and exit when it is gone.
+Liveness: an RPC to a dead node fails; the main process also pings nodes while waiting (dead after
+``heartbeat_timeout`` without an answer). Nodes ping the main process and exit when it is gone.
 """
 
 from __future__ import annotations
@@ -71,16 +68,10 @@ def node_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class RPCNodeCalls:
-    """The functions the main process calls on a node (they run there, found by reference).
-
-    Attributes:
-        create: ``create(spec_bytes) -> worker`` builds the node's worker (through ``rpc.remote``).
-        handle: ``handle(message) -> reply`` runs one command.
-        interrupt: ends the current rollout early.
-        collector_of: the node's collector (for ``collector_rrefs``).
-        apply_weights: ``apply_weights(model_id, version, payload, initial) -> (version, generation)``.
-        release: the node is closing: release its worker.
-    """
+    """The functions the main process calls on a node (they run there, found by reference):
+    ``create(spec_bytes)`` builds its worker, ``handle(message) -> reply`` runs one command,
+    ``interrupt()``, ``collector_of()`` (for ``collector_rrefs``), ``apply_weights(model_id, version,
+    payload, initial) -> (version, generation)``, and ``release()`` when the node closes."""
 
     create: Callable
     handle: Callable
@@ -424,15 +415,19 @@ class RPCBackend(Backend):
         handle = RPCWorkerHandle(index, node_name(rank), self.launched[index], self.net.heartbeat_timeout,
                                  self.calls)
         deadline = time.monotonic() + self.net.worker_timeout
-        while not _member(handle.name):
-            if not handle.launched.is_alive():
-                raise _died_starting(index, handle.launched)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {index} did not join the RPC group within {self.net.worker_timeout:g} s.")
-            time.sleep(0.01)
+        node_boot = None
+        while node_boot is None:  # joined once it answers (its membership reaches us in steps)
+            try:
+                node_boot = rpc.rpc_sync(handle.name, _boot_id, timeout=self.net.heartbeat_timeout)
+            except RuntimeError:
+                if not handle.launched.is_alive():
+                    raise _died_starting(index, handle.launched) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {index} did not join the RPC group within "
+                                       f"{self.net.worker_timeout:g} s.") from None
+                time.sleep(0.01)
         handle.info = rpc.get_worker_info(handle.name)
-        if is_loopback(self.net.advertised_host):
-            handle.local = rpc.rpc_sync(handle.name, _boot_id, timeout=self.net.worker_timeout) == boot_id()
+        handle.local = is_loopback(self.net.advertised_host) and node_boot == boot_id()
         handle.start(cloudpickle.dumps(spec), timeout=self.net.worker_timeout)
         self.handles[index] = handle
         return handle
@@ -510,14 +505,6 @@ class RPCBackend(Backend):
     def weight_links(self) -> RPCWeightLinks:
         return RPCWeightLinks(self.num_workers, self.liveness, handles=self.handles,
                               apply_weights=self.calls.apply_weights)
-
-
-def _member(name: str) -> bool:
-    try:
-        rpc.get_worker_info(name)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _died_starting(index: int, node: LaunchedNode) -> Exception:

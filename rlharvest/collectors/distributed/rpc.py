@@ -58,6 +58,7 @@ class RPCCollector(DistributedCollector):
         self.tensorpipe_options = dict(arguments.pop("tensorpipe_options") or {})
         self.collector_rrefs: list = []
         self.collector_infos: list = []
+        self._retired_rrefs: list = []
         super().__init__(**arguments, update_interval=None)
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
@@ -92,11 +93,15 @@ class RPCCollector(DistributedCollector):
         self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
     def _replace_worker(self, worker: int) -> None:
+        # The old node's RRef is deleted only once the agent is gone: deleting it now would message
+        # an owner that left the group.
+        self._retired_rrefs.append(self.collector_rrefs[worker])
         super()._replace_worker(worker)
         handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
         self.collector_infos[worker] = handle.info
         self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
 
     def _close_workers(self, timeout: float) -> None:
-        self.collector_rrefs = []  # no RRef may outlive the RPC agent the backend stops
+        self.collector_rrefs = []  # the nodes' RRefs go while their owners still answer
         super()._close_workers(timeout)
+        self._retired_rrefs = []
