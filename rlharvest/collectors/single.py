@@ -11,7 +11,8 @@ from tensordict import TensorDictBase
 from .._utils import as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
 from ..envs.adapters import env_attr
-from ..envs.factory import close_env, env_keys, make_env
+from ..envs.factory import close_env as _close_env  # shutdown() takes an argument named close_env
+from ..envs.factory import env_keys, make_env
 from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
@@ -290,7 +291,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 if self._post_collect_hook is not None:
                     self._post_collect_hook(batch)
                 yield batch
-        close_env(self.env)
+        _close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
         """Collect one raw batch (no postproc): the unit of work of a worker."""
@@ -497,4 +498,4 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if self._profiler is not None:
             self._profiler.stop()
         if close_env:
-            close_env(self.env)
+            _close_env(self.env)
