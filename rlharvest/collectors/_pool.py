@@ -44,7 +44,7 @@ class WorkerPool:
     READY = READY
 
     def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
-                 noun: str = "worker", expect_ready: bool = True) -> None:
+                 noun: str = "worker") -> None:
         self.handles = list(handles)
         self.timeout = float(timeout)
         self.liveness_interval = liveness_interval
@@ -56,9 +56,8 @@ class WorkerPool:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
-        if expect_ready:
-            for worker in range(len(self.handles)):
-                self._outstanding[worker][self.READY] = None
+        for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
+            self._outstanding[worker][self.READY] = None
 
     def __len__(self) -> int:
         return len(self.handles)

@@ -37,9 +37,10 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from .channel import Channel, ChannelListener, listen
 from .ports import PortInUseError, port_is_free
 
-__all__ = ["BACKENDS", "BATCH_TAG", "WEIGHTS_TAG", "PAIR_BACKENDS", "CONTROL_KEY", "check_backend", "make_process_group", "group_store", "node_group",
-           "store_server", "Rendezvous", "loopback_interface", "distributed_state_exists", "mark_distributed_state", "serve_rpc_store",
-           "release_rpc_store", "tensorpipe_interface"]
+__all__ = ["BACKENDS", "BATCH_TAG", "WEIGHTS_TAG", "PAIR_BACKENDS", "CONTROL_KEY", "check_backend",
+           "make_process_group", "group_store", "node_group", "store_server", "Rendezvous", "loopback_interface",
+           "distributed_state_exists", "mark_distributed_state", "serve_rpc_store", "release_rpc_store",
+           "tensorpipe_interface"]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 #: tags of the point-to-point messages on a node's group: its batches, and the weights sent to it

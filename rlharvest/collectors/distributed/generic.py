@@ -280,8 +280,7 @@ class DistributedCollector(RemoteCollectorBase):
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
             self._fleet.start([self._node_spec(node) for node in range(count)])
-        except BaseException:
-            self._close_workers(5.0)
+        except BaseException:  # the fleet stopped what it started
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
             raise
