@@ -40,6 +40,9 @@ class RPCCollector(DistributedCollector):
         visible_devices: one device per node (device map for tensors sent to that node).
         tensorpipe_options: merged over ``{"num_worker_threads": 16, "rpc_timeout": 10000,
             "_transports": ["uv"]}``.
+        trajs_per_batch, trajs_per_write, traj_format: batches of complete trajectories, assembled on
+            this process from the nodes' batches, as :class:`~rlharvest.collectors.Collector` does
+            (docs/trajectories.md).
 
     Remote references to the node collectors are in ``collector_rrefs`` (``collector_infos``
     holds their RPC worker infos), e.g. to attach an ``RPCWeightUpdater``.
@@ -89,7 +92,12 @@ class RPCCollector(DistributedCollector):
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
     ) -> None:
+        self._trajectory_options = dict(trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+                                        traj_format=traj_format)
         if visible_devices is not None and len(visible_devices) != len(create_env_fn):
             raise ValueError(f"visible_devices must hold one device per node ({len(create_env_fn)}).")
         self.visible_devices = visible_devices
