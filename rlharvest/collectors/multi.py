@@ -60,6 +60,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     _supports_run_free = True
     _sync = True
+    _started = False
 
     def __init__(
         self,
@@ -261,6 +262,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
                 raise
             for worker in range(len(handles)):
                 self._pool.wait_for(worker, WorkerPool.READY)
+            self._started = True
             if self._legacy:
                 self.weight_updater = self._pending_updater
         except BaseException:
@@ -284,7 +286,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             return super().get_model(model_id)
         if self.policy is not None:
             return self.policy
+        if not self._started:
+            # Starting: workers build their policies from the factory themselves; building one here
+            # only for its initial weights would run the factory where the user did not ask for it.
+            return None
         if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
+            # update_policy_weights_() without weights: the factory's policy is the main-side copy
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
 

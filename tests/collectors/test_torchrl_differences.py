@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -238,3 +239,25 @@ def test_a_multi_async_collector_serving_a_parent_collects_on_demand():
         assert next(iterator)["action"].eq(2).all()
     finally:
         collector.shutdown()
+
+
+class _RecordingFactory:
+    """A policy factory that records the pid of every process that calls it."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self):
+        with open(self.path, "a") as file:
+            file.write(f"{os.getpid()}\n")
+        return weight_policy(1.0)
+
+
+@pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
+def test_a_policy_factory_runs_only_in_the_workers(collector_class, tmp_path):
+    calls = tmp_path / "calls"
+    collector = collector_class(envs(2), policy_factory=_RecordingFactory(calls), frames_per_batch=8, total_frames=16)
+    batches = list(collector)
+    collector.shutdown()
+    pids = [int(line) for line in calls.read_text().split()]
+    assert len(batches) == 2 and len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
