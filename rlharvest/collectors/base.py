@@ -308,6 +308,22 @@ class BaseCollector(WeightAPIMixin):
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         """Hook: start profiling where rollouts run."""
 
+    def disable_profile(self) -> None:
+        """Stop profiling (a trace being recorded is written as it stands); no-op when not profiling.
+
+        Example:
+            >>> collector.disable_profile()                         # doctest: +SKIP
+        """
+        if self._profile_config is None:
+            return
+        try:
+            self._stop_profiling()
+        finally:
+            self._profile_config = None
+
+    def _stop_profiling(self) -> None:
+        """Hook: stop the profiler where rollouts run."""
+
     @property
     def profile_config(self) -> ProfileConfig | None:
         """The stored profiling configuration, or None."""

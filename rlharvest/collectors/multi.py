@@ -143,6 +143,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                           "storage).", FutureWarning, stacklevel=3)
         self._worker_idx = worker_idx
+        # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
+        # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
+        self._relaunch_after_yield = worker_idx is not None
         self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(update_at_each_batch)

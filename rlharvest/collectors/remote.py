@@ -334,6 +334,11 @@ class RemoteCollectorBase(BaseCollector):
             if reply != "profiling":
                 raise RuntimeError(f"{self.noun} {worker} answered {reply!r} to enable_profile.")
 
+    def _stop_profiling(self) -> None:
+        if self._pool is not None:
+            self._drain_async()
+            self._pool.broadcast(Command.CASCADE, ("disable_profile", (), {}))
+
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
         """Collect in the background into the replay buffer until :meth:`async_shutdown`.

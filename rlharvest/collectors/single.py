@@ -529,6 +529,11 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             self._profiler.stop()
         self._profiler = RolloutProfiler(config, worker_idx=self.worker_idx or 0, label=label)
 
+    def _stop_profiling(self) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         if self._profiler is not None:
             self._profiler.stop()

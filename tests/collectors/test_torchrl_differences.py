@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from mocks import CountingPolicy, PrivateKeysPolicy, weight_policy
@@ -217,5 +219,22 @@ def test_a_model_inside_the_workers_envs_is_updated_from_given_weights():
         shifted = TensorDict({"offset": torch.full((1,), 10.0)}, batch_size=[])
         collector.update_policy_weights_(weights_dict={"env.transform[0]": shifted})
         assert next(iterator)["next", "observation"].min() >= 10  # the root of step 0 was observed before
+    finally:
+        collector.shutdown()
+
+
+def test_a_multi_async_collector_serving_a_parent_collects_on_demand():
+    """Inside a node, a MultiAsyncCollector does not prefetch: the batch after an update the parent
+    pushed (here: an update of this collector between two batches) uses the new weights."""
+    policy = CountingPolicy()
+    collector = MultiAsyncCollector(envs(1), policy, frames_per_batch=50, total_frames=-1, worker_idx=0)
+    try:
+        iterator = iter(collector)
+        assert next(iterator)["action"].eq(1).all()
+        time.sleep(0.2)  # a prefetching collector would have finished its next batch meanwhile
+        with torch.no_grad():
+            policy.weight.add_(1)
+        collector.update_policy_weights_()
+        assert next(iterator)["action"].eq(2).all()
     finally:
         collector.shutdown()
