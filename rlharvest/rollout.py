@@ -216,6 +216,11 @@ class Rollout:
     def n_envs(self) -> int:
         return int(np.prod(self.batch_size)) if self.batch_size else 1
 
+    @property
+    def traj_ids(self):
+        """The trajectory each sub-env is in: a tensor of the env batch shape (an int for one env)."""
+        return self._traj
+
     def reset(self, mask=None) -> None:
         """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
         if mask is None:

@@ -251,6 +251,8 @@ class Worker:
             if batch.numel():
                 collector._write_buffer(buffer, batch)
             return Reply(0, self.worker_idx, frames=frames, written=True)
+        if buffer is not None:  # the parent allocates the buffer's storage from this batch
+            collector._keep_for_buffer(batch)
         if self.endpoint is None:
             return Reply(0, self.worker_idx, value=batch, frames=frames)
         value = self.endpoint.publish_batch(batch)

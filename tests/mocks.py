@@ -369,3 +369,18 @@ class OffsetCountingEnv(CountingEnv):
     def _step_arrays(self, actions):
         obs, reward, terminated, truncated = super()._step_arrays(actions)
         return self._shift(obs), reward, terminated, truncated
+
+
+class EpisodeLengthEnv(CountingEnv):
+    """Episodes of known lengths, whatever the action: ``lengths`` an int for one env, or one length
+    per row of a batched env. The observation counts the steps taken in the current episode."""
+
+    def __init__(self, lengths=3) -> None:
+        batched = not isinstance(lengths, int)
+        super().__init__(max_steps=10**9, batch_size=(len(lengths),) if batched else ())
+        self.lengths = torch.tensor(list(lengths) if batched else [lengths], dtype=torch.int32).reshape(
+            *self.batch_size, 1)
+
+    def _step_arrays(self, actions):
+        self.count = self.count + 1
+        return {"observation": self.count}, self._zero_reward, self.count >= self.lengths, None

@@ -229,6 +229,8 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             )
             if self._workers_write:
                 kwargs.update(postproc=config.postproc, split_trajs=config.split_trajs)
+                if config.trajs_per_batch is not None:  # each worker assembles and writes its own trajectories
+                    kwargs.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
             specs.append(WorkerSpec(
                 worker_idx=worker,
                 collector_class=setup.wrap_callable(collector_class or Collector),
@@ -330,10 +332,19 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         return self._legacy_staging
 
     # ------------------------------------------------------------------ replay buffer
+    def _assembles_trajectories(self) -> bool:
+        return not self._workers_write
+
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        if self._workers_write and not getattr(self, "_buffer_attached", False):
+        if self._workers_write and self.config.trajs_per_batch is not None:
+            # The worker that sent this batch keeps its trajectories and writes them once the storage
+            # is attached: here the batch only gives the storage its layout.
+            if batch.numel():
+                buffer.init_storage(self._postprocess(batch))
+        else:
+            super()._write_to_buffer(batch)
+        if self._workers_write and buffer.storage is not None and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()
             self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)

@@ -106,6 +106,8 @@ class DistributedCollector(RemoteCollectorBase):
     noun = "node"
     #: nodes get a stateless policy and receive its weights from the scheme's initial sync
     _stateless_nodes = True
+    #: RPCCollector's trajs_per_batch / trajs_per_write / traj_format (assembled on this process)
+    _trajectory_options: dict = {}
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class DistributedCollector(RemoteCollectorBase):
             frames_per_batch=frames_per_batch, total_frames=total_frames, max_frames_per_traj=max_frames_per_traj,
             init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
             split_trajs=split_trajs, exploration_type=exploration_type, replay_buffer=replay_buffer,
+            **self._trajectory_options,
         )
         self._check_arguments(count, launcher, backend, update_after_each_batch, max_weight_update_interval,
                               update_interval, weight_updater, weight_sync_schemes)

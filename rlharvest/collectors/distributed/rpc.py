@@ -42,6 +42,9 @@ class RPCCollector(DistributedCollector):
         visible_devices: one device per node (device map for tensors sent to that node).
         tensorpipe_options: merged over ``{"num_worker_threads": 16, "rpc_timeout": 10000,
             "_transports": ["uv"]}``.
+        trajs_per_batch, trajs_per_write, traj_format: batches of complete trajectories, assembled on
+            this process from the nodes' batches, as :class:`~rlharvest.collectors.Collector` does
+            (docs/trajectories.md).
 
     ``bind_address`` is where the store listens (DistributedCollector's default: loopback with
     ``"mp"``, where TensorPipe listens on loopback too). torch RPC authenticates nobody, whatever the
@@ -96,7 +99,12 @@ class RPCCollector(DistributedCollector):
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
         bind_address: str | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
     ) -> None:
+        self._trajectory_options = dict(trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+                                        traj_format=traj_format)
         if visible_devices is not None and len(visible_devices) != len(create_env_fn):
             raise ValueError(f"visible_devices must hold one device per node ({len(create_env_fn)}).")
         self.visible_devices = visible_devices
