@@ -16,7 +16,7 @@ import torch
 
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "parse_total_frames", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
 
 _TRAJ_FORMAT_DEFAULT = (
     "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
@@ -51,6 +51,20 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """A timeout argument: a positive, finite number of seconds (every wait must end).
+
+    Raises:
+        TypeError: naming ``name`` for a non-number.
+        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _optional_count(name: str, value: Any) -> int:
@@ -162,6 +176,9 @@ class CollectorConfig:
         if self.frames_per_batch is None:
             raise TypeError("frames_per_batch is required.")
         if not isinstance(self.frames_per_batch, (list, tuple)):
+            if isinstance(self.frames_per_batch, bool) or not isinstance(self.frames_per_batch, int):
+                raise TypeError(f"frames_per_batch must be a positive int, got {type(self.frames_per_batch).__name__} "
+                                f"{self.frames_per_batch!r}")
             set_(self, "frames_per_batch", _positive_int("frames_per_batch", self.frames_per_batch))
         set_(self, "total_frames", parse_total_frames(self.total_frames))
         for name in ("device", "storing_device", "policy_device", "env_device"):

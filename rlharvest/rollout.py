@@ -26,6 +26,7 @@ from tensordict import is_non_tensor, is_tensor_collection
 
 from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
+from .envs.checks import check_step_specs, raise_if_changed
 from .envs.base import to_tensor
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
@@ -110,7 +111,7 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
     """Stack per-step values along ``dim``; into ``out`` when given."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        stackable = out is not None and out.device == first.device and out.dtype == first.dtype
+        stackable = out is not None and out.device == first.device and out.dtype == first.dtype == values[-1].dtype
         if stackable and tuple(out.shape) == (*first.shape[:dim], len(values), *first.shape[dim:]):
             try:
                 return torch.stack(values, dim, out=out)
@@ -121,6 +122,8 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
         stacked = torch.from_numpy(np.stack(values, dim))
     else:  # Python or numpy scalars of an unbatched env: one value per step
         stacked = torch.tensor(values, dtype=dtype).reshape(shape)
+    if stacked.dtype != dtype:  # only on this slow path: the env's dtype changed since the first step
+        raise TypeError(f"dtype {stacked.dtype} instead of {dtype}")
     if out is None:
         return stacked.to(dtype)
     out.copy_(stacked.reshape(out.shape))
@@ -429,6 +432,7 @@ class Rollout:
     def _assemble(self, steps: list, random: bool = False) -> TensorDictBase:
         if self._layout is None:
             self._layout = self._build_layout(steps[0], random)
+            check_step_specs(self.env, steps[0][0], steps[0][2])
             self._structured = any(dtype is STRUCTURED for _, dtype in self._layout.values())
         if self.settings.lazy_stack:
             return self._assemble_lazily(steps)
@@ -447,7 +451,11 @@ class Rollout:
                 continue
             stacked_shape = (*shape[:dim], n, *shape[dim:])
             target = out.get(key).narrow(dim, 0, n) if out is not None else None
-            leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+            try:
+                leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+            except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
+                raise_if_changed(key, values, shape, dtype, err)
+                raise
         for key, (shape, dtype) in layout.items():
             # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
             # actions the policy's other outputs (zero, as TorchRL fills them).

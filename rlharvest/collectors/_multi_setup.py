@@ -50,16 +50,30 @@ def per_worker(value: Any, num_workers: int, name: str, is_single: Callable[[Any
     return list(value)
 
 
+def check_frames(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " (or a list of one per worker)" if name == "frames_per_batch" else ""
+        raise TypeError(f"{name} must be a positive int{hint}, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def frames_per_worker(frames_per_batch, num_workers: int, sync: bool) -> tuple[list[int], int]:
-    """``(per-worker frames, requested frames per batch)``."""
+    """``(per-worker frames, requested frames per batch)``.
+
+    Raises:
+        TypeError: naming ``frames_per_batch`` when it (or one of its values) is not an int.
+        ValueError: for a wrong number of values or a value that is not positive.
+    """
+    if not isinstance(frames_per_batch, (list, tuple)):
+        check_frames("frames_per_batch", frames_per_batch)
     if isinstance(frames_per_batch, (list, tuple)):
         if len(frames_per_batch) != num_workers:
             raise ValueError(
                 f"frames_per_batch must have exactly one value per worker ({num_workers}), got {len(frames_per_batch)}."
             )
         for value in frames_per_batch:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"frames_per_batch values must be positive ints, got {frames_per_batch!r}")
+            check_frames("each value of frames_per_batch", value)
         total = sum(frames_per_batch)
         # MultiAsync: each worker collects the whole batch (TorchRL's documented behaviour).
         return (list(frames_per_batch) if sync else [total] * num_workers), total

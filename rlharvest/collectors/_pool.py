@@ -228,30 +228,36 @@ class WorkerPool:
 
 
 class _Deadline:
-    """A timeout that restarts whenever the worker reports progress."""
+    """Fails a wait after ``seconds`` without an answer and without progress.
+
+    Progress is sampled at every check (every ``liveness_interval``), so the clock restarts at the
+    worker's last step, not at the start of the wait: a worker that hangs after a few steps is
+    reported ``seconds`` after its last step (comparing only at expiry counted those steps as new
+    and reported it after twice that).
+    """
 
     def __init__(self, seconds: float, handle: WorkerHandle) -> None:
         self.seconds = seconds
         self.handle = handle
         self.progress = handle.progress()
-        self.expires = time.monotonic() + seconds
+        self.started = self.last_progress = time.monotonic()
 
     def remaining(self) -> float:
-        return max(0.0, self.expires - time.monotonic())
+        return max(0.0, self.last_progress + self.seconds - time.monotonic())
 
     def check(self, pool: WorkerPool, worker: int) -> None:
-        if time.monotonic() < self.expires:
-            return
+        now = time.monotonic()
         progress = self.handle.progress()
         if progress != self.progress and progress >= 0:
-            self.progress = progress
-            self.expires = time.monotonic() + self.seconds
+            self.progress, self.last_progress = progress, now
+            return
+        if now < self.last_progress + self.seconds:
             return
         pending = next(iter(pool._outstanding[worker].values()), None)
         doing = f" to {pending.value!r}" if pending is not None else ""
         pool.unresponsive.add(worker)
         raise WorkerTimeoutError(
-            f"no answer{doing} and no progress for {self.seconds:g} s (raise the collector's "
-            f"worker_timeout if this {pool.noun} is legitimately slow).",
+            f"no answer{doing} after {now - self.started:.1f} s, and no progress for {now - self.last_progress:.1f} s "
+            f"(worker_timeout={self.seconds:g} s: raise it if this {pool.noun} is legitimately slow).",
             worker_idx=worker,
         )

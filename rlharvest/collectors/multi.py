@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import cpu_count
-from ..config import CollectorConfig
+from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
 from ..errors import WorkerError
 from ..policies import ExplorationType
@@ -140,8 +140,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         self._init_fn = init_fn
-        if self.config.replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
+        if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
+            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                          "storage).", FutureWarning, stacklevel=3)
         self._worker_idx = worker_idx
         # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
         # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
@@ -151,7 +152,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         self.update_at_each_batch = bool(update_at_each_batch)
         self.preemptive_threshold = setup.validate_preemptive_threshold(preemptive_threshold)
         self._version_tracker = track_policy_version or None
-        self._worker_timeout = float(worker_timeout)
+        self._worker_timeout = positive_seconds("worker_timeout", worker_timeout)
         self._mp_context = mp_context(mp_start_method)
         self._devices = setup.device_lists(count, device=device, storing_device=storing_device,
                                            env_device=env_device, policy_device=policy_device)

@@ -175,8 +175,9 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             raise TypeError("policy_factory cannot be used together with policy.")
         if weight_updater is not None and weight_sync_schemes:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-        if replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=2)
+        if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
+            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                          "storage).", FutureWarning, stacklevel=2)
         self.config = CollectorConfig(
             frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
             storing_device=storing_device, policy_device=policy_device, env_device=env_device,

@@ -7,6 +7,11 @@ a wake-up pipe, so :class:`~rlharvest.collectors._pool.WorkerPool` waits on RPC 
 on processes. Names: the main process is ``TRAINER_NODE`` (rank 0), node ``i`` is
 ``COLLECTOR_NODE_<i+1>``.
 
+Security (docs/security.md): torch RPC has no authentication; any process that reaches a TensorPipe
+port can send requests, which the agent unpickles, or crash it with a malformed frame. rlharvest can
+only narrow who reaches them: with local nodes, the store and every TensorPipe listener are on
+loopback (``TP_SOCKET_IFNAME`` is set to the loopback interface while the agent starts).
+
 Liveness: an RPC to a dead node fails; the main also pings nodes while waiting and declares a node
 dead when a ping fails or stays unanswered for ``heartbeat_timeout`` seconds. Nodes ping the main
 process the same way and exit when it is gone.
@@ -15,20 +20,25 @@ process the same way and exit when it is gone.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
+from urllib.parse import parse_qs, urlparse
 
 import cloudpickle
 import torch
 import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
+from torch.distributed.rendezvous import register_rendezvous_handler
 
 from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
 from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
+from .rendezvous import store_server
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = [
@@ -41,6 +51,9 @@ __all__ = [
     "RPCWeightReceiver",
     "run_rpc_node",
     "DEFAULT_TENSORPIPE_OPTIONS",
+    "serve_store",
+    "release_store",
+    "tensorpipe_interface",
 ]
 
 TRAINER_NAME = "TRAINER_NODE"
@@ -61,12 +74,60 @@ def init_rpc_quietly(name: str, rank: int, world_size: int, options) -> None:
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
-def rpc_options(host: str, port: int, tensorpipe_options: dict | None, device_maps: dict | None = None):
+def rpc_options(host: str, port: int, tensorpipe_options: dict | None, device_maps: dict | None = None,
+                init_method: str | None = None):
     """TensorPipe options: ``tensorpipe_options`` merged over the defaults (D18)."""
     options = {**DEFAULT_TENSORPIPE_OPTIONS, **(tensorpipe_options or {})}
     if device_maps:
         options["device_maps"] = device_maps
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", **options)
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method or f"tcp://{host}:{port}", **options)
+
+
+# torch's tcp:// rendezvous would serve rank 0's store on every interface: the main process serves
+# its own (store_server) and hands it to init_rpc through this URL scheme.
+_SCHEME = "rlharvest"
+_STORES: dict[str, Any] = {}
+_REGISTERED: list = []
+
+
+def _store_rendezvous(url: str, **kwargs):
+    parsed = urlparse(url)
+    query = parse_qs(parsed.query)
+    yield _STORES[parsed.netloc], int(query["rank"][0]), int(query["world_size"][0])
+    raise RuntimeError("the rlharvest rendezvous cannot be repeated")
+
+
+def serve_store(bind_host: str, port: int, world_size: int, timeout: float) -> str:
+    """Serve rank 0's store on ``bind_host`` only; returns the ``init_method`` that uses it."""
+    if not _REGISTERED:
+        register_rendezvous_handler(_SCHEME, _store_rendezvous)
+        _REGISTERED.append(True)
+    token = secrets.token_hex(8)
+    _STORES[token] = store_server(bind_host, port, world_size, timeout)
+    return f"{_SCHEME}://{token}"
+
+
+def release_store(init_method: str | None) -> None:
+    if init_method:
+        _STORES.pop(urlparse(init_method).netloc, None)
+
+
+@contextlib.contextmanager
+def tensorpipe_interface(name: str | None) -> Iterator[None]:
+    """TensorPipe listens on the address of ``$TP_SOCKET_IFNAME`` (else of this host's name): set it
+    to ``name`` while an agent starts. torch reads it once per process, at the first agent."""
+    if name is None:
+        yield
+        return
+    previous = os.environ.get("TP_SOCKET_IFNAME")
+    os.environ["TP_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TP_SOCKET_IFNAME", None)
+        else:
+            os.environ["TP_SOCKET_IFNAME"] = previous
 
 
 # ---------------------------------------------------------------------------------------------- node side
@@ -102,7 +163,7 @@ def _create_worker(spec_bytes: bytes):
     """Runs on the node (through ``rpc.remote``): build the worker; the RRef keeps it there."""
     from ..worker import Worker
 
-    spec = cloudpickle.loads(spec_bytes)
+    spec = cloudpickle.loads(spec_bytes)  # torch RPC unpickled this call already: it authenticates nobody
     torch.set_num_threads(max(1, int(spec.num_threads)))
     worker = Worker(spec, RPCNodeEndpoint(spec.worker_idx))
     worker.command_lock = threading.Lock()
@@ -192,13 +253,18 @@ def _adopt_session_state(state: dict | None) -> None:
 
 def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
                  tensorpipe_options: dict | None = None, user_timeout: float = 10.0, session: dict | None = None,
-                 **_) -> None:
-    """A node's whole life: join the RPC world, serve until the main process closes us or vanishes."""
+                 tp_interface: str | None = None, **_) -> None:
+    """A node's whole life: join the RPC world, serve until the main process closes us or vanishes.
+
+    ``tp_interface`` (the loopback interface for local nodes) is where TensorPipe listens.
+    """
     torch.set_num_threads(1)
     use_worker_scheduling()  # before init_rpc: its threads, which run the worker, inherit the policy
     _adopt_session_state(session)
     closed = threading.Event()
     _NODE["closed"] = closed
+    if tp_interface is not None:
+        os.environ["TP_SOCKET_IFNAME"] = tp_interface  # this process is the node's own
     init_rpc_quietly(node_name(rank), rank, world_size, rpc_options(host, port, tensorpipe_options))
     failures = 0
     try:

@@ -1,17 +1,13 @@
 """Nodes on other machines: a torch.distributed process group for tensors, TCP for commands.
 
-Ports (``p`` = the collector's ``tcp_port``):
-
-* ``p``   - the process-group rendezvous (a ``TCPStore`` served by rank 0, the main process);
-* ``p+1`` - the *command channel* listener (the next free port if taken; its number and an auth
-  key are published in the store): typed commands and replies, the same messages as the worker
-  processes' pipes, plus heartbeats from the node;
-* ``p+2`` - the weight-sync listener of :class:`~rlharvest.weight_update.DistributedWeightSyncScheme`.
+Start-up (store, command listener, group) is :mod:`rlharvest.transport.rendezvous`; this module is
+what runs afterwards. The command channel of a node (``tcp_port + 1``, authenticated, see
+:mod:`rlharvest.transport.channel`) carries typed commands and replies, the same messages as the
+worker processes' pipes, plus heartbeats from the node.
 
 A batch leaves a node as one flat ``uint8`` tensor (``rlharvest.data.flat``) sent point-to-point to
-rank 0, right after the node's BATCH reply; the layout travels once, with the first reply. The
-process group is created explicitly (no ``init_process_group``), so several collectors, or a
-learner's own default group, coexist in one process.
+rank 0, right after the node's BATCH reply; the layout travels once, with the first reply (over the
+authenticated channel: the group only ever carries raw tensor bytes).
 
 Liveness: a node sends a heartbeat every ``heartbeat_interval`` seconds; the parent declares it
 dead when its connection closes (process death) or when no heartbeat arrived for
@@ -24,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -39,8 +34,9 @@ from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout, is_dense
 from ..errors import RemoteFailure, WorkerError
 from .base import WorkerEndpoint, WorkerHandle
-from .channel import accept_channel, listen, open_channel
-from .ports import PortInUseError, port_is_free
+from .channel import AUTHKEY_ENV, open_channel, parse_authkey
+from .rendezvous import (BACKENDS, CONTROL_KEY, Rendezvous, check_backend, distributed_state_exists,
+                         make_process_group, mark_distributed_state)
 
 __all__ = [
     "BACKENDS",
@@ -49,128 +45,15 @@ __all__ = [
     "Rendezvous",
     "DistWorkerHandle",
     "DistWorkerEndpoint",
+    "node_authkey",
     "run_node",
 ]
 
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-_STATE = {"created": False}
+# re-exported: the launchers and collectors import them from here
+_ = (distributed_state_exists, mark_distributed_state)
 
-
-def distributed_state_exists() -> bool:
-    """Whether this process created torch.distributed state (whose threads make fork unsafe)."""
-    return _STATE["created"] or (dist.is_available() and dist.is_initialized())
-
-
-def mark_distributed_state() -> None:
-    """Record that torch.distributed (a store, a group, RPC) now runs threads in this process."""
-    _STATE["created"] = True
 BATCH_TAG = 11
 WEIGHTS_TAG = 12
-_CONTROL_KEY, _AUTH_KEY, _WEIGHTS_KEY = "rlharvest/control_port", "rlharvest/authkey", "rlharvest/weights_port"
-
-
-def check_backend(backend: str) -> str:
-    """Validate a backend name and that this torch build provides it.
-
-    Raises:
-        ValueError: for an unknown name.
-        RuntimeError: for a backend this build lacks.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    available = getattr(dist, f"is_{backend}_available", lambda: False)()
-    if not dist.is_available() or not available:
-        raise RuntimeError(
-            f"The torch.distributed backend {backend!r} is not available in this torch build "
-            f"(torch.distributed.is_{backend}_available() is False); use backend='gloo'."
-        )
-    return backend
-
-
-def make_process_group(backend: str, store, rank: int, world_size: int, timeout: float):
-    """An explicit process group (no global default group involved)."""
-    delta = datetime.timedelta(seconds=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, delta)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
-    return dist.group.WORLD
-
-
-class Rendezvous:
-    """The main process's side of node start-up: store, command listener, process group.
-
-    Raises:
-        PortInUseError: naming ``port`` when the rendezvous port is taken.
-    """
-
-    def __init__(self, host: str, bind_host: str, port: int, world_size: int, timeout: float,
-                 user_timeout: float) -> None:
-        self.host, self.port, self.world_size = host, port, world_size
-        self.timeout, self.user_timeout = timeout, user_timeout
-        self.check_port(port, bind_host)
-        _STATE["created"] = True
-        self.store = dist.TCPStore(bind_host or "0.0.0.0", port, world_size, True,
-                                   datetime.timedelta(seconds=timeout), wait_for_workers=False)
-        self.authkey = secrets.token_bytes(16)
-        self.server = listen(bind_host, port + 1)
-        self.store.set(_CONTROL_KEY, str(self.server.getsockname()[1]))
-        self.store.set(_AUTH_KEY, self.authkey.hex())
-        self.group = None
-
-    @staticmethod
-    def check_port(port: int, bind_host: str) -> None:
-        """Raises PortInUseError naming ``port`` if the rendezvous port is taken."""
-        if not port_is_free(port, bind_host):
-            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port (ports {port}, "
-                                 f"{port + 1} and {port + 2} should be free).")
-
-    def form_group(self, backend: str, op_timeout: float, alive: Callable[[], None]) -> Any:
-        """Join the process group as rank 0, calling ``alive()`` (which raises) while waiting."""
-        result: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                result["group"] = make_process_group(backend, self.store, 0, self.world_size, op_timeout)
-            except BaseException as err:  # surfaced below
-                result["error"] = err
-
-        thread = threading.Thread(target=build, name="rlharvest-pg-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes did not join the process group within {self.timeout:g} s.")
-        if "error" in result:
-            raise RuntimeError(f"forming the {backend} process group failed: {result['error']}") from result["error"]
-        self.group = result["group"]
-        return self.group
-
-    def accept_nodes(self, count: int, alive: Callable[[], None]) -> dict[int, Any]:
-        """The command channels of ``count`` nodes, keyed by rank."""
-        channels: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
-        while len(channels) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(channels)} of {count} nodes connected within {self.timeout:g} s.")
-            conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
-            if conn is None:
-                alive()
-                continue
-            hello = conn.recv()
-            channels[int(hello[1])] = conn
-        return channels
-
-    def close(self) -> None:
-        try:
-            self.server.close()
-        except OSError:
-            pass
-        self.group = None
-        self.store = None
 
 
 class DistWorkerHandle(WorkerHandle):
@@ -432,34 +315,55 @@ class DistWorkerEndpoint(WorkerEndpoint):
                 pass
 
 
+def node_authkey(authkey: bytes | str | None) -> bytes:
+    """The key a node proves it holds: ``authkey`` if given, else ``$RLHARVEST_AUTHKEY`` (hex).
+
+    Raises:
+        ValueError: when neither is set, or the key is malformed.
+    """
+    if authkey is None:
+        authkey = os.environ.get(AUTHKEY_ENV)
+        if not authkey:
+            raise ValueError(f"this node has no key to authenticate with the main process: set {AUTHKEY_ENV} to "
+                             "the collector's key (hex), see docs/security.md.")
+        return parse_authkey(authkey, AUTHKEY_ENV)
+    return parse_authkey(authkey)
+
+
 def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
-             timeout: float = 120.0, op_timeout: float = 1800.0, user_timeout: float = 10.0,
-             heartbeat_interval: float = 1.0) -> None:
+             authkey: bytes | str | None = None, timeout: float = 120.0, op_timeout: float = 1800.0,
+             user_timeout: float = 10.0, heartbeat_interval: float = 1.0, handshake_timeout: float = 5.0,
+             device_host: str | None = None) -> None:
     """A node's whole life: join the group, connect the command channel, receive its spec, serve.
 
     Every launcher (local processes, SLURM jobs, nodes started by hand or by
     ``submitit_delayed_launcher``) runs exactly this; the node learns its configuration from the main
-    process over the command channel.
+    process over the command channel, which it uses only once the main process proved it holds
+    ``authkey`` (what it reads from the store, a port number, can only make it fail, see
+    docs/security.md).
+
+    Raises:
+        AuthenticationFailed: the command listener did not prove it holds the key.
     """
     from ..worker import Reply, run_worker
 
+    key = node_authkey(authkey)
     use_worker_scheduling()  # before the store and gloo start their threads: they inherit it
     torch.set_num_threads(1)
     store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
-    group = make_process_group(backend, store, rank, world_size, op_timeout)
+    group = make_process_group(backend, store, rank, world_size, op_timeout, device_host)
     from .torchdist_weights import set_node_group
 
     set_node_group(group)
-    control_port = int(store.get(_CONTROL_KEY))
-    authkey = bytes.fromhex(store.get(_AUTH_KEY).decode())
-    conn = open_channel(host, control_port, authkey, timeout, user_timeout)
+    control_port = int(store.get(CONTROL_KEY))
+    conn = open_channel(host, control_port, key, timeout, user_timeout, handshake_timeout)
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
     payload = conn.recv_bytes()
     endpoint = DistWorkerEndpoint(conn, group, rank, heartbeat_interval)
     try:
         # The spec names the env constructors and the policy by reference: a node whose sys.path
         # lacks their module must say so to the main process, not only in its own log.
-        spec = cloudpickle.loads(payload)
+        spec = cloudpickle.loads(payload)  # authenticated bytes from the main process
     except BaseException as err:
         endpoint.send(Reply(-1, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
         endpoint.close()

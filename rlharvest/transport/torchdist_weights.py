@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from tensordict import TensorDictBase
 from ..data.flat import FlatLayout
 from ..errors import WorkerError, WorkerTimeoutError
 from .base import WeightReceiver, WeightSender
-from .channel import accept_channel, listen, open_channel, shutdown_connection
+from .channel import ChannelListener, listen, new_authkey, open_channel, shutdown_connection
 from .torchdist import WEIGHTS_TAG
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
@@ -65,14 +64,17 @@ class DistWeightSender(WeightSender):
     nodes on this host and a flat send buffer for the others."""
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, group: Callable[[], Any],
-                 liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0) -> None:
+                 liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
+                 handshake_timeout: float = 5.0) -> None:
         self.num_workers = num_workers
         self.host = host
         self.group = group
         self.liveness = liveness
         self.user_timeout = user_timeout
-        self.server = listen(bind_host, port)
-        self.authkey = secrets.token_bytes(16)
+        # Its own key, which reaches the nodes inside their spec (over their authenticated command channel).
+        self.authkey = new_authkey()
+        self.listener = ChannelListener(listen(bind_host, port), self.authkey, "weight", handshake_timeout,
+                                        user_timeout)
         self.conns: dict[int, Any] = {}
         self.local: dict[int, bool] = {}
         self._pool: GenerationPool | None = None
@@ -87,22 +89,29 @@ class DistWeightSender(WeightSender):
         self._unacked: dict[int, int] = {}
 
     def connection_info(self) -> dict:
-        return {"host": self.host, "port": self.server.getsockname()[1], "authkey": self.authkey.hex()}
+        return {"host": self.host, "port": self.listener.port, "authkey": self.authkey.hex(),
+                "handshake_timeout": self.listener.handshake_timeout}
 
     def connect(self, initial, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         here = boot_id()
         while len(self.conns) < self.num_workers:
-            conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
-            if conn is not None:
-                _, worker, local, node_boot = conn.recv()
-                self.conns[int(worker)] = conn
-                self.local[int(worker)] = bool(local) and node_boot == here
+            item = self.listener.next(0.2)
+            if item is not None:
+                conn, hello, peer = item
+                worker = _hello_worker(hello, self.num_workers)
+                if worker is None or worker in self.conns:  # authenticated, yet not a node we wait for
+                    conn.close()
+                    self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
+                    continue
+                self.conns[worker] = conn
+                self.local[worker] = bool(hello[2]) and hello[3] == here
                 continue
             self._check_peers(list(range(self.num_workers)), "to connect its weight channel")
             if time.monotonic() > deadline:
                 raise WorkerTimeoutError(f"only {len(self.conns)} of {self.num_workers} nodes connected their "
                                          "weight channel in time.")
+        self.listener.close()  # every node is connected: the port closes
         if initial is None:
             for conn in self.conns.values():
                 conn.send(("init", 0, None))
@@ -206,10 +215,7 @@ class DistWeightSender(WeightSender):
                 conn.close()
             except OSError:
                 pass
-        try:
-            self.server.close()
-        except OSError:
-            pass
+        self.listener.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -238,7 +244,7 @@ class DistWeightReceiver(WeightReceiver):
     def connect(self, timeout: float) -> TensorDictBase | None:
         info = self.info
         self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
-                                 self.user_timeout)
+                                 self.user_timeout, info.get("handshake_timeout", 5.0))
         self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id()))
         kind, _, body = self.conn.recv()
         if kind != "init":
@@ -306,6 +312,14 @@ class DistWeightReceiver(WeightReceiver):
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _hello_worker(hello: Any, num_workers: int) -> int | None:
+    """The worker index in a node's ``("hello", worker, local, boot_id)`` if it is a valid one."""
+    if (isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and type(hello[1]) is int
+            and 0 <= hello[1] < num_workers):
+        return hello[1]
+    return None
 
 
 def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:

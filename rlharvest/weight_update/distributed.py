@@ -63,6 +63,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             group=lambda: context._process_group,
             liveness=context._worker_liveness,
             user_timeout=getattr(context, "_user_timeout", 10.0),
+            handshake_timeout=getattr(context, "_handshake_timeout", 5.0),
         )
 
     def _initial_payload(self, weights: Any):

@@ -480,9 +480,15 @@ def test_extend_buffer_false_writes_steps_and_rejects_postproc():
                   postproc=lambda td: td, local_init_rb=True)
 
 
-def test_local_init_rb_none_warns():
-    with pytest.warns(FutureWarning, match="local_init_rb"):
+def test_local_init_rb_warns_only_when_passed_false():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not passing it (or passing True, today's behaviour) is silent
         Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10))
+        Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10), local_init_rb=True)
+    with pytest.warns(FutureWarning, match="local_init_rb=False"):
+        Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10), local_init_rb=False)
 
 
 def test_worker_idx_defaults_to_none():  # D6

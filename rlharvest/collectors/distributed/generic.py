@@ -9,7 +9,6 @@ the collector logic (sync/async iteration, weights, seeds, profiling, shutdown) 
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -30,8 +29,9 @@ from .. import _multi_setup as setup
 from .._pool import WorkerPool
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
+from ._network import NetworkConfig
 from ._push import PushedBatchReceiver
-from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
+from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, launch_nodes
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
 
@@ -80,13 +80,20 @@ class DistributedCollector(RemoteCollectorBase):
         max_weight_update_interval: force an update of a node after this many batches without one.
         update_interval: push the main policy's weights every this many batches.
         launcher: ``"mp"``, ``"submitit"`` (default) or ``"submitit_delayed"``.
-        tcp_port: base port (``p``, ``p+1``, ``p+2`` are used); default ``$TCP_PORT`` or 10003.
+        tcp_port: base port (``p``, ``p+1``, ``p+2`` are used), an int in 1..65533; 0 picks free
+            ports (not with ``"submitit_delayed"``); default ``$TCP_PORT`` or 10003.
         weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).
         weight_sync_schemes: ``{model_id: scheme}``; default ``{"policy": DistributedWeightSyncScheme()}``.
         weight_recv_schemes: schemes through which this collector itself receives weights.
         worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
         heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
         mp_start_method: start method of ``"mp"`` nodes (platform default).
+        bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
+            ``"mp"``, else the address this host's name resolves to (the one nodes are told);
+            ``"0.0.0.0"`` listens on every interface. See docs/security.md.
+        authkey: the key nodes must prove they hold (bytes or hex, 16+ bytes). Default:
+            ``$RLHARVEST_AUTHKEY``, else a fresh one; ``"submitit_delayed"`` needs one of the two.
+        handshake_timeout: seconds a connecting peer has to authenticate (strangers are dropped).
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -138,6 +145,9 @@ class DistributedCollector(RemoteCollectorBase):
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
+        bind_address: str | None = None,
+        authkey: bytes | str | None = None,
+        handshake_timeout: float = 5.0,
     ) -> None:
         self._closed = True
         self._pool = None
@@ -164,11 +174,14 @@ class DistributedCollector(RemoteCollectorBase):
         # SPEC §4.3: take a node's batch, yield it, (update), then re-launch that node, so that weights
         # changed by the caller before the next batch reach the node before it collects again.
         self._relaunch_after_yield = True
-        self.tcp_port = str(tcp_port) if tcp_port is not None else os.environ.get("TCP_PORT", str(TCP_PORT))
+        self._net = self._network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
+                                  handshake_timeout)
+        self.tcp_port = str(self._net.tcp_port)
+        self._advertised_host, self._bind_host = self._net.advertised_host, self._net.bind_host
+        self._worker_timeout, self._heartbeat_timeout = self._net.worker_timeout, self._net.heartbeat_timeout
+        self._handshake_timeout, self._user_timeout = self._net.handshake_timeout, self._net.user_timeout
         self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}
         self._frames_per_node = frames_per_batch // count if self._sync else frames_per_batch
-        self._worker_timeout, self._heartbeat_timeout = float(worker_timeout), float(heartbeat_timeout)
-        self._user_timeout = max(3.0, heartbeat_timeout)
         self._mp_start_method = mp_start_method
         self._devices = {name: to_device_list(value, count, name) for name, value in (
             ("device", device), ("storing_device", storing_device), ("env_device", env_device),
@@ -206,6 +219,13 @@ class DistributedCollector(RemoteCollectorBase):
             raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
         if weight_updater is not None and weight_sync_schemes is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+
+    @staticmethod
+    def _network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
+                 handshake_timeout) -> NetworkConfig:
+        return NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=authkey,
+                                   worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+                                   handshake_timeout=handshake_timeout)
 
     def _check_sub_workers(self, num_workers_per_collector: int) -> int:
         if self.collector_class is Collector and num_workers_per_collector != 1:
@@ -264,20 +284,18 @@ class DistributedCollector(RemoteCollectorBase):
         return self._rendezvous.group if self._rendezvous is not None else None
 
     def _start(self, count: int) -> None:
-        local = self.launcher == "mp"
-        self._advertised_host = "127.0.0.1" if local else main_host_ip()
-        self._bind_host = "127.0.0.1" if local else ""
-        port = int(self.tcp_port)
+        net = self._net
         launched = []
-        Rendezvous.check_port(port, self._bind_host)
+        Rendezvous.check_port(net.tcp_port, net.bind_host)
         try:
             # Nodes first (they wait for the store): forking happens before this process starts threads.
-            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
+            launched = launch_nodes(self.launcher, count + 1, net.advertised_host, net.tcp_port, self.backend,
                                     slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method,
-                                    node_kwargs={"user_timeout": self._user_timeout})
+                                    node_kwargs=net.node_kwargs())
             self._launched = launched
-            self._rendezvous = Rendezvous(self._advertised_host, self._bind_host, port, count + 1,
-                                          timeout=self._worker_timeout, user_timeout=self._user_timeout)
+            self._rendezvous = Rendezvous(net.bind_host, net.tcp_port, count + 1, net.authkey,
+                                          timeout=net.worker_timeout, user_timeout=net.user_timeout,
+                                          handshake_timeout=net.handshake_timeout, device_host=net.device_host)
 
             def alive() -> None:
                 for node, entry in enumerate(launched):

@@ -2,9 +2,12 @@
 by :func:`submitit_delayed_launcher` before the collector exists (``"submitit_delayed"``).
 
 Whatever starts them, every node runs :func:`rlharvest.transport.torchdist.run_node` (or its RPC
-twin) with only its rank, the world size and the main process's address: the rest of its
-configuration arrives over the command channel. A launched node is represented by a
-:class:`LaunchedNode`, which answers "is it alive?" and makes sure it is gone at shutdown.
+twin) with only its rank, the world size, the main process's address and the collector's key: the
+rest of its configuration arrives over the command channel. The key never travels through the
+rendezvous store (see docs/security.md): ``"mp"`` nodes get it in their start arguments, SLURM jobs
+inside their submitit pickle, in a job folder only its owner can read. A launched node is
+represented by a :class:`LaunchedNode`, which answers "is it alive?" and makes sure it is gone at
+shutdown.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from ..._utils import worker_scheduling
+from ...transport.channel import AUTHKEY_ENV, new_authkey
 from ...transport.mp import _set_parent_death_signal, mp_context
 from ...transport.torchdist import distributed_state_exists
 
@@ -32,6 +36,7 @@ __all__ = [
     "launch_nodes",
     "submitit_delayed_launcher",
     "node_main",
+    "private_job_folder",
 ]
 
 #: SLURM parameters of node jobs (merged under ``slurm_kwargs``)
@@ -42,6 +47,8 @@ DEFAULT_SLURM_CONF_MAIN = {"timeout_min": 10, "slurm_partition": "train", "slurm
 #: default base port when neither ``tcp_port`` nor the ``TCP_PORT`` environment variable is set
 TCP_PORT = 10003
 LAUNCHERS = ("mp", "submitit", "submitit_delayed")
+#: where submitit keeps the jobs' pickles (they hold the collector's key): only its owner may enter it
+JOB_FOLDER = "log_test"
 _ALIVE_STATES = {"PENDING", "RUNNING", "UNKNOWN", "COMPLETING", "REQUEUED", "CONFIGURING", "RESIZING", "SUSPENDED"}
 
 
@@ -272,12 +279,29 @@ def launch_nodes(launcher: str, world_size: int, host: str, port: int, backend: 
     raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
 
 
-def _executor(conf: dict, folder: str = "log_test"):
+def private_job_folder(folder: str) -> str:
+    """Create ``folder`` (mode 0700) or make sure it is private; submitit's pickles go there.
+
+    Raises:
+        PermissionError: when ``folder`` belongs to another user (its pickles would be theirs to
+            read or replace).
+    """
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.stat(folder)
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"the submitit job folder {os.path.abspath(folder)!r} belongs to uid {info.st_uid}, "
+                              "not to you: its job pickles hold the collector's key. Remove it or run elsewhere.")
+    if info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
+
+
+def _executor(conf: dict, folder: str = JOB_FOLDER):
     try:
         import submitit
     except ImportError as err:
         raise ImportError("launcher='submitit' needs the submitit package: pip install 'rlharvest[slurm]'") from err
-    executor = submitit.AutoExecutor(folder=folder)
+    executor = submitit.AutoExecutor(folder=private_job_folder(folder))
     executor.update_parameters(**conf)
     return executor
 
@@ -304,6 +328,9 @@ def submitit_delayed_launcher(
     resolves its node's address, then submits ``num_jobs`` node jobs that join the main process's
     process group on ``tcpport``. Returns the main job's result.
 
+    The collector's key (see docs/security.md) is ``$RLHARVEST_AUTHKEY`` if set, else a fresh one:
+    it reaches the node jobs inside their pickles and the main job as ``RLHARVEST_AUTHKEY``.
+
     Args:
         num_jobs: number of nodes (one per ``create_env_fn`` entry of the collector).
         framework: ``"distributed"`` (DistributedCollector) or ``"rpc"`` (RPCCollector).
@@ -326,10 +353,12 @@ def submitit_delayed_launcher(
     def decorator(main_func: Callable) -> Callable:
         @functools.wraps(main_func)
         def submit_all(*args, **kwargs) -> Any:
-            main_job = _executor(submitit_main_conf).submit(main_func, *args, **kwargs)
+            authkey = os.environ.get(AUTHKEY_ENV) or new_authkey().hex()
+            main_job = _executor(submitit_main_conf).submit(_with_authkey, authkey, main_func, *args, **kwargs)
             host = _job_host(main_job)
             node_executor = _executor(submitit_collection_conf)
-            node_jobs = [node_executor.submit(node_main, rank, num_jobs + 1, host, int(tcpport), backend, framework)
+            node_jobs = [node_executor.submit(node_main, rank, num_jobs + 1, host, int(tcpport), backend, framework,
+                                              authkey=authkey)
                          for rank in range(1, num_jobs + 1)]
             try:
                 return main_job.result()
@@ -340,6 +369,12 @@ def submitit_delayed_launcher(
         return submit_all
 
     return decorator
+
+
+def _with_authkey(authkey: str, main_func: Callable, *args, **kwargs) -> Any:
+    """The main job: its collector finds the key where nodes started by hand find theirs."""
+    os.environ[AUTHKEY_ENV] = authkey
+    return main_func(*args, **kwargs)
 
 
 def _job_host(job, timeout: float = 600.0) -> str:

@@ -17,14 +17,16 @@ import torch.distributed.rpc as rpc
 from ...errors import WorkerError
 from ...policies import ExplorationType
 from ...transport.ports import PortInUseError, port_is_free
-from ...transport.rpc import TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, rpc_options, rpc_session_state
+from ...transport.rendezvous import loopback_interface, mark_distributed_state
+from ...transport.rpc import (TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, release_store, rpc_options,
+                              rpc_session_state, serve_store, tensorpipe_interface)
 from ...transport.rpc import _boot_id
-from ...transport.torchdist import mark_distributed_state
 from ...transport.torchdist_weights import boot_id, is_loopback
 from ...weight_update.rpc import RPCWeightSyncScheme
 from .. import _multi_setup as setup
 from .._pool import WorkerPool
 from ..single import Collector
+from ._network import NetworkConfig
 from .generic import DistributedCollector
 from .launchers import launch_nodes
 
@@ -43,6 +45,10 @@ class RPCCollector(DistributedCollector):
         trajs_per_batch, trajs_per_write, traj_format: batches of complete trajectories, assembled on
             this process from the nodes' batches, as :class:`~rlharvest.collectors.Collector` does
             (docs/trajectories.md).
+
+    ``bind_address`` is where the store listens (DistributedCollector's default: loopback with
+    ``"mp"``, where TensorPipe listens on loopback too). torch RPC authenticates nobody, whatever the
+    address: see docs/security.md before exposing its ports.
 
     Remote references to the node collectors are in ``collector_rrefs`` (``collector_infos``
     holds their RPC worker infos), e.g. to attach an ``RPCWeightUpdater``.
@@ -92,6 +98,7 @@ class RPCCollector(DistributedCollector):
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
+        bind_address: str | None = None,
         trajs_per_batch: int | None = None,
         trajs_per_write: int | None = None,
         traj_format: str | None = None,
@@ -115,7 +122,7 @@ class RPCCollector(DistributedCollector):
             max_weight_update_interval=max_weight_update_interval, update_interval=None, launcher=launcher,
             tcp_port=tcp_port, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
             weight_recv_schemes=weight_recv_schemes, replay_buffer=replay_buffer, worker_timeout=worker_timeout,
-            heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method,
+            heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method, bind_address=bind_address,
         )
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
@@ -129,29 +136,35 @@ class RPCCollector(DistributedCollector):
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
         self._weight_sync_schemes = None if self._legacy else self._sender_schemes
 
+    @staticmethod
+    def _network(launcher, tcp_port, bind_address, authkey, worker_timeout, heartbeat_timeout,
+                 handshake_timeout) -> NetworkConfig:
+        return NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=None,
+                                   worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+                                   needs_key=False)
+
     # ------------------------------------------------------------------ start-up
     def _start(self, count: int) -> None:
         if rpc.api._is_current_rpc_agent_set():
             raise RuntimeError("torch RPC is already initialised in this process (one RPCCollector at a time: "
                                "shut the other one down first).")
-        local = self.launcher == "mp"
-        self._advertised_host = "127.0.0.1" if local else __import__(
-            "rlharvest.collectors.distributed.launchers", fromlist=["x"]).main_host_ip()
-        self._bind_host = "127.0.0.1" if local else ""
-        port = int(self.tcp_port)
-        if not port_is_free(port, self._bind_host):
-            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port.")
+        net = self._net
+        if not port_is_free(net.tcp_port, net.bind_host):
+            raise PortInUseError(f"tcp_port {net.tcp_port} is already in use: pick another tcp_port, or tcp_port=0 "
+                                 "for free ports.")
+        self._tp_interface = loopback_interface() if net.local else None
         launched = []
         self._rpc_ready = False
+        self._init_method = None
         try:
-            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
+            launched = launch_nodes(self.launcher, count + 1, net.advertised_host, net.tcp_port, self.backend,
                                     framework="rpc", slurm_kwargs=self.slurm_kwargs,
                                     start_method=self._mp_start_method,
                                     node_kwargs={"tensorpipe_options": self.tensorpipe_options,
-                                                 "user_timeout": self._user_timeout,
-                                                 "session": rpc_session_state()})
+                                                 "user_timeout": net.user_timeout, "session": rpc_session_state(),
+                                                 "tp_interface": self._tp_interface})
             self._launched = launched
-            self._init_rpc(count, port, launched)
+            self._init_rpc(count, net.tcp_port, launched)
             handles = [RPCWorkerHandle(node, node + 1, launched[node], self._heartbeat_timeout) for node in range(count)]
             self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
             self._register_live()
@@ -173,7 +186,9 @@ class RPCCollector(DistributedCollector):
 
     def _init_rpc(self, count: int, port: int, launched) -> None:
         """Join the RPC world as rank 0, watching the nodes while they start."""
-        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count))
+        self._init_method = serve_store(self._bind_host, port, count + 1, self._worker_timeout)
+        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count),
+                              init_method=self._init_method)
         result: dict[str, Any] = {}
 
         def init() -> None:
@@ -183,16 +198,18 @@ class RPCCollector(DistributedCollector):
                 result["error"] = err
 
         mark_distributed_state()
-        thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._worker_timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            for node, entry in enumerate(launched):
-                if not entry.is_alive():
-                    raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
+        with tensorpipe_interface(self._tp_interface):
+            thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
+            thread.start()
+            deadline = time.monotonic() + self._worker_timeout
+            while thread.is_alive():
+                thread.join(0.1)
+                for node, entry in enumerate(launched):
+                    if not entry.is_alive():
+                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.",
+                                          worker_idx=node)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
         if "error" in result:
             raise RuntimeError(f"starting torch RPC failed: {result['error']}") from result["error"]
         self._rpc_ready = True
@@ -244,6 +261,7 @@ class RPCCollector(DistributedCollector):
     def _stop_rpc(self) -> None:
         """Non-graceful by design: a graceful shutdown is a barrier that hangs on a dead node, and
         waits for remote-reference bookkeeping that repeated sessions in one process confuse."""
+        release_store(getattr(self, "_init_method", None))
         if getattr(self, "_rpc_ready", False):
             self._rpc_ready = False
             self.collector_rrefs = []

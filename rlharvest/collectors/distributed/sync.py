@@ -71,8 +71,12 @@ class DistributedSyncCollector(DistributedCollector):
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
+        bind_address: str | None = None,
+        authkey: bytes | str | None = None,
+        handshake_timeout: float = 5.0,
     ) -> None:
         count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 0
+        setup.check_frames("frames_per_batch", frames_per_batch)
         if count and frames_per_batch % count:
             raise RuntimeError(f"Cannot dispatch {frames_per_batch} frames across {count} nodes: use a "
                                "frames_per_batch divisible by the number of nodes.")
@@ -91,6 +95,7 @@ class DistributedSyncCollector(DistributedCollector):
             slurm_kwargs=slurm_kwargs, backend=backend, max_weight_update_interval=max_weight_update_interval,
             update_interval=None, launcher=launcher, tcp_port=tcp_port, weight_sync_schemes=schemes,
             worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method,
+            bind_address=bind_address, authkey=authkey, handshake_timeout=handshake_timeout,
         )
         self.update_interval = int(update_interval) if update_interval else 1
         self._pushing = False
