@@ -42,6 +42,14 @@ class TrajectoryCounter:
     def take(self, n: int) -> int:
         raise NotImplementedError
 
+    def peek(self) -> int:
+        """The next id ``take`` would hand out."""
+        raise NotImplementedError
+
+    def advance_to(self, value: int) -> None:
+        """Never hand out ids below ``value`` (after a state dict is loaded: ids stay unique)."""
+        raise NotImplementedError
+
 
 class LocalTrajectoryCounter(TrajectoryCounter):
     """A thread-safe in-process counter."""
@@ -56,8 +64,14 @@ class LocalTrajectoryCounter(TrajectoryCounter):
             self._next += n
             return first
 
-    def state(self) -> int:
+    def peek(self) -> int:
         return self._next
+
+    state = peek
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._next = max(self._next, int(value))
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         count = len(env_fns)
         env_kwargs = setup.per_worker(create_env_kwargs or {}, count, "create_env_kwargs",
                                       is_single=lambda v: isinstance(v, dict))
-        counter = SharedTrajectoryCounter(self._mp_context)
+        counter = self._traj_counter = SharedTrajectoryCounter(self._mp_context)
         config = self.config
         specs = []
         for worker in range(count):

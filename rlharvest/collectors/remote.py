@@ -225,6 +225,9 @@ class RemoteCollectorBase(BaseCollector):
         self._drain_async()
         state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
         state.update(frames=self._frames, iter=self._iter)
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None:
+            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -239,6 +242,10 @@ class RemoteCollectorBase(BaseCollector):
         self._iter = state_dict["iter"]
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None and "traj_pool" in state_dict:
+            counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._pool.broadcast(Command.RESET, None)  # episodes restart, with ids after the saved ones
 
     def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
         """Reset every worker's envs, or those whose entry of ``reset_idx`` is True.

@@ -541,6 +541,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
+        state["traj_pool"] = {"traj_id": torch.tensor(self._rollout.traj_counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -555,6 +556,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
             self._on_version_bump(self._policy_version)
+        if "traj_pool" in state_dict:
+            # ids continue after the saved ones (a replay buffer may hold them); episodes restart
+            self._rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._rollout.reset()
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"
