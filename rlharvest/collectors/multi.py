@@ -297,7 +297,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         # No scheme (parameter-free policy): nothing to send; versions still move.
         self._policy_version += 1
 
-    def _on_legacy_weights_written(self, device: torch.device) -> None:
+    def legacy_weights_written(self, device: torch.device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
         updater = self.weight_updater
         workers = [w for w in range(self.num_workers) if self.config.policy_device_of(w) == torch.device(device)]

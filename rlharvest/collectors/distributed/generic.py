@@ -369,7 +369,9 @@ class DistributedCollector(RemoteCollectorBase):
             if isinstance(node, int) and 0 <= node < self.num_workers:
                 self._batches_since_update[node] = 0  # any update of a node resets its counter
 
-    def _legacy_push(self, worker: int, weights, wait: bool = True) -> None:
+    def push_legacy_weights(self, worker: int, weights, wait: bool = True) -> None:
+        """Send ``weights`` to node ``worker`` for the legacy ``DistributedWeightUpdater`` (waits for the
+        acknowledgement when ``wait``)."""
         scheme = self._sender_schemes.get("policy")
         if scheme is None:
             return
