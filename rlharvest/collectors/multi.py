@@ -25,7 +25,7 @@ from ..weight_update.strategy import weights_of
 from ..worker import run_worker
 from . import _worker_args as setup
 from ._fleet import Fleet
-from ._signatures import bind_arguments, derived_signature
+from ._signatures import bind_arguments, derived_signature, method_signature
 from .remote import RemoteCollectorBase
 from .single import Collector
 
@@ -446,3 +446,5 @@ class AsyncCollector(MultiAsyncCollector):
             raise ValueError("AsyncCollector runs exactly one worker.")
         arguments["create_env_kwargs"] = [arguments["create_env_kwargs"] or {}]
         super().__init__([create_env_fn], **arguments)
+
+    __init__.__signature__ = method_signature(__signature__)

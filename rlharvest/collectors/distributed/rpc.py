@@ -13,7 +13,7 @@ from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
 from ...worker.nodes import RPC_CALLS, node_main
 from .. import _worker_args as setup
-from .._signatures import bind_arguments, derived_signature, keyword
+from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ._network import NetworkConfig
 from .generic import DistributedCollector
 
@@ -67,6 +67,8 @@ class RPCCollector(DistributedCollector):
         self.collector_infos: list = []
         self._retired_rrefs: list = []
         super().__init__(**arguments, update_interval=None)
+
+    __init__.__signature__ = method_signature(__signature__)
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 

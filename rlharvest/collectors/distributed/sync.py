@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
 from .. import _worker_args as setup
-from .._signatures import bind_arguments, derived_signature
+from .._signatures import bind_arguments, derived_signature, method_signature
 from ..remote import valid_part
 from .generic import DistributedCollector
 
@@ -58,6 +58,8 @@ class DistributedSyncCollector(DistributedCollector):
         super().__init__(**arguments, sync=True, update_interval=None, weight_sync_schemes=schemes)
         self.update_interval = int(update_interval) if update_interval else 1
         self._pushing = False
+
+    __init__.__signature__ = method_signature(__signature__)
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
