@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
+from ..errors import WorkerError
 from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
@@ -129,7 +130,7 @@ class RemoteCollectorBase(BaseCollector):
 
     def _iterate_sync(self) -> Iterator[TensorDictBase | None]:
         while not self._reached_total():
-            self._before_sync_batch()
+            self._updating_weights(self._before_sync_batch)
             self._iter += 1
             replies = self._gather_sync(self._random_phase())
             batches = [self._handle_worker_batch(w, r) for w, r in enumerate(replies)]
@@ -143,8 +144,25 @@ class RemoteCollectorBase(BaseCollector):
 
     def _gather_sync(self, random: bool) -> list:
         pool = self._pool
-        ids = {w: self._request_batch(w, random) for w in range(len(pool))}
-        return [pool.wait_for(w, ids[w]) for w in range(len(pool))]
+        ids = {w: self._launch(w, random) for w in range(len(pool))}
+        replies: dict[int, Any] = {}
+        for worker in range(len(pool)):
+            while worker not in replies:
+                try:
+                    replies[worker] = pool.wait_for(worker, ids[worker])
+                except WorkerError as err:  # its batch is dropped and asked again of its replacement
+                    failed = self._restart_after(err)
+                    replies.pop(failed, None)
+                    ids[failed] = self._launch(failed, random)
+        return [replies[w] for w in range(len(pool))]
+
+    def _launch(self, worker: int, random: bool) -> int:
+        """:meth:`_request_batch`, replacing the worker first when it is found failed (restarts on)."""
+        while True:
+            try:
+                return self._request_batch(worker, random)
+            except WorkerError as err:
+                self._restart_after(err)
 
     def _iterate_async(self) -> Iterator[TensorDictBase | None]:
         pool = self._pool
@@ -152,9 +170,12 @@ class RemoteCollectorBase(BaseCollector):
         while not self._reached_total():
             for worker in range(len(pool)):
                 if worker not in running:
-                    self._before_relaunch(worker)
-                    running[worker] = self._request_batch(worker, self._random_phase())
-            worker, reply = pool.wait_any(running)
+                    self._relaunch(worker)
+            try:
+                worker, reply = pool.wait_any(running)
+            except WorkerError as err:  # its batch is dropped; the loop asks its replacement again
+                self._restart_after(err)
+                continue
             del running[worker]
             self._iter += 1
             batch = self._handle_worker_batch(worker, reply)
@@ -162,10 +183,55 @@ class RemoteCollectorBase(BaseCollector):
             self._frames += self._count_frames([reply])
             if not self._relaunch_after_yield and not self._reached_total():
                 # re-launch before yielding: the worker collects while the caller trains
-                self._before_relaunch(worker)
-                running[worker] = self._request_batch(worker, self._random_phase())
+                self._relaunch(worker)
             yield from self._emit([batch] if batch is not None else [], [reply], sync=False, counted=True)
             self._after_yield(worker)
+
+    def _relaunch(self, worker: int) -> None:
+        """Async: weights for ``worker`` if due, then its next request (replacing it if found failed)."""
+        self._updating_weights(lambda: self._before_relaunch(worker))
+        self._async_requests[worker] = self._launch(worker, self._random_phase())
+
+    # ------------------------------------------------------------------ restarts (docs/restarts.md)
+    def _restart_after(self, err: WorkerError, **changes: Any) -> int:
+        """Replace the worker ``err`` names, as the restart policy allows, and return its index.
+
+        What it had in flight is dropped (its pending request, the steps of its unfinished
+        trajectories); a replacement that fails while starting counts as one more failure.
+
+        Raises:
+            WorkerError: ``err`` itself with ``max_worker_restarts=0``; past the limit, a
+                ``RestartLimitError`` listing every cause.
+        """
+        restarts = self._fleet.restarts
+        worker = restarts.admit(err)
+        while True:
+            self._forget_in_flight(worker)
+            try:
+                self._replace_worker(worker, restart=restarts.restarts_of(worker), **changes)
+                return worker
+            except WorkerError as again:
+                worker = restarts.admit(again)
+
+    def _forget_in_flight(self, worker: int) -> None:
+        """Drop what ``worker`` had in flight before it is replaced."""
+        self._async_requests.pop(worker, None)
+
+    def _updating_weights(self, update) -> None:
+        """Run an automatic weight update; a worker it finds failed is replaced.
+
+        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
+        have the new weights; the replacement starts with them (and their version) too.
+        """
+        try:
+            update()
+        except WorkerError as err:
+            restarts = self._fleet.restarts if self._fleet is not None else None
+            if restarts is None or not restarts.enabled:
+                raise
+            # the update counts as done: the replacement starts at the version it makes
+            self._restart_after(err, policy_version=self._policy_version + 1)
+            BaseCollector.increment_version(self)
 
     @property
     def _async_requests(self) -> dict[int, int]:
@@ -247,9 +313,13 @@ class RemoteCollectorBase(BaseCollector):
 
     def _drain_async(self) -> None:
         """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
-        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken)."""
+        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
+        a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
         for worker, request_id in list(self._async_requests.items()):
-            self._pool.wait_arrived(worker, request_id)
+            try:
+                self._pool.wait_arrived(worker, request_id)
+            except WorkerError as err:
+                self._restart_after(err)
 
     def get_distant_attr(self, attr: str) -> list[Any]:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
@@ -412,10 +482,11 @@ class RemoteCollectorBase(BaseCollector):
         """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
         return {"policy_version": self._policy_version}
 
-    def _replace_worker(self, worker: int) -> None:
+    def _replace_worker(self, worker: int, **changes: Any) -> None:
         """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
-        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker")."""
-        self._fleet.replace(worker, **self._replacement_changes(worker))
+        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
+        with ``changes`` to its spec on top."""
+        self._fleet.replace(worker, **{**self._replacement_changes(worker), **changes})
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

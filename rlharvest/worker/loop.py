@@ -159,8 +159,9 @@ class Worker:
             collector.set_policy_version(spec.policy_version)
         if receivers:
             collector.register_scheme_receiver(receivers)
-        if spec.seed is not None:
-            _seed_worker(collector, spec.seed, spec.static_seed)
+        seed = spec.start_seed()
+        if seed is not None:
+            _seed_worker(collector, seed, spec.static_seed)
         return collector
 
     # ------------------------------------------------------------------ dispatch

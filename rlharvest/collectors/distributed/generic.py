@@ -26,6 +26,7 @@ from ...weight_update.schemes import WeightSyncScheme
 from ...worker.nodes import node_main
 from .. import _worker_args as setup
 from .._fleet import Fleet
+from .._restarts import RestartPolicy
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
 from ._network import NetworkConfig
@@ -87,6 +88,9 @@ class DistributedCollector(RemoteCollectorBase):
         weight_recv_schemes: schemes through which this collector itself receives weights.
         worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
         heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
+        max_worker_restarts: failed nodes replaced (a new node through the same launcher) before a
+            failure raises; 0 (default): the first failure raises ``WorkerError``. docs/restarts.md.
+        restart_delay: seconds to wait before a failed node's replacement starts.
         mp_start_method: start method of ``"mp"`` nodes (platform default).
         bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
             ``"mp"``, else the address this host's name resolves to (the one nodes are told);
@@ -142,6 +146,8 @@ class DistributedCollector(RemoteCollectorBase):
         replay_buffer=None,
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
         mp_start_method: str | None = None,
         bind_address: str | None = None,
         authkey: bytes | str | None = None,
@@ -274,7 +280,8 @@ class DistributedCollector(RemoteCollectorBase):
             self._weight_sync_schemes = self._sender_schemes
 
     def _start_nodes(self, count: int) -> None:
-        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        restarts = RestartPolicy(self.config.max_worker_restarts, self.config.restart_delay, self.noun)
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout, restarts)
         self._register_live()
         try:
             for model_id, scheme in self._sender_schemes.items():
