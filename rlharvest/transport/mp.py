@@ -81,6 +81,14 @@ class SharedTrajectoryCounter(TrajectoryCounter):
             view[1] = 0
             self._lock.release()  # a semaphore: any process may release it
 
+    def peek(self) -> int:
+        with self._lock:
+            return int(self._value[0])
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._value[0] = max(int(self._value[0]), int(value))
+
     def __getstate__(self):
         return {"_value": self._value, "_lock": self._lock, "_view": None}
 
