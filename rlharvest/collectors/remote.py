@@ -230,11 +230,12 @@ class RemoteCollectorBase(BaseCollector):
             self._running_traj_ids: dict[int, list[int]] = {}
         return self._running_traj_ids
 
-    def _updating_weights(self, update) -> None:
+    def _updating_weights(self, update, counted: bool = True) -> None:
         """Run an automatic weight update; a worker it finds failed is replaced.
 
         Updates are delivered to every worker before acknowledgements are awaited, so the survivors
-        have the new weights; the replacement starts with them (and their version) too.
+        have the new weights; the replacement starts with them (and, when the update ``counted`` a
+        version, with the version it makes) too.
         """
         try:
             update()
@@ -242,9 +243,10 @@ class RemoteCollectorBase(BaseCollector):
             restarts = self._fleet.restarts if self._fleet is not None else None
             if restarts is None or not restarts.enabled:
                 raise
-            # the update counts as done: the replacement starts at the version it makes
-            self._restart_after(err, policy_version=self._policy_version + 1)
-            BaseCollector.increment_version(self)
+            step = 1 if counted else 0
+            self._restart_after(err, policy_version=self._policy_version + step)
+            if counted:
+                BaseCollector.increment_version(self)
 
     @property
     def _async_requests(self) -> dict[int, int]:
@@ -378,6 +380,10 @@ class RemoteCollectorBase(BaseCollector):
         """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
         each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
 
+        Always there: ``workers``, ``workers_alive``, ``restarts`` (failed workers replaced, over the
+        collector's life) and per worker ``worker_<i>/restarts`` and ``worker_<i>/restart_causes``
+        (``"<kind>: <message>"`` of each, ``"; "``-separated). docs/restarts.md.
+
         Raises:
             ValueError: for another ``workers`` value.
         """
@@ -386,6 +392,8 @@ class RemoteCollectorBase(BaseCollector):
         stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
         stats["workers"] = self.num_workers
         stats["workers_alive"] = sum(not self._pool.is_dead(w) for w in range(self.num_workers)) if self._pool else 0
+        if self._fleet is not None:  # kept here, no worker is asked
+            stats.update(self._fleet.restarts.stats(self.num_workers))
         if workers != "aggregate":
             for worker, worker_stats in enumerate(self.map_fn("stats")):
                 stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})

@@ -12,6 +12,7 @@ from typing import Iterator
 
 from tensordict import TensorDictBase
 
+from ...errors import WorkerError, WorkerTimeoutError
 from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
 from .. import _worker_args as setup
@@ -71,9 +72,7 @@ class DistributedSyncCollector(DistributedCollector):
             self._iter += 1
             batches, frames = [], 0
             for node in range(self.num_workers):
-                worker, reply = pool.next_pushed(self._worker_timeout, [node]) or (None, None)
-                if reply is None:
-                    raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
+                reply = self._next_batch_of(node)
                 batch = self._remap_traj_ids(pool.handles[node].fetch_batch(reply), node)
                 batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
@@ -81,10 +80,30 @@ class DistributedSyncCollector(DistributedCollector):
             self._yielded += 1
             yield from self._emit(batches, [], sync=True, counted=True)
 
+    def _next_batch_of(self, node: int):
+        """The next batch ``node`` pushes; a node that failed is replaced (restarts on) and its next
+        batch awaited instead, the one it was sending being dropped."""
+        while True:
+            try:
+                got = self._pool.next_pushed(self._worker_timeout, [node])
+                if got is not None:
+                    return got[1]
+                if not self._fleet.restarts.enabled:
+                    raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
+                raise WorkerTimeoutError(f"pushed no batch within {self._worker_timeout:g} s.", worker_idx=node)
+            except WorkerError as err:
+                self._restart_after(err)
+
+    def _replace_worker(self, worker: int, **changes) -> None:
+        super()._replace_worker(worker, **changes)
+        if self._pushing:  # the replacement runs free like the others
+            self._pool.request(worker, Command.RUN_FREE)
+
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")
         if scheme is not None:
-            scheme.send()  # sync=False: nodes pick it up between two env steps
+            # sync=False: nodes pick it up between two env steps; no version is counted here
+            self._updating_weights(scheme.send, counted=False)
 
     def _close_workers(self, timeout: float) -> None:
         if self._pushing:
