@@ -21,7 +21,8 @@ import torch
 from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices",
+           "validate_exploration_type"]
 
 _TRAJ_FORMAT_DEFAULT = (
     "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
@@ -403,6 +404,10 @@ def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
             raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
                             f"{type(value).__name__} {value!r}")
         return _positive_int("frames_per_batch", value)
+    for entry in value:
+        if isinstance(entry, bool) or not isinstance(entry, int):
+            raise TypeError(f"each value of frames_per_batch must be a positive int, got {type(entry).__name__} "
+                            f"{entry!r}")
     return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
 
 

@@ -27,6 +27,7 @@ __all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "check_restart_
 
 logger = logging.getLogger("rlharvest.restarts")
 
+_WORKER_ERROR = f"{WorkerError.__module__}.{WorkerError.__qualname__}"
 #: what a failure is, as ``RestartCause.kind`` names it
 KINDS = ("exception", "died", "heartbeat", "timeout")
 
@@ -36,8 +37,8 @@ def failure_kind(err: WorkerError) -> str:
     policy or collector), ``"heartbeat"`` (its host stopped answering) or ``"died"`` (its process ended)."""
     if isinstance(err, WorkerTimeoutError):
         return "timeout"
-    if err.remote_type is not None:
-        return "exception"
+    if err.remote_type is not None and err.remote_type != _WORKER_ERROR:
+        return "exception"  # (a WorkerError sent back is a transport's report of a death, not user code's)
     return getattr(err, "kind", None) or "died"
 
 

@@ -199,7 +199,7 @@ class Worker:
             if self.running_free and not self.paused:
                 message = endpoint.recv(0.0)
                 if message is None:
-                    self._free_rollout()
+                    self._free_rollout_reported()
                     continue
             else:
                 if waitables:
@@ -262,6 +262,19 @@ class Worker:
         if self.endpoint is None:
             return Reply(0, self.worker_idx, value=batch, frames=frames)
         return Reply(0, self.worker_idx, value=self._publish(batch), frames=frames)
+
+    def _free_rollout_reported(self) -> None:
+        """A rollout while running free; when it raises and batches are pushed to the parent, the
+        failure is pushed in their place (the parent raises it, or replaces this worker) and the
+        worker stops running free. Workers writing a replay buffer end as before."""
+        try:
+            self._free_rollout()
+        except Exception as err:
+            if self.spec.replay_buffer is not None:
+                raise
+            self.running_free = False
+            failure = RemoteFailure.capture(err, self.worker_idx)
+            self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, failure=failure))
 
     def _free_rollout(self) -> None:
         """One rollout while running free: written to the shared replay buffer, or pushed to the parent
