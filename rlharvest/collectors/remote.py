@@ -135,8 +135,12 @@ class RemoteCollectorBase(BaseCollector):
         while not self._reached_total():
             self._updating_weights(self._before_sync_batch)
             self._iter += 1
-            replies = self._gather_sync(self._random_phase())
-            batches = [self._handle_worker_batch(w, r) for w, r in enumerate(replies)]
+            random = self._random_phase()
+            replies = self._gather_sync(random)
+            batches = []
+            for worker in range(len(replies)):
+                batch, replies[worker] = self._fetched(worker, replies[worker], random)
+                batches.append(batch)
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
@@ -159,6 +163,18 @@ class RemoteCollectorBase(BaseCollector):
                     ids[failed] = self._launch(failed, random)
         return [replies[w] for w in range(len(pool))]
 
+    def _fetched(self, worker: int, reply, random: bool) -> tuple[TensorDictBase | None, Any]:
+        """The batch of ``reply`` and the reply; when the worker fails while sending it (nodes send
+        batches after replying), its replacement collects the batch again."""
+        while True:
+            try:
+                if reply is None:
+                    reply = self._pool.wait_for(worker, self._launch(worker, random))
+                return self._handle_worker_batch(worker, reply), reply
+            except WorkerError as err:
+                self._restart_after(err)
+                reply = None
+
     def _launch(self, worker: int, random: bool) -> int:
         """:meth:`_request_batch`, replacing the worker first when it is found failed (restarts on)."""
         while True:
@@ -180,8 +196,12 @@ class RemoteCollectorBase(BaseCollector):
                 self._restart_after(err)
                 continue
             del running[worker]
+            try:
+                batch = self._handle_worker_batch(worker, reply)
+            except WorkerError as err:  # it failed while sending the batch: asked again of its replacement
+                self._restart_after(err)
+                continue
             self._iter += 1
-            batch = self._handle_worker_batch(worker, reply)
             batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
             self._frames += self._count_frames([reply])
             if not self._relaunch_after_yield and not self._reached_total():

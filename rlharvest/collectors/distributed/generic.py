@@ -86,6 +86,8 @@ class DistributedCollector(RemoteCollectorBase):
         weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).
         weight_sync_schemes: ``{model_id: scheme}``; default ``{"policy": DistributedWeightSyncScheme()}``.
         weight_recv_schemes: schemes through which this collector itself receives weights.
+        track_policy_version: every frame carries ``"policy_version"``, the version of the weights
+            that collected it (the nodes count the updates they apply; docs/weights.md).
         worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
         heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
         max_worker_restarts: failed nodes replaced (a new node through the same launcher) before a
@@ -146,6 +148,7 @@ class DistributedCollector(RemoteCollectorBase):
         weight_sync_schemes: dict | None = None,
         weight_recv_schemes: dict | None = None,
         replay_buffer=None,
+        track_policy_version: Any = False,
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         max_worker_restarts: int = 0,
@@ -197,6 +200,7 @@ class DistributedCollector(RemoteCollectorBase):
         self._max_local_id = [-1] * count
         self._yielded = 0
         self._worker_idx = None
+        self._version_tracker = self._track_versions(arguments["collector_kwargs"])
         self._backend = self._make_backend(count)
         self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
         self._start_nodes(count)
@@ -221,6 +225,11 @@ class DistributedCollector(RemoteCollectorBase):
             raise ValueError(f"update_interval must be an int >= 1 (or None), got {interval!r}")
         if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"] is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+
+    def _track_versions(self, collector_kwargs) -> Any:
+        """The version tracker: ``track_policy_version``, or the nodes' when given in ``collector_kwargs``."""
+        entries = collector_kwargs if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs or {}]
+        return self.config.track_policy_version or any(e.get("track_policy_version") for e in entries) or None
 
     def _network(self, arguments: dict) -> NetworkConfig:
         return NetworkConfig.parse(

@@ -62,3 +62,30 @@ def test_a_replaced_node_runs_the_current_weights_with_fresh_ids():
     old_ids = set(before[("collector", "traj_ids")].flatten().tolist())
     new_ids = set(after[-1][("collector", "traj_ids")][1].tolist())
     assert not old_ids & new_ids  # the replacement's trajectories have ids never handed out
+
+
+@pytest.mark.parametrize("collector_class", [DistributedCollector, RPCCollector])
+def test_a_replaced_node_stamps_its_frames_with_the_current_version(collector_class):
+    with make(collector_class, [lambda: CountingEnv(max_steps=50)] * 2, frames_per_batch=8, total_frames=-1,
+              sync=True, max_worker_restarts=1, track_policy_version=True) as collector:
+        assert collector.next()["policy_version"].flatten().tolist() == [0] * 8
+        collector.update_policy_weights_()
+        collector.update_policy_weights_()
+        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        batches = [collector.next() for _ in range(3)]
+        stats = collector.stats()
+    assert stats["restarts"] == 1 and stats["policy_version"] == 2 and stats["policy_lag"] == 0
+    assert all(batch["policy_version"].flatten().tolist() == [2] * 8 for batch in batches)
+
+
+def test_free_running_nodes_stamp_versions_the_main_process_counts():
+    with make(DistributedSyncCollector, [lambda: CountingEnv(max_steps=50)] * 2, frames_per_batch=8,
+              total_frames=-1, max_worker_restarts=1, track_policy_version=True) as collector:
+        collector.next()
+        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        batches = [collector.next() for _ in range(4)]
+        stats = collector.stats()
+    assert stats["restarts"] == 1
+    last = batches[-1]["policy_version"]
+    assert 0 < int(last.min()) <= int(last.max()) <= stats["policy_version"]
+    assert stats["policy_lag"] == stats["policy_version"] - int(last.min())
