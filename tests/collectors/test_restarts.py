@@ -201,3 +201,19 @@ def test_a_worker_written_buffer_gets_only_whole_batches(tmp_path):
     pairs = list(zip(frames[_IDS].tolist(), frames["observation"].flatten().tolist()))
     assert len(set(pairs)) == 80  # no frame twice, none partially written
     collector.shutdown()
+
+
+def test_running_free_into_a_buffer_survives_a_killed_worker(tmp_path):
+    from mocks import wait_until
+
+    buffer = ReplayBuffer(capacity=10_000)
+    collector = MultiAsyncCollector(fail_once_envs(tmp_path / "fired", at_step=30, mode="kill"), weight_policy(1.0),
+                                    frames_per_batch=8, total_frames=-1, replay_buffer=buffer, max_worker_restarts=1)
+    try:
+        collector.start()
+        wait_until(lambda: collector.stats()["restarts"] == 1 and buffer.write_count >= 200, what="a restart")
+    finally:
+        collector.async_shutdown()
+    frames = buffer[:]
+    pairs = list(zip(frames[_IDS].tolist(), frames["observation"].flatten().tolist()))
+    assert len(set(pairs)) == len(pairs) == buffer.write_count  # whole batches only, no frame twice
