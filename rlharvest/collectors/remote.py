@@ -235,6 +235,8 @@ class RemoteCollectorBase(BaseCollector):
                 return worker
             except WorkerError as again:
                 worker = restarts.admit(again)
+            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
+                raise err from cannot
 
     def _forget_in_flight(self, worker: int) -> None:
         """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
