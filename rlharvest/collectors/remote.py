@@ -238,6 +238,11 @@ class RemoteCollectorBase(BaseCollector):
             except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
                 raise err from cannot
 
+    def update_policy_weights_(self, *args, **kwargs) -> None:
+        """As :meth:`BaseCollector.update_policy_weights_`; with restarts on, a worker found failed
+        while the weights are delivered is replaced, and starts with them (docs/restarts.md)."""
+        self._updating_weights(lambda: super(RemoteCollectorBase, self).update_policy_weights_(*args, **kwargs))
+
     def _forget_in_flight(self, worker: int) -> None:
         """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
         back for complete-trajectory batches (they will never end)."""

@@ -227,3 +227,19 @@ def test_running_free_into_a_buffer_survives_a_killed_worker(tmp_path):
     frames = buffer[:]
     pairs = list(zip(frames[_IDS].tolist(), frames["observation"].flatten().tolist()))
     assert len(set(pairs)) == len(pairs) == buffer.write_count  # whole batches only, no frame twice
+
+
+def test_an_update_that_meets_a_dead_worker_replaces_it():
+    policy = weight_policy(1.0)
+    with MultiAsyncCollector([lambda: CountingEnv(max_steps=50)] * 2, policy, frames_per_batch=8, total_frames=-1,
+                             max_worker_restarts=1, track_policy_version=True) as collector:
+        collector.next()
+        victim = collector._pool.handles[0].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with torch.no_grad():
+            policy.module.weight.fill_(0.0)
+        collector.update_policy_weights_()  # waits for the dead worker's acknowledgement: replaces it
+        assert collector.stats()["restarts"] == 1 and collector.policy_version == 1
+        batches = [collector.next() for _ in range(6)]
+    assert batches[-1]["policy_version"].unique().tolist() == [1] and (batches[-1]["action"] == 0).all()
