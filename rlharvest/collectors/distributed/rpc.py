@@ -101,11 +101,11 @@ class RPCCollector(DistributedCollector):
         self.collector_infos = [h.info for h in handles]
         self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
-    def _replace_worker(self, worker: int) -> None:
+    def _replace_worker(self, worker: int, **changes) -> None:
         # The old node's RRef is deleted only once the agent is gone: deleting it now would message
         # an owner that left the group.
         self._retired_rrefs.append(self.collector_rrefs[worker])
-        super()._replace_worker(worker)
+        super()._replace_worker(worker, **changes)
         handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
         self.collector_infos[worker] = handle.info
         self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
