@@ -382,3 +382,4 @@ class RayBackend(Backend):
 
     def weight_links(self) -> RayWeightLinks:
         return RayWeightLinks(self.num_workers, self.liveness, handles=self.handles)
+
