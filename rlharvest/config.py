@@ -11,6 +11,7 @@ values. docs/collection.md describes what the arguments do.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
@@ -21,6 +22,21 @@ from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
 __all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
+
+_TRAJ_FORMAT_DEFAULT = (
+    "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
+    "('collector', 'mask') for now, but the default will change to 'cat' in torchrl v0.16, and rlharvest follows "
+    "it. Pass traj_format='padded' to keep this layout, or traj_format='cat' for trajectories concatenated along "
+    "time, without padding."
+)
+
+
+def _stacklevel_outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside rlharvest (as seen from the function calling this)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "rlharvest":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def parse_total_frames(total_frames: Any) -> int:
@@ -37,9 +53,7 @@ def parse_total_frames(total_frames: Any) -> int:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
@@ -181,11 +195,15 @@ class CollectorConfig:
     compact_obs: bool = _arg(False)
     """Drop the observations from ``("next", ...)``: they are the next step's root entries."""
     trajs_per_batch: int | None = _arg(worker=_parent)
-    """Yield batches of exactly this many complete trajectories (None: fixed frame batches)."""
+    """Yield batches of exactly this many complete trajectories (None: fixed frame batches); with a
+    replay buffer, write complete trajectories only. ``frames_per_batch`` is then the polling size and
+    ``split_trajs`` has no effect (docs/trajectories.md)."""
     trajs_per_write: int | None = _arg(worker=_parent)
-    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call."""
+    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call (None: all
+    that are ready)."""
     traj_format: str | None = _arg(worker=_parent)
-    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time)."""
+    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time); None means
+    ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
     auto_register_policy_transforms: bool | None = _arg(worker=_parent)
     """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
 
@@ -235,16 +253,22 @@ class CollectorConfig:
         set_ = object.__setattr__
         if self.trajs_per_batch is not None:
             set_(self, "trajs_per_batch", _positive_int("trajs_per_batch", self.trajs_per_batch))
+            if not self.track_traj_ids:
+                raise ValueError("trajs_per_batch needs track_traj_ids=True: trajectories are cut along their "
+                                 "('collector', 'traj_ids').")
         if self.trajs_per_write is not None:
             if self.trajs_per_batch is None or self.replay_buffer is None:
                 raise ValueError("trajs_per_write needs trajs_per_batch and a replay_buffer.")
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
-        if self.traj_format is not None and self.traj_format not in ("padded", "cat"):
+        if self.traj_format is None:
+            if self.trajs_per_batch is not None and self.replay_buffer is None:
+                warnings.warn(_TRAJ_FORMAT_DEFAULT, FutureWarning, stacklevel=_stacklevel_outside_package())
+            set_(self, "traj_format", "padded")
+        elif self.traj_format not in ("padded", "cat"):
             raise ValueError(f"traj_format must be 'padded' or 'cat', got {self.traj_format!r}")
-        if self.trajs_per_batch is not None:
-            raise NotImplementedError("trajs_per_batch is not implemented yet.")
-        if self.trajs_per_batch is not None and self.split_trajs:
-            raise ValueError("trajs_per_batch and split_trajs are exclusive: trajectory batches are already split.")
+        elif self.traj_format != "padded" and self.trajs_per_batch is None:
+            raise ValueError(f"traj_format={self.traj_format!r} needs trajs_per_batch: only batches of complete "
+                             "trajectories have a layout to choose.")
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:
@@ -351,6 +375,10 @@ def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
             raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
                             f"{type(value).__name__} {value!r}")
         return _positive_int("frames_per_batch", value)
+    for entry in value:
+        if isinstance(entry, bool) or not isinstance(entry, int):
+            raise TypeError(f"each value of frames_per_batch must be a positive int, got {type(entry).__name__} "
+                            f"{entry!r}")
     return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
 
 

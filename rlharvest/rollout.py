@@ -41,6 +41,14 @@ class TrajectoryCounter:
     def take(self, n: int) -> int:
         raise NotImplementedError
 
+    def peek(self) -> int:
+        """The next id ``take`` would hand out."""
+        raise NotImplementedError
+
+    def advance_to(self, value: int) -> None:
+        """Never hand out ids below ``value`` (after a state dict is loaded: ids stay unique)."""
+        raise NotImplementedError
+
 
 class LocalTrajectoryCounter(TrajectoryCounter):
     """A thread-safe in-process counter."""
@@ -55,8 +63,14 @@ class LocalTrajectoryCounter(TrajectoryCounter):
             self._next += n
             return first
 
-    def state(self) -> int:
+    def peek(self) -> int:
         return self._next
+
+    state = peek
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._next = max(self._next, int(value))
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,30 @@ def _or_flag(previous: Any, hit: Any, like: Any, batch_size: torch.Size) -> Any:
     return torch.as_tensor(previous).bool() | flags
 
 
+def _owner(values: dict, key: NestedKey) -> NestedKey | None:
+    """The entry kept whole (a sub-TensorDict) that holds ``key``, when ``key`` is not a value itself."""
+    if key in values:
+        return None
+    path = as_tuple_key(key)
+    for depth in range(len(path) - 1, 0, -1):
+        prefix = path[0] if depth == 1 else path[:depth]
+        if prefix in values:
+            return prefix
+    raise KeyError(f"the env's step has no entry {key!r} (its done keys name it)")
+
+
+def _truncate_inside(sub: TensorDictBase, owner: NestedKey, truncated_key, done_key, hit, batch_size):
+    """``_truncate`` for flags inside a sub-TensorDict: a shallow copy with the flags set."""
+    sub = sub.copy()
+    depth = len(as_tuple_key(owner))
+    inner_done, inner_truncated = as_tuple_key(done_key)[depth:], as_tuple_key(truncated_key)[depth:]
+    like = sub.get(inner_done)
+    previous = sub.get(inner_truncated, None)
+    sub.set(inner_truncated, _or_flag(previous, hit, like, batch_size))
+    sub.set(inner_done, _or_flag(like, hit, like, batch_size))
+    return sub
+
+
 class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
 
@@ -190,6 +228,11 @@ class Rollout:
     @property
     def n_envs(self) -> int:
         return int(np.prod(self.batch_size)) if self.batch_size else 1
+
+    @property
+    def traj_ids(self):
+        """The trajectory each sub-env is in: a tensor of the env batch shape (an int for one env)."""
+        return self._traj
 
     def reset(self, mask=None) -> None:
         """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
@@ -273,6 +316,10 @@ class Rollout:
             return nxt, done
         nxt = dict(nxt)
         for truncated_key, done_key in self.adapter.truncation_keys:
+            owner = _owner(nxt, done_key)
+            if owner is not None:  # the flags live inside an entry kept whole (e.g. per agent)
+                nxt[owner] = _truncate_inside(nxt[owner], owner, truncated_key, done_key, hit, self.batch_size)
+                continue
             like = nxt[done_key]
             nxt[truncated_key] = _or_flag(nxt.get(truncated_key), hit, like, self.batch_size)
             nxt[done_key] = _or_flag(like, hit, like, self.batch_size)

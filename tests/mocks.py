@@ -291,7 +291,8 @@ class StructuredEnv:
     Episodes end after ``max_steps`` steps.
     """
 
-    def __init__(self, max_steps: int = 3, agents: int = 2, heterogeneous: bool = False, dynamic: bool = False):
+    def __init__(self, max_steps: int = 3, agents: int = 2, heterogeneous: bool = False, dynamic: bool = False,
+                 agent_flags: bool = False):
         from rlharvest.envs.specs import Binary as _Binary
 
         self.batch_size = torch.Size([])
@@ -302,7 +303,9 @@ class StructuredEnv:
         self.full_action_spec = Composite(action=_Binary(shape=(1,), dtype=torch.int8), shape=())
         self.observation_spec = Composite(shape=())
         self.action_keys = ["action"]
-        self.done_keys = ["done", "terminated"]
+        self.agent_flags = agent_flags  # per-agent done/terminated/truncated inside "agents"
+        self.done_keys = ["done", "terminated"] + (
+            [("agents", "done"), ("agents", "terminated"), ("agents", "truncated")] if agent_flags else [])
         self.reward_keys = ["reward"]
         self.t = 0
         self.is_closed = False
@@ -312,6 +315,9 @@ class StructuredEnv:
 
         agents = TensorDict({"count": torch.full((self.agents, 1), self.t, dtype=torch.int64)},
                             batch_size=(self.agents,))
+        if self.agent_flags:
+            flags = torch.full((self.agents, 1), not reset and self.t >= self.max_steps)
+            agents.update({"done": flags, "terminated": flags.clone(), "truncated": torch.zeros_like(flags)})
         false = torch.zeros(1, dtype=torch.bool)
         state = TensorDict({"agents": agents, "done": false, "terminated": false.clone(),
                             "note": NonTensorData("reset" if reset else f"step {self.t}")}, batch_size=())
@@ -371,3 +377,18 @@ class OffsetCountingEnv(CountingEnv):
     def _step_arrays(self, actions):
         obs, reward, terminated, truncated = super()._step_arrays(actions)
         return self._shift(obs), reward, terminated, truncated
+
+
+class EpisodeLengthEnv(CountingEnv):
+    """Episodes of known lengths, whatever the action: ``lengths`` an int for one env, or one length
+    per row of a batched env. The observation counts the steps taken in the current episode."""
+
+    def __init__(self, lengths=3) -> None:
+        batched = not isinstance(lengths, int)
+        super().__init__(max_steps=10**9, batch_size=(len(lengths),) if batched else ())
+        self.lengths = torch.tensor(list(lengths) if batched else [lengths], dtype=torch.int32).reshape(
+            *self.batch_size, 1)
+
+    def _step_arrays(self, actions):
+        self.count = self.count + 1
+        return {"observation": self.count}, self._zero_reward, self.count >= self.lengths, None

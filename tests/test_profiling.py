@@ -69,3 +69,24 @@ def test_enable_profile_replaces_config_and_validates():
     with pytest.raises(ValueError):
         collector.enable_profile(num_rollouts=1, warmup_rollouts=1)
     collector.shutdown()
+
+
+def test_disable_profile_stops_profiling_here_and_in_workers(tmp_path):
+    from rlharvest.collectors import Collector, MultiSyncCollector
+    from rlharvest.envs import CountingEnv
+
+    collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=-1)
+    collector.disable_profile()  # not profiling: nothing to do
+    collector.enable_profile(num_rollouts=3, warmup_rollouts=1, save_path=str(tmp_path / "single.json"))
+    collector.disable_profile()
+    assert collector.profile_config is None and collector._profiler is None
+    next(iter(collector))
+    collector.shutdown()
+    multi = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=4, total_frames=-1)
+    multi.enable_profile(workers=[0, 1], num_rollouts=3, warmup_rollouts=1,
+                         save_path=str(tmp_path / "trace_{worker_idx}.json"))
+    assert all(config is not None for config in multi.get_distant_attr("profile_config"))
+    multi.disable_profile()
+    assert multi.profile_config is None
+    assert multi.get_distant_attr("profile_config") == [None, None]
+    multi.shutdown()

@@ -111,7 +111,11 @@ class WorkerPool:
             self._wait({worker: request_id}, {worker: deadline})
 
     def wait_any(self, requests: dict[int, int], timeout: float | None = None) -> tuple[int, Reply]:
-        """The first reply among ``{worker: request_id}``; lower worker indices win ties."""
+        """A reply among ``{worker: request_id}``: of those that arrived, the oldest request's.
+
+        Serving the request sent first (not the lowest worker index) keeps a fast worker that is
+        re-launched again and again from starving a slower one whose batch is waiting.
+        """
         if not requests:
             raise RuntimeError("wait_any() needs at least one outstanding request.")
         deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
@@ -121,9 +125,11 @@ class WorkerPool:
                 # A dead worker must be noticed even while the others keep answering.
                 if request_id not in self._stash[worker]:
                     self._check_alive(worker, request_id)
-            for worker, request_id in requests.items():
-                if request_id in self._stash[worker]:
-                    return worker, self._take(worker, request_id)
+            ready = [(request_id, worker) for worker, request_id in requests.items()
+                     if request_id in self._stash[worker]]
+            if ready:
+                request_id, worker = min(ready)
+                return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
 
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:

@@ -19,6 +19,7 @@ from .._utils import is_private_key, resolve_attr_path
 from ..config import CollectorConfig
 from ..profiling import ProfileConfig
 from ._weight_api import WeightAPIMixin
+from .trajectories import TrajectoryAssembler
 
 __all__ = ["BaseCollector"]
 
@@ -57,6 +58,7 @@ class BaseCollector(WeightAPIMixin):
     policy_device = None
     _pre_collect_hook: Callable[[], None] | None = None
     _post_collect_hook: Callable[[TensorDictBase], None] | None = None
+    _assembler: TrajectoryAssembler | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -83,6 +85,33 @@ class BaseCollector(WeightAPIMixin):
     @property
     def replay_buffer(self):
         return self.config.replay_buffer
+
+    @property
+    def trajs_per_batch(self) -> int | None:
+        """Complete trajectories per yielded batch (None: batches of ``frames_per_batch`` frames)."""
+        return self.config.trajs_per_batch
+
+    @property
+    def trajs_per_write(self) -> int | None:
+        """Complete trajectories per replay-buffer ``extend`` (None: all that are ready)."""
+        return self.config.trajs_per_write
+
+    @property
+    def traj_format(self) -> str:
+        """Layout of trajectory batches: ``"padded"`` or ``"cat"`` (docs/trajectories.md)."""
+        return self.config.traj_format
+
+    @property
+    def _trajectories(self) -> TrajectoryAssembler | None:
+        """Where this collector assembles complete trajectories (``trajs_per_batch``), made on first use;
+        None without ``trajs_per_batch`` or when its workers assemble their own."""
+        if self._assembler is None and self.config.trajs_per_batch is not None and self._assembles_trajectories():
+            self._assembler = TrajectoryAssembler.from_config(self.config)
+        return self._assembler
+
+    def _assembles_trajectories(self) -> bool:
+        """Hook: False when the workers assemble the trajectories (and write them) themselves."""
+        return True
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
@@ -312,6 +341,22 @@ class BaseCollector(WeightAPIMixin):
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         """Hook: start profiling where rollouts run."""
 
+    def disable_profile(self) -> None:
+        """Stop profiling (a trace being recorded is written as it stands); no-op when not profiling.
+
+        Example:
+            >>> collector.disable_profile()                         # doctest: +SKIP
+        """
+        if self._profile_config is None:
+            return
+        try:
+            self._stop_profiling()
+        finally:
+            self._profile_config = None
+
+    def _stop_profiling(self) -> None:
+        """Hook: stop the profiler where rollouts run."""
+
     @property
     def profile_config(self) -> ProfileConfig | None:
         """The stored profiling configuration, or None."""
@@ -438,6 +483,10 @@ class BaseCollector(WeightAPIMixin):
         """Count policy versions from ``version`` on (a worker replacing another joins at the current one)."""
         self._policy_version = int(version)
         self._on_version_bump(self._policy_version)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        """Hook: ``batch`` goes to the parent, which allocates the replay buffer's storage from it, before
+        this collector can write the buffer itself (a collector assembling trajectories keeps them)."""
 
     # ------------------------------------------------------------------ subclass API
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

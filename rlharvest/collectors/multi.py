@@ -73,6 +73,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     _supports_run_free = True
     _sync = True
+    _started = False
 
     def __init__(
         self,
@@ -153,6 +154,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                           "storage).", FutureWarning, stacklevel=4)
         self._worker_idx = config.worker_idx
+        # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
+        # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
+        self._relaunch_after_yield = config.worker_idx is not None
         self._cat_results = setup.validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(arguments["update_at_each_batch"])
@@ -214,9 +218,11 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     def _worker_specs(self, env_fns, collector_class, num_sub_threads) -> list[WorkerSpec]:
         config = self.config
-        counter = self._backend.trajectory_counter()
+        counter = self._traj_counter = self._backend.trajectory_counter()
         # Workers that write the replay buffer themselves post-process what they write.
         written = dict(postproc=config.postproc, split_trajs=config.split_trajs) if self._workers_write else {}
+        if self._workers_write and config.trajs_per_batch is not None:  # each worker writes its own trajectories
+            written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
         return [WorkerSpec(
             worker_idx=worker,
             collector_class=setup.wrap_callable(collector_class or Collector),
@@ -237,6 +243,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         self._register_live()
         try:
             self._fleet.start(specs)
+            self._started = True
         except BaseException:
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
@@ -258,7 +265,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             return super().get_model(model_id)
         if self.policy is not None:
             return self.policy
+        if not self._started:
+            # Starting: workers build their policies from the factory themselves; building one here
+            # only for its initial weights would run the factory where the user did not ask for it.
+            return None
         if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
+            # update_policy_weights_() without weights: the factory's policy is the main-side copy
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
 
@@ -304,10 +316,19 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         return self._legacy_staging
 
     # ------------------------------------------------------------------ replay buffer
+    def _assembles_trajectories(self) -> bool:
+        return not self._workers_write
+
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        if self._workers_write and not getattr(self, "_buffer_attached", False):
+        if self._workers_write and self.config.trajs_per_batch is not None:
+            # The worker that sent this batch keeps its trajectories and writes them once the storage
+            # is attached: here the batch only gives the storage its layout.
+            if batch.numel():
+                buffer.init_storage(self._postprocess(batch))
+        else:
+            super()._write_to_buffer(batch)
+        if self._workers_write and buffer.storage is not None and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()
             self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)

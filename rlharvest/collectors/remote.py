@@ -196,16 +196,25 @@ class RemoteCollectorBase(BaseCollector):
             batch = self._assemble_sync(batches, replies)
         else:
             batch = batches[0] if batches else None
-        yield self._postprocess(batch)
+        trajectories = self._trajectories
+        if trajectories is None:
+            yield self._postprocess(batch)
+        else:  # zero or more batches of complete trajectories per batch collected
+            yield from trajectories.batches(self._postprocess(batch))
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        if batch.numel():
+        if not batch.numel():
+            return
+        trajectories = self._trajectories
+        if trajectories is None:
             self.config.replay_buffer.extend(self._postprocess(batch))
+        else:  # complete trajectories only, as flat steps
+            trajectories.write(self.config.replay_buffer, self._postprocess(batch))
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         from .utils import split_trajectories
 
-        if self.config.split_trajs:
+        if self.config.split_trajs and self.config.trajs_per_batch is None:  # trajectory batches are split already
             batch = split_trajectories(batch)
         if self.config.postproc is not None:
             batch = self.config.postproc(batch)
@@ -218,12 +227,17 @@ class RemoteCollectorBase(BaseCollector):
         for worker in range(self.num_workers):
             self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
             seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
+        if self._trajectories is not None:
+            self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
 
     def state_dict(self) -> dict:
         self._drain_async()
         state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
         state.update(frames=self._frames, iter=self._iter)
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None:
+            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -238,9 +252,19 @@ class RemoteCollectorBase(BaseCollector):
         self._iter = state_dict["iter"]
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None and "traj_pool" in state_dict:
+            counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._pool.broadcast(Command.RESET, None)  # episodes restart, with ids after the saved ones
 
     def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
-        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True."""
+        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True.
+
+        With ``trajs_per_batch``, the trajectories held back (running, or complete but not yielded yet)
+        are dropped, so later batches hold only steps collected after the reset.
+        """
+        if self._trajectories is not None:
+            self._trajectories.flush()
         self._drain_async()
         workers = [w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]]
         self._pool.broadcast(Command.RESET, None, workers)
@@ -342,6 +366,11 @@ class RemoteCollectorBase(BaseCollector):
         for worker, reply in zip(workers, replies):
             if reply != "profiling":
                 raise RuntimeError(f"{self.noun} {worker} answered {reply!r} to enable_profile.")
+
+    def _stop_profiling(self) -> None:
+        if self._pool is not None:
+            self._drain_async()
+            self._pool.broadcast(Command.CASCADE, ("disable_profile", (), {}))
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:

@@ -80,6 +80,14 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         weight_recv_schemes: receiver schemes (this collector is fed by a parent).
         track_policy_version: stamp every step with the policy version (``policy_version`` key).
         worker_idx: index inside a parent collector.
+        trajs_per_batch: yield batches of exactly this many complete trajectories (episodes still
+            running are held back; ``frames_per_batch`` is how often the env is polled). With a replay
+            buffer, complete trajectories are written to it as flat steps instead (docs/trajectories.md).
+        trajs_per_write: with ``trajs_per_batch`` and a replay buffer, trajectories per ``extend``.
+        traj_format: ``"padded"`` (``(trajs_per_batch, max_len)``, ``("collector", "mask")``) or
+            ``"cat"`` (concatenated along time); None = ``"padded"`` with a ``FutureWarning``.
+        track_traj_ids: keep ``("collector", "traj_ids")`` (False: no id bookkeeping).
+        compact_obs: drop from ``("next", ...)`` the observations the next step's root holds.
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -276,6 +284,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
         buffer = self.config.replay_buffer
+        trajectories = self._trajectories
         while not self._reached_total():
             if self._should_stop():
                 return
@@ -283,14 +292,17 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 self._pre_collect_hook()
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
-            if buffer is not None and not self.config.return_same_td:
+            if buffer is not None and (not self.config.return_same_td or trajectories is not None):
                 self._write_buffer(buffer, batch, run_hook=True)
                 yield None
             else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
                 batch = self._postprocess(batch)
                 if self._post_collect_hook is not None:
                     self._post_collect_hook(batch)
-                yield batch
+                if trajectories is None:
+                    yield batch
+                else:  # zero or more batches of complete trajectories per batch collected
+                    yield from trajectories.batches(batch)
         _close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
@@ -367,7 +379,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         config = self.config
-        if config.split_trajs:
+        if config.split_trajs and config.trajs_per_batch is None:  # trajectory batches are split already
             batch = split_trajectories(batch)
         elif self._rollout.settings.use_buffers and not config.return_same_td:
             batch = batch.clone()
@@ -376,7 +388,8 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         return self._drop_private_keys(batch)
 
     def _write_buffer(self, buffer, batch: TensorDictBase, run_hook: bool = False) -> None:
-        if not self.config.extend_buffer:
+        trajectories = self._trajectories
+        if not self.config.extend_buffer and trajectories is None:
             dim = self._rollout.time_dim
             for t in range(batch.shape[dim]):
                 buffer.add(self._drop_private_keys(batch[(slice(None),) * dim + (t,)].clone()))
@@ -384,7 +397,15 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         batch = self._postprocess(batch)
         if run_hook and self._post_collect_hook is not None:
             self._post_collect_hook(batch)  # the batch as written (a worker's hook already saw it)
-        buffer.extend(batch)
+        if trajectories is None:
+            buffer.extend(batch)
+        else:  # complete trajectories only, as flat steps
+            trajectories.write(buffer, batch)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        trajectories = self._trajectories
+        if trajectories is not None:
+            trajectories.ingest(self._postprocess(batch))
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
@@ -453,17 +474,29 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
         self._rollout.reset()
+        if self._trajectories is not None:
+            self._trajectories.drop_in_flight()  # those episodes will never end
         return out
 
     def reset(self, index=None, **kwargs) -> None:
-        """Reset every sub-env, or the sub-envs selected by ``index`` (batched envs only)."""
+        """Reset every sub-env, or the sub-envs selected by ``index`` (batched envs only).
+
+        With ``trajs_per_batch``, a full reset also drops the trajectories held back (running or
+        complete but not yielded yet), so later batches hold only steps collected after it; a reset
+        of some sub-envs drops only their running episodes.
+        """
+        trajectories = self._trajectories
         if index is None:
             self._rollout.reset()
+            if trajectories is not None:
+                trajectories.flush()
             return
         if not len(self.env.batch_size):
             raise RuntimeError("reset(index=...) needs a batched env.")
         mask = torch.zeros(self.env.batch_size, dtype=torch.bool)
         mask[index] = True
+        if trajectories is not None:
+            trajectories.drop_in_flight(self._rollout.traj_ids[mask].tolist())
         self._rollout.reset(mask)
 
     def state_dict(self) -> dict:
@@ -473,6 +506,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
+        state["traj_pool"] = {"traj_id": torch.tensor(self._rollout.traj_counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -487,12 +521,21 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
             self._on_version_bump(self._policy_version)
+        if "traj_pool" in state_dict:
+            # ids continue after the saved ones (a replay buffer may hold them); episodes restart
+            self._rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._rollout.reset()
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"
         if self._profiler is not None:
             self._profiler.stop()
         self._profiler = RolloutProfiler(config, worker_idx=self.worker_idx or 0, label=label)
+
+    def _stop_profiling(self) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
 
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         if self._profiler is not None:

@@ -68,6 +68,14 @@ class SharedTrajectoryCounter(TrajectoryCounter):
             view[0] = first + n
         return first
 
+    def peek(self) -> int:
+        with self._lock:
+            return int(self._value[0])
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._value[0] = max(int(self._value[0]), int(value))
+
     def __getstate__(self):
         return {"_value": self._value, "_lock": self._lock, "_view": None}
 

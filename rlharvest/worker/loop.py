@@ -45,6 +45,10 @@ class WorkerCollector(Protocol):
     def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
         """Write a batch into the replay buffer workers share with their parent."""
 
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        """``batch`` goes to the parent, which allocates the shared buffer's storage from it (a collector
+        assembling trajectories keeps what it needs to write them later)."""
+
     def add_step_check(self, check: Callable[[], bool]) -> None:
         """Call ``check`` between env steps; True ends the rollout early."""
 
@@ -252,6 +256,8 @@ class Worker:
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
             return Reply(0, self.worker_idx, frames=frames, written=True)
+        if buffer is not None:  # the parent allocates the buffer's storage from this batch
+            self.collector.keep_for_replay_buffer(batch)
         if self.endpoint is None:
             return Reply(0, self.worker_idx, value=batch, frames=frames)
         return Reply(0, self.worker_idx, value=self._publish(batch), frames=frames)

@@ -3,6 +3,7 @@ notice dead and silent workers, and a handle swapped in for a replaced worker. M
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -12,7 +13,8 @@ from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import Collector
 from rlharvest.collectors._pool import WorkerPool
 from rlharvest.envs import CountingEnv
-from rlharvest.protocol import READY, Command, WorkerSpec
+from rlharvest.protocol import READY, Command, Reply, WorkerSpec
+from rlharvest.transport.base import WorkerHandle
 from rlharvest.transport.inprocess import InProcessBackend
 from rlharvest.worker import run_worker
 
@@ -82,3 +84,51 @@ def test_no_answer_and_no_progress_times_out(pool_of):
         pool.request(0, Command.COLLECT, (False, 0))
     assert info.value.worker_idx == 0 and "'collect'" in str(info.value)
     assert 0 in pool.unresponsive
+
+
+class AnsweringHandle(WorkerHandle):
+    """A worker that answers every command at once (its replies wait in a queue)."""
+
+    def __init__(self, worker_idx: int) -> None:
+        self.worker_idx = worker_idx
+        self.replies: list = [Reply(READY, worker_idx)]  # built at once
+        self._r, self._w = os.pipe()
+
+    def send(self, message) -> None:
+        self.replies.append(Reply(message.request_id, self.worker_idx, value=self.worker_idx))
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.replies)
+
+    def recv(self):
+        return self.replies.pop(0)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def is_alive(self) -> bool:
+        return True
+
+    def fetch_batch(self, reply):
+        return reply.value
+
+    def terminate(self, deadline: float) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def test_wait_any_serves_the_oldest_request_not_the_lowest_index():
+    """A fast worker re-launched after every batch must not starve one whose batch is waiting."""
+    handles = [AnsweringHandle(0), AnsweringHandle(1)]
+    pool = WorkerPool(handles, timeout=5.0)
+    for worker in (0, 1):
+        pool.wait_for(worker, READY)
+    requests = {1: pool.send(1, Command.COLLECT), 0: pool.send(0, Command.COLLECT)}
+    served = []
+    for _ in range(6):
+        worker, reply = pool.wait_any(requests)
+        served.append(worker)
+        requests[worker] = pool.send(worker, Command.COLLECT)  # re-launched: its request is now the newest
+    assert served == [1, 0, 1, 0, 1, 0]
+    for handle in handles:
+        handle.terminate(0.0)

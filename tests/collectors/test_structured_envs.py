@@ -68,3 +68,16 @@ def test_dynamic_shapes_give_lazy_batches(collector_class):
         rollout = batch[0] if batch.batch_dims > 1 else batch
         lengths = [rollout[t]["grow"].shape[0] for t in range(4)]
         assert lengths in ([1, 2, 3, 1], [2, 3, 1, 2])  # grows with the step, back to 1 after a reset
+
+
+@pytest.mark.parametrize("options", [{"set_truncated": True}, {"max_frames_per_traj": 2}])
+def test_truncation_sets_the_flags_inside_a_sub_tensordict(options):
+    env_fn = functools.partial(StructuredEnv, agent_flags=True, max_steps=10)
+    collector = Collector(env_fn, frames_per_batch=4, total_frames=4, **options)
+    batch = next(iter(collector))
+    collector.shutdown()
+    truncated = batch["next", "agents", "truncated"].squeeze(-1)      # (time, agents)
+    expected = [False, False, False, True] if "set_truncated" in options else [False, True, False, True]
+    assert truncated.all(-1).tolist() == expected
+    assert batch["next", "agents", "done"].squeeze(-1).all(-1).tolist() == expected
+    assert not batch["next", "agents", "terminated"].any()

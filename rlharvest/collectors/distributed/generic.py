@@ -106,6 +106,8 @@ class DistributedCollector(RemoteCollectorBase):
     noun = "node"
     #: nodes get a stateless policy and receive its weights from the scheme's initial sync
     _stateless_nodes = True
+    #: RPCCollector's trajs_per_batch / trajs_per_write / traj_format (assembled on this process)
+    _trajectory_options: dict = {}
 
     def __init__(
         self,
@@ -162,7 +164,7 @@ class DistributedCollector(RemoteCollectorBase):
         self.env_constructors = list(create_env_fn)
         count = len(self.env_constructors)
         self._sync = bool(arguments["sync"])
-        self.config = config = CollectorConfig.from_arguments(arguments)
+        self.config = config = CollectorConfig.from_arguments({**arguments, **self._trajectory_options})
         self._check_arguments(count, arguments)
         self._frames_per_node = config.split_frames(count, "exact" if self._sync else "whole")[0]
         config.check_workers(count)

@@ -29,6 +29,9 @@ class RPCCollector(DistributedCollector):
         visible_devices: one device per node (device map for tensors sent to that node).
         tensorpipe_options: merged over ``{"num_worker_threads": 16, "rpc_timeout": 10000,
             "_transports": ["uv"]}``.
+        trajs_per_batch, trajs_per_write, traj_format: batches of complete trajectories, assembled on
+            this process from the nodes' batches, as :class:`~rlharvest.collectors.Collector` does
+            (docs/trajectories.md).
 
     ``bind_address`` is where the store listens (DistributedCollector's default: loopback with
     ``"mp"``, where TensorPipe listens on loopback too). torch RPC authenticates nobody, whatever the
@@ -47,10 +50,14 @@ class RPCCollector(DistributedCollector):
 
     __signature__ = derived_signature(
         DistributedCollector.__init__, drop=("update_interval", "authkey", "handshake_timeout"), after="tcp_port",
-        add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None")))
+        add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None"),
+             keyword("trajs_per_batch", annotation="int | None"), keyword("trajs_per_write", annotation="int | None"),
+             keyword("traj_format", annotation="str | None")))
 
     def __init__(self, *args, **kwargs) -> None:
         arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        self._trajectory_options = {name: arguments.pop(name) for name in ("trajs_per_batch", "trajs_per_write",
+                                                                           "traj_format")}
         visible_devices = arguments.pop("visible_devices")
         if visible_devices is not None and len(visible_devices) != len(arguments["create_env_fn"]):
             raise ValueError(f"visible_devices must hold one device per node ({len(arguments['create_env_fn'])}).")
