@@ -224,12 +224,18 @@ class RayWorkerHandle(WorkerHandle):
         worker_idx: the worker's index.
         actor: its Ray actor handle.
         heartbeat_timeout: seconds a long poll may stay unanswered before the actor counts as gone.
+        start_timeout: seconds the first answer may take (Ray creating the actor: scheduling it,
+            starting its process, importing what it runs).
+        resources: the actor's ``ray.remote`` options, named when it cannot be created in time.
     """
 
-    def __init__(self, worker_idx: int, actor: Any, heartbeat_timeout: float) -> None:
+    def __init__(self, worker_idx: int, actor: Any, heartbeat_timeout: float, start_timeout: float = 120.0,
+                 resources: dict | None = None) -> None:
         self.worker_idx = worker_idx
         self.actor = actor
         self.heartbeat_timeout = heartbeat_timeout
+        self.start_timeout = start_timeout
+        self.resources = resources or {}
         self._seq = 0
         self._interrupts = 0
         self._progress = -1
@@ -243,16 +249,19 @@ class RayWorkerHandle(WorkerHandle):
 
     def _poll_forever(self) -> None:
         ray = require_ray()
+        started = False
         while not self._stopping.is_set():
+            bound = _POLL_SECONDS + (self.heartbeat_timeout if started else self.start_timeout)
             try:
-                replies, progress, running, failure = ray.get(self.actor.pull.remote(_POLL_SECONDS),
-                                                              timeout=_POLL_SECONDS + self.heartbeat_timeout)
+                replies, progress, running, failure = ray.get(self.actor.pull.remote(_POLL_SECONDS), timeout=bound)
             except ray.exceptions.GetTimeoutError:
-                self._end(f"it did not answer for {_POLL_SECONDS + self.heartbeat_timeout:g} s (node unreachable?)")
+                self._end(f"it did not answer for {bound:g} s (node unreachable?)" if started else
+                          f"Ray did not create it within {bound:g} s (can the cluster give it {self.resources}?)")
                 return
             except Exception as err:  # the actor died (killed, crashed, its node lost) or Ray shut down
                 self._end(_describe_death(err))
                 return
+            started = True
             self._progress = progress
             self._replies.extend(replies)
             if replies:
@@ -343,6 +352,7 @@ class RayBackend(Backend):
         target: what each actor runs, ``target(spec, endpoint)`` (the worker loop).
         remote_configs: the ``ray.remote`` options of each actor (resources, runtime env, ...).
         heartbeat_timeout: seconds an actor may leave a long poll unanswered before it counts as gone.
+        start_timeout: seconds Ray may take to create an actor (schedule it, start its process).
 
     Example:
         >>> from rlharvest.worker import run_worker
@@ -354,7 +364,7 @@ class RayBackend(Backend):
     noun = "actor"
 
     def __init__(self, num_workers: int, target: WorkerTarget, remote_configs: Sequence[dict] | None = None,
-                 heartbeat_timeout: float = 10.0) -> None:
+                 heartbeat_timeout: float = 10.0, start_timeout: float = 120.0) -> None:
         super().__init__(num_workers)
         self.target = target
         configs = list(remote_configs) if remote_configs is not None else [DEFAULT_REMOTE_CONFIG] * num_workers
@@ -362,6 +372,7 @@ class RayBackend(Backend):
             raise ValueError(f"remote_configs must hold one dict per actor ({num_workers}), got {len(configs)}.")
         self.remote_configs = [dict(config) for config in configs]
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.start_timeout = float(start_timeout)
 
     def start_one(self, index: int, spec: WorkerSpec) -> RayWorkerHandle:
         """Create the actor of worker ``index`` (a new actor when it replaces one).
@@ -374,7 +385,8 @@ class RayBackend(Backend):
         # an actor Ray restarted by itself would start from its first spec.
         options["max_restarts"] = 0
         actor = _actor_class().options(**options).remote(self.target, spec)
-        handle = self.handles[index] = RayWorkerHandle(index, actor, self.heartbeat_timeout)
+        handle = self.handles[index] = RayWorkerHandle(index, actor, self.heartbeat_timeout, self.start_timeout,
+                                                       self.remote_configs[index])
         return handle
 
     def default_scheme(self) -> str:

@@ -139,7 +139,8 @@ class RayCollector(DistributedCollector):
         """Ray places the actors: there is no launcher to check."""
 
     def _make_backend(self, count: int) -> Backend:
-        return RayBackend(count, run_worker, self._remote_configs, heartbeat_timeout=self._heartbeat_timeout)
+        return RayBackend(count, run_worker, self._remote_configs, heartbeat_timeout=self._heartbeat_timeout,
+                          start_timeout=self._worker_timeout)
 
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property
