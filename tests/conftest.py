@@ -23,6 +23,12 @@ def free_port():
     return free_port_block(3)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Ray tests run last: the session's Ray (its daemons, and the driver's gRPC port, which listens on
+    every interface) then never runs beside the other tests, whose checks it would disturb."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for every Ray test of the session (2 CPUs, no dashboard, 200 MB object store),
