@@ -104,13 +104,16 @@ def run_bench(quick: bool = False, workloads: list[str] | None = None, repeats: 
     timeout = 60.0 if quick else 180.0
     started = time.time()
     report: dict[str, Any] = {"quick": quick, "repeats": repeats, "workloads": names, "started": started}
-    report["rlharvest"] = _median_results(
-        [_run_side(sys.executable, folder / "rlharvest_side.py", names, quick, timeout) for _ in range(repeats)])
     python = find_torchrl_python(torchrl_python, folder) if with_torchrl else None
     report["torchrl_python"] = python
-    report["torchrl"] = _median_results(
-        [_run_side(python, folder / "torchrl_side.py", names, quick, timeout) for _ in range(repeats)]
-    ) if python else None
+    ours: list[list[dict]] = []
+    theirs: list[list[dict]] = []
+    for _ in range(repeats):  # the sides alternate, so that a change of background load hits both
+        ours.append(_run_side(sys.executable, folder / "rlharvest_side.py", names, quick, timeout))
+        if python:
+            theirs.append(_run_side(python, folder / "torchrl_side.py", names, quick, timeout))
+    report["rlharvest"] = _median_results(ours)
+    report["torchrl"] = _median_results(theirs) if python else None
     report["wall_s"] = round(time.time() - started, 1)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)

@@ -179,18 +179,13 @@ class DistributedCollector(RemoteCollectorBase):
         config.check_workers(count)
         self.collector_class = resolve_collector_class(arguments["collector_class"])
         self.num_workers_per_collector = self._check_sub_workers(arguments["num_workers_per_collector"])
-        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
         self.update_after_each_batch = bool(arguments["update_after_each_batch"])
         self.max_weight_update_interval = int(arguments["max_weight_update_interval"])
         self.update_interval = arguments["update_interval"]
         # Take a node's batch, yield it, (update), then re-launch that node: weights the caller
         # changed before the next batch reach the node before it collects again (docs/weights.md).
         self._relaunch_after_yield = True
-        self._net = net = self._network(arguments)
-        self.tcp_port = str(net.tcp_port)
-        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
-        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
-        self._mp_start_method = arguments["mp_start_method"]
+        self._setup_transport(arguments)
         self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
         self.policy = arguments["policy"]
         factory = arguments["policy_factory"]
@@ -205,7 +200,16 @@ class DistributedCollector(RemoteCollectorBase):
         self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
         self._start_nodes(count)
 
-    def _check_arguments(self, count: int, arguments: dict) -> None:
+    def _setup_transport(self, arguments: dict) -> None:
+        """Where nodes run and how they are reached (launcher, process-group backend, network)."""
+        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
+        self._net = net = self._network(arguments)
+        self.tcp_port = str(net.tcp_port)
+        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
+        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
+        self._mp_start_method = arguments["mp_start_method"]
+
+    def _check_transport_arguments(self, arguments: dict) -> None:
         launcher = arguments["launcher"]
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
@@ -215,6 +219,9 @@ class DistributedCollector(RemoteCollectorBase):
                 import submitit  # noqa: F401  (only whether it is there)
             except ImportError as err:
                 raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+
+    def _check_arguments(self, count: int, arguments: dict) -> None:
+        self._check_transport_arguments(arguments)
         if isinstance(self.config.frames_per_batch, tuple):
             raise TypeError(f"frames_per_batch must be an int for {type(self).__name__} (nodes collect equal "
                             "shares), got a list.")
