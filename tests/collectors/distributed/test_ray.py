@@ -199,3 +199,25 @@ def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=r"rlharvest\[ray\]"):
         require_ray()
+
+
+def test_with_restarts_a_killed_actor_is_replaced_and_collection_goes_on(ray_cluster):
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True, max_worker_restarts=1)
+    try:
+        iterator = iter(collector)
+        used = set(next(iterator)[IDS].reshape(-1).tolist())
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_()
+        ray_cluster.kill(collector.remote_collectors[1])
+        batches = [next(iterator) for _ in range(3)]
+        for batch in batches:
+            assert batch.shape == (2, 4) and batch["action"].unique().tolist() == [3.0]  # complete, current weights
+            obs, ids = batch["observation"].squeeze(-1), batch[IDS]
+            same_traj = ids[:, 1:] == ids[:, :-1]
+            assert ((obs[:, 1:] - obs[:, :-1])[same_traj] == 1).all()  # no frame twice or skipped
+        stats = collector.stats()
+        assert stats["restarts"] == 1 and stats["worker_1/restarts"] == 1
+        assert not used & set(batches[-1][IDS][1].tolist())  # the replacement's trajectories are new ones
+    finally:
+        collector.shutdown()
