@@ -419,7 +419,7 @@ class DistributedCollector(RemoteCollectorBase):
         self._receiver.start()
 
     def _write_pushed(self, worker: int, reply) -> None:
-        batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
+        batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
         self._write_to_buffer(valid_part(batch))
         self._frames += reply.frames
 
