@@ -81,6 +81,8 @@ def run(args, kills: bool) -> dict:
         collector.update_policy_weights_()
         if warm is None and checker.frames >= args.kill_every:
             warm = dict(rss=process.memory_info().rss, fds=process.num_fds(), shm=shm_entries())
+        if checker.frames % args.kill_every < args.frames_per_batch:
+            progress(collector.stats())
         if kills and checker.frames >= (killed + 1) * args.kill_every and checker.frames < args.frames:
             os.kill(collector._pool.handles[killed % 2].process.pid, signal.SIGKILL)
             killed += 1
@@ -91,6 +93,14 @@ def run(args, kills: bool) -> dict:
     after = dict(fds=process.num_fds(), shm=shm_entries())
     return dict(kills=killed, restarts=restarts, frames=checker.frames, bad=checker.bad, seconds=elapsed,
                 fps=checker.frames / elapsed, warm=warm, end=end, after_shutdown=after)
+
+
+def progress(stats: dict) -> None:
+    """One line on stderr, from what ``stats()`` reports (cheap enough to read after every batch)."""
+    print(f"  {stats['frames']:>8} frames, {stats.get('frames_per_s_recent', 0.0):7.0f} frames/s, "
+          f"{stats['restarts']} restarts; env {stats['time_env_s']:.1f} s, policy {stats['time_policy_s']:.1f} s, "
+          f"transport {stats['time_transport_s']:.1f} s, waiting {stats['time_waiting_s']:.1f} s; weight sync "
+          f"{stats.get('weight_sync_s_median', 0.0) * 1e3:.2f} ms (median)", file=sys.stderr, flush=True)
 
 
 def report(name: str, result: dict) -> None:

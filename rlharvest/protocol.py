@@ -66,6 +66,8 @@ class Reply:
     #: for BATCH replies: valid frames, and whether the batch went to the replay buffer
     frames: int = 0
     written: bool = False
+    #: for BATCH replies: seconds the worker's env and policy took for it (``stats()``), or None
+    times: tuple[float, float] | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ step ``t + 1``.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,10 +30,29 @@ from .envs.checks import check_step_specs, raise_if_changed
 from .envs.base import to_tensor
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
-__all__ = ["Rollout", "RolloutSettings", "TrajectoryCounter", "LocalTrajectoryCounter"]
+__all__ = ["Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
 
 _TRAJ_IDS = ("collector", "traj_ids")
 _PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float32}
+
+
+@dataclass
+class RolloutTimes:
+    """Seconds spent in rollouts, split between the env (steps and the loop's own bookkeeping) and
+    the policy. Cumulative since the rollout was built.
+
+    The batch's duration is measured exactly (two clock reads per batch); its split is estimated
+    from one step per batch timed in full, a different step each batch, so no step pays more than
+    an integer comparison for it.
+    """
+
+    env: float = 0.0
+    policy: float = 0.0
+
+    def add(self, seconds: float, probe_policy: float, probe_total: float) -> None:
+        share = probe_policy / probe_total if probe_total > 0 else 0.0
+        self.policy += seconds * share
+        self.env += seconds * (1.0 - share)
 
 
 class TrajectoryCounter:
@@ -216,6 +236,8 @@ class Rollout:
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
+        self.times = RolloutTimes()
+        self._probe = 0
         self.reset()
         self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
         self.random_step = RandomStep(env)
@@ -279,13 +301,21 @@ class Rollout:
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         last_step = self.settings.time_steps - 1 if self.settings.set_truncated else -1
         root, traj, count = self._root, self._traj, self._count
+        probe = self._probe = (self._probe + 1) % self.settings.time_steps  # the step timed in full
+        start = probe_start = probe_acted = probe_end = time.perf_counter()
         with torch.no_grad(), set_interaction_type(self.settings.exploration_type):
             for t in range(self.settings.time_steps):
+                if t == probe:
+                    probe_start = time.perf_counter()
                 with lock:
                     actions = act(root)
                     version = self.policy_version
+                if t == probe:
+                    probe_acted = time.perf_counter()
                 env_actions = self._to_env_device(actions) if self._move_actions else actions
                 nxt, done, next_root = adapter.step(root, env_actions)
+                if t == probe:
+                    probe_end = time.perf_counter()
                 env_done = done
                 if limit or t == last_step:
                     nxt, done = self._truncate(nxt, done, count, t == last_step)
@@ -300,7 +330,9 @@ class Rollout:
                     break
         self._root, self._traj, self._count = root, traj, count
         self.stepped_since_reset = True
-        return self._assemble(steps, random)
+        batch = self._assemble(steps, random)
+        self.times.add(time.perf_counter() - start, probe_acted - probe_start, probe_end - probe_start)
+        return batch
 
     def _to_env_device(self, actions: dict) -> dict:
         device = self.settings.env_device

@@ -226,6 +226,19 @@ def weight_policy(weight: float = 1.0) -> TensorDictModule:
     return TensorDictModule(WeightPolicy(weight), in_keys=["observation"], out_keys=["action"])
 
 
+class EchoWeightPolicy(WeightPolicy):
+    """action = 1 (CountingEnv observations step by exactly 1), and ``"policy_weight"`` = the weight:
+    which weights collected each frame, without changing the trajectories."""
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ones = torch.ones(observation.shape, dtype=torch.float32)
+        return ones, ones * self.weight
+
+
+def echo_weight_policy(weight: float = 1.0) -> TensorDictModule:
+    return TensorDictModule(EchoWeightPolicy(weight), in_keys=["observation"], out_keys=["action", "policy_weight"])
+
+
 class Unpicklable(torch.nn.Module):
     """A policy that refuses to be pickled (test_nonserializable_policy_with_factory_and_weight_sync)."""
 

@@ -1,5 +1,5 @@
-"""What ``stats()`` reports beyond counters: throughput and policy lag, measured where batches are
-yielded (docs/restarts.md, "Watching a run").
+"""What ``stats()`` reports beyond counters: throughput, policy lag, where the time goes and how
+long weight updates take (docs/restarts.md, "Watching a run").
 
 Recording costs one clock read and one deque append per batch, plus one reduction over the batch's
 ``policy_version`` entry when versions are tracked: cheap enough for every batch.
@@ -8,6 +8,7 @@ Recording costs one clock read and one deque append per batch, plus one reductio
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import Any
 
@@ -17,6 +18,10 @@ __all__ = ["ProgressMeter"]
 
 #: batches the recent throughput is measured over
 RECENT_BATCHES = 16
+#: weight updates the median latency is taken over
+RECENT_UPDATES = 64
+#: the parts ``time_<part>_s`` splits collection time into
+TIME_PARTS = ("env", "policy", "transport", "waiting")
 
 
 class ProgressMeter:
@@ -34,6 +39,16 @@ class ProgressMeter:
         self._marks: collections.deque = collections.deque(maxlen=RECENT_BATCHES + 1)
         self._first: tuple[float, int] | None = None
         self.policy_lag: int | None = None
+        #: seconds per part of collection (``TIME_PARTS``), cumulative
+        self.seconds = dict.fromkeys(TIME_PARTS, 0.0)
+        self._weight_syncs: collections.deque = collections.deque(maxlen=RECENT_UPDATES)
+
+    def add_seconds(self, part: str, seconds: float) -> None:
+        self.seconds[part] += seconds
+
+    def record_weight_sync(self, seconds: float) -> None:
+        """A weight update completed in ``seconds`` (sent, and acknowledged where the scheme waits)."""
+        self._weight_syncs.append(seconds)
 
     def record(self, frames: int, batch: Any, version: Any) -> None:
         """A batch was yielded; ``frames`` counts every frame so far, ``version`` is the policy's now."""
@@ -47,8 +62,9 @@ class ProgressMeter:
                 self.policy_lag = max(0, version - int(versions.min()))
 
     def stats(self) -> dict[str, float | int]:
-        """``frames_per_s`` (since the first batch), ``frames_per_s_recent`` (last batches) and, when
-        versions are tracked, ``policy_lag`` (versions the last batch's oldest frame is behind)."""
+        """``frames_per_s`` (since the first batch), ``frames_per_s_recent`` (last batches), when
+        versions are tracked ``policy_lag`` (versions the last batch's oldest frame is behind), and
+        after a weight update ``weight_sync_s_last`` and ``weight_sync_s_median`` (last updates)."""
         stats: dict[str, float | int] = {}
         if self._first is not None:
             (start, first), (now, frames) = self._first, self._marks[-1]
@@ -57,4 +73,7 @@ class ProgressMeter:
             stats["frames_per_s_recent"] = (frames - before) / (now - then) if now > then else 0.0
         if self.policy_lag is not None:
             stats["policy_lag"] = self.policy_lag
+        if self._weight_syncs:
+            stats["weight_sync_s_last"] = self._weight_syncs[-1]
+            stats["weight_sync_s_median"] = statistics.median(self._weight_syncs)
         return stats

@@ -7,6 +7,7 @@ differs per collector is only how the leaf case updates the local policy (``_upd
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
@@ -143,6 +144,13 @@ class WeightAPIMixin:
             >>> collector.update_policy_weights_(weights=td, worker_ids=[1])  # doctest: +SKIP
         """
         value = merge_weight_arguments(policy_or_weights, weights, policy, kwargs)
+        start = time.perf_counter()
+        self._deliver_weights(value, policy_or_weights, worker_ids, model_id, weights_dict)
+        self._progress.record_weight_sync(time.perf_counter() - start)  # stats(): weight_sync_s_*
+
+    def _deliver_weights(self, value: Any, policy_or_weights: Any, worker_ids, model_id: str | None,
+                         weights_dict: dict | None) -> None:
+        """:meth:`update_policy_weights_` once its weight arguments are merged into ``value``."""
         if self._weight_updater is not None:
             if weights_dict is not None or model_id is not None:
                 raise ValueError("weights_dict and model_id are not supported with legacy weight updater.")

@@ -456,7 +456,10 @@ class BaseCollector(WeightAPIMixin):
         Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
         ``requested_frames_per_batch``, and ``policy_version`` when versions are tracked; once a batch
         was yielded, ``frames_per_s`` (overall) and ``frames_per_s_recent`` (last 16 batches), and
-        ``policy_lag`` (how many versions the last batch's oldest frame is behind) when tracked.
+        ``policy_lag`` (how many versions the last batch's oldest frame is behind) when tracked;
+        ``time_env_s``, ``time_policy_s``, ``time_transport_s``, ``time_waiting_s`` (see
+        :meth:`time_split`); after a weight update, ``weight_sync_s_last`` and
+        ``weight_sync_s_median`` (seconds, over the last 64 updates).
 
         Example:
             >>> collector.stats()["frames"]                          # doctest: +SKIP
@@ -471,7 +474,17 @@ class BaseCollector(WeightAPIMixin):
         if isinstance(version, int):
             stats["policy_version"] = version
         stats.update(self._progress.stats())
+        stats.update({f"time_{part}_s": seconds for part, seconds in self.time_split().items()})
         return stats
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),
+        ``policy``, ``transport`` (batches crossing a process boundary) and ``waiting`` (for workers).
+
+        Env and policy are estimated from one step per batch timed in full (docs/restarts.md,
+        "Watching a run"); the others are measured.
+        """
+        return dict(self._progress.seconds)
 
     # ------------------------------------------------------------------ the worker-loop contract
     # What ``rlharvest.worker.WorkerCollector`` asks of the collector a worker runs.

@@ -8,6 +8,7 @@ schemes, and every wait is bounded and checks that workers are alive.
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -375,6 +376,7 @@ class MultiSyncCollector(MultiCollector):
         needed = int(len(pool) * self.preemptive_threshold)
         ids = {w: self._launch(w, random) for w in range(len(pool))}
         replies: dict[int, Any] = {}
+        waiting = time.perf_counter()
         while len(replies) < len(pool):
             if len(replies) >= needed:
                 for worker in ids:
@@ -387,6 +389,7 @@ class MultiSyncCollector(MultiCollector):
                 ids[failed] = self._launch(failed, random)
                 continue
             replies[worker] = reply
+        self._progress.add_seconds("waiting", time.perf_counter() - waiting)
         return [replies[w] for w in range(len(pool))]
 
     def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:

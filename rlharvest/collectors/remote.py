@@ -118,12 +118,28 @@ class RemoteCollectorBase(BaseCollector):
     def _handle_worker_batch(self, worker: int, reply) -> TensorDictBase | None:
         """The worker's batch as a private copy with remapped ids, or None if it went to the buffer."""
         if reply.written:
+            self._record_times(reply)
             return None
-        batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
+        batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
         if self._trajectories is not None and self._fleet.restarts.enabled:
             ids = batch.get(_TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
             self._running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
         return batch
+
+    def _fetch(self, worker: int, reply) -> TensorDictBase:
+        """The batch ``reply`` announces (the time it takes counts as transport), for ``stats()``
+        with the env and policy seconds the worker spent on it."""
+        start = time.perf_counter()
+        batch = self._pool.handles[worker].fetch_batch(reply)
+        self._progress.add_seconds("transport", time.perf_counter() - start)
+        self._record_times(reply)
+        return batch
+
+    def _record_times(self, reply) -> None:
+        if reply.times is not None:
+            env, policy = reply.times
+            self._progress.add_seconds("env", env)
+            self._progress.add_seconds("policy", policy)
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
@@ -153,6 +169,7 @@ class RemoteCollectorBase(BaseCollector):
         pool = self._pool
         ids = {w: self._launch(w, random) for w in range(len(pool))}
         replies: dict[int, Any] = {}
+        waiting = time.perf_counter()
         for worker in range(len(pool)):
             while worker not in replies:
                 try:
@@ -161,6 +178,7 @@ class RemoteCollectorBase(BaseCollector):
                     failed = self._restart_after(err)
                     replies.pop(failed, None)
                     ids[failed] = self._launch(failed, random)
+        self._progress.add_seconds("waiting", time.perf_counter() - waiting)
         return [replies[w] for w in range(len(pool))]
 
     def _fetched(self, worker: int, reply, random: bool) -> tuple[TensorDictBase | None, Any]:
@@ -190,11 +208,13 @@ class RemoteCollectorBase(BaseCollector):
             for worker in range(len(pool)):
                 if worker not in running:
                     self._relaunch(worker)
+            waiting = time.perf_counter()
             try:
                 worker, reply = pool.wait_any(running)
             except WorkerError as err:  # its batch is dropped; the loop asks its replacement again
                 self._restart_after(err)
                 continue
+            self._progress.add_seconds("waiting", time.perf_counter() - waiting)
             del running[worker]
             try:
                 batch = self._handle_worker_batch(worker, reply)
@@ -202,7 +222,9 @@ class RemoteCollectorBase(BaseCollector):
                 self._restart_after(err)
                 continue
             self._iter += 1
+            copying = time.perf_counter()
             batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
+            self._progress.add_seconds("transport", time.perf_counter() - copying)
             self._frames += self._count_frames([reply])
             if not self._relaunch_after_yield and not self._reached_total():
                 # re-launch before yielding: the worker collects while the caller trains
@@ -301,7 +323,9 @@ class RemoteCollectorBase(BaseCollector):
             yield None
             return
         if sync and batches:
+            stacking = time.perf_counter()
             batch = self._assemble_sync(batches, replies)
+            self._progress.add_seconds("transport", time.perf_counter() - stacking)
         else:
             batch = batches[0] if batches else None
         trajectories = self._trajectories

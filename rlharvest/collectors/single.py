@@ -271,6 +271,12 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def rollout(self) -> Rollout:
         return self._rollout
 
+    def time_split(self) -> dict[str, float]:
+        split = super().time_split()
+        split["env"] += self._rollout.times.env
+        split["policy"] += self._rollout.times.policy
+        return split
+
     @property
     def _weight_source(self):
         return self._weight_source_ref()

@@ -272,14 +272,26 @@ def _train(collector, ppo: PPO, config: DemoConfig, progress: _Progress, bar) ->
             timings["sync"] += sync_ms[-1] / 1e3
             progress.version += 1
 
-        bar.set_postfix({"return(20)": f"{mean_recent:.1f}", "version": progress.version,
-                         "sync": f"{sync_ms[-1]:.2f}ms" if sync_ms else "-"}, refresh=False)
+        bar.set_postfix(_progress_fields(collector.stats(), mean_recent, progress.version), refresh=False)
         bar.update(batch.numel())
         if solved:
             progress.reached_at = progress.frames
             bar.total = progress.frames  # the budget was an upper bound: show the bar complete
             return  # no need for another update
         tick = time.perf_counter()
+
+
+def _progress_fields(stats: dict, mean_recent: float, version: int) -> dict:
+    """What the progress bar shows besides frames: the return, then what the collector's ``stats()``
+    says (cheap, read after every batch) about throughput, weight updates, time and restarts."""
+    sync = stats.get("weight_sync_s_last")
+    fields = {"return(20)": f"{mean_recent:.1f}", "version": stats.get("policy_version", version),
+              "sync": f"{sync * 1e3:.2f}ms" if sync is not None else "-",
+              "fps": f"{stats.get('frames_per_s_recent', 0.0):.0f}",
+              "env/policy": f"{stats['time_env_s']:.1f}s/{stats['time_policy_s']:.1f}s"}
+    if stats.get("restarts"):
+        fields["restarts"] = stats["restarts"]
+    return fields
 
 
 def _summary(config: DemoConfig, progress: _Progress, *, workers: int, total_frames: int, frames_per_batch: int,

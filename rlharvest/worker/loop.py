@@ -123,6 +123,7 @@ class Worker:
         self._steps = itertools.count()
         self._free_ids = itertools.count()
         self._free_frames = 0
+        self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
         self.collector = self._build(spec)
         self._handlers: dict[Command, Callable[[Any], Any]] = {
             Command.COLLECT: self._collect,
@@ -232,6 +233,12 @@ class Worker:
         frames = batch.numel() if ids is None else int((ids != -1).sum())
         return batch, frames
 
+    def _new_times(self) -> tuple[float, float]:
+        """Env and policy seconds of the collector since they were last reported."""
+        split = self.collector.time_split()
+        (env, policy), self._times_sent = self._times_sent, (split["env"], split["policy"])
+        return split["env"] - env, split["policy"] - policy
+
     def _write(self, batch: TensorDictBase, frames: int) -> None:
         """Write a batch into the shared replay buffer: only its collected steps, if it was cut short."""
         if frames < batch.numel():
@@ -256,12 +263,11 @@ class Worker:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
-            return Reply(0, self.worker_idx, frames=frames, written=True)
+            return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
             self.collector.keep_for_replay_buffer(batch)
-        if self.endpoint is None:
-            return Reply(0, self.worker_idx, value=batch, frames=frames)
-        return Reply(0, self.worker_idx, value=self._publish(batch), frames=frames)
+        value = batch if self.endpoint is None else self._publish(batch)
+        return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times())
 
     def _free_rollout_reported(self) -> None:
         """A rollout while running free; when it raises and batches are pushed to the parent, the
@@ -288,7 +294,8 @@ class Worker:
         self._free_frames += frames
         if buffer is None:
             value = self._publish(batch)
-            self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, value=value, frames=frames))
+            self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, value=value, frames=frames,
+                                     times=self._new_times()))
             return
         # pause()/shutdown may have interrupted the rollout: then only the collected steps are written
         self._write(batch, frames if self.endpoint.interrupted() else batch.numel())

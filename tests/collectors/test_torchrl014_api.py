@@ -67,7 +67,8 @@ def test_hooks_run_in_the_workers_and_setters_reach_them(collector_class, tmp_pa
 def test_stats_of_a_collector_are_plain_scalars():
     collector = Collector(CountingEnv(), CountingPolicy(), frames_per_batch=4, total_frames=8, track_policy_version=True)
     assert collector.stats() == {"frames": 0, "batches": 0, "total_frames": 8, "completed": False,
-                                 "requested_frames_per_batch": 4, "policy_version": 0}
+                                 "requested_frames_per_batch": 4, "policy_version": 0, "time_env_s": 0.0,
+                                 "time_policy_s": 0.0, "time_transport_s": 0.0, "time_waiting_s": 0.0}
     seen = [collector.stats()["frames"] for _ in collector]
     assert seen == [4, 8] and collector.stats()["completed"] and collector.stats()["batches"] == 2
     assert json.loads(json.dumps(collector.stats())) == collector.stats()

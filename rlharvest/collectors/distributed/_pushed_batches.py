@@ -2,7 +2,8 @@
 
 While nodes run free, one receiver thread is the only user of the collector's WorkerPool: it takes
 each pushed batch (posting the process-group receive the node waits for), remaps trajectory ids,
-drops steps an interruption left uncollected, and extends the replay buffer. ``pause()`` and the
+drops steps an interruption left uncollected, and extends the replay buffer; it also replaces a
+node that failed (restarts on), under the collector's lock shared with weight updates. ``pause()`` and the
 shutdown talk to that thread through events, so the pool stays single-threaded.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from ...errors import WorkerError
 from ...protocol import Command
 
 __all__ = ["PushedBatchReceiver"]
@@ -34,19 +36,28 @@ class PushedBatchReceiver(threading.Thread):
                 if self.pause_requested.is_set():
                     self._pause()
                     continue
-                self._take_one(0.1)
+                self._take_one(0.1, replace_failed=True)
             self._quiesce()
         except BaseException as err:  # surfaced by pause() / async_shutdown()
             self.error = err
             self.paused.set()
             self.quiet.set()
 
-    def _take_one(self, timeout: float) -> bool:
-        item = self.collector._pool.next_pushed(timeout)
-        if item is None:
+    def _take_one(self, timeout: float, replace_failed: bool = False) -> bool:
+        """Write the next pushed batch, if one comes within ``timeout`` s. With ``replace_failed``, a
+        node found failed (also while sending a batch, which is then dropped whole) is replaced as the
+        restart policy allows, and runs free like the others (docs/restarts.md)."""
+        try:
+            item = self.collector._pool.next_pushed(timeout)
+            if item is None:
+                return False
+            worker, reply = item
+            self.collector._write_pushed(worker, reply)
+        except WorkerError as err:
+            if not replace_failed:
+                raise
+            self.collector._replace_free_node(err)
             return False
-        worker, reply = item
-        self.collector._write_pushed(worker, reply)
         return True
 
     def _stop_pushing(self) -> None:

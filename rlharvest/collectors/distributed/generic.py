@@ -10,6 +10,7 @@ profiling, shutdown) is the one of :class:`~rlharvest.collectors.remote.RemoteCo
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ...config import CollectorConfig
+from ...errors import WorkerError
 from ...policies import ExplorationType
 from ...protocol import Command, WorkerSpec
 from ...transport.base import Backend
@@ -27,6 +29,7 @@ from ...worker.nodes import node_main
 from .. import _worker_args as setup
 from .._fleet import Fleet
 from .._restarts import RestartPolicy
+from ..base import BaseCollector
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
 from ._network import NetworkConfig
@@ -420,13 +423,41 @@ class DistributedCollector(RemoteCollectorBase):
             raise RuntimeError("The collector is already running free.")
         self._iteration_started = True
         self._drain_async()
+        self._free_lock = threading.RLock()  # a node replaced by the receiver vs. weights sent from here
         self._pool.broadcast(Command.RUN_FREE)
         self._running_free = True
         self._receiver = PushedBatchReceiver(self)
         self._receiver.start()
 
+    def _replace_free_node(self, err: WorkerError) -> None:
+        """Running free: replace the node ``err`` names (as the restart policy allows, else raise),
+        and set its replacement running free too. Called by the receiver thread."""
+        with self._free_lock:
+            while True:
+                worker = self._restart_after(err)
+                try:
+                    self._pool.request(worker, Command.RUN_FREE)
+                    return
+                except WorkerError as again:  # the replacement failed at once: one more failure
+                    err = again
+
+    def _updating_weights(self, update, counted: bool = True) -> None:
+        """Running free, the receiver thread owns the nodes: an update that meets a failed node counts
+        as done for the survivors, and the receiver replaces that node (it meets the failure too),
+        starting it with these weights and this version."""
+        if not self._running_free:
+            return super()._updating_weights(update, counted)
+        with self._free_lock:
+            try:
+                update()
+            except WorkerError:
+                if not self._fleet.restarts.enabled:
+                    raise
+                if counted:
+                    BaseCollector.increment_version(self)
+
     def _write_pushed(self, worker: int, reply) -> None:
-        batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
+        batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
         self._write_to_buffer(valid_part(batch))
         self._frames += reply.frames
 

@@ -8,6 +8,8 @@ without waiting before batches 0, k, 2k, ... (k = ``update_interval``).
 
 from __future__ import annotations
 
+import time
+
 from typing import Iterator
 
 from tensordict import TensorDictBase
@@ -88,9 +90,11 @@ class DistributedSyncCollector(DistributedCollector):
         sending being dropped."""
         while True:
             try:
+                waiting = time.perf_counter()
                 got = self._pool.next_pushed(self._worker_timeout, [node])
+                self._progress.add_seconds("waiting", time.perf_counter() - waiting)
                 if got is not None:
-                    return got[1], self._remap_traj_ids(self._pool.handles[node].fetch_batch(got[1]), node)
+                    return got[1], self._remap_traj_ids(self._fetch(node, got[1]), node)
                 if not self._fleet.restarts.enabled:
                     raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
                 raise WorkerTimeoutError(f"pushed no batch within {self._worker_timeout:g} s.", worker_idx=node)

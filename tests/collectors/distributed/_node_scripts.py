@@ -10,6 +10,10 @@
   two-host test, run inside network namespace A. It prints one JSON object per line on stdout
   (flushed), which the test reads as it goes; in ``happy`` mode it waits for a line on stdin
   before shutting down (so the test can inspect the live connections).
+* ``python _node_scripts.py two-hosts-restart-main --port P --host-ip A --node-netns NS --node-ifname IF``
+  is the main process of the link-cut test: ``launcher="mp"`` nodes, node 1 moved into namespace
+  ``NS`` (host B) when first launched, so its traffic crosses the veth pair; its replacement starts
+  on host A, beside the main process.
 """
 
 from __future__ import annotations
@@ -123,6 +127,129 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
     return code
 
 
+# ---------------------------------------------------------------- two-host restart (link cut)
+def _echo_weight_policy(weight: float):
+    """action = 1 (CountingEnv observations step by exactly 1), ``policy_weight`` = the weight."""
+    import torch
+    from tensordict.nn import TensorDictModule
+
+    class EchoWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.tensor([float(weight)]))
+
+        def forward(self, observation):
+            ones = torch.ones(observation.shape, dtype=torch.float32)
+            return ones, ones * self.weight
+
+    return TensorDictModule(EchoWeight(), in_keys=["observation"], out_keys=["action", "policy_weight"])
+
+
+def node_in_host_b(rank: int, *args, **kwargs) -> None:
+    """Node target: the first node 1 enters host B's network namespace, then runs as any node."""
+    from rlharvest.worker.nodes import node_main
+
+    if rank == 2 and kwargs.get("generation", 0) == 0:
+        import ctypes
+
+        fd = os.open(os.environ["RLH_TEST_NODE_NETNS"], os.O_RDONLY)
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), "setns into host B failed")
+        os.close(fd)
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = os.environ["RLH_TEST_NODE_IFNAME"]
+    node_main(rank, *args, **kwargs)
+
+
+def _veth_collector_class():
+    """A DistributedCollector whose ``"mp"`` nodes reach the main process at host A's veth address
+    (not loopback) and let gloo pick the interface from GLOO_SOCKET_IFNAME, so a node in host B works."""
+    import dataclasses
+
+    from rlharvest.collectors.distributed import DistributedCollector
+    from rlharvest.collectors.distributed._network import NetworkConfig
+    from rlharvest.transport.torchdist import TorchDistBackend
+
+    @dataclasses.dataclass(frozen=True)
+    class VethNetwork(NetworkConfig):
+        @property
+        def device_host(self):
+            return None
+
+    class VethCollector(DistributedCollector):
+        def _network(self, arguments):
+            net = super()._network(arguments)
+            fields = {f.name: getattr(net, f.name) for f in dataclasses.fields(net)}
+            return VethNetwork(**{**fields, "advertised_host": arguments["bind_address"]})
+
+        def _make_backend(self, count):
+            return TorchDistBackend(count, node_in_host_b, self._net, launcher="mp", backend=self.backend)
+
+    return VethCollector
+
+
+class _EmitRestarts:
+    """A logging handler: each restart the collector logs becomes a ``restarting`` event."""
+
+    level = 0
+
+    def handle(self, record) -> None:
+        _emit(event="restarting", message=record.getMessage())
+
+
+def two_hosts_restart_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host-ip", required=True)
+    parser.add_argument("--frames-per-batch", type=int, default=8)
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    parser.add_argument("--batches-after-restart", type=int, default=6)
+    args = parser.parse_args(argv)
+
+    import logging
+
+    import torch
+
+    # from the module, not __main__: the replacement node starts from the forkserver, which finds
+    # its target by reference and never runs this script's __main__
+    from _node_scripts import _veth_collector_class
+
+    torch.set_num_threads(1)
+    logging.getLogger("rlharvest.restarts").addHandler(_EmitRestarts())
+    policy = _echo_weight_policy(1.0)
+    collector = _veth_collector_class()(
+        [_make_env] * 2, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
+        heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=args.frames_per_batch, total_frames=-1,
+        worker_timeout=60.0, max_worker_restarts=1)
+    _emit(event="started", pids=[node.process.pid for node in collector._launched])
+    after = None
+    try:
+        for i, batch in enumerate(collector):
+            _emit(event="batch", i=i, shape=list(batch.shape),
+                  traj_ids=batch["collector", "traj_ids"].tolist(),
+                  observation=batch["observation"].squeeze(-1).tolist(),
+                  weight=batch["policy_weight"].squeeze(-1).tolist(), restarts=collector.stats()["restarts"])
+            if i == 1:
+                with torch.no_grad():
+                    policy.module.weight.fill_(5.0)
+                collector.update_policy_weights_()
+                _emit(event="updated")
+            if i == 3:
+                _emit(event="cut-me")
+            if collector.stats()["restarts"] and after is None:
+                after = i
+            if after is not None and i >= after + args.batches_after_restart:
+                break
+            time.sleep(0.05)
+        stats = collector.stats()
+        _emit(event="stats", restarts=stats["restarts"], causes=[
+            [c.worker, c.kind, c.message] for c in collector._fleet.restarts.causes],
+            pids=[node.process.pid for node in collector._launched])
+    finally:
+        collector.shutdown()
+        _emit(event="shutdown")
+    return 0
+
+
 # ---------------------------------------------------------------- listening addresses of "mp" collectors
 def listening_addresses(pids: list[int]) -> dict:
     import psutil
@@ -158,6 +285,8 @@ if __name__ == "__main__":
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "two-hosts-main":
         sys.exit(two_hosts_main(rest))
+    if command == "two-hosts-restart-main":
+        sys.exit(two_hosts_restart_main(rest))
     if command == "loopback-listeners":
         sys.exit(loopback_listeners())
     raise SystemExit(f"unknown command {command!r}")

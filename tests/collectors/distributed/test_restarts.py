@@ -94,3 +94,90 @@ def test_free_running_nodes_stamp_versions_the_main_process_counts():
     last = batches[-1]["policy_version"]
     assert 0 < int(last.min()) <= int(last.max()) <= stats["policy_version"]
     assert stats["policy_lag"] == stats["policy_version"] - int(last.min())
+
+
+def check_buffer_frames(frames) -> dict:
+    """Frames of a replay buffer written by free-running nodes: none twice, and within each trajectory
+    CountingEnv observations step by exactly 1 (nothing lost in the middle). ``{traj_id: [obs]}``."""
+    pairs = list(zip(frames[("collector", "traj_ids")].tolist(), frames["observation"].flatten().tolist()))
+    assert len(set(pairs)) == len(pairs), "a frame was written twice"
+    trajectories: dict[int, list[int]] = {}
+    for traj, obs in pairs:
+        trajectories.setdefault(traj, []).append(obs)
+    for traj, values in trajectories.items():
+        values.sort()
+        assert all(b - a == 1 for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
+    return trajectories
+
+
+def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_replacement():
+    from mocks import echo_weight_policy, wait_until
+
+    from rlharvest.data import ReplayBuffer
+
+    policy = echo_weight_policy(1.0)
+    buffer = ReplayBuffer(capacity=100_000)
+    collector = make(DistributedCollector, [lambda: CountingEnv(max_steps=50)] * 2, policy=policy, frames_per_batch=8,
+                     total_frames=-1, replay_buffer=buffer, max_worker_restarts=1, track_policy_version=True)
+    try:
+        collector.start()
+        wait_until(lambda: buffer.write_count >= 64, what="frames in the buffer")
+        victim = collector._launched[1].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with torch.no_grad():
+            policy.module.weight.fill_(3.0)
+        collector.update_policy_weights_()  # the dead node's acknowledgement never comes, or it was replaced
+        assert collector.policy_version == 1
+        wait_until(lambda: collector.stats()["restarts"] == 1, what="the restart")
+        written = buffer.write_count
+        wait_until(lambda: buffer.write_count >= written + 400, what="frames after the restart")
+    finally:
+        collector.async_shutdown()
+    frames = buffer[:]
+    check_buffer_frames(frames)
+    last = frames[-100:]
+    node1 = last[("collector", "traj_ids")] % 2 == 1
+    assert node1.any() and (last["policy_weight"].flatten()[node1] == 3.0).all()
+    assert (last["policy_version"].flatten() == 1).all()
+
+
+def test_a_free_running_node_killed_is_replaced_with_the_current_weights():
+    from mocks import echo_weight_policy, wait_until
+
+    from rlharvest.data import ReplayBuffer
+
+    policy = echo_weight_policy(1.0)
+    buffer = ReplayBuffer(capacity=100_000)
+    collector = make(DistributedCollector, [lambda: CountingEnv(max_steps=50)] * 2, policy=policy, frames_per_batch=8,
+                     total_frames=-1, replay_buffer=buffer, max_worker_restarts=1, track_policy_version=True)
+    try:
+        collector.start()
+        wait_until(lambda: buffer.write_count >= 64, what="frames in the buffer")
+        with torch.no_grad():
+            policy.module.weight.fill_(3.0)
+        collector.update_policy_weights_()
+        victim = collector._launched[1].process
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: collector.stats()["restarts"] == 1, what="the restart")
+        written = buffer.write_count
+        wait_until(lambda: buffer.write_count >= written + 200, what="frames after the restart")
+        replacement = collector._launched[1].process
+        causes = collector._fleet.restarts.causes
+    finally:
+        collector.async_shutdown()
+    frames = buffer[:]
+    trajectories = check_buffer_frames(frames)
+    assert [(c.worker, c.kind) for c in causes] == [(1, "died")]
+    assert replacement.pid != victim.pid and not replacement.is_alive()
+    # node 1's trajectories (id k * 2 + 1) after the restart: the replacement's, with the current
+    # weights and version from its first frame on, under ids node 1 never used before
+    ids, weights = frames[("collector", "traj_ids")], frames["policy_weight"].flatten()
+    versions = frames["policy_version"].flatten()
+    late = slice(written, None)
+    node1 = ids[late] % 2 == 1
+    new_ids = set(ids[late][node1].tolist()) - set(ids[:written].tolist())
+    assert new_ids, "no frame of the replacement after the restart"
+    fresh = torch.tensor([i in new_ids for i in ids.tolist()])
+    assert (weights[fresh] == 3.0).all() and (versions[fresh] == 1).all()
+    assert all(len(trajectories[i]) >= 1 for i in new_ids)

@@ -5,6 +5,9 @@ The main process (``_node_scripts.py two-hosts-main``) runs in host A with
 ``python -m rlharvest.collectors.distributed.node --host <A's address>``. Neither namespace has a
 route to anything but its own loopback and the peer, so every byte between main and node crosses
 the veth pair. The main script prints one JSON object per line (batches, weight update, errors).
+
+The link-cut restart test runs ``"mp"`` nodes instead (``two-hosts-restart-main``): node 1 is moved
+into host B when first launched, so a hand-started node (which no launcher can replace) is not needed.
 """
 
 from __future__ import annotations
@@ -269,3 +272,72 @@ def test_node_weight_reader_thread_stops_when_closed():
         server.close()
         thread.join(5)
         receiver._thread.join(5)
+
+
+def _link(host, state: str) -> None:
+    """``ip link set <veth> up|down`` inside ``host``'s namespace (a host losing its link)."""
+    subprocess.run(["ip", "-n", host.ns, "link", "set", "dev", host.ifname, state], check=True, timeout=10,
+                   capture_output=True)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid}: gone"
+
+
+def _as_batch(event: dict):
+    import torch
+    from tensordict import TensorDict
+
+    return TensorDict({"observation": torch.tensor(event["observation"]).unsqueeze(-1),
+                       ("collector", "traj_ids"): torch.tensor(event["traj_ids"])}, batch_size=event["shape"])
+
+
+@pytest.mark.timeout(150)
+def test_two_hosts_link_cut_node_is_replaced_on_the_main_host(require_netns, tmp_path):
+    """Node 1 runs in host B (an ``"mp"`` node moved into B's namespace); B's link goes down mid-run:
+    no heartbeat reaches A, node 1 is declared lost (kind "heartbeat") and replaced by a new node on
+    host A, which starts with the current weights; the link comes back; collection goes on."""
+    from mocks import check_counting_batches
+
+    with netns.TwoHosts() as net:
+        a, b = net.host_a, net.host_b
+        env = {**_env(), "RLH_TEST_NODE_NETNS": f"/var/run/netns/{b.ns}", "RLH_TEST_NODE_IFNAME": b.ifname}
+        with open(tmp_path / "main.err", "w") as main_err:
+            main = a.popen([sys.executable, SCRIPT, "two-hosts-restart-main", "--port", str(PORT), "--host-ip", a.ip,
+                            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)],
+                           env=env, stdout=subprocess.PIPE, stderr=main_err, text=True)
+        lines = Lines(main)
+        lines.logs = Logs(tmp_path)
+        started = lines.until("started", timeout=60)
+        lines.until("cut-me", timeout=60)
+        assert any(pid in ns_pids(b) for pid in started["pids"]), "node 1 does not run in host B"
+        _link(b, "down")
+        try:
+            restarting = lines.until("restarting", timeout=HEARTBEAT_TIMEOUT + 30)
+        finally:
+            _link(b, "up")
+            net.restore()  # the peers' addresses again (a link going down flushed them)
+        assert "heartbeat" in restarting["message"], restarting
+        stats = lines.until("stats", timeout=90)
+        lines.until("shutdown", timeout=30)
+        assert wait_exit(main, 30, "the main process") == 0, str(lines.logs)
+        # no node left, in either host (the main process's forkserver leaves once the main process has)
+        deadline = time.monotonic() + 10
+        while (ns_pids(a) or ns_pids(b)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ns_pids(a) == [] and ns_pids(b) == [], [_cmdline(pid) for pid in ns_pids(a) + ns_pids(b)]
+    assert stats["restarts"] == 1 and [c[:2] for c in stats["causes"]] == [[1, "heartbeat"]], stats
+    assert stats["pids"][0] == started["pids"][0] and stats["pids"][1] != started["pids"][1]
+    batches = [e for e in lines.events if e["event"] == "batch"]
+    restarted_at = next(e["i"] for e in batches if e["restarts"])
+    # every batch whole, no frame twice, observations stepping by 1 in each trajectory, ids unique per node
+    check_counting_batches([_as_batch(e) for e in batches], 8, 8 * len(batches))
+    assert all(e["shape"] == [2, 4] for e in batches)
+    assert all(set(row) == {5.0} for e in batches[3:] for row in e["weight"])  # updated after batch 1
+    assert all(e["weight"][1] == [5.0] * 4 for e in batches[restarted_at:])  # the replacement's: current
+    old_ids = {i for e in batches[:restarted_at] for i in e["traj_ids"][1]}
+    assert not old_ids & {i for e in batches[restarted_at:] for i in e["traj_ids"][1]}
