@@ -110,6 +110,21 @@ class RPCCollector(DistributedCollector):
         self.collector_infos[worker] = handle.info
         self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
 
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
+
+        RPC nodes only act on calls (nothing on a node runs between two of them), so a thread of this
+        process keeps requesting batches, as iteration does, and writes them into the buffer.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
+        self._start_thread()
+
+    def _pause_impl(self):
+        yield from self._pause_thread()
+
     def _close_workers(self, timeout: float) -> None:
         self.collector_rrefs = []  # the nodes' RRefs go while their owners still answer
         super()._close_workers(timeout)

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy
+from mocks import CountingPolicy, wait_until
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
 from rlharvest.collectors.distributed import RPCCollector, RPCDataCollector, RPCWeightUpdater
+from rlharvest.data import ReplayBuffer
 from rlharvest.envs import ContinuousMockEnv, CountingEnv
 from rlharvest.transport.ports import free_port_block
 
@@ -194,3 +195,20 @@ def test_deprecated_alias_and_visible_devices_check():
         assert isinstance(collector, RPCCollector) and len(list(collector)) == 1
     with pytest.raises(ValueError, match="visible_devices"):
         RPCCollector([ContinuousMockEnv] * 2, frames_per_batch=10, launcher="mp", visible_devices=["cpu"])
+
+
+def test_start_writes_into_the_replay_buffer_until_async_shutdown():
+    buffer = ReplayBuffer(capacity=10_000)
+    collector = make(frames_per_batch=20, total_frames=-1, replay_buffer=buffer)
+    try:
+        collector.start()
+        wait_until(lambda: len(buffer) >= 60, timeout=30.0, what="60 frames in the buffer")
+        with collector.pause():
+            paused = len(buffer)
+            time.sleep(0.3)
+            assert len(buffer) == paused  # nothing written while paused
+        wait_until(lambda: len(buffer) > paused, timeout=30.0, what="more frames after the pause")
+    finally:
+        collector.async_shutdown()
+    obs, ids = buffer[:]["observation"], buffer[:]["collector", "traj_ids"]
+    assert obs.shape[0] == len(buffer) and (ids >= 0).all()
