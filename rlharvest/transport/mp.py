@@ -14,38 +14,39 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import threading
 import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as torch_mp
 from tensordict import TensorDictBase
 
-from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
+from .._processes import (
+    describe_exit,
+    mp_context,
+    parent_watch,
+    prepare_worker_process,
+    set_parent_death_signal,
+)
+from .._utils import CloudpickleWrapper, worker_scheduling
 from ..data.flat import is_dense
 from ..rollout import TrajectoryCounter
 from .base import WorkerEndpoint, WorkerHandle
 
-__all__ = ["MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "start_worker_process", "mp_context"]
+__all__ = [
+    "MPWorkerHandle",
+    "MPWorkerEndpoint",
+    "SharedTrajectoryCounter",
+    "start_worker_process",
+    "mp_context",
+    "parent_watch",
+    "prepare_worker_process",
+    "describe_exit",
+]
+
+_set_parent_death_signal = set_parent_death_signal  # the name distributed launchers import
 
 _INTERRUPT, _PROGRESS = 0, 1
-
-
-def mp_context(start_method: str | None = None):
-    """The multiprocessing context workers are started with: ``fork`` unless told otherwise.
-
-    Worker processes only use pipes, shared memory, their env and policy, so forking (the fastest
-    start) is safe for them; ``mp_start_method="spawn"``/``"forkserver"`` are honoured.
-    """
-    method = start_method or ("fork" if "fork" in torch_mp.get_all_start_methods() else "spawn")
-    allowed = torch_mp.get_all_start_methods()
-    if method not in allowed:
-        raise ValueError(f"mp_start_method must be one of {allowed}, got {method!r}")
-    return torch_mp.get_context(method)
 
 
 class SharedTrajectoryCounter(TrajectoryCounter):
@@ -74,15 +75,6 @@ class SignalBoard:
 
     def __init__(self, num_workers: int) -> None:
         self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to kill this process when the thread that forked it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
-        pass
 
 
 class MPWorkerEndpoint(WorkerEndpoint):
@@ -153,12 +145,8 @@ class MPWorkerEndpoint(WorkerEndpoint):
 
 
 def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int | None, death_signal: bool) -> None:
-    if death_signal:
-        _set_parent_death_signal()
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before we got here
+    if not prepare_worker_process(parent_pid, death_signal):
         return
-    use_worker_scheduling()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from ..worker import run_worker
 
     spec = spec.payload if isinstance(spec, CloudpickleWrapper) else spec
@@ -195,18 +183,7 @@ class MPWorkerHandle(WorkerHandle):
         return self.process.is_alive()
 
     def exit_description(self) -> str:
-        code = self.process.exitcode
-        if code is None:
-            self.process.join(1.0)  # its pipe closed first: give the exit status a moment to arrive
-            code = self.process.exitcode
-        if code is None:
-            return "it stopped answering (its connection closed) but is still running"
-        if code < 0:
-            try:
-                return f"it was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"it was killed by signal {-code}"
-        return f"it exited with code {code}"
+        return describe_exit(self.process)
 
     def progress(self) -> int:
         return int(self._signals[_PROGRESS])
@@ -250,9 +227,7 @@ def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MP
     # User callables inside the spec are already CloudpickleWrapper-ed by the collector; the spec itself
     # goes through multiprocessing's pickler, which knows how to pass pipes, locks and shared tensors.
     payload = spec
-    direct_child = ctx.get_start_method() in ("fork", "spawn")
-    death_signal = direct_child and threading.current_thread() is threading.main_thread()
-    parent_pid = os.getpid() if direct_child else None
+    parent_pid, death_signal = parent_watch(ctx)
     process = ctx.Process(
         target=_worker_main,
         args=(payload, child_conn, signals.table, worker_idx, parent_pid, death_signal),
