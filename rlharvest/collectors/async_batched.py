@@ -35,6 +35,7 @@ from ..worker import WorkerSpec
 from . import _multi_setup as setup
 from ._async_batched_setup import AsyncBatchedConfig, async_batched_config, worker_env_factories
 from ._pool import WorkerPool
+from .base import BaseCollector
 from .multi import DEFAULT_WORKER_TIMEOUT
 from .remote import RemoteCollectorBase
 from .single import Collector
@@ -230,6 +231,10 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     def yield_completed_trajectories(self) -> bool:
         return self.options.yield_completed_trajectories
 
+    def getattr_policy(self, name: str) -> Any:
+        """An attribute of the policy (it lives in this process)."""
+        return getattr(self.policy, name)
+
     def server_stats(self) -> dict:
         """Counters of the policy server: ``requests``, ``batches``, ``frames``, ``max_batch_frames``."""
         return dict(self._server.stats)
@@ -323,6 +328,19 @@ class AsyncBatchedCollector(RemoteCollectorBase):
                 start = end + 1
             if start < rows.numel():
                 pieces.append(chunk[rows[start:]])
+
+    # ------------------------------------------------------------------ running free
+    def start(self) -> None:
+        """Collect into the replay buffer from a background thread until :meth:`async_shutdown`.
+
+        Raises:
+            RuntimeError: without a replay buffer, or when already running.
+        """
+        self._start_thread()
+
+    def is_running(self) -> bool:
+        """Whether :meth:`start`'s background collection runs."""
+        return BaseCollector.is_running(self)
 
     # ------------------------------------------------------------------ weights
     def _update_local_policy(self, value: Any) -> None:

@@ -160,6 +160,23 @@ def test_replay_buffer_hook_seeds_and_policy_factory():
     assert len(buffer) == 60 and [b.numel() for b in seen] == [20, 20, 20]
 
 
+def test_start_collects_into_the_replay_buffer_in_the_background():
+    buffer = ReplayBuffer(capacity=10_000)
+    policy = CountingPolicy()
+    collector = AsyncBatchedCollector([CountingEnv] * 2, policy=policy, frames_per_batch=20, total_frames=-1,
+                                      replay_buffer=buffer)
+    assert collector.getattr_policy("weight") is policy.weight
+    collector.start()
+    with pytest.raises(RuntimeError, match="already running"):
+        collector.start()
+    deadline = time.monotonic() + 30
+    while len(buffer) < 100 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert collector.is_running() and len(buffer) >= 100
+    collector.async_shutdown()
+    assert not collector.is_running()
+
+
 def test_policy_error_is_raised_as_it_is():
     policy = RaisingPolicy()
     collector = AsyncBatchedCollector([CountingEnv] * 2, policy=policy, frames_per_batch=20, total_frames=-1)
@@ -220,3 +237,10 @@ def test_policy_and_policy_factory_are_exclusive():
                               frames_per_batch=10)
     with pytest.raises(TypeError, match="one of policy or policy_factory"):
         AsyncBatchedCollector([CountingEnv], frames_per_batch=10)
+
+
+def test_start_needs_a_replay_buffer():
+    collector = AsyncBatchedCollector([CountingEnv], policy=CountingPolicy(), frames_per_batch=10)
+    with pytest.raises(RuntimeError, match="replay_buffer"):
+        collector.start()
+    collector.shutdown()
