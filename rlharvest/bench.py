@@ -4,10 +4,10 @@ TorchRL when its side environments exist, and print tables of the results and th
 Every side runs the same measurement code (``benchmarks/measure.py``), each in its own interpreter:
 rlharvest's with this process's Python, TorchRL 0.12's with the Python of the side environment made
 by ``benchmarks/setup_torchrl_venv.sh`` (``.venv-torchrl`` at the repository root, or
-``--torchrl-python``), TorchRL 0.14's with ``.venv-torchrl14`` (``benchmarks/setup_torchrl14_venv.sh``,
-or ``--torchrl14-python``). Workloads run one at a time, each side after the other (so sides are
-compared under the same load), each in a fresh process; each figure is the median of ``--repeats``
-runs. Results are also written as JSON, to compare across commits.
+``--torchrl-python``), TorchRL 0.14's with ``.venv-torchrl14`` (the venv of the TorchRL compatibility
+suite, made by ``make setup-torchrl``; or ``--torchrl14-python``). Workloads run one at a time, each
+side right after the other (so sides are compared under the same load), each in a fresh process;
+each figure is the median of ``--repeats`` runs. Results are also written as JSON.
 """
 
 from __future__ import annotations
@@ -231,5 +231,5 @@ def format_table(report: dict[str, Any]) -> str:
     if not theirs:
         lines += ["", "TorchRL side not run (create it with benchmarks/setup_torchrl_venv.sh)."]
     if not report.get("torchrl14") and any(n.startswith("batched_") for n in report["workloads"]):
-        lines += ["TorchRL 0.14 side not run (create it with benchmarks/setup_torchrl14_venv.sh)."]
+        lines += ["TorchRL 0.14 side not run (create it with make setup-torchrl)."]
     return "\n".join(lines)

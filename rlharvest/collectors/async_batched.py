@@ -235,6 +235,10 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         """An attribute of the policy (it lives in this process)."""
         return getattr(self.policy, name)
 
+    def _set_hook(self, name: str, hook) -> None:
+        # Batches are assembled here, so hooks run here (RemoteCollectorBase forwards them to workers).
+        BaseCollector._set_hook(self, name, hook)
+
     def server_stats(self) -> dict:
         """Counters of the policy server: ``requests``, ``batches``, ``frames``, ``max_batch_frames``."""
         return dict(self._server.stats)
@@ -246,6 +250,8 @@ class AsyncBatchedCollector(RemoteCollectorBase):
             return
         total = self.config.total_frames
         while not self._reached_total():
+            if self.pre_collect_hook is not None:
+                self.pre_collect_hook()
             wanted = self.config.frames_per_batch
             if total >= 0:
                 wanted = min(wanted, total - self._frames)

@@ -28,7 +28,7 @@ import torch
 
 from .._utils import NestedKey, unravel_key, unwrap
 from ..errors import RemoteFailure
-from .adapters import ArrayEnvAdapter, is_env, make_env_adapter
+from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
 
 __all__ = ["SubEnvCommand", "Status", "ReplyBoard", "Buffers", "SubEnvDescription", "FirstStep", "SubEnvRunner",
            "build_env", "subenv_main", "value_meta"]
@@ -129,20 +129,28 @@ class FirstStep:
                 (tuple(self.reward.shape), self.reward.dtype))
 
 
-def value_meta(value: Any) -> tuple[tuple, torch.dtype]:
+def value_meta(value: Any, key: NestedKey = None) -> tuple[tuple, torch.dtype]:
     """``(shape, dtype)`` of an array-protocol value (Python scalars stand for shape ``(1,)``)."""
-    tensor = as_tensor(value)
+    tensor = as_tensor(value, key)
     return tuple(tensor.shape), tensor.dtype
 
 
-def as_tensor(value: Any) -> torch.Tensor:
+def as_tensor(value: Any, key: NestedKey = None) -> torch.Tensor:
+    """A value of a step as a tensor.
+
+    Raises:
+        TypeError: for entries that do not fit a fixed buffer (non-tensor data, sub-TensorDicts).
+    """
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
         return torch.from_numpy(np.asarray(value).reshape(1))
-    return torch.tensor([value], dtype=_PY_DTYPES.get(type(value)))
+    if type(value) in _PY_DTYPES:
+        return torch.tensor([value], dtype=_PY_DTYPES[type(value)])
+    raise TypeError(f"batched envs carry tensor entries only: {key!r} is a {type(value).__name__} (non-tensor "
+                    "data and sub-TensorDicts of their own shape cannot live in the shared buffers).")
 
 
 def _bool_array(value: Any, shape: tuple) -> np.ndarray:
@@ -241,12 +249,14 @@ class SubEnvRunner:
     # ------------------------------------------------------------------ setup
     def describe(self) -> SubEnvDescription:
         env = self.env
-        action_specs = {unravel_key(k): env.full_action_spec[k] for k in env.action_keys}
-        obs_spec = env.observation_spec
-        declared = {unravel_key(k) for k in obs_spec.keys(True, True)}
+        actions = env.full_action_spec
+        action_keys = env_attr(env, "action_keys") or list(actions.keys(True, True))
+        action_specs = {unravel_key(k): actions[k] for k in action_keys}
+        obs_spec = env_attr(env, "observation_spec")
+        declared = {unravel_key(k) for k in obs_spec.keys(True, True)} if obs_spec is not None else set()
         return SubEnvDescription(
             batch_size=self.batch_size,
-            root_layout={k: value_meta(self.root[k]) for k in self.root_keys},
+            root_layout={k: value_meta(self.root[k], k) for k in self.root_keys},
             action_layout={k: (tuple(s.shape), s.dtype) for k, s in action_specs.items()},
             observation_specs={k: obs_spec[k] for k in self.root_keys if k in declared},
             action_specs=action_specs,
@@ -306,8 +316,8 @@ class SubEnvRunner:
             if key not in values:  # carried over from the root by the env (a state entry)
                 values[key] = root[key]
         terminated, truncated = self._flags(nxt)
-        return FirstStep({k: as_tensor(v).clone() for k, v in values.items()},
-                         as_tensor(nxt[self.reward_key]).clone(), terminated, truncated)
+        return FirstStep({k: as_tensor(v, ("next", k)).clone() for k, v in values.items()},
+                         as_tensor(nxt[self.reward_key], ("next", self.reward_key)).clone(), terminated, truncated)
 
     def _flags(self, nxt: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(terminated, truncated)`` of shape ``(*batch, 1)``, with ``done = terminated | truncated``."""

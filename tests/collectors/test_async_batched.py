@@ -156,8 +156,11 @@ def test_replay_buffer_hook_seeds_and_policy_factory():
     collector = AsyncBatchedCollector([CountingEnv] * 2, policy_factory=CountingPolicy, frames_per_batch=20,
                                       total_frames=60, replay_buffer=buffer, post_collect_hook=seen.append)
     assert collector.set_seed(3) == 5
+    before = []
+    collector.set_pre_collect_hook(lambda: before.append(len(buffer)))  # set after start: still ours
     assert _collect(collector) == [None, None, None]
-    assert len(buffer) == 60 and [b.numel() for b in seen] == [20, 20, 20]
+    assert len(buffer) == 60 and [b.numel() for b in seen] == [20, 20, 20] and before == [0, 20, 40]
+    assert collector.stats()["frames"] == 60 and collector.stats()["workers"] == 2
 
 
 def test_start_collects_into_the_replay_buffer_in_the_background():

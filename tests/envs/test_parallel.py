@@ -235,3 +235,15 @@ def test_spawned_sub_envs_give_the_same_data():
     fn = functools.partial(CountingEnv, max_steps=2)
     got = _batches(ParallelEnv(2, fn, mp_start_method="spawn"), frames_per_batch=8, batches=2)
     _assert_same(got, _batches(CountingEnv(max_steps=2, batch_size=(2,)), frames_per_batch=8, batches=2))
+
+
+class _NonTensorEnv(CountingEnv):
+    """A CountingEnv whose observations also carry a string (non-tensor data)."""
+
+    def _reset_arrays(self, mask=None):
+        return {**super()._reset_arrays(mask), "instruction": "go"}
+
+
+def test_non_tensor_entries_are_refused_by_name():
+    with pytest.raises(TypeError, match="'instruction' is a str"):
+        SerialEnv(2, _NonTensorEnv)
