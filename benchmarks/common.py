@@ -150,13 +150,14 @@ BATCHED_MAIN_ENVS = 8
 #: ``batched_<kind>_<n>_<size>`` kinds: n CartPole-v1 envs stepped by ...
 #:   * ``raw_vector``: ``gymnasium.vector.AsyncVectorEnv(n, shared_memory=True)`` and the MLP on the
 #:     batch, no collector (the limit); * ``parallel``: ``Collector(ParallelEnv(n, GymEnv))``;
+#:   * ``serial``: ``Collector(SerialEnv(n, GymEnv))`` (every env in the collector's process);
 #:   * ``asyncbatched``: ``AsyncBatchedCollector([GymEnv] * n)``; ``asyncbatched_auto``: the same with
 #:     TorchRL's ``transport="auto"`` and a ``policy_factory`` (TorchRL 0.14's fastest set-up);
 #:   * ``multisync``: ``MultiSyncCollector`` with n workers of one env each (per-worker inference);
 #:   * ``vectorenv``: rlharvest's ``Collector(GymEnv(AsyncVectorEnv(n)))``;
 #:   * ``parallel_transformed``: ``Collector(ParallelEnv(n, TransformedEnv(GymEnv, StepCounter +
 #:     RewardSum)))``, TorchRL env factories (the rlharvest side runs it in the TorchRL 0.14 venv).
-BATCHED_KINDS = ("raw_vector", "parallel", "asyncbatched", "asyncbatched_auto", "multisync", "vectorenv",
+BATCHED_KINDS = ("raw_vector", "parallel", "serial", "asyncbatched", "asyncbatched_auto", "multisync", "vectorenv",
                  "parallel_transformed")
 #: kinds whose env factories are TorchRL's: rlharvest runs them with a Python that has torchrl
 NEEDS_TORCHRL_ENVS = ("parallel_transformed",)

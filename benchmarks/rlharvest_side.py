@@ -75,12 +75,13 @@ class RLHarvestSide:
         import rlharvest_envs as envs
 
         from rlharvest.collectors import AsyncBatchedCollector, Collector, MultiSyncCollector
-        from rlharvest.envs import ParallelEnv
+        from rlharvest.envs import ParallelEnv, SerialEnv
 
         kwargs = {"frames_per_batch": frames_per_batch, "total_frames": common.TOTAL_FRAMES}
         make = envs.make_cartpole_env
-        if kind == "parallel":
-            return Collector(ParallelEnv(num_envs, make), envs.batched_policy(size), **kwargs)
+        if kind in ("parallel", "serial"):
+            batched = ParallelEnv if kind == "parallel" else SerialEnv
+            return Collector(batched(num_envs, make), envs.batched_policy(size), **kwargs)
         if kind == "parallel_transformed":
             import torchrl_envs  # TorchRL's env factories: this side then runs with a Python that has torchrl
 

@@ -104,13 +104,14 @@ class TorchRLSide:
 
         import torchrl_envs as envs
         from torchrl.collectors import Collector, MultiSyncCollector
-        from torchrl.envs import ParallelEnv
+        from torchrl.envs import ParallelEnv, SerialEnv
 
         kwargs = {"frames_per_batch": frames_per_batch, "total_frames": common.TOTAL_FRAMES}
         make = envs.make_cartpole_env
-        if kind in ("parallel", "parallel_transformed"):
-            env_fn = make if kind == "parallel" else envs.make_transformed_cartpole
-            return Collector(ParallelEnv(num_envs, env_fn), envs.batched_policy(size), **kwargs)
+        if kind in ("parallel", "parallel_transformed", "serial"):
+            env_fn = envs.make_transformed_cartpole if kind == "parallel_transformed" else make
+            batched = SerialEnv if kind == "serial" else ParallelEnv
+            return Collector(batched(num_envs, env_fn), envs.batched_policy(size), **kwargs)
         if kind == "multisync":
             return MultiSyncCollector([make] * num_envs, envs.batched_policy(size), **kwargs)
         if kind in ("asyncbatched", "asyncbatched_auto"):

@@ -9,6 +9,7 @@ __all__ = ["batched_tables"]
 _KIND_LABELS = {
     "raw_vector": "raw AsyncVectorEnv + MLP (limit)",
     "parallel": "Collector(ParallelEnv)",
+    "serial": "Collector(SerialEnv)",
     "asyncbatched": "AsyncBatchedCollector",
     "asyncbatched_auto": "AsyncBatched, transport=auto",
     "multisync": "MultiSync, per-worker inference",
