@@ -26,6 +26,7 @@ from ._bench_tables import batched_tables
 __all__ = ["run_bench", "find_benchmarks", "find_torchrl_python", "find_torchrl14_python", "format_table"]
 
 QUICK_WORKLOADS = ["raw_gym_cartpole", "collector_cartpole", "multisync_cartpole", "weightsync_multisync_1m"]
+_SPREAD_KEYS = ("steps_per_s", "frames_per_s", "update_s")
 _MEDIAN_KEYS = ("steps_per_s", "frames_per_s", "first_batch_s", "shutdown_s", "update_s", "copy_s",
                 "ratio_to_copy", "fresh_fraction", "batch_fresh_fraction")
 
@@ -103,7 +104,10 @@ def _median_results(passes: list[list[dict]]) -> dict[str, dict]:
             values = [r[key] for r in good if isinstance(r.get(key), (int, float))]
             if values:
                 row[key] = statistics.median(values)
+                if key in _SPREAD_KEYS:
+                    row[f"{key}_runs"] = values  # how much the figure moved between runs (the noise)
         row["runs"] = len(good)
+        row["background_cpu_runs"] = [r.get("background_cpu") for r in good]
         merged[name] = row
     return merged
 
