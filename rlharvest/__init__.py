@@ -1,8 +1,10 @@
 """rlharvest: fast, fault-tolerant RL experience collectors with TorchRL's collector API.
 
 Layers, bottom up: ``envs`` (env protocol and envs) -> ``rollout`` (the one rollout loop) ->
-``transport`` (process boundaries) -> ``worker`` (the one worker loop) -> ``collectors`` ->
-``weight_update`` (weight sync over the same transports) -> ``collectors.distributed`` (launchers).
+``protocol`` (the wire types) -> ``transport`` (the backends: where workers run, and how commands,
+batches and weights cross to them) -> ``worker`` (the one worker loop and the node entry points) ->
+``weight_update`` (weight sync over the transports) -> ``collectors`` (which pick a backend and
+drive their workers through one Fleet). Each layer imports only the layers below it.
 """
 
 from .errors import WorkerError, WorkerTimeoutError

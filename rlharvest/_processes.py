@@ -25,6 +25,7 @@ __all__ = [
     "prepare_worker_process",
     "use_normal_scheduling",
     "describe_exit",
+    "describe_process_exit",
 ]
 
 
@@ -95,17 +96,24 @@ def use_normal_scheduling() -> None:
             pass
 
 
-def describe_exit(process) -> str:
-    """Why a ``multiprocessing`` process is gone, for error messages ("it was killed by SIGKILL")."""
-    code = process.exitcode
+def describe_exit(code: int | None) -> str:
+    """How a process ended, from its exit code, for error messages ("it was killed by SIGKILL")."""
     if code is None:
-        process.join(1.0)  # its pipe closed first: give the exit status a moment to arrive
-        code = process.exitcode
-    if code is None:
-        return "it stopped answering (its connection closed) but is still running"
+        return "it is still running"
     if code < 0:
         try:
             return f"it was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"it was killed by signal {-code}"
     return f"it exited with code {code}"
+
+
+def describe_process_exit(process) -> str:
+    """Why a ``multiprocessing`` process whose connection closed is gone, for error messages."""
+    code = process.exitcode
+    if code is None:
+        process.join(1.0)  # its pipe closed first: give the exit status a moment to arrive
+        code = process.exitcode
+    if code is None:
+        return "it stopped answering (its connection closed) but is still running"
+    return describe_exit(code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -18,7 +18,6 @@ __all__ = [
     "is_private_key",
     "resolve_attr_path",
     "CloudpickleWrapper",
-    "warn_once",
     "deprecated_alias",
     "cpu_count",
 ]
@@ -111,16 +110,6 @@ def unwrap(obj: Any) -> Any:
     return obj.payload if isinstance(obj, CloudpickleWrapper) else obj
 
 
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
-    """Emit ``message`` only the first time it is seen in this process."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, category, stacklevel=stacklevel)
-
-
 def deprecated_alias(new_cls: type, old_name: str) -> type:
     """A subclass named ``old_name`` that warns on instantiation.
 
@@ -145,17 +134,6 @@ def deprecated_alias(new_cls: type, old_name: str) -> type:
 
     alias = _AliasMeta(old_name, (new_cls,), {"__init__": __init__, "__doc__": f"Deprecated name of {new_cls.__name__}."})
     alias.__module__ = new_cls.__module__
-    return alias
-
-
-def deprecated_factory(new_factory: Callable, old_name: str, new_name: str) -> Callable:
-    """A function alias that warns before delegating."""
-
-    def alias(*args, **kwargs):
-        warnings.warn(f"{old_name} is deprecated, use {new_name} instead.", DeprecationWarning, stacklevel=2)
-        return new_factory(*args, **kwargs)
-
-    alias.__name__ = old_name
     return alias
 
 
@@ -222,7 +200,3 @@ def to_device_list(value: Any, num_workers: int, name: str) -> list[torch.device
         return [torch.device(v) if v is not None else None for v in value]
     device = torch.device(value) if value is not None else None
     return [device] * num_workers
-
-
-def flatten_once(items: Iterable[Iterable[Any]]) -> list[Any]:
-    return [x for group in items for x in group]

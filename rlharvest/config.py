@@ -1,21 +1,42 @@
-"""Collector arguments, parsed and validated once into frozen dataclasses.
+"""Collector arguments, parsed and validated once into a frozen dataclass.
 
-The public constructors keep TorchRL's keyword arguments; inside, everything reads a config object.
-Each check raises one clear error that names the argument and the allowed values.
+The public constructors keep TorchRL's keyword arguments (their signatures list every one);
+inside, everything reads a :class:`CollectorConfig`. Each argument is a field with its validation
+and a rule saying how it reaches workers and nodes (:meth:`CollectorConfig.for_worker`), so adding a
+TorchRL argument means adding a field here and the parameter to the public signatures: nothing
+forwards arguments by hand. Each check raises one clear error naming the argument and the allowed
+values. docs/collection.md describes what the arguments do.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
+from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "parse_total_frames", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
+
+_TRAJ_FORMAT_DEFAULT = (
+    "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
+    "('collector', 'mask') for now, but the default will change to 'cat' in torchrl v0.16, and rlharvest follows "
+    "it. Pass traj_format='padded' to keep this layout, or traj_format='cat' for trajectories concatenated along "
+    "time, without padding."
+)
+
+
+def _stacklevel_outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside rlharvest (as seen from the function calling this)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "rlharvest":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def parse_total_frames(total_frames: Any) -> int:
@@ -35,6 +56,20 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """A timeout argument: a positive, finite number of seconds (every wait must end).
+
+    Raises:
+        TypeError: naming ``name`` for a non-number.
+        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _optional_count(name: str, value: Any) -> int:
@@ -62,7 +97,7 @@ def _device(value: Any) -> torch.device | None:
 
 
 def resolve_devices(device, storing_device, policy_device, env_device, env=None):
-    """Fill devices left as None (SPEC §2.7). Returns (storing, policy, env)."""
+    """Fill devices left as None (docs/collection.md, "Devices"). Returns (storing, policy, env)."""
     device = _device(device)
     storing_device = _device(storing_device) or device
     policy_device = _device(policy_device) or device
@@ -78,54 +113,98 @@ def resolve_devices(device, storing_device, policy_device, env_device, env=None)
     return storing_device, policy_device, env_device
 
 
+# ---------------------------------------------------------------------------------- how fields reach workers
+_OMIT = object()
+
+
+def _same(value: Any, index: int) -> Any:
+    """Every worker's collector gets the value."""
+    return value
+
+
+def _each(value: Any, index: int) -> Any:
+    """One value for every worker, or a sequence with one entry per worker."""
+    return value[index] if isinstance(value, (list, tuple)) else value
+
+
+def _parent(value: Any, index: int) -> Any:
+    """Used by the collector that owns the workers only (workers get an override, or nothing)."""
+    return _OMIT
+
+
+def _flag(value: Any, index: int) -> Any:
+    """Workers get the truth value (a version tracker object stays in the parent)."""
+    return bool(value)
+
+
+def _pickled(value: Any, index: int) -> Any:
+    """A user callable workers get through cloudpickle (lambdas and local functions survive spawn)."""
+    return CloudpickleWrapper(value) if value is not None else None
+
+
+def _arg(default: Any = None, *, worker: Callable[[Any, int], Any] = _same, factory: Callable | None = None):
+    metadata = {"worker": worker}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+_DEVICE_FIELDS = ("device", "storing_device", "policy_device", "env_device")
+
+
 @dataclass(frozen=True)
 class CollectorConfig:
-    """The arguments every collector shares (SPEC §2), validated."""
+    """The TorchRL arguments every collector shares, validated (docs/collection.md)."""
 
-    frames_per_batch: int
-    """Frames per yielded batch (rounded up to a multiple of the env batch size by Collector)."""
-    total_frames: int = -1
-    """Stop after this many frames; -1 = endless."""
-    device: torch.device | None = None
-    storing_device: torch.device | None = None
-    policy_device: torch.device | None = None
-    env_device: torch.device | None = None
-    create_env_kwargs: dict = field(default_factory=dict)
-    max_frames_per_traj: int = 0
+    frames_per_batch: int | tuple[int, ...] = _arg(worker=_parent)
+    """Frames per yielded batch (an int, or one int per worker for worker-process collectors)."""
+    total_frames: int = _arg(-1, worker=_parent)
+    """Stop after this many frames; -1 = endless (workers always are)."""
+    device: Any = _arg(worker=_each)
+    storing_device: Any = _arg(worker=_each)
+    policy_device: Any = _arg(worker=_each)
+    env_device: Any = _arg(worker=_each)
+    create_env_kwargs: Any = _arg(worker=_each, factory=dict)
+    """Keyword arguments of the env constructor (a dict, or one dict per worker)."""
+    max_frames_per_traj: int = _arg(0)
     """Truncate trajectories after this many steps; 0 = off."""
-    init_random_frames: int = 0
-    """Random actions until this many frames were collected; 0 = off."""
-    reset_at_each_iter: bool = False
-    postproc: Callable | None = None
-    split_trajs: bool = False
-    exploration_type: Any = ExplorationType.RANDOM
-    return_same_td: bool = False
-    interruptor: Any = None
-    set_truncated: bool = False
-    use_buffers: bool | None = None
-    replay_buffer: Any = None
-    extend_buffer: bool = True
-    trust_policy: bool | None = None
-    compile_policy: Any = None
-    cudagraph_policy: Any = None
-    no_cuda_sync: bool = False
-    track_policy_version: Any = False
-    worker_idx: int | None = None
-    pre_collect_hook: Callable[[], None] | None = None
+    init_random_frames: int = _arg(0, worker=_parent)
+    """Random actions until this many frames were collected; 0 = off (the parent decides)."""
+    reset_at_each_iter: bool = _arg(False)
+    postproc: Callable | None = _arg(worker=_parent)
+    split_trajs: bool = _arg(False, worker=_parent)
+    exploration_type: Any = _arg(ExplorationType.RANDOM)
+    return_same_td: bool = _arg(False, worker=_parent)
+    interruptor: Any = _arg(worker=_parent)
+    set_truncated: bool = _arg(False)
+    use_buffers: bool | None = _arg()
+    replay_buffer: Any = _arg(worker=_parent)
+    extend_buffer: bool = _arg(True, worker=_parent)
+    trust_policy: bool | None = _arg()
+    compile_policy: Any = _arg()
+    cudagraph_policy: Any = _arg()
+    no_cuda_sync: bool = _arg(False)
+    track_policy_version: Any = _arg(False, worker=_flag)
+    worker_idx: int | None = _arg(worker=_parent)
+    pre_collect_hook: Callable[[], None] | None = _arg(worker=_pickled)
     """Called with no argument before each batch is collected (in the process that collects it)."""
-    post_collect_hook: Callable | None = None
+    post_collect_hook: Callable | None = _arg(worker=_pickled)
     """Called with each collected batch (in the process that collects it)."""
-    track_traj_ids: bool = True
+    track_traj_ids: bool = _arg(True)
     """Keep ``("collector", "traj_ids")`` in batches (False: no id bookkeeping at all)."""
-    compact_obs: bool = False
+    compact_obs: bool = _arg(False)
     """Drop the observations from ``("next", ...)``: they are the next step's root entries."""
-    trajs_per_batch: int | None = None
-    """Yield batches of exactly this many complete trajectories (None: fixed frame batches)."""
-    trajs_per_write: int | None = None
-    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call."""
-    traj_format: str | None = None
-    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time)."""
-    auto_register_policy_transforms: bool | None = None
+    trajs_per_batch: int | None = _arg(worker=_parent)
+    """Yield batches of exactly this many complete trajectories (None: fixed frame batches); with a
+    replay buffer, write complete trajectories only. ``frames_per_batch`` is then the polling size and
+    ``split_trajs`` has no effect (docs/trajectories.md)."""
+    trajs_per_write: int | None = _arg(worker=_parent)
+    """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call (None: all
+    that are ready)."""
+    traj_format: str | None = _arg(worker=_parent)
+    """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time); None means
+    ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
+    auto_register_policy_transforms: bool | None = _arg(worker=_parent)
     """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
 
     @classmethod
@@ -137,18 +216,22 @@ class CollectorConfig:
             raise TypeError(f"{owner} got unexpected keyword argument(s) {unknown}.")
         return cls(**kwargs)
 
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> CollectorConfig:
+        """Build from a constructor's arguments (``dict(locals())``): the fields found there are taken,
+        everything else (the env, the policy, the collector's own arguments) is left to the caller."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        if self.frames_per_batch is None:
-            raise TypeError("frames_per_batch is required.")
-        if not isinstance(self.frames_per_batch, (list, tuple)):
-            set_(self, "frames_per_batch", _positive_int("frames_per_batch", self.frames_per_batch))
+        set_(self, "frames_per_batch", _check_frames_per_batch(self.frames_per_batch))
         set_(self, "total_frames", parse_total_frames(self.total_frames))
-        for name in ("device", "storing_device", "policy_device", "env_device"):
+        for name in _DEVICE_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (list, tuple)):
-                set_(self, name, _device(value))
-        set_(self, "create_env_kwargs", dict(self.create_env_kwargs or {}))
+            set_(self, name, [_device(v) for v in value] if isinstance(value, (list, tuple)) else _device(value))
+        env_kwargs = self.create_env_kwargs
+        set_(self, "create_env_kwargs", [dict(k or {}) for k in env_kwargs] if isinstance(env_kwargs, (list, tuple))
+             else dict(env_kwargs or {}))
         set_(self, "max_frames_per_traj", _optional_count("max_frames_per_traj", self.max_frames_per_traj))
         set_(self, "init_random_frames", _optional_count("init_random_frames", self.init_random_frames))
         set_(self, "split_trajs", bool(self.split_trajs))
@@ -170,16 +253,22 @@ class CollectorConfig:
         set_ = object.__setattr__
         if self.trajs_per_batch is not None:
             set_(self, "trajs_per_batch", _positive_int("trajs_per_batch", self.trajs_per_batch))
+            if not self.track_traj_ids:
+                raise ValueError("trajs_per_batch needs track_traj_ids=True: trajectories are cut along their "
+                                 "('collector', 'traj_ids').")
         if self.trajs_per_write is not None:
             if self.trajs_per_batch is None or self.replay_buffer is None:
                 raise ValueError("trajs_per_write needs trajs_per_batch and a replay_buffer.")
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
-        if self.traj_format is not None and self.traj_format not in ("padded", "cat"):
+        if self.traj_format is None:
+            if self.trajs_per_batch is not None and self.replay_buffer is None:
+                warnings.warn(_TRAJ_FORMAT_DEFAULT, FutureWarning, stacklevel=_stacklevel_outside_package())
+            set_(self, "traj_format", "padded")
+        elif self.traj_format not in ("padded", "cat"):
             raise ValueError(f"traj_format must be 'padded' or 'cat', got {self.traj_format!r}")
-        if self.trajs_per_batch is not None:
-            raise NotImplementedError("trajs_per_batch is not implemented yet.")
-        if self.trajs_per_batch is not None and self.split_trajs:
-            raise ValueError("trajs_per_batch and split_trajs are exclusive: trajectory batches are already split.")
+        elif self.traj_format != "padded" and self.trajs_per_batch is None:
+            raise ValueError(f"traj_format={self.traj_format!r} needs trajs_per_batch: only batches of complete "
+                             "trajectories have a layout to choose.")
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:
@@ -193,12 +282,111 @@ class CollectorConfig:
             if self.postproc is not None or self.split_trajs:
                 raise TypeError("postproc and split_trajs require extend_buffer=True when a replay_buffer is used.")
 
+    # ------------------------------------------------------------------ frames
     @property
     def endless(self) -> bool:
         return self.total_frames < 0
+
+    @property
+    def requested_frames(self) -> int:
+        """Frames per batch the user asked for (the sum of a per-worker list)."""
+        value = self.frames_per_batch
+        return sum(value) if isinstance(value, tuple) else value
 
     def num_batches(self, frames_per_batch: int) -> int:
         """``len(collector)``."""
         if self.endless:
             raise RuntimeError("Non-terminating collectors (total_frames=-1) have no length.")
         return math.ceil(self.total_frames / frames_per_batch)
+
+    def split_frames(self, num_workers: int, mode: str) -> list[int]:
+        """Frames each worker collects per batch.
+
+        Args:
+            num_workers: how many workers share a batch.
+            mode: ``"share"``: a synchronous batch is split across workers (rounded up, with a
+                warning when uneven; a per-worker list is taken as given); ``"exact"``: the same,
+                but an uneven split raises (nodes); ``"whole"``: every worker collects whole
+                batches (asynchronous collection).
+
+        Raises:
+            ValueError: for a per-worker list of the wrong length.
+            RuntimeError: for an uneven split in ``"exact"`` mode.
+        """
+        value = self.frames_per_batch
+        if isinstance(value, tuple):
+            if len(value) != num_workers:
+                raise ValueError(
+                    f"frames_per_batch must have exactly one value per worker ({num_workers}), got {len(value)}.")
+            return list(value) if mode != "whole" else [sum(value)] * num_workers
+        if mode == "whole":
+            return [value] * num_workers
+        if mode == "exact" and value % num_workers:
+            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: use a "
+                               "frames_per_batch divisible by the number of nodes.")
+        each = math.ceil(value / num_workers)
+        if each * num_workers != value:
+            warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects "
+                          f"{each} frames.", stacklevel=5)
+        return [each] * num_workers
+
+    # ------------------------------------------------------------------ workers
+    def check_workers(self, num_workers: int) -> None:
+        """Check that every per-worker sequence has one entry per worker.
+
+        Raises:
+            RuntimeError: for a device sequence of the wrong length.
+            ValueError: for another per-worker sequence of the wrong length.
+        """
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.metadata["worker"] is not _each or not isinstance(value, (list, tuple)) or len(value) == num_workers:
+                continue
+            if spec.name in _DEVICE_FIELDS:
+                raise RuntimeError(f"{spec.name} must be a single device or a sequence of {num_workers} devices "
+                                   f"(one per worker), got {len(value)}.")
+            raise ValueError(f"{spec.name} must have exactly one value per worker ({num_workers}), got {len(value)}.")
+
+    def for_worker(self, index: int, **overrides: Any) -> dict[str, Any]:
+        """The keyword arguments of worker ``index``'s collector.
+
+        Every field workers take (with this worker's entry of a per-worker sequence), then
+        ``overrides``. Values equal to a field's default are left out: the worker's collector
+        class (a node may run any) then need not take arguments the user never set.
+        """
+        kwargs = {}
+        for spec in fields(self):
+            value = spec.metadata["worker"](getattr(self, spec.name), index)
+            if value is not _OMIT and not _is_default(spec, value):
+                kwargs[spec.name] = value
+        kwargs.update(overrides)
+        return kwargs
+
+    def policy_device_of(self, index: int) -> torch.device:
+        """The device worker ``index`` runs its policy on (weights are staged there)."""
+        return _each(self.policy_device, index) or _each(self.device, index) or torch.device("cpu")
+
+
+def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
+    if value is None:
+        raise TypeError("frames_per_batch is required.")
+    if not isinstance(value, (list, tuple)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
+                            f"{type(value).__name__} {value!r}")
+        return _positive_int("frames_per_batch", value)
+    for entry in value:
+        if isinstance(entry, bool) or not isinstance(entry, int):
+            raise TypeError(f"each value of frames_per_batch must be a positive int, got {type(entry).__name__} "
+                            f"{entry!r}")
+    return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
+
+
+def _is_default(spec, value: Any) -> bool:
+    default = spec.default_factory() if callable(spec.default_factory) else spec.default
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # values whose == is not a truth value (tensors): never equal to a default
+        return False

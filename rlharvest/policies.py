@@ -1,6 +1,6 @@
 """Policies as the rollout loop sees them.
 
-A user policy is any callable TensorDict -> TensorDict (SPEC §1.5). Plain ``nn.Module`` policies whose
+A user policy is any callable TensorDict -> TensorDict (docs/collection.md, "Policies"). Plain ``nn.Module`` policies whose
 forward arguments are observation names are wrapped into :class:`ObservationModule`. For speed the
 rollout loop does not call the policy on a TensorDict when it can avoid it: *key-to-key* modules
 (our wrapper, an unmodified ``TensorDictModule``, a ``TensorDictSequential`` of those) are called
@@ -124,7 +124,7 @@ def _takes_tensordict(params: list[inspect.Parameter]) -> bool:
 
 
 def wrap_policy(policy: Any, env, trust_policy: bool | None = None) -> Callable:
-    """The callable the rollout runs for ``policy`` on ``env`` (SPEC §1.5).
+    """The callable the rollout runs for ``policy`` on ``env`` (docs/collection.md, "Policies").
 
     Raises:
         TypeError: for a module whose inputs cannot be matched to observations.

@@ -1,4 +1,4 @@
-"""Profiling of rollouts with ``torch.profiler`` (``enable_profile``, SPEC §5).
+"""Profiling of rollouts with ``torch.profiler`` (``enable_profile``, docs/collection.md).
 
 The same :class:`RolloutProfiler` runs wherever rollouts run: in the calling process for ``Collector``,
 inside worker processes and distributed nodes for the others.

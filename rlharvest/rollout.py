@@ -6,14 +6,13 @@ the policy produce the values; the loop appends them to per-key lists); once per
 each key into a preallocated TensorDict of shape ``(*batch_size, T)`` with the time dim named
 ``"time"``. This keeps per-frame bookkeeping to a few microseconds.
 
-Auto-reset invariant (SPEC §1.3): the root of step ``t`` is the state before acting, ``("next", *)``
+Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
 step ``t + 1``.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +25,7 @@ from tensordict import is_non_tensor, is_tensor_collection
 
 from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
+from .envs.checks import check_step_specs, raise_if_changed
 from .envs.base import to_tensor
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
@@ -39,6 +39,14 @@ class TrajectoryCounter:
     """Hands out trajectory ids: ``take(n)`` returns the first of ``n`` fresh consecutive ids."""
 
     def take(self, n: int) -> int:
+        raise NotImplementedError
+
+    def peek(self) -> int:
+        """The next id ``take`` would hand out."""
+        raise NotImplementedError
+
+    def advance_to(self, value: int) -> None:
+        """Never hand out ids below ``value`` (after a state dict is loaded: ids stay unique)."""
         raise NotImplementedError
 
 
@@ -55,8 +63,14 @@ class LocalTrajectoryCounter(TrajectoryCounter):
             self._next += n
             return first
 
-    def state(self) -> int:
+    def peek(self) -> int:
         return self._next
+
+    state = peek
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._next = max(self._next, int(value))
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,7 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
     """Stack per-step values along ``dim``; into ``out`` when given."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        stackable = out is not None and out.device == first.device and out.dtype == first.dtype
+        stackable = out is not None and out.device == first.device and out.dtype == first.dtype == values[-1].dtype
         if stackable and tuple(out.shape) == (*first.shape[:dim], len(values), *first.shape[dim:]):
             try:
                 return torch.stack(values, dim, out=out)
@@ -121,6 +135,8 @@ def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, 
         stacked = torch.from_numpy(np.stack(values, dim))
     else:  # Python or numpy scalars of an unbatched env: one value per step
         stacked = torch.tensor(values, dtype=dtype).reshape(shape)
+    if stacked.dtype != dtype:  # only on this slow path: the env's dtype changed since the first step
+        raise TypeError(f"dtype {stacked.dtype} instead of {dtype}")
     if out is None:
         return stacked.to(dtype)
     out.copy_(stacked.reshape(out.shape))
@@ -170,7 +186,7 @@ class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
 
     Args:
-        env: any env of the protocol (SPEC §1.1).
+        env: any env of the protocol (docs/envs.md).
         policy: the (already wrapped) policy callable.
         settings: loop options.
         traj_counter: where fresh trajectory ids come from.
@@ -212,6 +228,11 @@ class Rollout:
     @property
     def n_envs(self) -> int:
         return int(np.prod(self.batch_size)) if self.batch_size else 1
+
+    @property
+    def traj_ids(self):
+        """The trajectory each sub-env is in: a tensor of the env batch shape (an int for one env)."""
+        return self._traj
 
     def reset(self, mask=None) -> None:
         """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
@@ -429,6 +450,7 @@ class Rollout:
     def _assemble(self, steps: list, random: bool = False) -> TensorDictBase:
         if self._layout is None:
             self._layout = self._build_layout(steps[0], random)
+            check_step_specs(self.env, steps[0][0], steps[0][2])
             self._structured = any(dtype is STRUCTURED for _, dtype in self._layout.values())
         if self.settings.lazy_stack:
             return self._assemble_lazily(steps)
@@ -447,7 +469,11 @@ class Rollout:
                 continue
             stacked_shape = (*shape[:dim], n, *shape[dim:])
             target = out.get(key).narrow(dim, 0, n) if out is not None else None
-            leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+            try:
+                leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+            except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
+                raise_if_changed(key, values, shape, dtype, err)
+                raise
         for key, (shape, dtype) in layout.items():
             # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
             # actions the policy's other outputs (zero, as TorchRL fills them).
@@ -507,9 +533,3 @@ class Rollout:
             columns["policy_version"] = columns[("next", "policy_version")] = column
         return columns
 
-
-def trajectory_counter_from_state(start: int) -> LocalTrajectoryCounter:
-    return LocalTrajectoryCounter(start)
-
-
-_ = itertools  # noqa: F401  (kept for readers: ids are drawn in row-major order)

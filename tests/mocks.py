@@ -13,6 +13,14 @@ from rlharvest.envs import Composite, ContinuousMockEnv, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 
+def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(0.01)
+
+
 class CountingPolicy(torch.nn.Module):
     """SPEC §1.6: one scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast."""
 
@@ -369,3 +377,18 @@ class OffsetCountingEnv(CountingEnv):
     def _step_arrays(self, actions):
         obs, reward, terminated, truncated = super()._step_arrays(actions)
         return self._shift(obs), reward, terminated, truncated
+
+
+class EpisodeLengthEnv(CountingEnv):
+    """Episodes of known lengths, whatever the action: ``lengths`` an int for one env, or one length
+    per row of a batched env. The observation counts the steps taken in the current episode."""
+
+    def __init__(self, lengths=3) -> None:
+        batched = not isinstance(lengths, int)
+        super().__init__(max_steps=10**9, batch_size=(len(lengths),) if batched else ())
+        self.lengths = torch.tensor(list(lengths) if batched else [lengths], dtype=torch.int32).reshape(
+            *self.batch_size, 1)
+
+    def _step_arrays(self, actions):
+        self.count = self.count + 1
+        return {"observation": self.count}, self._zero_reward, self.count >= self.lengths, None

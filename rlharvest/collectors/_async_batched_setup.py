@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from .._utils import NestedKey
 from ..envs import SerialEnv
 
@@ -41,6 +43,8 @@ class AsyncBatchedConfig:
     """Where each frame carries the version of the weights that chose its action (None: nowhere)."""
     policy_version: int
     """Version of the initial weights."""
+    device: torch.device | None = None
+    """Where the policy runs (in the server; workers' envs stay where they are)."""
 
     @property
     def num_workers(self) -> int:
@@ -89,7 +93,7 @@ def reject_unsupported(options: dict) -> None:
 
 def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch: int, max_batch_size, min_batch_size,
                          server_timeout, env_backend, envs_per_worker, transition_chunk_size,
-                         yield_completed_trajectories: bool, policy_version_key, policy_version,
+                         yield_completed_trajectories: bool, policy_version_key, policy_version, device=None,
                          options: dict) -> AsyncBatchedConfig:
     """Validate the collector's own arguments (see :class:`AsyncBatchedConfig`)."""
     reject_unsupported(options)
@@ -121,7 +125,7 @@ def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch:
         num_envs=num_envs, envs_per_worker=envs_per_worker, env_backend=backend, chunk_steps=chunk,
         max_batch_size=max_batch, min_batch_size=min_batch, server_timeout=float(timeout),
         yield_completed_trajectories=bool(yield_completed_trajectories), policy_version_key=policy_version_key,
-        policy_version=policy_version,
+        policy_version=policy_version, device=torch.device(device) if device is not None else None,
     )
 
 

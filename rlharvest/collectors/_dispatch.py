@@ -107,7 +107,14 @@ class BackendDispatch(type):
     @property
     def __signature__(cls):
         signature = inspect.signature(cls.__init__)
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
+        parameters = list(signature.parameters.values())[1:]
+        if cls.__name__ == "Collector" and cls.__module__.endswith("collectors.single"):
+            keyword = inspect.Parameter.KEYWORD_ONLY
+            selectors = [inspect.Parameter(name, keyword, default=None)
+                         for name in ("backend", "backend_options", "num_collectors", "sync")]
+            variadic = [p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
+            parameters = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD] + selectors + variadic
+        return signature.replace(parameters=parameters)
 
     def __call__(cls, *args, backend=None, backend_options=None, num_collectors=None, sync=None, **kwargs):
         from .single import Collector

@@ -9,7 +9,8 @@ torch.distributed nodes, RPC nodes). Every wait
 * is bounded: no reply and no progress for ``timeout`` seconds raises :class:`WorkerTimeoutError`.
 
 Replies are matched to requests by id; a reply that arrives while another is awaited (an async
-BATCH while waiting for a ``state_dict``) is kept until someone asks for it.
+BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker the pool saw
+die stays dead until :meth:`WorkerPool.replace` swaps a new handle in for it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
-from ..worker import FREE_BATCH, Command, Message, Reply
+from ..protocol import FREE_BATCH, READY, Command, Message, Reply
 
 __all__ = ["WorkerPool"]
 
@@ -40,10 +41,10 @@ class WorkerPool:
     """
 
     #: request id of the reply every worker sends once it is built (or failed to build)
-    READY = -1
+    READY = READY
 
     def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
-                 noun: str = "worker", expect_ready: bool = True) -> None:
+                 noun: str = "worker") -> None:
         self.handles = list(handles)
         self.timeout = float(timeout)
         self.liveness_interval = liveness_interval
@@ -55,12 +56,21 @@ class WorkerPool:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
-        if expect_ready:
-            for worker in range(len(self.handles)):
-                self._outstanding[worker][self.READY] = None
+        for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
+            self._outstanding[worker][self.READY] = None
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def replace(self, worker: int, handle: WorkerHandle) -> None:
+        """Talk to ``handle`` as ``worker`` from now on (a replacement): what was outstanding, stashed
+        or pushed for the old one is dropped, and its READY reply is expected."""
+        self.handles[worker] = handle
+        self.forget(worker)
+        self._dead.discard(worker)
+        self.unresponsive.discard(worker)
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+        self._outstanding[worker][self.READY] = None
 
     # ------------------------------------------------------------------ sending
     def send(self, worker: int, command: Command, payload: Any = None) -> int:
@@ -101,7 +111,11 @@ class WorkerPool:
             self._wait({worker: request_id}, {worker: deadline})
 
     def wait_any(self, requests: dict[int, int], timeout: float | None = None) -> tuple[int, Reply]:
-        """The first reply among ``{worker: request_id}``; lower worker indices win ties."""
+        """A reply among ``{worker: request_id}``: of those that arrived, the oldest request's.
+
+        Serving the request sent first (not the lowest worker index) keeps a fast worker that is
+        re-launched again and again from starving a slower one whose batch is waiting.
+        """
         if not requests:
             raise RuntimeError("wait_any() needs at least one outstanding request.")
         deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
@@ -111,9 +125,11 @@ class WorkerPool:
                 # A dead worker must be noticed even while the others keep answering.
                 if request_id not in self._stash[worker]:
                     self._check_alive(worker, request_id)
-            for worker, request_id in requests.items():
-                if request_id in self._stash[worker]:
-                    return worker, self._take(worker, request_id)
+            ready = [(request_id, worker) for worker, request_id in requests.items()
+                     if request_id in self._stash[worker]]
+            if ready:
+                request_id, worker = min(ready)
+                return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
 
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
@@ -228,30 +244,36 @@ class WorkerPool:
 
 
 class _Deadline:
-    """A timeout that restarts whenever the worker reports progress."""
+    """Fails a wait after ``seconds`` without an answer and without progress.
+
+    Progress is sampled at every check (every ``liveness_interval``), so the clock restarts at the
+    worker's last step, not at the start of the wait: a worker that hangs after a few steps is
+    reported ``seconds`` after its last step (comparing only at expiry counted those steps as new
+    and reported it after twice that).
+    """
 
     def __init__(self, seconds: float, handle: WorkerHandle) -> None:
         self.seconds = seconds
         self.handle = handle
         self.progress = handle.progress()
-        self.expires = time.monotonic() + seconds
+        self.started = self.last_progress = time.monotonic()
 
     def remaining(self) -> float:
-        return max(0.0, self.expires - time.monotonic())
+        return max(0.0, self.last_progress + self.seconds - time.monotonic())
 
     def check(self, pool: WorkerPool, worker: int) -> None:
-        if time.monotonic() < self.expires:
-            return
+        now = time.monotonic()
         progress = self.handle.progress()
         if progress != self.progress and progress >= 0:
-            self.progress = progress
-            self.expires = time.monotonic() + self.seconds
+            self.progress, self.last_progress = progress, now
+            return
+        if now < self.last_progress + self.seconds:
             return
         pending = next(iter(pool._outstanding[worker].values()), None)
         doing = f" to {pending.value!r}" if pending is not None else ""
         pool.unresponsive.add(worker)
         raise WorkerTimeoutError(
-            f"no answer{doing} and no progress for {self.seconds:g} s (raise the collector's "
-            f"worker_timeout if this {pool.noun} is legitimately slow).",
+            f"no answer{doing} after {now - self.started:.1f} s, and no progress for {now - self.last_progress:.1f} s "
+            f"(worker_timeout={self.seconds:g} s: raise it if this {pool.noun} is legitimately slow).",
             worker_idx=worker,
         )

@@ -1,14 +1,13 @@
 """The weight-facing half of every collector: ``update_policy_weights_``, ``receive_weights``,
 ``register_scheme_receiver``, ``init_updater``, the legacy ``weight_updater`` and policy versions.
 
-Resolution of ``update_policy_weights_`` (SPEC §6.2) happens here once for every collector; what
+Resolution of ``update_policy_weights_`` (docs/weights.md) happens here once for every collector; what
 differs per collector is only how the leaf case updates the local policy (``_update_local_policy``).
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -123,7 +122,7 @@ class WeightAPIMixin:
         weights_dict: dict[str, Any] | None = None,
         **kwargs,
     ) -> None:
-        """Bring the policy weights used for collection up to date (SPEC §6.2).
+        """Bring the policy weights used for collection up to date (docs/weights.md).
 
         Args:
             policy_or_weights: an ``nn.Module`` / TensorDict module (its weights are read), a
@@ -181,10 +180,29 @@ class WeightAPIMixin:
     def _update_local_policy(self, value: Any) -> None:
         """Leaf case: no updater, no scheme. Subclasses with a local policy override this."""
 
-    def _weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+    # ------------------------------------------------------------------ what schemes ask of their context
+    # ``rlharvest.weight_update.context.SenderContext`` and ``ReceiverContext``.
+    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme of this collector applied ``weights`` to ``applied_to``: bring the rest of
         the collector (its own policy copy, its own workers) up to date."""
         self.update_policy_weights_(model_id=model_id, policy_or_weights=weights)
+
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+        """A receiver scheme received the initial weights: pass them on to this collector's own
+        workers, if it has any (no version bump). Default: nothing to pass on."""
+
+    @property
+    def policy_lock(self):
+        """Held while the policy runs (weights are swapped under it), or None."""
+        return None
+
+    def weight_links(self):
+        """What the weight senders of this collector's workers ride on (``transport.base.WeightLinks``).
+
+        Raises:
+            RuntimeError: for a collector without workers.
+        """
+        raise RuntimeError(f"{type(self).__name__} has no workers to send weights to.")
 
     def _weights_from_value(self, value: Any) -> TensorDictBase:
         if isinstance(value, str):
@@ -196,7 +214,7 @@ class WeightAPIMixin:
 
     # ------------------------------------------------------------------ receiver side
     def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
-        """Apply weights to this collector's own policy (receiver-side entry point, SPEC §5).
+        """Apply weights to this collector's own policy (the receiver-side entry point, docs/weights.md).
 
         With registered receiver schemes, pulls what they received (no argument allowed); otherwise
         copies the given weights into the local policy (remote workers are not updated).
@@ -223,7 +241,7 @@ class WeightAPIMixin:
 
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, WeightSyncScheme], *,
                                  synchronize_weights: bool = True) -> None:
-        """Register schemes through which this collector receives weights from a parent (SPEC §5).
+        """Register schemes through which this collector receives weights from a parent (docs/weights.md).
 
         Raises:
             RuntimeError: for a scheme already initialised as a sender.
@@ -238,20 +256,40 @@ class WeightAPIMixin:
                     )
                 scheme.init_on_receiver(model_id=model_id, context=self, worker_idx=self.worker_idx)
             elif scheme.context is None:  # connected before this collector existed (stateless policy)
-                scheme._context_ref = weakref.ref(self)
+                scheme.bind_context(self)
             self._receiver_schemes[model_id] = scheme
         if synchronize_weights:
             for scheme in self._receiver_schemes.values():
                 if not scheme.synchronized_on_receiver:
                     scheme.connect(worker_idx=self.worker_idx)
 
-    def _poll_receivers(self) -> None:
+    def poll_weight_receivers(self) -> None:
         """Apply any pending update of the receiver schemes (cheap when nothing is pending)."""
         schemes = self._receiver_schemes
         if schemes:
             for scheme in schemes.values():
                 if scheme.synchronized_on_receiver and scheme.has_pending():
                     scheme.receive(timeout=0.0)
+
+    def receiver_scheme(self, model_id: str) -> WeightSyncScheme:
+        """The receiver scheme of ``model_id`` (a node's weights arrive through it).
+
+        Raises:
+            KeyError: when this collector receives no weights for ``model_id``.
+        """
+        scheme = (self._receiver_schemes or {}).get(model_id)
+        if scheme is None:
+            raise KeyError(f"this collector has no receiver scheme for model {model_id!r}")
+        return scheme
+
+    def weight_receiver_waitables(self) -> list:
+        """What ``multiprocessing.connection.wait`` wakes on when a receiver scheme gets an update."""
+        waitables = []
+        for scheme in (self._receiver_schemes or {}).values():
+            handle = scheme.receiver_wait_handle()
+            if handle is not None:
+                waitables.append(handle)
+        return waitables
 
     def _shutdown_schemes(self) -> None:
         for group in (self._weight_sync_schemes, self._receiver_schemes):

@@ -1,7 +1,9 @@
 """AsyncBatchedCollector: envs step in workers, one batched policy serves whichever of them are ready.
 
-Every worker (a process, or a thread with ``env_backend="threading"``) runs the worker loop around
-an ordinary :class:`~rlharvest.collectors.Collector`, so THE rollout loop steps its env(s): auto-reset,
+Every worker (a process of the ``mp`` backend, or a thread of the ``inprocess`` backend with
+``env_backend="threading"``), started and stopped through a :class:`~rlharvest.collectors._fleet.Fleet`,
+runs the worker loop around an ordinary :class:`~rlharvest.collectors.Collector`, so THE rollout
+loop steps its env(s): auto-reset,
 trajectory ids drawn from one shared counter, ``max_frames_per_traj``. Its policy is an
 :class:`~rlharvest.transport.inference.InferenceClient`: the actual policy runs in this process, in
 the thread of an :class:`~rlharvest.transport.inference.InferenceServer` that gathers the requests
@@ -17,24 +19,25 @@ yields complete trajectories one at a time (``yield_completed_trajectories``).
 from __future__ import annotations
 
 import collections
-import multiprocessing.connection
-import time
+import copy
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
-from .._processes import mp_context
 from ..config import CollectorConfig
 from ..errors import WorkerError
 from ..policies import ExplorationType
-from ..transport.inference import InferenceChannels, InferenceServer
-from ..transport.mp import SharedTrajectoryCounter, SignalBoard, start_worker_process
-from ..transport.threads import start_worker_thread
-from ..worker import WorkerSpec
-from . import _multi_setup as setup
+from ..protocol import WorkerSpec
+from ..transport.base import Backend
+from ..transport.inference import InferenceChannels, InferenceClient, InferenceServer
+from ..transport.inprocess import InProcessBackend
+from ..transport.mp import MPBackend, mp_context
+from ..weight_update.strategy import copy_weights_, weights_of
+from ..worker import run_worker
+from . import _worker_args as setup
 from ._async_batched_setup import AsyncBatchedConfig, async_batched_config, worker_env_factories
-from ._pool import WorkerPool
+from ._fleet import Fleet
 from .base import BaseCollector
 from .multi import DEFAULT_WORKER_TIMEOUT
 from .remote import RemoteCollectorBase
@@ -47,11 +50,15 @@ _TRAJ_IDS = ("collector", "traj_ids")
 
 
 class _ServedCollector(Collector):
-    """A worker's Collector whose policy is an inference client: it introduces itself once built."""
+    """A worker's Collector whose policy is an inference client: it introduces itself once built.
 
-    def __init__(self, create_env_fn, policy=None, **kwargs) -> None:
-        super().__init__(create_env_fn, policy, **kwargs)
-        self.policy.connect(self.env, self.rollout.root)
+    The client comes as ``inference`` rather than as the spec's policy: a backend may copy a spec's
+    policy for each worker (the ``inprocess`` one does), and the client's pipes must stay shared.
+    """
+
+    def __init__(self, create_env_fn, policy=None, *, inference: InferenceClient, **kwargs) -> None:
+        super().__init__(create_env_fn, inference, **kwargs)
+        inference.connect(self.env, self.rollout.root)
 
 
 class AsyncBatchedCollector(RemoteCollectorBase):
@@ -138,7 +145,7 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         **torchrl_options,
     ) -> None:
         self._closed = True
-        self._pool = self._server = self._channels = None
+        self._server = self._channels = None
         if policy is not None and policy_factory is not None:
             raise TypeError("AsyncBatchedCollector: policy and policy_factory are mutually exclusive.")
         if policy is None and policy_factory is None:
@@ -148,9 +155,10 @@ class AsyncBatchedCollector(RemoteCollectorBase):
             min_batch_size=min_batch_size, server_timeout=server_timeout, env_backend=env_backend,
             envs_per_worker=envs_per_worker, transition_chunk_size=transition_chunk_size,
             yield_completed_trajectories=yield_completed_trajectories, policy_version_key=policy_version_key,
-            policy_version=policy_version, options=torchrl_options)
+            policy_version=policy_version, device=device, options=torchrl_options)
+        # The policy runs here, so ``device`` is the server's (options.device), never the workers'.
         self.config = CollectorConfig(
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device, postproc=postproc,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, postproc=postproc,
             exploration_type=exploration_type, replay_buffer=replay_buffer, max_frames_per_traj=max_frames_per_traj,
             trust_policy=trust_policy)
         self.post_collect_hook = post_collect_hook
@@ -167,55 +175,35 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     # ------------------------------------------------------------------ start
     def _start(self, create_env_fn, create_env_kwargs, mp_start_method) -> None:
         options, config = self.options, self.config
-        ctx = mp_context(mp_start_method)
-        self._mp_context = ctx
-        self._channels = InferenceChannels(ctx, options.num_workers)
+        backend = self._backend = _make_backend(options, mp_start_method)
+        self._channels = InferenceChannels(backend.ctx, options.num_workers)
         self._server = InferenceServer(
-            self.policy, self._channels, max_batch_size=options.max_batch_size,
-            min_batch_size=options.min_batch_size, timeout=options.server_timeout, device=config.device,
+            _private_copy(self.policy, options.device), self._channels, max_batch_size=options.max_batch_size,
+            min_batch_size=options.min_batch_size, timeout=options.server_timeout, device=options.device,
             exploration_type=config.exploration_type, trust_policy=config.trust_policy, version=options.policy_version)
-        env_fns = worker_env_factories(list(create_env_fn), create_env_kwargs, options.envs_per_worker)
-        counter = SharedTrajectoryCounter(ctx)
-        specs = [WorkerSpec(
-            worker_idx=worker, collector_class=setup.wrap_callable(_ServedCollector),
-            create_env_fn=setup.wrap_callable(env_fns[worker]),
-            collector_kwargs=dict(frames_per_batch=options.chunk_steps * options.envs_per_worker, total_frames=-1,
-                                  max_frames_per_traj=config.max_frames_per_traj, traj_pool=counter,
-                                  exploration_type=config.exploration_type),
-            policy=self._channels.client(worker, options.policy_version_key, self._worker_timeout),
-        ) for worker in range(options.num_workers)]
-        handles = []
+        specs = self._worker_specs(worker_env_factories(list(create_env_fn), create_env_kwargs, options.envs_per_worker))
+        self._fleet = Fleet(backend, {}, self._worker_timeout)
+        self._register_live()
         try:
-            if options.env_backend == "threading":
-                handles = [start_worker_thread(spec, spec.worker_idx) for spec in specs]
-            else:
-                signals = SignalBoard(len(specs))
-                handles = [start_worker_process(spec, ctx, signals, spec.worker_idx) for spec in specs]
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout)
-            self._register_live()
-            for worker in range(len(handles)):
-                self._greet(worker)
-            for worker in range(len(handles)):
-                self._pool.wait_for(worker, WorkerPool.READY)
-            self._server.start()
-        except BaseException:
-            self._pool = self._pool or WorkerPool(handles, timeout=self._worker_timeout)
+            # The server answers the workers' first messages while they are built.
+            self._fleet.start(specs, started=self._server.start)
+        except BaseException as err:
             self._stop(5.0)
+            if isinstance(err, WorkerError) and self._server.setup_error is not None:
+                raise self._server.setup_error from err  # the policy's or the env's own error
             raise
 
-    def _greet(self, worker: int) -> None:
-        """Wait for the worker's first message to the server (or for its start-up failure) and answer it."""
-        control, handle = self._channels.controls[worker][0], self._pool.handles[worker]
-        deadline = time.monotonic() + self._worker_timeout
-        while not control.poll(0):
-            ready = multiprocessing.connection.wait([control, handle], timeout=0.2)
-            if handle in ready and not control.poll(0):
-                self._pool.wait_for(worker, WorkerPool.READY)  # raises the worker's start-up failure
-            if not handle.is_alive() and not control.poll(0):
-                raise WorkerError(f"died while starting: {handle.exit_description()}.", worker_idx=worker)
-            if time.monotonic() > deadline:
-                raise WorkerError(f"did not start within worker_timeout={self._worker_timeout:g} s.", worker_idx=worker)
-        self._server.accept(control.recv())
+    def _worker_specs(self, env_fns: list) -> list[WorkerSpec]:
+        options = self.options
+        counter = self._traj_counter = self._backend.trajectory_counter()
+        return [WorkerSpec(
+            worker_idx=worker, collector_class=setup.wrap_callable(_ServedCollector),
+            create_env_fn=setup.wrap_callable(env_fns[worker]),
+            collector_kwargs=self.config.for_worker(
+                worker, frames_per_batch=options.chunk_steps * options.envs_per_worker, total_frames=-1,
+                traj_pool=counter,
+                inference=self._channels.client(worker, options.policy_version_key, self._worker_timeout)),
+        ) for worker in range(options.num_workers)]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -354,10 +342,10 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         if value is None:
             value = self.policy if isinstance(self.policy, torch.nn.Module) else None
         weights = self._weights_from_value(value) if value is not None else None
-        self._policy_version = self._server.update_weights(weights)
+        self._policy_version = self._server.update_policy(_copy_in(weights))
 
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
-        self._server.update_weights(weights)
+        self._server.update_policy(_copy_in(weights))
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
@@ -374,6 +362,32 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     def __repr__(self) -> str:
         return (f"AsyncBatchedCollector(num_envs={self.options.num_envs}, workers={self.num_workers}, "
                 f"frames={self._frames})")
+
+
+def _make_backend(options: AsyncBatchedConfig, mp_start_method: str | None) -> Backend:
+    if options.env_backend == "threading":
+        return InProcessBackend(options.num_workers, run_worker)
+    return MPBackend(options.num_workers, run_worker, mp_context(mp_start_method))
+
+
+def _private_copy(policy: Any, device: torch.device | None) -> Any:
+    """The policy the server runs: a copy when it has weights (only updates change it), on ``device``."""
+    if not isinstance(policy, torch.nn.Module) or not setup.has_weights(policy):
+        return policy
+    served = copy.deepcopy(policy)
+    return served.to(device) if device is not None else served
+
+
+def _copy_in(weights: TensorDictBase | None) -> Callable[[Any], None] | None:
+    """What the server runs on its policy to take ``weights`` (nothing for a policy without weights)."""
+    if weights is None:
+        return None
+
+    def change(served: Any) -> None:
+        if isinstance(served, torch.nn.Module):
+            copy_weights_(weights_of(served), weights)
+
+    return change
 
 
 def _flat_chunk(batch: TensorDictBase, worker: int) -> TensorDictBase:

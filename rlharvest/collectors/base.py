@@ -19,6 +19,7 @@ from .._utils import is_private_key, resolve_attr_path
 from ..config import CollectorConfig
 from ..profiling import ProfileConfig
 from ._weight_api import WeightAPIMixin
+from .trajectories import TrajectoryAssembler
 
 __all__ = ["BaseCollector"]
 
@@ -51,8 +52,13 @@ class BaseCollector(WeightAPIMixin):
     #: drop keys with a path part starting with ``_`` from yielded batches (TorchRL's switch of the
     #: same name)
     _exclude_private_keys: bool = True
+    #: checks called between env steps (``add_step_check``)
+    _extra_step_checks: tuple = ()
+    #: the device the policy runs on, where known (receiver schemes materialise weights there)
+    policy_device = None
     _pre_collect_hook: Callable[[], None] | None = None
     _post_collect_hook: Callable[[TensorDictBase], None] | None = None
+    _assembler: TrajectoryAssembler | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -79,6 +85,33 @@ class BaseCollector(WeightAPIMixin):
     @property
     def replay_buffer(self):
         return self.config.replay_buffer
+
+    @property
+    def trajs_per_batch(self) -> int | None:
+        """Complete trajectories per yielded batch (None: batches of ``frames_per_batch`` frames)."""
+        return self.config.trajs_per_batch
+
+    @property
+    def trajs_per_write(self) -> int | None:
+        """Complete trajectories per replay-buffer ``extend`` (None: all that are ready)."""
+        return self.config.trajs_per_write
+
+    @property
+    def traj_format(self) -> str:
+        """Layout of trajectory batches: ``"padded"`` or ``"cat"`` (docs/trajectories.md)."""
+        return self.config.traj_format
+
+    @property
+    def _trajectories(self) -> TrajectoryAssembler | None:
+        """Where this collector assembles complete trajectories (``trajs_per_batch``), made on first use;
+        None without ``trajs_per_batch`` or when its workers assemble their own."""
+        if self._assembler is None and self.config.trajs_per_batch is not None and self._assembles_trajectories():
+            self._assembler = TrajectoryAssembler.from_config(self.config)
+        return self._assembler
+
+    def _assembles_trajectories(self) -> bool:
+        """Hook: False when the workers assemble the trajectories (and write them) themselves."""
+        return True
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
@@ -279,7 +312,7 @@ class BaseCollector(WeightAPIMixin):
         with_flops: bool = False,
         on_trace_ready=None,
     ) -> None:
-        """Profile rollouts with torch.profiler and export a Chrome trace (SPEC §5).
+        """Profile rollouts with torch.profiler and export a Chrome trace (docs/collection.md, "Profiling").
 
         Raises:
             RuntimeError: after iteration started.
@@ -422,13 +455,38 @@ class BaseCollector(WeightAPIMixin):
             stats["policy_version"] = version
         return stats
 
-    # ------------------------------------------------------------------ used by the worker loop
-    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+    # ------------------------------------------------------------------ the worker-loop contract
+    # What ``rlharvest.worker.WorkerCollector`` asks of the collector a worker runs.
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One batch for a parent collector (the next batch of an endless iteration)."""
         return self.next()
 
-    def _write_buffer(self, buffer, batch: TensorDictBase) -> None:
+    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
+        """Write a batch collected for a parent into the replay buffer the parent shares."""
         buffer.extend(batch)
+
+    def add_step_check(self, check) -> None:
+        """Call ``check()`` between env steps of every rollout; a True result ends the rollout early."""
+        self._extra_step_checks = [*self._extra_step_checks, check]
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        """Write future batches into ``buffer`` (same layout) when ``batch`` is this collector's own
+        output buffer, so a transport publishes them without a copy. Default: keep writing as before."""
+
+    def use_profile_config(self, config: ProfileConfig) -> None:
+        """Profile the next rollouts as ``config`` says, also once iteration started (a parent asked)."""
+        self._iteration_started = False
+        self._profile_config = config
+        self._apply_profile_config(config)
+
+    def set_policy_version(self, version: int) -> None:
+        """Count policy versions from ``version`` on (a worker replacing another joins at the current one)."""
+        self._policy_version = int(version)
+        self._on_version_bump(self._policy_version)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        """Hook: ``batch`` goes to the parent, which allocates the replay buffer's storage from it, before
+        this collector can write the buffer itself (a collector assembling trajectories keeps them)."""
 
     # ------------------------------------------------------------------ subclass API
     def set_seed(self, seed: int, static_seed: bool = False) -> int:

@@ -1,12 +1,13 @@
-"""Worker-process collectors: MultiSyncCollector, MultiAsyncCollector, AsyncCollector (SPEC §3.2-3.6).
+"""Worker-process collectors: MultiSyncCollector, MultiAsyncCollector, AsyncCollector (docs/collection.md).
 
-Each worker is a process running the worker loop around its own Collector (so THE rollout loop);
-batches come back through shared memory, weights go out through shared-memory schemes, and every
-wait is bounded and checks that workers are alive.
+Each worker is a process of the ``mp`` backend running the worker loop around its own Collector (so
+THE rollout loop); batches come back through shared memory, weights go out through shared-memory
+schemes, and every wait is bounded and checks that workers are alive.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -14,15 +15,17 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import cpu_count
-from ..config import CollectorConfig
+from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
-from ..errors import WorkerError
 from ..policies import ExplorationType
-from ..transport.mp import SharedTrajectoryCounter, SignalBoard, mp_context, start_worker_process
+from ..protocol import Command, WorkerSpec
+from ..transport.base import Backend
+from ..transport.mp import MPBackend, mp_context
 from ..weight_update.strategy import weights_of
-from ..worker import Command, WorkerSpec
-from . import _multi_setup as setup
-from ._pool import WorkerPool
+from ..worker import run_worker
+from . import _worker_args as setup
+from ._fleet import Fleet
+from ._signatures import bind_arguments, derived_signature
 from .remote import RemoteCollectorBase
 from .single import Collector
 
@@ -34,6 +37,16 @@ DEFAULT_WORKER_TIMEOUT = 120.0
 
 class _DispatchOnSync(type(RemoteCollectorBase)):
     """``MultiCollector(..., sync=...)`` builds a MultiSyncCollector (default) or a MultiAsyncCollector."""
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """The constructor's parameters (not this ``__call__``'s): what ``inspect.signature`` shows."""
+        for klass in cls.__mro__:
+            own = klass.__dict__.get("__signature__")
+            if isinstance(own, inspect.Signature):  # a derived signature (AsyncCollector)
+                return own
+        signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(cls, *args, sync: bool | None = None, **kwargs):
         if cls is MultiCollector:
@@ -60,6 +73,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     _supports_run_free = True
     _sync = True
+    _started = False
 
     def __init__(
         self,
@@ -114,61 +128,56 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         init_fn: Callable[[], None] | None = None,
         auto_register_policy_transforms: bool | None = None,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True
-        self._pool = None
-        if not reset_when_done:
-            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        env_fns = setup.env_functions(create_env_fn, num_workers)
-        count = len(env_fns)
-        factories = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
-        setup.check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
-        self._frames_per_worker, self._requested = setup.frames_per_worker(frames_per_batch, count, self._sync)
-        self.config = CollectorConfig(
-            frames_per_batch=self._requested, total_frames=total_frames, device=device,
-            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
-            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
-            exploration_type=exploration_type, set_truncated=set_truncated, use_buffers=use_buffers,
-            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
-            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx, pre_collect_hook=pre_collect_hook,
-            post_collect_hook=post_collect_hook, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
-            traj_format=traj_format, track_traj_ids=track_traj_ids, compact_obs=compact_obs,
-            auto_register_policy_transforms=auto_register_policy_transforms,
-        )
-        if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
-        self._init_fn = init_fn
-        if self.config.replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=3)
-        self._worker_idx = worker_idx
-        # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
-        # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
-        self._relaunch_after_yield = worker_idx is not None
-        self._cat_results = setup.validate_cat_results(cat_results, self._sync, use_buffers)
-        self._check_uniform_stack()
-        self.update_at_each_batch = bool(update_at_each_batch)
-        self.preemptive_threshold = setup.validate_preemptive_threshold(preemptive_threshold)
-        self._version_tracker = track_policy_version or None
-        self._worker_timeout = float(worker_timeout)
-        self._mp_context = mp_context(mp_start_method)
-        self._devices = setup.device_lists(count, device=device, storing_device=storing_device,
-                                           env_device=env_device, policy_device=policy_device)
-        self._worker_policy_devices = [torch.device(p or d or "cpu")
-                                       for p, d in zip(self._devices["policy_device"], self._devices["device"])]
-        self.policy = policy
-        self.policy_factory = factories
-        self._fallback_policy = None
-        self._setup_weights(policy, factories, weight_updater, weight_sync_schemes)
-        self._setup_buffer()
-        self._set_threads(num_threads, count, env_fns)
-        specs = self._worker_specs(env_fns, create_env_kwargs, collector_class, num_sub_threads)
-        self._start_workers(specs)
+        self._setup(arguments)
         self._closed = False
         if weight_recv_schemes is not None:
             self.register_scheme_receiver(weight_recv_schemes)
 
     # ------------------------------------------------------------------ construction
+    def _setup(self, arguments: dict) -> None:
+        if not arguments["reset_when_done"]:
+            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+        env_fns = setup.env_functions(arguments["create_env_fn"], arguments["num_workers"])
+        count = len(env_fns)
+        policy, factories = arguments["policy"], arguments["policy_factory"]
+        factories = setup.per_worker(factories, count, "policy_factory") if factories is not None else None
+        setup.check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self.config = config = CollectorConfig.from_arguments(arguments)
+        init_fn = arguments["init_fn"]
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
+        self._init_fn = init_fn
+        self._frames_per_worker = config.split_frames(count, "share" if self._sync else "whole")
+        if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
+            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                          "storage).", FutureWarning, stacklevel=4)
+        self._worker_idx = config.worker_idx
+        # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
+        # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
+        self._relaunch_after_yield = config.worker_idx is not None
+        self._cat_results = setup.validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
+        self._check_uniform_stack()
+        self.update_at_each_batch = bool(arguments["update_at_each_batch"])
+        self.preemptive_threshold = setup.validate_preemptive_threshold(arguments["preemptive_threshold"])
+        self._version_tracker = config.track_policy_version or None
+        self._worker_timeout = positive_seconds("worker_timeout", arguments["worker_timeout"])
+        config.check_workers(count)
+        self._backend = self._make_backend(count, arguments["mp_start_method"])
+        self.policy, self.policy_factory = policy, factories
+        self._fallback_policy = None
+        self._setup_weights(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self._setup_buffer()
+        self._set_threads(arguments["num_threads"], count)
+        specs = self._worker_specs(env_fns, arguments["collector_class"], arguments["num_sub_threads"])
+        self._start_workers(specs)
+
+    def _make_backend(self, count: int, start_method: str | None) -> Backend:
+        """Worker processes (the backend is the one thing that differs for the in-process tests)."""
+        devices = [self.config.policy_device_of(worker) for worker in range(count)]
+        return MPBackend(count, run_worker, mp_context(start_method), policy_devices=devices)
+
     def _check_uniform_stack(self) -> None:
         if self._sync and self._cat_results == "stack" and len(set(self._frames_per_worker)) > 1:
             raise ValueError(
@@ -177,11 +186,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             )
 
     def _setup_weights(self, policy, factories, weight_updater, schemes) -> None:
+        default_name = self._backend.default_scheme()
         if weight_updater is None and schemes is None:
-            schemes = setup.default_schemes(policy, factories)
+            schemes = setup.default_schemes(default_name, policy, factories)
         self._legacy = weight_updater is not None
         if self._legacy:
-            schemes = setup.default_schemes(policy, factories)  # the legacy updater's transport
+            schemes = setup.default_schemes(default_name, policy, factories)  # the legacy updater's transport
             self._legacy_schemes = schemes
             self._weight_sync_schemes = None
         else:
@@ -190,7 +200,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         self._sender_schemes = dict(schemes or {})
         for model_id, scheme in self._sender_schemes.items():
             scheme.init_on_sender(model_id=model_id, context=self, num_workers=len(self._frames_per_worker))
-        if self._sender_schemes and has_policy_scheme(self._sender_schemes) and policy is not None:
+        if self._sender_schemes and "policy" in self._sender_schemes and policy is not None:
             self._worker_policy = setup.stateless_copy(policy) if factories is None else None
         else:
             self._worker_policy = policy if factories is None else None
@@ -199,79 +209,52 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         buffer = self.config.replay_buffer
         self._workers_write = isinstance(buffer, ReplayBuffer)
         if self._workers_write:
-            buffer.make_process_safe(self._mp_context)
+            buffer.make_process_safe(self._backend.ctx)
 
-    def _set_threads(self, num_threads: int | None, count: int, env_fns: list) -> None:
+    def _set_threads(self, num_threads: int | None, count: int) -> None:
         if num_threads is None:
             num_threads = max(1, cpu_count() - count)
         torch.set_num_threads(max(1, int(num_threads)))
 
-    def _worker_specs(self, env_fns, create_env_kwargs, collector_class, num_sub_threads) -> list[WorkerSpec]:
-        count = len(env_fns)
-        env_kwargs = setup.per_worker(create_env_kwargs or {}, count, "create_env_kwargs",
-                                      is_single=lambda v: isinstance(v, dict))
-        counter = SharedTrajectoryCounter(self._mp_context)
+    def _worker_specs(self, env_fns, collector_class, num_sub_threads) -> list[WorkerSpec]:
         config = self.config
-        specs = []
-        for worker in range(count):
-            kwargs = dict(
-                frames_per_batch=self._frames_per_worker[worker], total_frames=-1,
-                create_env_kwargs=env_kwargs[worker], max_frames_per_traj=config.max_frames_per_traj,
-                reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
-                set_truncated=config.set_truncated, use_buffers=config.use_buffers, trust_policy=config.trust_policy,
-                compile_policy=config.compile_policy, cudagraph_policy=config.cudagraph_policy,
-                no_cuda_sync=config.no_cuda_sync, track_policy_version=bool(config.track_policy_version),
-                traj_pool=counter, track_traj_ids=config.track_traj_ids, compact_obs=config.compact_obs,
-                pre_collect_hook=setup.wrap_callable(config.pre_collect_hook),
-                post_collect_hook=setup.wrap_callable(config.post_collect_hook),
-                **{name: values[worker] for name, values in self._devices.items()},
-            )
-            if self._workers_write:
-                kwargs.update(postproc=config.postproc, split_trajs=config.split_trajs)
-            specs.append(WorkerSpec(
-                worker_idx=worker,
-                collector_class=setup.wrap_callable(collector_class or Collector),
-                create_env_fn=setup.wrap_callable(env_fns[worker]),
-                collector_kwargs=kwargs,
-                policy=setup.wrap_callable(self._worker_policy),
-                policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
-                weight_recv_schemes=self._sender_schemes or None,
-                replay_buffer=config.replay_buffer if self._workers_write else None,
-                num_threads=num_sub_threads,
-                init_random_frames=config.init_random_frames,
-                init_fn=setup.wrap_callable(self._init_fn),
-            ))
-        return specs
+        counter = self._traj_counter = self._backend.trajectory_counter()
+        # Workers that write the replay buffer themselves post-process what they write.
+        written = dict(postproc=config.postproc, split_trajs=config.split_trajs) if self._workers_write else {}
+        if self._workers_write and config.trajs_per_batch is not None:  # each worker writes its own trajectories
+            written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
+        return [WorkerSpec(
+            worker_idx=worker,
+            collector_class=setup.wrap_callable(collector_class or Collector),
+            create_env_fn=setup.wrap_callable(env_fns[worker]),
+            collector_kwargs=config.for_worker(worker, frames_per_batch=self._frames_per_worker[worker],
+                                               traj_pool=counter, **written),
+            policy=setup.wrap_callable(self._worker_policy),
+            policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
+            weight_recv_schemes=self._sender_schemes or None,
+            replay_buffer=config.replay_buffer if self._workers_write else None,
+            num_threads=num_sub_threads,
+            init_random_frames=config.init_random_frames,
+            init_fn=setup.wrap_callable(self._init_fn),
+        ) for worker in range(len(env_fns))]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
-        signals = SignalBoard(len(specs))
-        handles = []
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        self._register_live()
         try:
-            for spec in specs:
-                handles.append(start_worker_process(spec, self._mp_context, signals, spec.worker_idx))
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout)
-            self._register_live()
-            try:
-                for scheme in self._sender_schemes.values():
-                    scheme.connect()
-            except WorkerError:
-                self._pool.raise_start_failure()  # a worker that failed to build says why
-                raise
-            for worker in range(len(handles)):
-                self._pool.wait_for(worker, WorkerPool.READY)
-            if self._legacy:
-                self.weight_updater = self._pending_updater
+            self._fleet.start(specs)
+            self._started = True
         except BaseException:
-            self._pool = self._pool or WorkerPool(handles, timeout=self._worker_timeout)
-            self._close_workers(5.0)
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
             raise
+        if self._legacy:
+            self.weight_updater = self._pending_updater
 
     # ------------------------------------------------------------------ properties
     @property
     def requested_frames_per_batch(self) -> int:
-        return self._requested
+        return self.config.requested_frames
 
     @property
     def frames_per_batch_worker(self) -> list[int]:
@@ -282,7 +265,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             return super().get_model(model_id)
         if self.policy is not None:
             return self.policy
+        if not self._started:
+            # Starting: workers build their policies from the factory themselves; building one here
+            # only for its initial weights would run the factory where the user did not ask for it.
+            return None
         if self._fallback_policy is None and self.policy_factory and len({id(f) for f in self.policy_factory}) == 1:
+            # update_policy_weights_() without weights: the factory's policy is the main-side copy
             self._fallback_policy = self.policy_factory[0]()
         return self._fallback_policy
 
@@ -302,8 +290,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
         if not buffers:
             return None
-        device = self._worker_policy_devices[0] if self._worker_policy_devices else None
-        return buffers.get(device, next(iter(buffers.values())))
+        return buffers.get(self.config.policy_device_of(0), next(iter(buffers.values())))
 
     # ------------------------------------------------------------------ weights
     def _update_local_policy(self, value: Any) -> None:
@@ -313,7 +300,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     def _on_legacy_weights_written(self, device: torch.device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
         updater = self.weight_updater
-        workers = [w for w, d in enumerate(self._worker_policy_devices) if d == torch.device(device)]
+        workers = [w for w in range(self.num_workers) if self.config.policy_device_of(w) == torch.device(device)]
         self._legacy_schemes["policy"].send(weights=updater.policy_weights[device], worker_ids=workers)
 
     @property
@@ -324,15 +311,24 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             if source is None:
                 return {}
             weights = weights_of(source)
-            self._legacy_staging = {device: weights.detach().to(device).clone()
-                                    for device in dict.fromkeys(self._worker_policy_devices)}
+            devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(self.num_workers))
+            self._legacy_staging = {device: weights.detach().to(device).clone() for device in devices}
         return self._legacy_staging
 
     # ------------------------------------------------------------------ replay buffer
+    def _assembles_trajectories(self) -> bool:
+        return not self._workers_write
+
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        super()._write_to_buffer(batch)
         buffer = self.config.replay_buffer
-        if self._workers_write and not getattr(self, "_buffer_attached", False):
+        if self._workers_write and self.config.trajs_per_batch is not None:
+            # The worker that sent this batch keeps its trajectories and writes them once the storage
+            # is attached: here the batch only gives the storage its layout.
+            if batch.numel():
+                buffer.init_storage(self._postprocess(batch))
+        else:
+            super()._write_to_buffer(batch)
+        if self._workers_write and buffer.storage is not None and not getattr(self, "_buffer_attached", False):
             self._buffer_attached = True
             self._drain_async()
             self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)
@@ -344,10 +340,6 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if self.config.replay_buffer.storage is None:
             reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))
-
-
-def has_policy_scheme(schemes: dict) -> bool:
-    return "policy" in schemes
 
 
 class MultiSyncCollector(MultiCollector):
@@ -432,9 +424,8 @@ class MultiAsyncCollector(MultiCollector):
 class AsyncCollector(MultiAsyncCollector):
     """One Collector running in a background process (a MultiAsyncCollector with one worker).
 
-    Args:
-        create_env_fn: one env constructor (not a list).
-        create_env_kwargs: one dict of kwargs.
+    Takes MultiAsyncCollector's arguments, with one env constructor and one dict of
+    ``create_env_kwargs`` instead of lists.
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -444,12 +435,14 @@ class AsyncCollector(MultiAsyncCollector):
         >>> collector.shutdown()
     """
 
-    def __init__(self, create_env_fn, policy=None, *, create_env_kwargs: dict | None = None, **kwargs) -> None:
+    __signature__ = derived_signature(MultiCollector.__init__, defaults={"num_workers": 1})
+
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        create_env_fn = arguments.pop("create_env_fn")
         if isinstance(create_env_fn, (list, tuple)):
             raise TypeError("AsyncCollector takes one env constructor, not a list (use MultiAsyncCollector).")
-        if kwargs.pop("num_workers", 1) != 1:
+        if arguments.pop("num_workers") != 1:
             raise ValueError("AsyncCollector runs exactly one worker.")
-        super().__init__([create_env_fn], policy, create_env_kwargs=[create_env_kwargs or {}], **kwargs)
-
-
-_ = weights_of
+        arguments["create_env_kwargs"] = [arguments["create_env_kwargs"] or {}]
+        super().__init__([create_env_fn], **arguments)

@@ -8,8 +8,9 @@ Workers run the worker loop (``rlharvest.worker``); this class drives them throu
 * weights through sender schemes, seeds chained across workers, state dicts per worker,
   profiling and ``cascade_execute`` forwarded to workers, running free, bounded shutdown.
 
-Subclasses (``multi.py``, ``distributed/``) start the workers and say how a worker's trajectory ids
-map to batch ids and how batches are assembled.
+Subclasses (``multi.py``, ``distributed/``) pick a backend, build one spec per worker and start them
+through a :class:`~rlharvest.collectors._fleet.Fleet`; they say how a worker's trajectory ids map to
+batch ids and how batches are assembled.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import resolve_attr_path
-from ..errors import WorkerError
 from ..profiling import ProfileConfig
-from ..worker import Command
+from ..protocol import Command
+from ..transport.base import Backend, WeightLinks
+from ._fleet import Fleet
 from ._pool import WorkerPool
 from .base import BaseCollector, _argument_sets
 
@@ -57,7 +58,8 @@ def valid_part(batch: TensorDictBase) -> TensorDictBase:
 class RemoteCollectorBase(BaseCollector):
     """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers)."""
 
-    _pool: WorkerPool | None = None
+    _backend: Backend | None = None
+    _fleet: Fleet | None = None
     _sync: bool = True
     _supports_run_free = False
     _running_free = False
@@ -71,8 +73,15 @@ class RemoteCollectorBase(BaseCollector):
         _LIVE.add(self)
 
     @property
+    def _pool(self) -> WorkerPool | None:
+        return self._fleet.pool if self._fleet is not None else None
+
+    @property
     def num_workers(self) -> int:
         return len(self._pool) if self._pool is not None else 0
+
+    def weight_links(self) -> WeightLinks:
+        return self._backend.weight_links()
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _frames_of(self, reply) -> int:
@@ -187,16 +196,25 @@ class RemoteCollectorBase(BaseCollector):
             batch = self._assemble_sync(batches, replies)
         else:
             batch = batches[0] if batches else None
-        yield self._postprocess(batch)
+        trajectories = self._trajectories
+        if trajectories is None:
+            yield self._postprocess(batch)
+        else:  # zero or more batches of complete trajectories per batch collected
+            yield from trajectories.batches(self._postprocess(batch))
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
-        if batch.numel():
+        if not batch.numel():
+            return
+        trajectories = self._trajectories
+        if trajectories is None:
             self.config.replay_buffer.extend(self._postprocess(batch))
+        else:  # complete trajectories only, as flat steps
+            trajectories.write(self.config.replay_buffer, self._postprocess(batch))
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         from .utils import split_trajectories
 
-        if self.config.split_trajs:
+        if self.config.split_trajs and self.config.trajs_per_batch is None:  # trajectory batches are split already
             batch = split_trajectories(batch)
         if self.config.postproc is not None:
             batch = self.config.postproc(batch)
@@ -207,13 +225,19 @@ class RemoteCollectorBase(BaseCollector):
         """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
         self._drain_async()
         for worker in range(self.num_workers):
+            self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
             seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
+        if self._trajectories is not None:
+            self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
 
     def state_dict(self) -> dict:
         self._drain_async()
         state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
         state.update(frames=self._frames, iter=self._iter)
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None:
+            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -228,9 +252,19 @@ class RemoteCollectorBase(BaseCollector):
         self._iter = state_dict["iter"]
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
+        counter = getattr(self, "_traj_counter", None)
+        if counter is not None and "traj_pool" in state_dict:
+            counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._pool.broadcast(Command.RESET, None)  # episodes restart, with ids after the saved ones
 
     def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
-        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True."""
+        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True.
+
+        With ``trajs_per_batch``, the trajectories held back (running, or complete but not yielded yet)
+        are dropped, so later batches hold only steps collected after the reset.
+        """
+        if self._trajectories is not None:
+            self._trajectories.flush()
         self._drain_async()
         workers = [w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]]
         self._pool.broadcast(Command.RESET, None, workers)
@@ -278,10 +312,14 @@ class RemoteCollectorBase(BaseCollector):
         """Hooks run where batches are collected: in the workers."""
         super()._set_hook(name, hook)
         if self._pool is not None:
-            from ._multi_setup import wrap_callable
+            from ._worker_args import wrap_callable
 
             self._drain_async()
             self._pool.broadcast(Command.CASCADE, (f"set{name.rstrip('_')}", (wrap_callable(hook),), {}))
+            for worker, spec in enumerate(self._fleet.specs):  # a replacement gets the same hook
+                if spec is not None:
+                    self._fleet.remember(worker, collector_kwargs={**spec.collector_kwargs,
+                                                                   name.strip("_"): wrap_callable(hook)})
 
     def getattr_policy(self, name: str) -> Any:
         return self._pool.request(0, Command.GETATTR_POLICY, name)
@@ -315,16 +353,11 @@ class RemoteCollectorBase(BaseCollector):
         if "policy" in work:
             BaseCollector.increment_version(self)
 
-    def _forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
         """Initial weights received from a parent continue down to our own workers (no version bump)."""
         scheme = (self._weight_sync_schemes or {}).get(model_id)
         if scheme is not None and self._pool is not None:
             scheme.send(weights=weights)
-
-    def _worker_liveness(self, worker: int) -> tuple[bool, str]:
-        handle = self._pool.handles[worker]
-        alive = handle.is_alive()
-        return alive, ("alive" if alive else handle.exit_description())
 
     # ------------------------------------------------------------------ profiling
     def _apply_profile_config(self, config: ProfileConfig) -> None:
@@ -403,38 +436,24 @@ class RemoteCollectorBase(BaseCollector):
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._close_workers(self._shutdown_timeout if timeout is None else timeout)
 
+    # ------------------------------------------------------------------ workers
+    def _replacement_changes(self, worker: int) -> dict:
+        """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
+        return {"policy_version": self._policy_version}
+
+    def _replace_worker(self, worker: int) -> None:
+        """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
+        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker")."""
+        self._fleet.replace(worker, **self._replacement_changes(worker))
+
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""
-        pool = self._pool
-        if pool is None:
-            return
-        deadline = time.monotonic() + timeout
-        requests = {}
-        for worker, handle in enumerate(pool.handles):
-            if pool.is_dead(worker):
-                continue
-            handle.interrupt()
-            with contextlib.suppress(WorkerError):
-                request_id = pool.send(worker, Command.CLOSE)
-                if worker not in pool.unresponsive:  # a hung worker will not answer: terminate it
-                    requests[worker] = request_id
-        closed = set()
-        for worker, request_id in requests.items():
-            remaining = max(0.05, deadline - time.monotonic())
-            with contextlib.suppress(Exception):
-                pool.wait_for(worker, request_id, timeout=remaining)
-                closed.add(worker)
-        self._release_workers(closed)
-        for worker, handle in enumerate(pool.handles):
-            # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
-            handle.terminate(max(deadline, time.monotonic() + 0.5) if worker in closed else time.monotonic())
+        if self._fleet is not None:
+            self._fleet.stop(timeout)
+        elif self._backend is not None:  # construction failed before the workers started
+            self._backend.stop_all(time.monotonic())
         self._running_free = False
-
-    def _release_workers(self, closed: set[int]) -> None:
-        """Hook between the CLOSE replies and termination (workers that must be told to exit)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_workers={self.num_workers}, frames={self._frames})"
 
-
-_ = resolve_attr_path

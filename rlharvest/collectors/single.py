@@ -1,4 +1,4 @@
-"""Collector: the rollout loop in the calling process (SPEC §3.1)."""
+"""Collector: the rollout loop in the calling process (docs/collection.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
-from ..envs.adapters import env_attr, is_env
+from ..envs.adapters import env_attr
+from ..envs.factory import close_env as _close_env  # shutdown() takes an argument named close_env
+from ..envs.factory import env_keys, make_env
 from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_policy
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
@@ -22,43 +24,19 @@ from .utils import split_trajectories
 __all__ = ["Collector", "make_env"]
 
 
-def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
-    """An env from an instance or a constructor (SPEC §1.4 for kwargs with instances)."""
-    create_env_fn = unwrap(create_env_fn)
-    kwargs = create_env_kwargs or {}
-    if is_env(create_env_fn):
-        if kwargs:
-            if not create_env_fn.batch_size or env_attr(create_env_fn, "update_kwargs") is None:
-                raise RuntimeError(
-                    f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
-                    "they can only be forwarded to a batched env. Pass a constructor instead."
-                )
-            create_env_fn.update_kwargs(kwargs)
-        return create_env_fn
-    if not callable(create_env_fn):
-        raise TypeError(f"create_env_fn must be an env or a callable returning one, got {type(create_env_fn).__name__}")
-    env = create_env_fn(**kwargs)
-    if not is_env(env):
-        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (SPEC §1.1).")
-    return env
-
-
-def _env_keys(env) -> set:
-    keys = set()
-    for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
-        spec = env_attr(env, name)
-        if spec is not None and hasattr(spec, "keys"):
-            keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
-    return keys
-
-
-def _close_env(env) -> None:
-    if env_attr(env, "is_closed", False):
-        return
-    try:
-        env.close(raise_if_closed=False)
-    except TypeError:
-        env.close()
+def _check_arguments(arguments: dict, unknown: dict) -> None:
+    """The checks of Collector's own arguments (CollectorConfig checks the shared ones)."""
+    if unknown:
+        raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(unknown)}.")
+    if not arguments["reset_when_done"]:
+        raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
+    if arguments["policy"] is not None and arguments["policy_factory"] is not None:
+        raise TypeError("policy_factory cannot be used together with policy.")
+    if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"]:
+        raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+    if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
+        warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
+                      "storage).", FutureWarning, stacklevel=3)
 
 
 class Collector(BaseCollector, metaclass=BackendDispatch):
@@ -70,14 +48,15 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     ``num_collectors``) is this class.
 
     Args:
-        create_env_fn: an env (SPEC §1.1) or a callable returning one.
+        create_env_fn: an env (docs/envs.md) or a callable returning one.
         policy: a callable TensorDict -> TensorDict (usually an ``nn.Module``); None = random actions.
 
     Keyword Args:
         policy_factory: zero-argument callable returning the policy (exclusive with ``policy``).
         frames_per_batch: frames per batch, rounded up to a multiple of the env batch size.
         total_frames: stop after this many frames (-1 = endless).
-        device, storing_device, policy_device, env_device: SPEC §2.7.
+        device, storing_device, policy_device, env_device: where the policy runs, the env steps and
+            batches are stored (docs/collection.md, "Devices").
         create_env_kwargs: kwargs for ``create_env_fn``.
         max_frames_per_traj: truncate trajectories after this many steps (adds ``step_count``).
         init_random_frames: random actions until this many frames were collected.
@@ -101,6 +80,14 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         weight_recv_schemes: receiver schemes (this collector is fed by a parent).
         track_policy_version: stamp every step with the policy version (``policy_version`` key).
         worker_idx: index inside a parent collector.
+        trajs_per_batch: yield batches of exactly this many complete trajectories (episodes still
+            running are held back; ``frames_per_batch`` is how often the env is polled). With a replay
+            buffer, complete trajectories are written to it as flat steps instead (docs/trajectories.md).
+        trajs_per_write: with ``trajs_per_batch`` and a replay buffer, trajectories per ``extend``.
+        traj_format: ``"padded"`` (``(trajs_per_batch, max_len)``, ``("collector", "mask")``) or
+            ``"cat"`` (concatenated along time); None = ``"padded"`` with a ``FutureWarning``.
+        track_traj_ids: keep ``("collector", "traj_ids")`` (False: no id bookkeeping).
+        compact_obs: drop from ``("next", ...)`` the observations the next step's root holds.
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -157,32 +144,11 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         auto_register_policy_transforms: bool | None = None,
         **kwargs,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True  # until construction succeeds
         traj_counter: TrajectoryCounter | None = kwargs.pop("traj_pool", None)
-        if kwargs:
-            raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(kwargs)}.")
-        if not reset_when_done:
-            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        if policy is not None and policy_factory is not None:
-            raise TypeError("policy_factory cannot be used together with policy.")
-        if weight_updater is not None and weight_sync_schemes:
-            raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-        if replay_buffer is not None and local_init_rb is None:
-            warnings.warn("local_init_rb is deprecated and ignored.", FutureWarning, stacklevel=2)
-        self.config = CollectorConfig(
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
-            storing_device=storing_device, policy_device=policy_device, env_device=env_device,
-            create_env_kwargs=create_env_kwargs, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, return_same_td=return_same_td,
-            interruptor=interruptor, set_truncated=set_truncated, use_buffers=use_buffers,
-            replay_buffer=replay_buffer, extend_buffer=extend_buffer, trust_policy=trust_policy,
-            compile_policy=compile_policy, cudagraph_policy=cudagraph_policy, no_cuda_sync=no_cuda_sync,
-            track_policy_version=track_policy_version, worker_idx=worker_idx, pre_collect_hook=pre_collect_hook,
-            post_collect_hook=post_collect_hook, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
-            traj_format=traj_format, track_traj_ids=track_traj_ids, compact_obs=compact_obs,
-            auto_register_policy_transforms=auto_register_policy_transforms,
-        )
+        _check_arguments(arguments, kwargs)
+        self.config = CollectorConfig.from_arguments(arguments)
         self._worker_idx = worker_idx
         self._pre_collect_hook, self._post_collect_hook = pre_collect_hook, post_collect_hook
         self.env = make_env(create_env_fn, self.config.create_env_kwargs)
@@ -191,7 +157,6 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         self._frames_per_batch = self._round_frames_per_batch(self.config.frames_per_batch)
         self._version_tracker = track_policy_version or None
         self._rollout = Rollout(self.env, self.policy, self._rollout_settings(), traj_counter or LocalTrajectoryCounter())
-        self._policy_lock = self._rollout.policy_lock
         self._maybe_compile()
         self._profiler: RolloutProfiler | None = None
         self._frames, self._iter = 0, -1
@@ -218,7 +183,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
 
     def _check_env_options(self) -> None:
         config = self.config
-        if config.max_frames_per_traj and ("step_count",) in _env_keys(self.env):
+        if config.max_frames_per_traj and ("step_count",) in env_keys(self.env):
             raise ValueError(
                 "max_frames_per_traj is set but the env already has a 'step_count' entry (a step counter); "
                 "remove one of them."
@@ -319,6 +284,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
         buffer = self.config.replay_buffer
+        trajectories = self._trajectories
         while not self._reached_total():
             if self._should_stop():
                 return
@@ -326,14 +292,17 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 self._pre_collect_hook()
             batch = self.rollout_batch()
             self._frames += self._batch_frames(batch)
-            if buffer is not None and not self.config.return_same_td:
+            if buffer is not None and (not self.config.return_same_td or trajectories is not None):
                 self._write_buffer(buffer, batch, run_hook=True)
                 yield None
             else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
                 batch = self._postprocess(batch)
                 if self._post_collect_hook is not None:
                     self._post_collect_hook(batch)
-                yield batch
+                if trajectories is None:
+                    yield batch
+                else:  # zero or more batches of complete trajectories per batch collected
+                    yield from trajectories.batches(batch)
         _close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
@@ -351,7 +320,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
                 return self._rollout.collect(random=random, between_steps=hook)
         return self._rollout.collect(random=random, between_steps=hook)
 
-    def _collect_for_parent(self, random: bool) -> TensorDictBase:
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
         if self._pre_collect_hook is not None:
             self._pre_collect_hook()
         batch = self.rollout_batch(random)
@@ -359,6 +328,17 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if self._post_collect_hook is not None:
             self._post_collect_hook(batch)
         return batch
+
+    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
+        self._write_buffer(buffer, batch)  # the post-collect hook already saw it, in collect_for_parent
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        if self._rollout.buffer is batch:
+            self._rollout.set_buffer(buffer)
+
+    @property
+    def policy_lock(self):
+        return self._rollout.policy_lock
 
     def _random_phase(self) -> bool:
         target = self.config.init_random_frames
@@ -376,13 +356,11 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             checks.append(interruptor.collection_stopped)
         if self._stop_event is not None:
             checks.append(self._stop_event.is_set)
-        extra = getattr(self, "_extra_step_checks", None)
-        if extra:
-            checks.extend(extra)
+        checks.extend(self._extra_step_checks)
         receivers = self._receiver_schemes
         if receivers:
             def poll() -> bool:
-                self._poll_receivers()
+                self.poll_weight_receivers()
                 return False
             checks.append(poll)
         if not checks:
@@ -401,7 +379,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         config = self.config
-        if config.split_trajs:
+        if config.split_trajs and config.trajs_per_batch is None:  # trajectory batches are split already
             batch = split_trajectories(batch)
         elif self._rollout.settings.use_buffers and not config.return_same_td:
             batch = batch.clone()
@@ -410,7 +388,8 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         return self._drop_private_keys(batch)
 
     def _write_buffer(self, buffer, batch: TensorDictBase, run_hook: bool = False) -> None:
-        if not self.config.extend_buffer:
+        trajectories = self._trajectories
+        if not self.config.extend_buffer and trajectories is None:
             dim = self._rollout.time_dim
             for t in range(batch.shape[dim]):
                 buffer.add(self._drop_private_keys(batch[(slice(None),) * dim + (t,)].clone()))
@@ -418,7 +397,15 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         batch = self._postprocess(batch)
         if run_hook and self._post_collect_hook is not None:
             self._post_collect_hook(batch)  # the batch as written (a worker's hook already saw it)
-        buffer.extend(batch)
+        if trajectories is None:
+            buffer.extend(batch)
+        else:  # complete trajectories only, as flat steps
+            trajectories.write(buffer, batch)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        trajectories = self._trajectories
+        if trajectories is not None:
+            trajectories.ingest(self._postprocess(batch))
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
@@ -436,17 +423,17 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         self._copy_into_local_policy(self._weights_from_value(value))
         self.increment_version()
 
-    def _weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self._policy_is_copy
                 and self._weight_updater is None and not self._weight_sync_schemes):
             self.increment_version()  # the scheme wrote into the very modules this collector runs
             return
-        super()._weights_received(model_id, weights, applied_to)
+        super().weights_received(model_id, weights, applied_to)
 
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
         if not isinstance(self.policy, torch.nn.Module):
             return
-        with self._policy_lock:
+        with self._rollout.policy_lock:
             copy_weights_(weights_of(self.policy), weights)
 
     def _on_version_bump(self, version: int) -> None:
@@ -487,17 +474,29 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
         self._rollout.reset()
+        if self._trajectories is not None:
+            self._trajectories.drop_in_flight()  # those episodes will never end
         return out
 
     def reset(self, index=None, **kwargs) -> None:
-        """Reset every sub-env, or the sub-envs selected by ``index`` (batched envs only)."""
+        """Reset every sub-env, or the sub-envs selected by ``index`` (batched envs only).
+
+        With ``trajs_per_batch``, a full reset also drops the trajectories held back (running or
+        complete but not yielded yet), so later batches hold only steps collected after it; a reset
+        of some sub-envs drops only their running episodes.
+        """
+        trajectories = self._trajectories
         if index is None:
             self._rollout.reset()
+            if trajectories is not None:
+                trajectories.flush()
             return
         if not len(self.env.batch_size):
             raise RuntimeError("reset(index=...) needs a batched env.")
         mask = torch.zeros(self.env.batch_size, dtype=torch.bool)
         mask[index] = True
+        if trajectories is not None:
+            trajectories.drop_in_flight(self._rollout.traj_ids[mask].tolist())
         self._rollout.reset(mask)
 
     def state_dict(self) -> dict:
@@ -507,6 +506,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
+        state["traj_pool"] = {"traj_id": torch.tensor(self._rollout.traj_counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
         return state
@@ -521,6 +521,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if "policy_version" in state_dict:
             self._policy_version = int(state_dict["policy_version"])
             self._on_version_bump(self._policy_version)
+        if "traj_pool" in state_dict:
+            # ids continue after the saved ones (a replay buffer may hold them); episodes restart
+            self._rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._rollout.reset()
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"

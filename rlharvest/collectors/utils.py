@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from .._utils import NestedKey
 
@@ -36,6 +36,7 @@ def split_trajectories(
         as_nested: unsupported (raises ``NotImplementedError``); kept for signature compatibility.
 
     Example:
+        >>> from tensordict import TensorDict
         >>> td = TensorDict({"obs": torch.arange(5.), ("collector", "traj_ids"): torch.tensor([0, 0, 1, 1, 1])},
         ...                 batch_size=[5])
         >>> out = split_trajectories(td)
@@ -89,6 +90,3 @@ def _name_time(td: TensorDictBase) -> TensorDictBase:
     except Exception:  # names are cosmetic; some TensorDict types refuse them
         pass
     return td
-
-
-_ = TensorDict

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatLayout", "flat_leaves", "freeze", "is_frozen", "is_dense"]
+__all__ = ["FlatLayout", "copy_leaves_", "flat_leaves", "freeze", "is_frozen", "is_dense"]
 
 _ALIGN = 16
 
@@ -65,6 +65,26 @@ def flat_leaves(td: TensorDictBase) -> tuple[list, list[torch.Tensor]]:
         return entry[1], entry[2]
     keys = _sorted_leaves(td)
     return keys, [td.get(k) for k in keys]
+
+
+def copy_leaves_(dest: TensorDictBase, source: TensorDictBase) -> None:
+    """Copy ``source`` into ``dest`` in place, leaf by leaf (one fused copy; leaves already shared are skipped).
+
+    Raises:
+        KeyError: when the two key sets differ, listing both.
+    """
+    dest_keys, dest_leaves = flat_leaves(dest)
+    source_keys, source_leaves = flat_leaves(source)
+    if dest_keys != source_keys:
+        raise KeyError(
+            f"Weight keys do not match the destination.\ndestination keys: {dest_keys}\nweight keys: {source_keys}"
+        )
+    pairs = [(d, s) for d, s in zip(dest_leaves, source_leaves) if d.data_ptr() != s.data_ptr() or d.device != s.device]
+    if not pairs:
+        return
+    with torch.no_grad():
+        dst, src = zip(*pairs)
+        torch._foreach_copy_(list(dst), [s.to(d.device, d.dtype) if s.device != d.device else s for d, s in pairs])
 
 
 @dataclass(frozen=True)

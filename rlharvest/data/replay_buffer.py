@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 __all__ = ["ReplayBuffer"]
 
@@ -30,6 +30,7 @@ class ReplayBuffer:
         batch_size: default number of frames per ``sample()``.
 
     Example:
+        >>> from tensordict import TensorDict
         >>> rb = ReplayBuffer(capacity=100, batch_size=4)
         >>> rb.extend(TensorDict({"x": torch.arange(10)}, batch_size=[10]))
         >>> len(rb), rb.write_count, rb.sample().shape
@@ -168,6 +169,3 @@ class ReplayBuffer:
         self.__dict__.update(state)
         if self._lock is None:
             self._lock = threading.RLock()
-
-
-_ = TensorDict

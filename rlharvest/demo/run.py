@@ -191,6 +191,21 @@ def format_table(rows: list[tuple[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the demo
+@dataclass
+class _Progress:
+    """What the training loop records as it goes."""
+
+    tracker: EpisodeTracker = field(default_factory=lambda: EpisodeTracker())
+    curve: list = field(default_factory=list)        # (frames, mean of the last 20 episodes) after each batch
+    returns_at: list = field(default_factory=list)   # (frames, return) of each finished episode
+    sync_ms: list = field(default_factory=list)
+    timings: dict = field(default_factory=lambda: {"collect": 0.0, "train": 0.0, "sync": 0.0})
+    frames: int = 0
+    version: int = 0
+    reached_at: int | None = None
+    interrupted: bool = False
+
+
 def run_demo(config: DemoConfig) -> dict:
     """Train PPO on CartPole-v1 through the chosen collector; returns (and writes) the summary."""
     start = time.perf_counter()
@@ -210,56 +225,68 @@ def run_demo(config: DemoConfig) -> dict:
     policy = make_policy(obs_dim, n_actions, cfg.hidden)
     ppo = PPO(policy, make_value(obs_dim, cfg.hidden), cfg, total_frames)
 
-    tracker = EpisodeTracker()
-    curve: list[tuple[int, float]] = []          # (frames, mean of the last 20 episodes) after each batch
-    returns_at: list[tuple[int, float]] = []     # (frames, return) of each finished episode
-    sync_ms: list[float] = []
-    frames, version, reached_at = 0, 0, None
-    timings = {"collect": 0.0, "train": 0.0, "sync": 0.0}
+    progress = _Progress()
     collector = build_collector(config.collector, policy, workers, frames_per_batch, total_frames)
     setup_seconds = time.perf_counter() - start
     bar = _progress_bar(total_frames, config.progress)
-    interrupted = False
     try:
         seed_collector(collector, config.seed)
-        tick = time.perf_counter()
-        for batch in collector:
-            timings["collect"] += time.perf_counter() - tick
-            tracker.add(batch)
-            returns_at += [(frames + offset, r) for offset, r in tracker.last_finished]
-            frames += batch.numel()
-            mean_recent = tracker.mean_recent
-            curve.append((frames, mean_recent))
-            solved = (config.target_return is not None and len(tracker.recent) == tracker.recent.maxlen
-                      and mean_recent >= config.target_return)
-            if not solved:
-                tick = time.perf_counter()
-                ppo.update(batch, frames)
-                timings["train"] += time.perf_counter() - tick
-
-                tick = time.perf_counter()
-                collector.update_policy_weights_()  # re-reads the policy module we passed, pushes it
-                sync_ms.append((time.perf_counter() - tick) * 1e3)
-                timings["sync"] += sync_ms[-1] / 1e3
-                version += 1
-
-            bar.set_postfix({"return(20)": f"{mean_recent:.1f}", "version": version,
-                             "sync": f"{sync_ms[-1]:.2f}ms" if sync_ms else "-"}, refresh=False)
-            bar.update(batch.numel())
-            if solved:
-                reached_at = frames
-                bar.total = frames  # the budget was an upper bound: show the bar complete
-                break  # no need for another update
-            tick = time.perf_counter()
+        _train(collector, ppo, config, progress, bar)
     except KeyboardInterrupt:  # still write what we have
-        interrupted = True
+        progress.interrupted = True
     finally:
         bar.close()
         collector.shutdown()
     wall = time.perf_counter() - start
+    summary = _summary(config, progress, workers=workers, total_frames=total_frames,
+                       frames_per_batch=frames_per_batch, wall=wall, setup_seconds=setup_seconds)
+    write_learning_curve(out / "learning_curve.png", progress.curve, progress.returns_at,
+                         f"PPO on {ENV_ID} via {config.collector} collector (seed {config.seed})")
+    with open(out / "summary.json", "w") as fh:
+        json.dump(summary, fh, indent=2)
+    _print_summary(summary, out)
+    return summary
 
+
+def _train(collector, ppo: PPO, config: DemoConfig, progress: _Progress, bar) -> None:
+    """Train on every batch, pushing the weights after each update, until solved or the budget is spent."""
+    tracker, timings, sync_ms = progress.tracker, progress.timings, progress.sync_ms
+    tick = time.perf_counter()
+    for batch in collector:
+        timings["collect"] += time.perf_counter() - tick
+        tracker.add(batch)
+        progress.returns_at += [(progress.frames + offset, r) for offset, r in tracker.last_finished]
+        progress.frames += batch.numel()
+        mean_recent = tracker.mean_recent
+        progress.curve.append((progress.frames, mean_recent))
+        solved = (config.target_return is not None and len(tracker.recent) == tracker.recent.maxlen
+                  and mean_recent >= config.target_return)
+        if not solved:
+            tick = time.perf_counter()
+            ppo.update(batch, progress.frames)
+            timings["train"] += time.perf_counter() - tick
+
+            tick = time.perf_counter()
+            collector.update_policy_weights_()  # re-reads the policy module we passed, pushes it
+            sync_ms.append((time.perf_counter() - tick) * 1e3)
+            timings["sync"] += sync_ms[-1] / 1e3
+            progress.version += 1
+
+        bar.set_postfix({"return(20)": f"{mean_recent:.1f}", "version": progress.version,
+                         "sync": f"{sync_ms[-1]:.2f}ms" if sync_ms else "-"}, refresh=False)
+        bar.update(batch.numel())
+        if solved:
+            progress.reached_at = progress.frames
+            bar.total = progress.frames  # the budget was an upper bound: show the bar complete
+            return  # no need for another update
+        tick = time.perf_counter()
+
+
+def _summary(config: DemoConfig, progress: _Progress, *, workers: int, total_frames: int, frames_per_batch: int,
+             wall: float, setup_seconds: float) -> dict:
+    tracker, timings, sync_ms, frames = progress.tracker, progress.timings, progress.sync_ms, progress.frames
     mean_recent = tracker.mean_recent
-    summary = {
+    return {
         "env": ENV_ID,
         "collector": config.collector,
         "workers": workers,
@@ -277,20 +304,14 @@ def run_demo(config: DemoConfig) -> dict:
         "episodes": len(tracker.returns),
         "mean_return_last_20": None if math.isnan(mean_recent) else round(mean_recent, 2),
         "target_return": config.target_return,
-        "solved": reached_at is not None,
-        "solved_at_frames": reached_at,
-        "interrupted": interrupted,
-        "weight_updates": version,
+        "solved": progress.reached_at is not None,
+        "solved_at_frames": progress.reached_at,
+        "interrupted": progress.interrupted,
+        "weight_updates": progress.version,
         "mean_weight_sync_ms": round(sum(sync_ms) / len(sync_ms), 3) if sync_ms else None,
-        "ppo": cfg.as_dict(),
-        "learning_curve": [[f, None if math.isnan(r) else round(r, 2)] for f, r in curve],
+        "ppo": config.ppo.as_dict(),
+        "learning_curve": [[f, None if math.isnan(r) else round(r, 2)] for f, r in progress.curve],
     }
-    write_learning_curve(out / "learning_curve.png", curve, returns_at,
-                         f"PPO on {ENV_ID} via {config.collector} collector (seed {config.seed})")
-    with open(out / "summary.json", "w") as fh:
-        json.dump(summary, fh, indent=2)
-    _print_summary(summary, out)
-    return summary
 
 
 def _print_summary(summary: dict, out: Path) -> None:

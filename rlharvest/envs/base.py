@@ -1,6 +1,6 @@
 """rlharvest's own environment base class.
 
-Collectors accept *any* object with the members of the env protocol (SPEC §1.1), TorchRL's ``EnvBase``
+Collectors accept *any* object with the members of the env protocol (docs/envs.md), TorchRL's ``EnvBase``
 included. rlharvest's envs additionally implement a cheap *array protocol* that the rollout loop
 uses as its fast path, so that a step costs a few microseconds of bookkeeping rather than the
 construction of TensorDicts:

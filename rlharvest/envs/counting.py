@@ -11,7 +11,7 @@ __all__ = ["CountingEnv", "ContinuousMockEnv"]
 
 
 class CountingEnv(EnvBase):
-    """A counter that the action increments (SPEC §1.6).
+    """A counter that the action increments: the reference env of the tests (known trajectories).
 
     Observation ``"observation"``: int32 counter of shape ``(*batch_size, 1)``; action ``"action"``:
     0/1 of the same shape, added to the counter; reward 0; ``done = terminated = counter >

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that share tensors through pipes)
 
-from .._processes import describe_exit, mp_context, parent_watch
+from .._processes import describe_process_exit, mp_context, parent_watch
 from .._utils import CloudpickleWrapper, worker_scheduling
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from ._subenv_worker import PAYLOAD_COMMANDS, ReplyBoard, Status, SubEnvCommand, SubEnvDescription, subenv_main
@@ -129,7 +129,7 @@ class ProcessPool(SubEnvPool):
         return message
 
     def _death(self, index: int, doing: str) -> WorkerError:
-        return WorkerError(f"the sub-env process died {doing}: {describe_exit(self.processes[index])}.",
+        return WorkerError(f"the sub-env process died {doing}: {describe_process_exit(self.processes[index])}.",
                            worker_idx=index, noun=_NOUN)
 
     # ------------------------------------------------------------------ commands

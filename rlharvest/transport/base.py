@@ -1,85 +1,57 @@
-"""The process boundary: the interfaces every transport implements.
+"""The process boundary: the interfaces every backend implements.
 
-Two kinds of traffic cross it:
+* :class:`Backend` owns the life cycle of a collector's workers: it starts them all from their
+  :class:`~rlharvest.protocol.WorkerSpec`s, starts or replaces *one* by index (same identity, new
+  process or node), stops one, stops all within one deadline, and names its default weight-sync
+  scheme. Collectors never create processes, ranks, RPC workers or sockets themselves.
+* Commands and batches travel between the parent's :class:`WorkerHandle` (one per worker) and the
+  worker's :class:`WorkerEndpoint`; the worker loop (``rlharvest.worker``) serves the endpoint.
+  The backend is given that loop as its target: nothing here imports it.
+* Weights travel from a scheme's :class:`WeightSender` (parent) to one :class:`WeightReceiver` per
+  worker, over what the backend offers them (:class:`WeightLinks`). A sender accepts a new receiver
+  for one worker after start-up (``replace`` then ``attach``), so a replacement gets the current
+  weights and version before it collects.
 
-* **commands and batches** between a collector and its workers: the parent holds one
-  :class:`WorkerHandle` per worker, each worker serves one :class:`WorkerEndpoint`
-  (see ``rlharvest.worker`` for the loop that serves it);
-* **weights** from a weight-sync scheme's sender to its receivers: :class:`WeightSender` on the parent,
-  one :class:`WeightReceiver` per worker.
-
-Each backend (``mp.py``: pipes + shared memory; ``torchdist.py``: a torch.distributed process group;
-``rpc.py``: torch RPC; ``inprocess.py``: threads, for tests) implements these in one file.
+One file per backend implements these: ``inprocess.py`` (threads, for tests), ``mp.py`` (worker
+processes: pipes and shared memory), ``torchdist.py`` (nodes: TCP commands, a torch.distributed
+group for tensors), ``rpc.py`` (nodes driven by torch RPC). docs/backends.md says how to add one.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Sequence
 
 from tensordict import TensorDictBase
 
-__all__ = ["WeightSender", "WeightReceiver", "WorkerHandle", "WorkerEndpoint"]
+from ..protocol import WorkerSpec
+
+__all__ = ["Backend", "Liveness", "WeightLinks", "WeightSender", "WeightReceiver", "WorkerHandle", "WorkerEndpoint",
+           "WorkerTarget"]
+
+#: ``liveness(worker) -> (alive, description)``: how waits on a worker notice that it died
+Liveness = Callable[[int], "tuple[bool, str]"]
+#: what a push backend runs in each worker: ``target(spec, endpoint)`` (``rlharvest.worker.run_worker``)
+WorkerTarget = Callable[[WorkerSpec, "WorkerEndpoint"], None]
 
 
-class WeightSender(ABC):
-    """Parent end of a weight channel to ``num_workers`` receivers."""
+@dataclass
+class WeightLinks:
+    """What a backend offers the weight senders of its collector (subclassed by each backend).
+
+    Attributes:
+        num_workers: how many workers the backend runs.
+        liveness: tells a sender waiting for an acknowledgement that its worker died.
+    """
 
     num_workers: int
-
-    @abstractmethod
-    def connect(self, initial: TensorDictBase | dict[int, TensorDictBase] | None) -> None:
-        """One-time rendezvous with every receiver; hand over the initial weights if any."""
-
-    @abstractmethod
-    def deliver(self, payload: TensorDictBase | dict[int, TensorDictBase], version: int, worker_ids: list[int]) -> None:
-        """Make ``payload`` (or the per-worker entries of a dict payload) available to ``worker_ids``."""
-
-    @abstractmethod
-    def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
-        """Return once every listed worker acknowledged ``version``.
-
-        Raises:
-            WorkerError: when a worker died or reported a failure.
-            WorkerTimeoutError: after ``timeout`` seconds.
-        """
-
-    def connection_info(self) -> Any:
-        """What a pickled copy of the scheme needs to build its receivers."""
-        return None
-
-    def close(self) -> None:
-        """Release resources; idempotent."""
-
-
-class WeightReceiver(ABC):
-    """Worker end of a weight channel."""
-
-    @abstractmethod
-    def connect(self, timeout: float) -> TensorDictBase | None:
-        """One-time rendezvous; returns the initial weights, if the sender provided any."""
-
-    @abstractmethod
-    def pending(self) -> bool:
-        """Cheap check, called between env steps: is an update waiting?"""
-
-    @abstractmethod
-    def receive(self, timeout: float) -> tuple[int, TensorDictBase] | None:
-        """``(version, weights)`` of the next update, or None if none arrived within ``timeout``."""
-
-    @abstractmethod
-    def ack(self, version: int) -> None:
-        """Tell the sender that ``version`` is applied (and cascaded)."""
-
-    def nack(self, failure) -> None:
-        """Tell the sender that applying an update failed (a RemoteFailure)."""
-
-    def close(self) -> None:
-        """Release resources; idempotent."""
+    liveness: Liveness | None = None
 
 
 class WorkerHandle(ABC):
-    """The parent's end of one worker (process, rank, RPC node)."""
+    """The parent's end of one worker (process, thread, node, RPC node)."""
 
     worker_idx: int
 
@@ -93,7 +65,7 @@ class WorkerHandle(ABC):
 
     @abstractmethod
     def recv(self) -> Any:
-        """The next reply (call after ``poll`` returned True)."""
+        """The next reply (call after ``poll`` returned True); None for a message the handle consumed."""
 
     @abstractmethod
     def fileno(self) -> int:
@@ -144,6 +116,18 @@ class WorkerEndpoint(ABC):
     def publish_batch(self, batch: TensorDictBase) -> Any:
         """Make ``batch`` readable by the parent; returns what the BATCH reply carries."""
 
+    def batch_buffer(self) -> TensorDictBase | None:
+        """The buffer batches are published from, once there is one (rollouts may write into it)."""
+        return None
+
+    def wait_handle(self) -> Any | None:
+        """An object ``multiprocessing.connection.wait`` wakes on when a command arrives, or None."""
+        return None
+
+    def receiver_links(self) -> Any | None:
+        """What the weight receivers of this worker need from the transport (a node's group), or None."""
+        return None
+
     def before_rollout(self, idle: Callable[[], None] | None = None) -> None:
         """Called before a rollout writes into the published buffer (wait for a pending send).
 
@@ -164,6 +148,152 @@ class WorkerEndpoint(ABC):
     def parent_alive(self) -> bool:
         """Whether the parent still exists."""
         return True
+
+    def close(self) -> None:
+        """Release resources; idempotent."""
+
+
+class Backend(ABC):
+    """Starts, replaces and stops the workers of one collector.
+
+    The collector builds one :class:`~rlharvest.protocol.WorkerSpec` per worker and keeps them;
+    the backend turns specs into running workers and hands back their handles. A replacement
+    (``start_one`` for an index whose worker was stopped) keeps the index and identity of the spec.
+
+    Attributes:
+        noun: how errors name one worker (``"worker"``, ``"node"``).
+        handles: the current handle of every worker, by index (None once stopped).
+    """
+
+    noun = "worker"
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.handles: list[WorkerHandle | None] = [None] * num_workers
+
+    def start_all(self, specs: Sequence[WorkerSpec]) -> list[WorkerHandle]:
+        """Start one worker per spec (index order); returns their handles. They answer READY once built.
+
+        Raises:
+            WorkerError: when a worker died while starting.
+        """
+        return [self.start_one(spec.worker_idx, spec) for spec in specs]
+
+    @abstractmethod
+    def start_one(self, index: int, spec: WorkerSpec) -> WorkerHandle:
+        """Start worker ``index`` from ``spec``, or its replacement after :meth:`stop_one`.
+
+        Returns its handle (also stored in ``handles[index]``); the worker answers READY once built.
+        """
+
+    def stop_one(self, index: int, deadline: float) -> None:
+        """Make sure worker ``index`` is gone by ``deadline`` (monotonic seconds); idempotent."""
+        handle = self.handles[index]
+        if handle is not None:
+            handle.terminate(deadline)
+
+    def stop_all(self, deadline: float, closing: Collection[int] = ()) -> None:
+        """Make sure every worker is gone, and release what the backend holds; idempotent.
+
+        Args:
+            deadline: monotonic time by which workers in ``closing`` must have exited by themselves.
+            closing: workers that acknowledged CLOSE; the others are terminated right away.
+        """
+        for index in range(self.num_workers):
+            self.stop_one(index, max(deadline, time.monotonic() + 0.5) if index in closing else time.monotonic())
+
+    @abstractmethod
+    def default_scheme(self) -> str:
+        """The weight-sync scheme collectors on this backend use by default, as a
+        ``WeightSyncScheme.from_backend`` name (``"shared"``, ``"distributed"``, ``"rpc"``)."""
+
+    @abstractmethod
+    def weight_links(self) -> WeightLinks:
+        """What weight senders need from this backend (channels, devices, liveness)."""
+
+    def liveness(self, index: int) -> tuple[bool, str]:
+        """``(alive, description)`` of worker ``index``, for waits outside the worker pool."""
+        handle = self.handles[index]
+        if handle is None:
+            return False, "it was stopped"
+        alive = handle.is_alive()
+        return alive, ("alive" if alive else handle.exit_description())
+
+
+class WeightSender(ABC):
+    """Parent end of a weight channel to ``num_workers`` receivers."""
+
+    num_workers: int
+
+    @abstractmethod
+    def connect(self, initial: TensorDictBase | dict[int, TensorDictBase] | None) -> None:
+        """One-time rendezvous with every receiver; hand over the initial weights if any."""
+
+    @abstractmethod
+    def deliver(self, payload: TensorDictBase | dict[int, TensorDictBase], version: int, worker_ids: list[int]) -> None:
+        """Make ``payload`` (or the per-worker entries of a dict payload) available to ``worker_ids``."""
+
+    @abstractmethod
+    def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
+        """Return once every listed worker acknowledged ``version``.
+
+        Raises:
+            WorkerError: when a worker died or reported a failure.
+            WorkerTimeoutError: after ``timeout`` seconds.
+        """
+
+    @abstractmethod
+    def replace(self, worker: int) -> None:
+        """Forget ``worker``'s receiver (its worker is gone) and open a channel for its replacement.
+
+        Called before the replacement's spec is built: :meth:`connection_info` then describes the
+        new channel.
+        """
+
+    @abstractmethod
+    def attach(self, worker: int, timeout: float) -> None:
+        """Rendezvous with the new receiver of ``worker`` and deliver the current weights.
+
+        "Current" is what the last update delivered (for per-worker weights: to that worker), or the
+        initial weights; the worker applies them while it is built, so before it collects.
+        """
+
+    def connection_info(self) -> Any:
+        """What a pickled copy of the scheme needs to build its receivers."""
+        return None
+
+    def close(self) -> None:
+        """Release resources; idempotent."""
+
+
+class WeightReceiver(ABC):
+    """Worker end of a weight channel."""
+
+    #: whether received payloads are buffers reserved for this receiver (swapped in, not copied)
+    zero_copy = False
+
+    @abstractmethod
+    def connect(self, timeout: float) -> TensorDictBase | None:
+        """One-time rendezvous; returns the initial weights, if the sender provided any."""
+
+    @abstractmethod
+    def pending(self) -> bool:
+        """Cheap check, called between env steps: is an update waiting?"""
+
+    @abstractmethod
+    def receive(self, timeout: float) -> tuple[int, TensorDictBase] | None:
+        """``(version, weights)`` of the next update, or None if none arrived within ``timeout``."""
+
+    @abstractmethod
+    def ack(self, version: int) -> None:
+        """Tell the sender that ``version`` is applied (and cascaded)."""
+
+    def nack(self, failure) -> None:
+        """Tell the sender that applying an update failed (a RemoteFailure)."""
+
+    def wait_handle(self) -> Any | None:
+        """An object ``multiprocessing.connection.wait`` wakes on when an update arrives, or None."""
+        return None
 
     def close(self) -> None:
         """Release resources; idempotent."""

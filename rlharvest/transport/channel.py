@@ -1,22 +1,140 @@
-"""Authenticated TCP channels: ``multiprocessing`` Connections (pickled messages) over sockets.
+"""Authenticated TCP channels between the main process and its nodes (see docs/security.md).
 
 The command channel of a node and the weight channel of the distributed weight-sync scheme are both
-made here. Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or
-receive fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
+made here. Opening one is a mutual challenge over a key both ends got out of band:
+
+1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce and an HMAC
+of both under the key; 3. only if that is right does the listener send its own HMAC, which the peer
+checks. Nothing is unpickled before both proofs were checked, and each side keeps to a short
+``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence number
+and bytes under a per-direction session key derived from the key and both nonces. A stranger who
+relays a handshake it cannot complete itself (a tampered port in the rendezvous store, a squatted
+port) therefore cannot inject, replay or reorder a single message: its bytes fail the tag and the
+channel closes.
+
+Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or receive
+fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import multiprocessing.connection as mpc
 import os
+import pickle
+import queue
 import socket
+import threading
 import time
+from typing import Any
 
 from .ports import PortInUseError
 
-__all__ = ["listen", "accept_channel", "open_channel", "shutdown_connection"]
+__all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "AuthenticationFailed", "Channel", "ChannelListener", "authenticate", "listen", "accept_channel", "open_channel",
+           "shutdown_connection"]
+
+logger = logging.getLogger("rlharvest")
+
+#: environment variable holding the collector's key (hex) for nodes started by hand
+AUTHKEY_ENV = "RLHARVEST_AUTHKEY"
+_MIN_KEY_BYTES = 16
+_MAGIC = b"rlharvest-channel-1\0"
+_NONCE = 32
+_TAG = 32
 
 
+class AuthenticationFailed(ConnectionError):
+    """A peer did not complete the handshake (wrong key, garbage, silence) or sent a forged message."""
+
+
+class _NoGreeting(AuthenticationFailed):
+    """The listener closed the connection before greeting (it was busy, or is not a listener)."""
+
+
+def new_authkey() -> bytes:
+    """A fresh random key (32 bytes)."""
+    return os.urandom(32)
+
+
+def parse_authkey(value: bytes | str, name: str = "authkey") -> bytes:
+    """``value`` as key bytes: bytes, or their hex; at least 16 bytes.
+
+    Raises:
+        ValueError: naming ``name`` for anything shorter or not hex.
+        TypeError: naming ``name`` for other types.
+    """
+    if isinstance(value, str):
+        try:
+            value = bytes.fromhex(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be hex digits (e.g. from `python -c 'import secrets; "
+                             f"print(secrets.token_hex(32))'`), got a string that is not hex.") from None
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"{name} must be bytes or a hex string, got {type(value).__name__}")
+    if len(value) < _MIN_KEY_BYTES:
+        raise ValueError(f"{name} must hold at least {_MIN_KEY_BYTES} bytes ({2 * _MIN_KEY_BYTES} hex digits), "
+                         f"got {len(value)}.")
+    return bytes(value)
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.digest(key, label + b"\0" + b"".join(parts), "sha256")
+
+
+class Channel:
+    """An authenticated, ordered message channel (the handshake made it; see the module docstring).
+
+    Offers the subset of ``multiprocessing.connection.Connection`` the transports use: ``send``,
+    ``recv``, ``send_bytes``, ``recv_bytes``, ``poll``, ``fileno`` and ``close``.
+    """
+
+    def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes) -> None:
+        self._conn = conn
+        self._send_key, self._recv_key = send_key, recv_key
+        self._send_seq = self._recv_seq = 0
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+
+    def send_bytes(self, data: bytes) -> None:
+        with self._send_lock:
+            tag = hmac.new(self._send_key, self._send_seq.to_bytes(8, "big"), "sha256")
+            tag.update(data)
+            self._conn.send_bytes(tag.digest() + data)
+            self._send_seq += 1
+
+    def recv_bytes(self) -> bytes:
+        with self._recv_lock:
+            frame = self._conn.recv_bytes()
+            tag = hmac.new(self._recv_key, self._recv_seq.to_bytes(8, "big"), "sha256")
+            tag.update(memoryview(frame)[_TAG:])
+            if len(frame) < _TAG or not hmac.compare_digest(frame[:_TAG], tag.digest()):
+                self.close()
+                raise AuthenticationFailed("a message failed authentication (injected or corrupted): channel closed")
+            self._recv_seq += 1
+            return frame[_TAG:]
+
+    def send(self, obj: Any) -> None:
+        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.recv_bytes())  # authenticated bytes only (recv_bytes checked the tag)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- sockets
 def _tune_socket(sock: socket.socket, user_timeout: float) -> None:
     """Fail blocked sends/receives after ``user_timeout`` s of silence instead of ~15 minutes."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -29,9 +147,97 @@ def _tune_socket(sock: socket.socket, user_timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout * 1000))
 
 
+class _Watchdog:
+    """Bounds a whole handshake: after ``seconds`` the socket is shut down, which wakes any blocked
+    read or write (a per-read timeout would let a peer dripping one byte at a time go on forever)."""
+
+    def __init__(self, conn: mpc.Connection, seconds: float) -> None:
+        self.conn, self.expired, self._done = conn, False, False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if not self._done:
+                self.expired = True
+                shutdown_connection(self.conn)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+
+def _connection(sock: socket.socket, user_timeout: float) -> mpc.Connection:
+    _tune_socket(sock, user_timeout)
+    sock.settimeout(None)
+    return mpc.Connection(sock.detach())
+
+
+def _server_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+    """The listener checks the peer's proof before giving its own (it is no oracle for strangers)."""
+    server_nonce = os.urandom(_NONCE)
+    conn.send_bytes(_MAGIC + server_nonce)
+    reply = conn.recv_bytes(_NONCE + _TAG)
+    if len(reply) != _NONCE + _TAG:
+        raise AuthenticationFailed("malformed handshake")
+    client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
+    if not hmac.compare_digest(proof, _mac(authkey, b"client", server_nonce, client_nonce)):
+        raise AuthenticationFailed("wrong key")
+    conn.send_bytes(_mac(authkey, b"server", server_nonce, client_nonce))
+    return Channel(conn, _mac(authkey, b"server->client", server_nonce, client_nonce),
+                   _mac(authkey, b"client->server", server_nonce, client_nonce))
+
+
+def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+    """The connecting peer proves, then requires the listener's proof before it reads anything else."""
+    try:
+        greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
+    except EOFError as err:
+        raise _NoGreeting("the listener closed the connection before its greeting") from err
+    if len(greeting) != len(_MAGIC) + _NONCE or not greeting.startswith(_MAGIC):
+        raise AuthenticationFailed("the listener does not speak the rlharvest channel protocol")
+    server_nonce, client_nonce = greeting[len(_MAGIC):], os.urandom(_NONCE)
+    conn.send_bytes(client_nonce + _mac(authkey, b"client", server_nonce, client_nonce))
+    proof = conn.recv_bytes(_TAG)
+    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce)):
+        raise AuthenticationFailed("the listener did not prove it holds the key")
+    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce),
+                   _mac(authkey, b"server->client", server_nonce, client_nonce))
+
+
+def authenticate(conn: mpc.Connection, authkey: bytes, timeout: float, *, listener: bool,
+                 hello: bool = False) -> tuple[Channel, Any]:
+    """Run one side of the handshake within ``timeout`` seconds (and, on the listener's side with
+    ``hello``, receive the peer's first message too). Returns ``(channel, hello or None)``.
+
+    Raises:
+        AuthenticationFailed: wrong key, garbage, silence or a closed connection; ``conn`` is closed.
+    """
+    watchdog = _Watchdog(conn, timeout)
+    try:
+        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey)
+        first = channel.recv() if hello else None  # the peer proved it holds the key
+    except Exception as err:
+        watchdog.stop()
+        conn.close()
+        if watchdog.expired:
+            raise AuthenticationFailed(f"no complete handshake within {timeout:g} s") from err
+        if isinstance(err, AuthenticationFailed):
+            raise
+        if isinstance(err, EOFError):
+            why = "" if listener else " (it holds another key, or is not a collector's listener)"
+            raise AuthenticationFailed(f"the peer closed the connection during the handshake{why}") from err
+        raise AuthenticationFailed(f"malformed handshake ({type(err).__name__}: {err})") from err
+    watchdog.stop()
+    return channel, first
+
+
 def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
     """A listening socket on ``port``, or on one of the next ``attempts`` ports if it is taken."""
-    for candidate in range(port, port + attempts):
+    for candidate in range(port, min(port + attempts, 65536)):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -44,38 +250,43 @@ def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
     raise PortInUseError(f"ports {port}..{port + attempts - 1} are all in use.")
 
 
-def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float):
-    """Accept one authenticated connection (``multiprocessing`` Connection over TCP), or None."""
+def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float,
+                   handshake_timeout: float = 5.0) -> Channel | None:
+    """Accept one connection and authenticate it (None when nobody connected within ``timeout``).
+
+    Raises:
+        AuthenticationFailed: the peer failed the handshake.
+    """
     server.settimeout(timeout)
     try:
         sock, _ = server.accept()
     except socket.timeout:
         return None
-    _tune_socket(sock, user_timeout)
-    sock.settimeout(None)
-    conn = mpc.Connection(sock.detach())
-    mpc.deliver_challenge(conn, authkey)
-    mpc.answer_challenge(conn, authkey)
-    return conn
+    return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=True)[0]
 
 
-def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float):
-    """Connect to a listener made by :func:`listen` and authenticate."""
+def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float,
+                 handshake_timeout: float = 5.0) -> Channel:
+    """Connect to a :class:`ChannelListener` (retrying until ``timeout``) and authenticate.
+
+    Raises:
+        AuthenticationFailed: the listener is not one holding ``authkey``; it is refused before
+            anything it sent was unpickled.
+    """
     deadline = time.monotonic() + timeout
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            break
+            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False)[0]
+        except _NoGreeting as err:  # a listener busy with strangers closes newcomers at once: try again
+            if time.monotonic() > deadline:
+                raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
+        except AuthenticationFailed as err:
+            raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
         except OSError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)
-    _tune_socket(sock, user_timeout)
-    sock.settimeout(None)
-    conn = mpc.Connection(sock.detach())
-    mpc.answer_challenge(conn, authkey)
-    mpc.deliver_challenge(conn, authkey)
-    return conn
+        time.sleep(0.1)
 
 
 def shutdown_connection(conn) -> None:
@@ -85,3 +296,100 @@ def shutdown_connection(conn) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:  # already closed or never connected
         pass
+
+
+class ChannelListener:
+    """Accepts authenticated channels on ``sock`` until closed; strangers are dropped, never fatal.
+
+    Every accepted connection is authenticated in its own thread (so a silent peer delays nobody),
+    must complete the handshake and send its hello within ``handshake_timeout`` seconds, and is
+    otherwise closed and logged at WARNING on the ``rlharvest`` logger. :meth:`next` hands out
+    ``(channel, hello, peer)`` for authenticated peers; the caller checks who they claim to be.
+
+    Args:
+        sock: a listening socket (see :func:`listen`); the listener owns it from now on.
+        authkey: the key peers must prove they hold.
+        what: how warnings name this port (``"command"``, ``"weight"``).
+        handshake_timeout: seconds a peer has for the handshake and its hello.
+        user_timeout: TCP user timeout of accepted channels.
+    """
+
+    #: handshakes in progress at once; beyond that, new connections are closed at once
+    MAX_PENDING = 32
+
+    def __init__(self, sock: socket.socket, authkey: bytes, what: str, handshake_timeout: float,
+                 user_timeout: float) -> None:
+        self.sock, self.authkey, self.what = sock, authkey, what
+        self.handshake_timeout, self.user_timeout = handshake_timeout, user_timeout
+        self.port = sock.getsockname()[1]
+        self._ready: queue.Queue = queue.Queue()
+        self._slots = threading.BoundedSemaphore(self.MAX_PENDING)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"rlharvest-{what}-listener", daemon=True)
+        self._thread.start()
+
+    def drop(self, peer, reason: str) -> None:
+        """Log that a peer was dropped (also used by callers rejecting an authenticated hello)."""
+        where = f"{peer[0]}:{peer[1]}" if peer else "a peer"
+        logger.warning("rlharvest: dropped a connection from %s to the %s port %d: %s", where, self.what,
+                       self.port, reason)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:  # closed (shutdown wakes accept) or a transient error
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            if not self._slots.acquire(blocking=False):
+                sock.close()
+                self.drop(peer, f"{self.MAX_PENDING} handshakes already in progress")
+                continue
+            threading.Thread(target=self._handshake, args=(sock, peer), name="rlharvest-handshake",
+                             daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer) -> None:
+        try:
+            channel, hello = authenticate(_connection(sock, self.user_timeout), self.authkey,
+                                          self.handshake_timeout, listener=True, hello=True)
+        except AuthenticationFailed as err:
+            if not self._closed.is_set():
+                self.drop(peer, str(err))
+            return
+        except OSError as err:  # tuning a socket the peer already reset
+            sock.close()
+            self.drop(peer, str(err))
+            return
+        finally:
+            self._slots.release()
+        if self._closed.is_set():
+            channel.close()
+            return
+        self._ready.put((channel, hello, peer))
+
+    def next(self, timeout: float) -> tuple[Channel, Any, Any] | None:
+        """The next authenticated ``(channel, hello, peer)``, or None after ``timeout`` seconds."""
+        try:
+            return self._ready.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Stop accepting (the port closes) and close channels nobody took. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(2.0)
+        self.sock.close()
+        while True:
+            try:
+                channel, _, _ = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            channel.close()

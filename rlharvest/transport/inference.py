@@ -7,12 +7,14 @@ pipe. The :class:`InferenceServer`, a thread of the collector's process, drains 
 workers are ready (no barrier), up to ``max_batch_size`` frames, are answered by one policy call on
 their stacked rows; it writes the outputs and the version of the weights that produced them into
 the workers' rows of the response buffers and one byte to each response pipe. Nothing is pickled
-per step; pickled messages only travel once per worker at start (the :class:`Hello` that tells the
-server the layout of a root, and its answer with the buffers).
+per step; pickled messages only travel once per worker, while it is built (the :class:`Hello` that
+tells the server the layout of a root, on the worker's control pipe, and the server's answer with
+the buffers). The server thread answers those too, so it runs before the workers are built.
 
-The server runs its own copy of the policy: weights change only in :meth:`InferenceServer.
-update_weights` (an in-process copy under the server's lock), so every action carries the exact
-version of the weights that computed it, and an optimizer step in progress never reaches an env.
+The policy changes only in :meth:`InferenceServer.update_policy`, between two policy calls under the
+server's lock, so every action carries the exact version of the weights that computed it. The
+collector hands the server a private copy of the user's policy, so that an optimizer step in
+progress never reaches an env.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from tensordict.nn import set_interaction_type
 from .._utils import NestedKey
 from ..errors import WorkerTimeoutError
 from ..policies import PolicyStep, TensorModuleStep, make_policy_step, wrap_policy
-from ..weight_update.strategy import copy_weights_, weights_of
 
 __all__ = ["InferenceChannels", "InferenceClient", "InferenceServer", "Hello", "EnvView", "PolicyServerError"]
 
@@ -175,6 +176,14 @@ class InferenceClient(PolicyStep):
                                          worker_idx=self.worker_idx)
 
 
+def _send(conn, message: Any) -> bool:
+    try:
+        conn.send(message)
+        return True
+    except OSError:  # the worker is gone
+        return False
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -217,7 +226,8 @@ class InferenceServer:
     """Answers the clients' requests from a thread of this process, batching whoever is ready.
 
     Args:
-        policy: the user's policy; the server runs a private copy of it (see the module doc).
+        policy: the policy to serve (the server runs it as it is; it changes only through
+            :meth:`update_policy`).
         channels: the pipes to the clients.
         max_batch_size: most frames (env observations) one policy call serves.
         min_batch_size: frames to gather, for up to ``timeout`` seconds, before calling the policy.
@@ -233,11 +243,12 @@ class InferenceServer:
                  version: int = 0) -> None:
         self.channels = channels
         self.num_workers = channels.num_workers
-        self.policy = _private_copy(policy, device)
+        self.policy = policy
         self.max_batch_size, self.min_batch_size, self.timeout = max_batch_size, min_batch_size, timeout
         self.device, self.exploration_type, self.trust_policy = device, exploration_type, trust_policy
         self.version = int(version)
         self.error: BaseException | None = None
+        self.setup_error: BaseException | None = None
         self.stats = {"requests": 0, "batches": 0, "frames": 0, "max_batch_frames": 0}
         self._lock = threading.RLock()
         self._layout: tuple | None = None
@@ -245,22 +256,31 @@ class InferenceServer:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
 
-    # ------------------------------------------------------------------ set-up (before start)
-    def accept(self, hello: Hello) -> None:
-        """Answer a worker's first message (the first one also fixes the layouts); runs before start()."""
-        control = self.channels.controls[hello.worker_idx][0]
+    # ------------------------------------------------------------------ a worker's first message
+    def _greet(self, worker: int) -> bool:
+        """Answer worker ``worker``'s Hello (the first one also fixes the layouts); False once its
+        control pipe is closed.
+
+        A worker whose env does not fit, or a policy that fails on the first root, gets the failure
+        in the answer (its constructor raises it); the exception itself is kept in ``setup_error``.
+        """
+        control = self.channels.controls[worker][0]
+        try:
+            hello: Hello = control.recv()
+        except (EOFError, OSError):
+            return False
         try:
             if self._layout is None:
                 self._configure(hello)
             layout = {k: (tuple(v.shape), v.dtype) for k, v in hello.root.items() if k in self._in_layout}
             if layout != self._in_layout or torch.Size(hello.env.batch_size) != self.env_batch:
-                raise ValueError(f"worker {hello.worker_idx}'s env does not stack with worker 0's: its policy inputs "
+                raise ValueError(f"worker {hello.worker_idx}'s env does not stack with the first worker's: its policy inputs "
                                  f"{layout} (batch {tuple(hello.env.batch_size)}) against {self._in_layout} "
                                  f"(batch {tuple(self.env_batch)}).")
-        except BaseException as err:
-            control.send(_Ack({}, {}, torch.zeros(0), failure=f"{type(err).__name__}: {err}"))
-            raise
-        control.send(_Ack(self.requests, self.responses, self.versions))
+        except Exception as err:
+            self.setup_error = err
+            return _send(control, _Ack({}, {}, torch.zeros(0), failure=f"{type(err).__name__}: {err}"))
+        return _send(control, _Ack(self.requests, self.responses, self.versions))
 
     def _configure(self, hello: Hello) -> None:
         env = hello.env
@@ -302,6 +322,7 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ serving
     def start(self) -> None:
+        """Serve from a thread until :meth:`stop` (start it before the workers are built)."""
         self._thread = threading.Thread(target=self._serve, name="rlharvest-policy-server", daemon=True)
         self._thread.start()
 
@@ -310,7 +331,10 @@ class InferenceServer:
         poller = select.poll()
         poller.register(request_fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        per_call = max(1, self.max_batch_size // self.frames_per_request)
+        self._controls = {}
+        for worker, (control, _) in enumerate(self.channels.controls):
+            self._controls[control.fileno()] = worker
+            poller.register(control.fileno(), select.POLLIN)
         pending: list[int] = []
         while not self._stopping:
             if not pending and not poller.poll(100):
@@ -324,16 +348,22 @@ class InferenceServer:
                         break
                     pending += self._drain(poller, request_fd, remaining)
             if pending and not self._stopping:
+                per_call = max(1, self.max_batch_size // self.frames_per_request)
                 batch, pending = pending[:per_call], pending[per_call:]
                 self._answer(batch)
 
     def _drain(self, poller, request_fd: int, timeout: float) -> list[int]:
-        """Worker indices of the requests that arrived (waiting up to ``timeout`` seconds for one)."""
+        """Worker indices of the requests that arrived (waiting up to ``timeout`` seconds for one);
+        Hellos that arrived meanwhile are answered."""
         ready = []
         for fd, _ in poller.poll(timeout * 1000.0):
             if fd == request_fd:
                 data = os.read(request_fd, 2 * self.num_workers)
                 ready += np.frombuffer(data[: len(data) // 2 * 2], dtype="<u2").tolist()
+            elif fd in self._controls:
+                if not self._greet(self._controls[fd]):  # a worker gone while it was built: its start fails
+                    poller.unregister(fd)
+                    del self._controls[fd]
             else:
                 os.read(fd, 64)
         return ready
@@ -370,11 +400,12 @@ class InferenceServer:
         stats["max_batch_frames"] = max(stats["max_batch_frames"], frames)
 
     # ------------------------------------------------------------------ weights and life cycle
-    def update_weights(self, weights) -> int:
-        """Copy ``weights`` into the served policy (between two policy calls); returns the new version."""
+    def update_policy(self, change: Callable[[Any], None] | None = None) -> int:
+        """Run ``change(policy)`` between two policy calls (e.g. copy new weights in) and bump the
+        version of the weights; returns the new version."""
         with self._lock:
-            if weights is not None and isinstance(self.policy, torch.nn.Module):
-                copy_weights_(weights_of(self.policy), weights)
+            if change is not None:
+                change(self.policy)
             self.version += 1
             return self.version
 
@@ -395,12 +426,3 @@ class InferenceServer:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-
-def _private_copy(policy: Any, device: torch.device | None) -> Any:
-    """The policy the server runs: a copy when it has weights (see the module doc), on ``device``."""
-    if not isinstance(policy, torch.nn.Module) or not any(True for _ in weights_of(policy).keys(True, True)):
-        return policy
-    import copy
-
-    served = copy.deepcopy(policy)
-    return served.to(device) if device is not None else served

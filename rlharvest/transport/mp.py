@@ -1,4 +1,5 @@
-"""Worker processes on this machine: commands through pipes, batches through shared memory.
+"""The ``mp`` backend: worker processes on this machine, commands through pipes, batches through
+shared memory.
 
 * Commands and replies are small pickled dataclasses on a duplex pipe per worker.
 * A batch is never pickled per rollout: the first BATCH reply carries the worker's batch buffer
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from .._processes import (
     describe_exit,
+    describe_process_exit,
     mp_context,
     parent_watch,
     prepare_worker_process,
@@ -30,23 +31,16 @@ from .._processes import (
 )
 from .._utils import CloudpickleWrapper, worker_scheduling
 from ..data.flat import is_dense
+from ..protocol import WorkerSpec
 from ..rollout import TrajectoryCounter
-from .base import WorkerEndpoint, WorkerHandle
+from .base import Backend, WorkerTarget
+from .pipes import PipeEndpoint, PipeHandle
+from .shared_memory import SharedMemLinks
 
-__all__ = [
-    "MPWorkerHandle",
-    "MPWorkerEndpoint",
-    "SharedTrajectoryCounter",
-    "start_worker_process",
-    "mp_context",
-    "parent_watch",
-    "prepare_worker_process",
-    "describe_exit",
-]
-
-_set_parent_death_signal = set_parent_death_signal  # the name distributed launchers import
-
-_INTERRUPT, _PROGRESS = 0, 1
+# describe_exit, mp_context and set_parent_death_signal live in _processes.py (ParallelEnv's sub-env
+# processes use them too, below this layer); they are re-exported here for the backends and launchers.
+__all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "describe_exit", "mp_context",
+           "set_parent_death_signal"]
 
 
 class SharedTrajectoryCounter(TrajectoryCounter):
@@ -66,6 +60,14 @@ class SharedTrajectoryCounter(TrajectoryCounter):
             view[0] = first + n
         return first
 
+    def peek(self) -> int:
+        with self._lock:
+            return int(self._value[0])
+
+    def advance_to(self, value: int) -> None:
+        with self._lock:
+            self._value[0] = max(int(self._value[0]), int(value))
+
     def __getstate__(self):
         return {"_value": self._value, "_lock": self._lock, "_view": None}
 
@@ -77,33 +79,13 @@ class SignalBoard:
         self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
 
 
-class MPWorkerEndpoint(WorkerEndpoint):
+class MPWorkerEndpoint(PipeEndpoint):
     """A worker process's end: the pipe, its signal row, and its shared batch buffer."""
 
-    def __init__(self, conn, signals: torch.Tensor, worker_idx: int, parent_pid: int) -> None:
-        self.conn = conn
-        self.worker_idx = worker_idx
+    def __init__(self, conn, signals: torch.Tensor, worker_idx: int, parent_pid: int | None) -> None:
+        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
         self.parent_pid = parent_pid
-        self._signals = signals.numpy()[worker_idx]
-        self._interrupt_seen = int(self._signals[_INTERRUPT])
         self._shared: TensorDictBase | None = None
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def recv(self, timeout: float) -> Any | None:
-        try:
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-        except (EOFError, OSError):
-            self.parent_pid = -1  # the parent's end closed: it is gone
-        return None
-
-    def send(self, message: Any) -> None:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            self.parent_pid = -1
 
     def publish_batch(self, batch: TensorDictBase) -> TensorDictBase | None:
         if not is_dense(batch):
@@ -119,80 +101,38 @@ class MPWorkerEndpoint(WorkerEndpoint):
             self._shared.update_(batch)
         return None
 
-    @property
     def batch_buffer(self) -> TensorDictBase | None:
         return self._shared
 
-    def interrupted(self) -> bool:
-        return int(self._signals[_INTERRUPT]) != self._interrupt_seen
-
-    def clear_interrupt(self, mark: int | None = None) -> None:
-        self._interrupt_seen = int(self._signals[_INTERRUPT]) if mark is None else mark
-
-    def report_progress(self, steps: int) -> None:
-        self._signals[_PROGRESS] = steps
-
     def parent_alive(self) -> bool:
-        if self.parent_pid is None:  # started by a forkserver: the pipe's EOF tells (recv sets -1)
-            return True
-        return self.parent_pid > 0 and os.getppid() == self.parent_pid
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        # Started by a forkserver (no parent pid to compare): the pipe's EOF tells.
+        return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
 
-def _worker_main(spec, conn, signals, worker_idx: int, parent_pid: int | None, death_signal: bool) -> None:
+def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, parent_pid: int | None,
+                  death_signal: bool) -> None:
+    """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
     if not prepare_worker_process(parent_pid, death_signal):
         return
-    from ..worker import run_worker
-
+    target = target.payload if isinstance(target, CloudpickleWrapper) else target
     spec = spec.payload if isinstance(spec, CloudpickleWrapper) else spec
     torch.set_num_threads(max(1, int(spec.num_threads)))
-    run_worker(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
+    target(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
 
 
-class MPWorkerHandle(WorkerHandle):
+class MPWorkerHandle(PipeHandle):
     """The parent's end of one worker process."""
 
     def __init__(self, process, conn, signals: torch.Tensor, worker_idx: int) -> None:
+        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
         self.process = process
-        self.conn = conn
-        self.worker_idx = worker_idx
-        self._signals = signals.numpy()[worker_idx]
         self._batch: TensorDictBase | None = None
-
-    def send(self, message: Any) -> None:
-        self.conn.send(message)
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        try:
-            return self.conn.poll(timeout)
-        except (EOFError, OSError):
-            return False
-
-    def recv(self) -> Any:
-        return self.conn.recv()
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
     def exit_description(self) -> str:
-        return describe_exit(self.process)
-
-    def progress(self) -> int:
-        return int(self._signals[_PROGRESS])
-
-    def interrupt(self) -> None:
-        self._signals[_INTERRUPT] += 1
-
-    def interrupt_mark(self) -> int:
-        return int(self._signals[_INTERRUPT])
+        return describe_process_exit(self.process)
 
     def fetch_batch(self, reply) -> TensorDictBase:
         if reply.value is not None:
@@ -210,31 +150,60 @@ class MPWorkerHandle(WorkerHandle):
         if process.is_alive():
             process.kill()
             process.join(1.0)
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        self.close_pipe()
 
 
-def start_worker_process(spec, ctx, signals: SignalBoard, worker_idx: int) -> MPWorkerHandle:
-    """Start one worker process running the worker loop for ``spec``.
+class MPBackend(Backend):
+    """Worker processes on this machine (``multiprocessing``: fork by default).
 
-    Raises:
-        ValueError: for a bad ``$RLHARVEST_WORKER_SCHED``.
+    Args:
+        num_workers: how many workers the collector runs.
+        target: what each worker process runs, ``target(spec, endpoint)`` (the worker loop).
+        ctx: the multiprocessing context (see :func:`mp_context`).
+        policy_devices: the device each worker runs its policy on (weights are staged there).
+
+    Example:
+        >>> from rlharvest.worker import run_worker
+        >>> backend = MPBackend(2, run_worker, mp_context())
+        >>> backend.default_scheme()
+        'shared'
     """
-    worker_scheduling()
-    parent_conn, child_conn = ctx.Pipe(duplex=True)
-    # User callables inside the spec are already CloudpickleWrapper-ed by the collector; the spec itself
-    # goes through multiprocessing's pickler, which knows how to pass pipes, locks and shared tensors.
-    payload = spec
-    parent_pid, death_signal = parent_watch(ctx)
-    process = ctx.Process(
-        target=_worker_main,
-        args=(payload, child_conn, signals.table, worker_idx, parent_pid, death_signal),
-        name=f"rlharvest-worker-{worker_idx}",
-        daemon=False,
-    )
-    process.start()
-    child_conn.close()
-    return MPWorkerHandle(process, parent_conn, signals.table, worker_idx)
 
+    def __init__(self, num_workers: int, target: WorkerTarget, ctx, policy_devices: list | None = None) -> None:
+        super().__init__(num_workers)
+        self.target = target
+        self.ctx = ctx
+        self.policy_devices = policy_devices
+        self.signals = SignalBoard(num_workers)
+
+    def trajectory_counter(self) -> SharedTrajectoryCounter:
+        """Trajectory ids shared by the workers (held in this process's shared memory)."""
+        return SharedTrajectoryCounter(self.ctx)
+
+    def start_one(self, index: int, spec: WorkerSpec) -> MPWorkerHandle:
+        """Start the process of worker ``index``.
+
+        Raises:
+            ValueError: for a bad ``$RLHARVEST_WORKER_SCHED``.
+        """
+        worker_scheduling()
+        parent_conn, child_conn = self.ctx.Pipe(duplex=True)
+        # The spec goes through multiprocessing's pickler, which knows how to pass pipes, locks and
+        # shared tensors; user callables inside it are already wrapped for cloudpickle.
+        parent_pid, death_signal = parent_watch(self.ctx)
+        process = self.ctx.Process(
+            target=_process_main,
+            args=(self.target, spec, child_conn, self.signals.table, index, parent_pid, death_signal),
+            name=f"rlharvest-worker-{index}",
+            daemon=False,
+        )
+        process.start()
+        child_conn.close()
+        handle = self.handles[index] = MPWorkerHandle(process, parent_conn, self.signals.table, index)
+        return handle
+
+    def default_scheme(self) -> str:
+        return "shared"
+
+    def weight_links(self) -> SharedMemLinks:
+        return SharedMemLinks(self.num_workers, self.liveness, ctx=self.ctx, devices=self.policy_devices)

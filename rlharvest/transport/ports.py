@@ -1,10 +1,12 @@
-"""Finding free TCP ports (always by asking the OS: bind to port 0)."""
+"""This host on the network: free TCP ports (always found by asking the OS: bind to port 0), whether
+an address is loopback, and which kernel this is (two processes with the same boot id share a
+machine, hence its shared memory)."""
 
 from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "free_port_block", "port_is_free", "PortInUseError"]
+__all__ = ["free_port", "free_port_block", "port_is_free", "PortInUseError", "boot_id", "is_loopback"]
 
 
 class PortInUseError(OSError):
@@ -35,3 +37,16 @@ def free_port_block(count: int = 3, host: str = "", attempts: int = 50) -> int:
         if base + count - 1 < 65536 and all(port_is_free(base + i, host) for i in range(1, count)):
             return base
     raise PortInUseError(f"Could not find {count} consecutive free ports after {attempts} attempts.")
+
+
+def boot_id() -> str:
+    """Identifies this kernel (same value = same machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")

@@ -1,72 +1,100 @@
-"""Nodes driven by torch.distributed.rpc (TensorPipe): the worker loop in *pull* mode.
+"""The ``rpc`` backend: nodes driven by torch.distributed.rpc (TensorPipe), the worker loop in *pull* mode.
 
-Each node builds a :class:`~rlharvest.worker.Worker` when the main process asks it to (an RRef
-owned by the node), and every command is one RPC that runs ``Worker.handle`` there; batches come
-back inside the reply (TensorPipe moves tensors without pickling their data). Futures complete into
-a wake-up pipe, so :class:`~rlharvest.collectors._pool.WorkerPool` waits on RPC nodes exactly as
-on processes. Names: the main process is ``TRAINER_NODE`` (rank 0), node ``i`` is
-``COLLECTOR_NODE_<i+1>``.
+Each node builds its worker when the main process asks it to, and every command is one RPC that runs
+``Worker.handle`` there; batches come back inside the reply (TensorPipe moves tensors without
+pickling their data). Futures complete into a wake-up pipe, so the worker pool waits on RPC nodes as
+on processes. The functions called on nodes are given to the backend (:class:`RPCNodeCalls`, from
+``rlharvest.worker.nodes``). The main process is ``TRAINER_NODE``, node ``i`` starts as
+``COLLECTOR_NODE_<i+1>``. The group is *dynamic* (``init_rpc`` without a world size): a replacement
+joins with a fresh rank and name once the node it replaces left the membership (TensorPipe keeps
+pipes per rank, and a joining node greets every member the store lists).
 
-Liveness: an RPC to a dead node fails; the main also pings nodes while waiting and declares a node
-dead when a ping fails or stays unanswered for ``heartbeat_timeout`` seconds. Nodes ping the main
-process the same way and exit when it is gone.
+Security (docs/security.md): torch RPC authenticates nobody: any process that reaches a TensorPipe
+port can send requests, which the agent unpickles. With local nodes, the store and every TensorPipe
+listener are on loopback (``TP_SOCKET_IFNAME`` is set while the agent starts).
+
+Liveness: an RPC to a dead node fails; the main process also pings nodes while waiting (dead after
+``heartbeat_timeout`` without an answer). Nodes ping the main process and exit when it is gone.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import os
+import select
 import threading
 import time
-from typing import Any
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import cloudpickle
-import torch
 import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
 
-from .._utils import use_worker_scheduling
-from ..data.flat import FlatLayout
 from ..errors import RemoteFailure, WorkerError
-from .base import WeightReceiver, WeightSender, WorkerEndpoint, WorkerHandle
-from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
+from ..protocol import READY, Reply, WorkerSpec
+from .base import Backend, WorkerEndpoint, WorkerHandle
+from .launchers import LaunchedNode, NodeTarget, launch_nodes
+from .ports import PortInUseError, boot_id, is_loopback, port_is_free
+from .rendezvous import (loopback_interface, mark_distributed_state, release_rpc_store, serve_rpc_store,
+                         tensorpipe_interface)
+from .rpc_weights import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
 
 __all__ = [
     "TRAINER_NAME",
-    "node_name",
-    "rpc_options",
+    "DEFAULT_TENSORPIPE_OPTIONS",
+    "RPCBackend",
+    "RPCNodeCalls",
     "RPCNodeEndpoint",
     "RPCWorkerHandle",
+    "RPCWeightLinks",
     "RPCWeightSender",
     "RPCWeightReceiver",
-    "run_rpc_node",
-    "DEFAULT_TENSORPIPE_OPTIONS",
+    "node_name",
+    "rpc_options",
+    "serve_rpc_node",
 ]
 
 TRAINER_NAME = "TRAINER_NODE"
 DEFAULT_TENSORPIPE_OPTIONS = {"num_worker_threads": 16, "rpc_timeout": 10000, "_transports": ["uv"]}
-_NODE: dict[str, Any] = {"worker": None, "closed": None}
 
 
 def node_name(rank: int) -> str:
     return f"COLLECTOR_NODE_{rank}"
 
 
-def init_rpc_quietly(name: str, rank: int, world_size: int, options) -> None:
-    """``rpc.init_rpc`` without the deprecation warning torch's own TensorPipe start-up emits."""
-    import warnings
+@dataclass(frozen=True)
+class RPCNodeCalls:
+    """The functions the main process calls on a node (they run there, found by reference):
+    ``create(spec_bytes)`` builds its worker, ``handle(message) -> reply`` runs one command,
+    ``interrupt()``, ``collector_of()`` (for ``collector_rrefs``), ``apply_weights(model_id, version,
+    payload, initial) -> (version, generation)``, and ``release()`` when the node closes."""
 
+    create: Callable
+    handle: Callable
+    interrupt: Callable
+    collector_of: Callable
+    apply_weights: Callable
+    release: Callable
+
+
+def _init_rpc_quietly(name: str, rank: int, options) -> None:
+    """``rpc.init_rpc`` of a dynamic group, without the warning torch's own TensorPipe start-up emits."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
 
 
-def rpc_options(host: str, port: int, tensorpipe_options: dict | None, device_maps: dict | None = None):
-    """TensorPipe options: ``tensorpipe_options`` merged over the defaults (D18)."""
+def rpc_options(host: str, port: int, tensorpipe_options: dict | None, device_maps: dict | None = None,
+                init_method: str | None = None):
+    """TensorPipe options: ``tensorpipe_options`` merged over the defaults."""
     options = {**DEFAULT_TENSORPIPE_OPTIONS, **(tensorpipe_options or {})}
     if device_maps:
         options["device_maps"] = device_maps
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", **options)
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method or f"tcp://{host}:{port}", **options)
 
 
 # ---------------------------------------------------------------------------------------------- node side
@@ -98,108 +126,43 @@ class RPCNodeEndpoint(WorkerEndpoint):
         self.steps = steps
 
 
-def _create_worker(spec_bytes: bytes):
-    """Runs on the node (through ``rpc.remote``): build the worker; the RRef keeps it there."""
-    from ..worker import Worker
-
-    spec = cloudpickle.loads(spec_bytes)
-    torch.set_num_threads(max(1, int(spec.num_threads)))
-    worker = Worker(spec, RPCNodeEndpoint(spec.worker_idx))
-    worker.command_lock = threading.Lock()
-    _NODE["worker"] = worker
-    return worker
-
-
-# The functions below run on the node. They find its one worker in _NODE rather than through the
-# worker's RRef: an RRef passed as an argument costs TensorPipe extra fork/confirm messages per call
-# (20% of a 1M-parameter weight update). The RRef stays what users see (collector_rrefs).
-def _node_worker():
-    worker = _NODE.get("worker")
-    if worker is None:
-        raise RuntimeError("this node has no collector (not created yet, or already closed)")
-    return worker
-
-
-def _handle(message):
-    """One command. RPCs run on a thread pool, so commands are serialised like the push loop's."""
-    worker = _node_worker()
-    with worker.command_lock:
-        return worker.handle(message)
-
-
-def _interrupt() -> None:
-    _node_worker().endpoint.interrupts += 1
-
-
-def _collector_of():
-    return _node_worker().collector
-
-
-def _apply_weights(model_id: str, version: int, payload):
-    """Runs on the node: map or take the payload, swap it in, cascade; returns the acknowledgement."""
-    collector = _node_worker().collector
-    scheme = (collector._receiver_schemes or {}).get(model_id)
-    if scheme is None:
-        raise KeyError(f"node has no receiver scheme for model {model_id!r}")
-    gen_id = None
-    if isinstance(payload, tuple):  # ("shm", gen_id, handle): a generation of the sender's pool
-        _, gen_id, handle = payload
-        segments = _NODE.setdefault("segments", {})
-        if handle is not None:
-            segments[gen_id] = attach_named(handle)
-        payload = segments[gen_id][1]
-    scheme.apply_pushed(version, payload)  # fresh tensors or a reserved generation: swapped, not copied
-    return version, gen_id
-
-
-def _boot_id() -> str:
-    from .torchdist_weights import boot_id
-
-    return boot_id()
+_CLOSED: dict[str, threading.Event | None] = {"event": None}
 
 
 def _ping() -> bool:
     return True
 
 
+def _boot_id() -> str:
+    return boot_id()
+
+
 def _close_node(graceful: bool = False) -> None:
-    _NODE["graceful"] = graceful
-    closed = _NODE["closed"]
-    if closed is not None:
-        closed.set()
+    event = _CLOSED["event"]
+    if event is not None:
+        event.set()
 
 
-def rpc_session_state() -> dict:
-    """torch RPC keeps per-process counters (store prefixes of ``init_rpc`` calls, sequence ids of its
-    internal all-gathers) that every participant must agree on. A node is a fresh process, so after a
-    first RPC session in the main process it must start from the main's values."""
-    from torch.distributed.rpc import api
-
-    with api._all_gather_dict_lock:
-        return {"init_counter": rpc._init_counter, "all_gather_ids": dict(api._all_gather_sequence_id)}
+def _forget_member(info) -> None:
+    """Drop a node that left from this agent's view of the group."""
+    rpc.api._get_current_rpc_agent()._update_group_membership(info, [], {}, False)
 
 
-def _adopt_session_state(state: dict | None) -> None:
-    from torch.distributed.rpc import api
+def serve_rpc_node(rank: int, host: str, port: int, calls: RPCNodeCalls, *, tensorpipe_options: dict | None = None,
+                   user_timeout: float = 10.0, session: dict | None = None, tp_interface: str | None = None,
+                   **_: Any) -> None:
+    """A node's whole life: join the RPC group, serve until the main process closes us or vanishes.
 
-    if not state:
-        return
-    with rpc._init_counter_lock:
-        rpc._init_counter = state["init_counter"]
-    with api._all_gather_dict_lock:
-        api._all_gather_sequence_id.update(state["all_gather_ids"])
-
-
-def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
-                 tensorpipe_options: dict | None = None, user_timeout: float = 10.0, session: dict | None = None,
-                 **_) -> None:
-    """A node's whole life: join the RPC world, serve until the main process closes us or vanishes."""
-    torch.set_num_threads(1)
-    use_worker_scheduling()  # before init_rpc: its threads, which run the worker, inherit the policy
-    _adopt_session_state(session)
-    closed = threading.Event()
-    _NODE["closed"] = closed
-    init_rpc_quietly(node_name(rank), rank, world_size, rpc_options(host, port, tensorpipe_options))
+    ``session`` carries the main process's RPC init counter (the store prefix of its group);
+    ``tp_interface`` (the loopback interface for local nodes) is where TensorPipe listens.
+    """
+    if session:
+        with rpc._init_counter_lock:
+            rpc._init_counter = session["init_counter"]
+    closed = _CLOSED["event"] = threading.Event()
+    if tp_interface is not None:
+        os.environ["TP_SOCKET_IFNAME"] = tp_interface  # this process is the node's own
+    _init_rpc_quietly(node_name(rank), rank, rpc_options(host, port, tensorpipe_options))
     failures = 0
     try:
         while not closed.wait(1.0):
@@ -211,15 +174,10 @@ def run_rpc_node(rank: int, world_size: int, host: str, port: int, backend: str 
                 if failures >= 2:  # the main process is gone: do not linger
                     break
     finally:
-        worker = _NODE["worker"]
-        _NODE["worker"] = None
-        if worker is not None and not worker.closed:
-            worker.collector.shutdown(raise_on_error=False)
-        del worker
+        calls.release()
         rpc.shutdown(graceful=False)
 
 
-# ---------------------------------------------------------------------------------------------- main side
 class _FailedRPC:
     """Placeholder reply of a request whose RPC failed (the node died or is unreachable)."""
 
@@ -228,14 +186,25 @@ class _FailedRPC:
 
 
 class RPCWorkerHandle(WorkerHandle):
-    """The main process's end of one RPC node: futures completing into a wake-up pipe."""
+    """The main process's end of one RPC node: futures completing into a wake-up pipe.
 
-    def __init__(self, worker_idx: int, rank: int, launched, heartbeat_timeout: float) -> None:
+    Args:
+        worker_idx: the node's index.
+        name: its RPC name.
+        launched: how its launcher sees it.
+        heartbeat_timeout: seconds a ping may stay unanswered.
+        calls: the functions this handle calls on the node.
+    """
+
+    def __init__(self, worker_idx: int, name: str, launched: LaunchedNode, heartbeat_timeout: float,
+                 calls: RPCNodeCalls) -> None:
         self.worker_idx = worker_idx
-        self.name = node_name(rank)
+        self.name = name
         self.launched = launched
         self.heartbeat_timeout = heartbeat_timeout
-        self.worker_rref = None
+        self.calls = calls
+        self._creation = None  # the future of the RPC that builds the node's worker
+        self.info = None  # the node's RPC worker info, once it joined
         self._replies: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
@@ -244,9 +213,43 @@ class RPCWorkerHandle(WorkerHandle):
         self._interrupts = 0
         self._ping: Any = None
         self._ping_sent = 0.0
+        self._terminated = False
 
     def start(self, spec_bytes: bytes, timeout: float) -> None:
-        self.worker_rref = rpc.remote(self.name, _create_worker, args=(spec_bytes,), timeout=timeout)
+        """Have the node build its worker; its READY reply arrives once it is built (or failed)."""
+        self._creation = rpc.rpc_async(self.name, self.calls.create, args=(spec_bytes,), timeout=timeout)
+        self._creation.add_done_callback(self._built)
+
+    def wait_built(self, timeout: float) -> None:
+        """Return once the node's worker exists (built or failed: its READY reply says which).
+
+        Raises:
+            WorkerError: when the node died meanwhile.
+            TimeoutError: after ``timeout`` seconds.
+        """
+        future = self._creation
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            if not self.is_alive():
+                raise WorkerError(f"the node died while starting: {self.exit_description()}.",
+                                  worker_idx=self.worker_idx)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {self.worker_idx} did not build its collector within {timeout:g} s.")
+            time.sleep(0.005)
+
+    def _built(self, future) -> None:
+        try:
+            future.wait()
+            reply = Reply(READY, self.worker_idx, value="ready")
+        except Exception as err:
+            failure = WorkerError(f"building its collector failed: {err}", worker_idx=self.worker_idx)
+            reply = Reply(READY, self.worker_idx, failure=RemoteFailure.capture(failure, self.worker_idx))
+        self._push(reply)
+
+    def _push(self, reply) -> None:
+        with self._lock:
+            self._replies.append(reply)
+        os.write(self._wake_w, b"x")
 
     def _complete(self, request_id: int, future) -> None:
         try:
@@ -254,28 +257,24 @@ class RPCWorkerHandle(WorkerHandle):
         except Exception as err:  # the RPC itself failed (node died, unreachable, ...)
             self._failed = f"its RPC failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
             reply = _FailedRPC(request_id)  # described in recv(): asking the launcher may take a moment
-        with self._lock:
-            self._replies.append(reply)
-        os.write(self._wake_w, b"x")
+        self._push(reply)
 
-    def _failure_reply(self, request_id: int):
-        from ..worker import Reply
-
+    def _failure_reply(self, request_id: int) -> Reply:
         if self.launched.ended(timeout=2.0):
             self._failed = f"the node died: {self.launched.exit_description()}"
         error = WorkerError(self._failed, worker_idx=self.worker_idx)
         return Reply(request_id, self.worker_idx, failure=RemoteFailure.capture(error, self.worker_idx))
 
     def send(self, message) -> None:
-        future = rpc.rpc_async(self.name, _handle, args=(message,), timeout=0)
+        if self._terminated:
+            raise ConnectionError(f"node {self.worker_idx} was stopped")
+        future = rpc.rpc_async(self.name, self.calls.handle, args=(message,), timeout=0)
         future.add_done_callback(lambda fut, rid=message.request_id: self._complete(rid, fut))
 
     def poll(self, timeout: float = 0.0) -> bool:
         if self._replies:
             return True
         if timeout > 0:
-            import select
-
             select.select([self._wake_r], [], [], timeout)
         return bool(self._replies)
 
@@ -291,7 +290,7 @@ class RPCWorkerHandle(WorkerHandle):
         return self._wake_r
 
     def is_alive(self) -> bool:
-        if self._failed or not self.launched.is_alive():
+        if self._terminated or self._failed or not self.launched.is_alive():
             return False
         now = time.monotonic()
         ping = self._ping
@@ -316,9 +315,9 @@ class RPCWorkerHandle(WorkerHandle):
         return self._failed or "it stopped answering"
 
     def interrupt(self) -> None:
-        if self.worker_rref is not None and not self._failed:
+        if self._creation is not None and not self._failed and not self._terminated:
             self._interrupts += 1
-            rpc.rpc_async(self.name, _interrupt, timeout=self.heartbeat_timeout)
+            rpc.rpc_async(self.name, self.calls.interrupt, timeout=self.heartbeat_timeout)
 
     def interrupt_mark(self) -> int:
         return self._interrupts
@@ -327,107 +326,186 @@ class RPCWorkerHandle(WorkerHandle):
         return reply.value
 
     def collector_rref(self, timeout: float):
-        return rpc.remote(self.name, _collector_of, timeout=timeout)
+        return rpc.remote(self.name, self.calls.collector_of, timeout=timeout)
 
     def forget_remote(self) -> None:
-        self.worker_rref = None
         self._ping = None
 
     def close_node(self, graceful: bool = False) -> None:
-        try:
+        with contextlib.suppress(Exception):
             rpc.rpc_async(self.name, _close_node, args=(graceful,), timeout=self.heartbeat_timeout)
-        except Exception:
-            pass
 
     def terminate(self, deadline: float) -> None:
         self.launched.terminate(deadline)
+        self._terminated = True
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
-# ---------------------------------------------------------------------------------------------- weights
-class RPCWeightSender(WeightSender):
-    """Weights ride in an RPC to each targeted node; its return value is the acknowledgement.
+# ---------------------------------------------------------------------------------------------- main side
+class RPCBackend(Backend):
+    """Nodes in a (dynamic) torch RPC group, started through a launcher.
 
-    Nodes on this host get a generation of a named shared-memory pool instead of the tensors (one
-    copy by the sender whatever the number of local nodes, then a swap on each node).
+    Args:
+        num_workers: how many nodes.
+        target: what every node runs (the node entry point, ``rlharvest.worker.nodes.node_main``).
+        calls: the functions the main process calls on nodes.
+        net: addresses, ports and timeouts (``collectors.distributed._network.NetworkConfig``).
+        launcher: ``"mp"``, ``"submitit"`` or ``"submitit_delayed"``.
+        tensorpipe_options: merged over :data:`DEFAULT_TENSORPIPE_OPTIONS`.
+        device_maps: TensorPipe device maps (``visible_devices``).
+        slurm_kwargs: SLURM parameters of the node jobs; start_method: of ``"mp"`` nodes.
     """
 
-    def __init__(self, handles: list[RPCWorkerHandle], model_id: str) -> None:
-        self.handles = handles
-        self.num_workers = len(handles)
-        self.model_id = model_id
-        self._futures: dict[int, Any] = {}
-        self._pool: GenerationPool | None = None
-        self._current: dict[int, int] = {}
-        self._seen: dict[int, set] = {w: set() for w in range(len(handles))}
+    noun = "node"
 
-    def connect(self, initial) -> None:
-        """Nodes received the policy with their spec: nothing to do."""
+    def __init__(self, num_workers: int, target: NodeTarget, calls: RPCNodeCalls, net: Any, *, launcher: str,
+                 tensorpipe_options: dict | None = None, device_maps: dict | None = None,
+                 slurm_kwargs: dict | None = None, start_method: str | None = None) -> None:
+        super().__init__(num_workers)
+        self.target, self.calls, self.net, self.launcher = target, calls, net, launcher
+        self.tensorpipe_options, self.device_maps = dict(tensorpipe_options or {}), device_maps
+        self.slurm_kwargs, self.start_method = slurm_kwargs, start_method
+        self.launched: list[LaunchedNode | None] = [None] * num_workers
+        self._next_rank = num_workers + 1  # a replacement gets a fresh rank: TensorPipe keeps pipes per rank
+        self._tp_interface = loopback_interface() if net.local else None
+        self._init_method: str | None = None
+        self._store = None
+        self._session: dict | None = None
+        self._running = False
 
-    def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
-        if self._futures:  # a generation may still be in flight to a node (sync=False)
-            self.wait_acks(version - 1, list(self._futures), 120.0)
-        local = [w for w in worker_ids if self.handles[w].local]
-        generation = self._stage(payload) if local else None
-        for worker in worker_ids:
-            handle = self.handles[worker]
-            body = payload
-            if worker in local:
-                new = generation.gen_id not in self._seen[worker]
-                self._seen[worker].add(generation.gen_id)
-                body = ("shm", generation.gen_id, generation.handle if new else None)
-            self._futures[worker] = rpc.rpc_async(
-                handle.name, _apply_weights, args=(self.model_id, version, body), timeout=0)
+    def _launch(self, index: int, rank: int) -> None:
+        net = self.net
+        kwargs = {"tensorpipe_options": self.tensorpipe_options, "user_timeout": net.user_timeout,
+                  "session": self._session, "tp_interface": self._tp_interface}
+        self.launched[index], = launch_nodes(self.launcher, [rank], self.num_workers + 1, net.advertised_host,
+                                             net.tcp_port, "gloo", target=self.target, framework="rpc",
+                                             slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,
+                                             node_kwargs=kwargs)
 
-    def _stage(self, weights: TensorDictBase):
-        if self._pool is None:
-            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
-        generation, _ = self._pool.acquire(set(self._current.values()))
-        copy_into(generation, self._pool.keys, weights)
-        return generation
+    def start_all(self, specs) -> list[RPCWorkerHandle]:
+        if rpc.api._is_current_rpc_agent_set():
+            raise RuntimeError("torch RPC is already initialised in this process (one RPCCollector at a time: "
+                               "shut the other one down first).")
+        net = self.net
+        if not port_is_free(net.tcp_port, net.bind_host):
+            raise PortInUseError(f"tcp_port {net.tcp_port} is already in use: pick another tcp_port, or tcp_port=0 "
+                                 "for free ports.")
+        self._session = {"init_counter": rpc._init_counter}  # the store prefix every member must agree on
+        for spec in specs:
+            self._launch(spec.worker_idx, spec.worker_idx + 1)
+        self._init_rpc()
+        return [self._build(spec, spec.worker_idx + 1) for spec in specs]
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+    def _init_rpc(self) -> None:
+        net = self.net
+        self._init_method, self._store = serve_rpc_store(net.bind_host, net.tcp_port, self.num_workers + 1,
+                                                      net.worker_timeout)
+        options = rpc_options(net.advertised_host, net.tcp_port, self.tensorpipe_options, self.device_maps,
+                              init_method=self._init_method)
+        mark_distributed_state()
+        with tensorpipe_interface(self._tp_interface):
+            _init_rpc_quietly(TRAINER_NAME, 0, options)  # a dynamic group: nodes join when they are up
+        self._running = True
 
-    def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for worker in worker_ids:
-            future = self._futures.pop(worker, None)
-            if future is None:
-                continue
-            handle = self.handles[worker]
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
-            while not done.wait(0.2):  # wakes as soon as the node answers; checks liveness meanwhile
-                if not handle.is_alive():
-                    raise WorkerError(f"died while applying new weights: {handle.exit_description()}.",
-                                      worker_idx=worker)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"node {worker} did not acknowledge weights version {version} in time.")
+    def _build(self, spec: WorkerSpec, rank: int) -> RPCWorkerHandle:
+        """Wait until the node joined, then have it build its worker (it answers READY once built)."""
+        index = spec.worker_idx
+        handle = RPCWorkerHandle(index, node_name(rank), self.launched[index], self.net.heartbeat_timeout,
+                                 self.calls)
+        deadline = time.monotonic() + self.net.worker_timeout
+        node_boot = None
+        while node_boot is None:  # joined once it answers (its membership reaches us in steps)
             try:
-                _, gen_id = future.wait()
-            except Exception as err:
-                raise WorkerError(f"applying new weights failed: {err}", worker_idx=worker) from err
-            if gen_id is not None:
-                self._current[worker] = gen_id
+                node_boot = rpc.rpc_sync(handle.name, _boot_id, timeout=self.net.heartbeat_timeout)
+            except RuntimeError:
+                if not handle.launched.is_alive():
+                    raise _died_starting(index, handle.launched) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {index} did not join the RPC group within "
+                                       f"{self.net.worker_timeout:g} s.") from None
+                time.sleep(0.01)
+        handle.info = rpc.get_worker_info(handle.name)
+        handle.local = is_loopback(self.net.advertised_host) and node_boot == boot_id()
+        handle.start(cloudpickle.dumps(spec), timeout=self.net.worker_timeout)
+        self.handles[index] = handle
+        return handle
+
+    def start_one(self, index: int, spec: WorkerSpec) -> RPCWorkerHandle:
+        """Launch a node in place of node ``index``: it joins the group with a fresh rank.
+
+        Raises:
+            NotImplementedError: for nodes started elsewhere (``submitit_delayed``).
+        """
+        if self.launcher == "submitit_delayed":
+            raise NotImplementedError("launcher='submitit_delayed': nodes are started elsewhere, so the collector "
+                                      "cannot start one in place of another.")
+        rank, self._next_rank = self._next_rank, self._next_rank + 1
+        self._launch(index, rank)
+        return self._build(spec, rank)
+
+    def stop_one(self, index: int, deadline: float) -> None:
+        handle, node = self.handles[index], self.launched[index]
+        if handle is not None:
+            handle.forget_remote()
+            if handle.is_alive():
+                handle.close_node()
+            handle.terminate(deadline)
+            self._remove_member(handle)
+        elif node is not None:
+            node.terminate(deadline)
+
+    def _remove_member(self, handle: RPCWorkerHandle) -> None:
+        """Remove a node that is gone from the group, as a graceful leave would have: from the store a
+        joining node reads the members from, and from the view of this process and of the others."""
+        info = getattr(handle, "info", None)
+        if info is None or not self._running:
+            return
+        prefix = f"rpc_prefix_{self._session['init_counter']}/names"
+        members = self._store.get(f"{prefix}/_ALL_WORKER_INFOS").decode()
+        self._store.set(f"{prefix}/_ALL_WORKER_INFOS", members.replace(f"{info.name}-{info.id},", ""))
+        self._store.delete_key(f"{prefix}/{info.id}")
+        _forget_member(info)
+        for other in self.handles:
+            if other is not None and other is not handle and other.is_alive():
+                with contextlib.suppress(Exception):
+                    rpc.rpc_sync(other.name, _forget_member, args=(info,), timeout=self.net.heartbeat_timeout)
+
+    def stop_all(self, deadline: float, closing=()) -> None:
+        """Non-graceful by design: a graceful shutdown is a barrier that hangs on a dead node, and
+        waits for remote-reference bookkeeping that repeated sessions in one process confuse."""
+        for handle in self.handles:
+            if handle is not None:
+                handle.forget_remote()  # no RRef may outlive the RPC agent
+                if handle.is_alive():
+                    handle.close_node()
+        for index in range(self.num_workers):
+            handle, node = self.handles[index], self.launched[index]
+            end = max(deadline, time.monotonic() + 0.5) if index in closing else time.monotonic()
+            if handle is not None:
+                handle.terminate(end)
+            elif node is not None:
+                node.terminate(end)
+        self._stop_rpc()
+
+    def _stop_rpc(self) -> None:
+        if self._init_method:
+            release_rpc_store(self._init_method)
+            self._init_method = None
+        if self._running:
+            self._running = False
+            gc.collect()  # release dropped RRefs before the agent goes away
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
+
+    def default_scheme(self) -> str:
+        return "rpc"
+
+    def weight_links(self) -> RPCWeightLinks:
+        return RPCWeightLinks(self.num_workers, self.liveness, handles=self.handles,
+                              apply_weights=self.calls.apply_weights)
 
 
-class RPCWeightReceiver(WeightReceiver):
-    """Passive: updates are pushed by the sender's RPC (see ``apply_pushed``), never polled."""
-
-    def connect(self, timeout: float):
-        return None
-
-    def pending(self) -> bool:
-        return False
-
-    def receive(self, timeout: float):
-        return None
-
-    def ack(self, version: int) -> None:
-        return None
+def _died_starting(index: int, node: LaunchedNode) -> Exception:
+    return WorkerError(f"the node died while starting: {node.exit_description()}.", worker_idx=index)

@@ -9,25 +9,38 @@ a worker, and every frame collected after ``send`` returns uses the new weights.
 
 Buffers are shared per policy device, or per worker for per-worker weights. A sender without
 weights (workers built their policies from distinct factories) lets workers keep their own weights
-until the first update, whose payload defines the layout.
+until the first update, whose payload defines the layout. A worker that replaces another maps the
+generation its device (or its worker index) last got: the current weights, without a copy.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, freeze
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
-from .base import WeightReceiver, WeightSender
+from .base import Liveness, WeightLinks, WeightReceiver, WeightSender
 from .weight_pool import GenerationPool, TorchShmAllocator, copy_into
 
-__all__ = ["SharedMemWeightSender", "SharedMemWeightReceiver"]
+__all__ = ["SharedMemLinks", "SharedMemWeightSender", "SharedMemWeightReceiver"]
 
-Liveness = Callable[[int], tuple[bool, str]]
+
+@dataclass
+class SharedMemLinks(WeightLinks):
+    """What shared-memory weight senders need from a backend whose workers share this machine.
+
+    Attributes:
+        ctx: the multiprocessing context pipes are made with.
+        devices: the policy device of each worker (weights are staged per device), or None.
+    """
+
+    ctx: Any = None
+    devices: list | None = None
 
 
 class SharedMemWeightSender(WeightSender):
@@ -49,6 +62,7 @@ class SharedMemWeightSender(WeightSender):
         self.per_worker = per_worker
         self.via_pipe = via_pipe
         self.liveness = liveness
+        self._ctx = ctx
         pipes = [ctx.Pipe(duplex=True) for _ in range(num_workers)]
         self.conns = [parent for parent, _ in pipes]
         self._child_conns = [child for _, child in pipes]
@@ -59,6 +73,10 @@ class SharedMemWeightSender(WeightSender):
         self._pending: dict[int, int] = {}   # worker -> generation announced, not yet acknowledged
         self._seen: dict[int, set] = {w: set() for w in range(num_workers)}
         self._unacked: dict[int, int] = {}
+        #: pool key -> (generation, version) of the last weights announced for it (what a replacement maps)
+        self._latest: dict[Any, tuple[int, int]] = {}
+        #: pool key -> (version, weights) of the last update sent through the pipes (MultiProcess scheme)
+        self._latest_sent: dict[Any, tuple[int, TensorDictBase]] = {}
 
     @property
     def shared(self) -> dict[Any, TensorDictBase]:
@@ -101,9 +119,10 @@ class SharedMemWeightSender(WeightSender):
     def _announce(self, payload, version: int, worker_ids: list[int], kind: str) -> None:
         if self.via_pipe:
             for worker in worker_ids:
-                weights = payload[worker] if isinstance(payload, dict) else payload
+                weights = (payload[worker] if isinstance(payload, dict) else payload).detach().clone()
                 self._versions[worker] = version
-                self.conns[worker].send((kind, version, weights.detach().clone()))
+                self._latest_sent[self._key(worker)] = (version, weights)
+                self.conns[worker].send((kind, version, weights))
                 if kind == "update":
                     self._unacked[worker] = version
             return
@@ -113,6 +132,7 @@ class SharedMemWeightSender(WeightSender):
         for key, workers in by_key.items():
             weights = payload[workers[0]] if isinstance(payload, dict) else payload
             generation = self._stage(key, weights)
+            self._latest[key] = (generation.gen_id, version)
             for worker in workers:
                 handle = None if generation.gen_id in self._seen[worker] else generation.handle
                 self._seen[worker].add(generation.gen_id)
@@ -131,9 +151,38 @@ class SharedMemWeightSender(WeightSender):
             layout = FlatLayout.of(weights.to(device) if device is not None else weights)
             pool = self.pools[key] = GenerationPool(layout, TorchShmAllocator())
         busy = {g for w, g in list(self._current.items()) + list(self._pending.items()) if self._key(w) == key}
+        if key in self._latest:  # a replacement may still map it
+            busy.add(self._latest[key][0])
         generation, _ = pool.acquire(busy)
         copy_into(generation, pool.keys, weights)
         return generation
+
+    # ------------------------------------------------------------------ replacements
+    def replace(self, worker: int) -> None:
+        for conn in (self.conns[worker], self._child_conns[worker]):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self.conns[worker], self._child_conns[worker] = self._ctx.Pipe(duplex=True)
+        self._seen[worker] = set()
+        for state in (self._current, self._pending, self._unacked):
+            state.pop(worker, None)
+
+    def attach(self, worker: int, timeout: float) -> None:
+        """Hand the new receiver the current weights of its pool key (mapped, not copied)."""
+        key = self._key(worker)
+        if self.via_pipe:
+            version, body = self._latest_sent.get(key, (0, None))
+        elif key in self._latest:
+            gen_id, version = self._latest[key]
+            body = (gen_id, self.pools[key].get(gen_id).handle)
+            self._seen[worker] = {gen_id}
+            self._current[worker] = gen_id
+        else:  # workers kept the weights their own policies were built with
+            version, body = 0, None
+        self._versions[worker] = version
+        self.conns[worker].send(("init", version, body))
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -194,8 +243,8 @@ class SharedMemWeightReceiver(WeightReceiver):
         self._generations: dict[int, TensorDictBase] = {}
         self._gen_id: int | None = None
 
-    def fileno(self) -> int:
-        return self.conn.fileno()
+    def wait_handle(self):
+        return self.conn
 
     def _weights_of(self, body) -> TensorDictBase | None:
         if self.via_pipe:
@@ -212,6 +261,7 @@ class SharedMemWeightReceiver(WeightReceiver):
         kind, version, body = self.conn.recv()
         if kind != "init":
             raise RuntimeError(f"Unexpected weight-sync message {kind!r} during connect.")
+        self._applied = version  # a replacement starts at the current version
         return None if body is None else self._weights_of(body)
 
     def pending(self) -> bool:

@@ -1,17 +1,16 @@
-"""Nodes on other machines: a torch.distributed process group for tensors, TCP for commands.
+"""The ``torchdist`` backend: nodes (on this or other machines) started through a launcher, a
+torch.distributed process group per node for tensors, an authenticated TCP channel for commands.
 
-Ports (``p`` = the collector's ``tcp_port``):
-
-* ``p``   - the process-group rendezvous (a ``TCPStore`` served by rank 0, the main process);
-* ``p+1`` - the *command channel* listener (the next free port if taken; its number and an auth
-  key are published in the store): typed commands and replies, the same messages as the worker
-  processes' pipes, plus heartbeats from the node;
-* ``p+2`` - the weight-sync listener of :class:`~rlharvest.weight_update.DistributedWeightSyncScheme`.
+Start-up (store, command listener, groups) is :mod:`rlharvest.transport.rendezvous`; the launchers
+(``mp``, ``submitit``, ``submitit_delayed``) are :mod:`rlharvest.transport.launchers`. The command
+channel of a node (``tcp_port + 1``, authenticated, see :mod:`rlharvest.transport.channel`) carries
+typed commands and replies, the same messages as the worker processes' pipes, plus heartbeats from
+the node. A node that replaces another is launched like the first ones, with the next *generation*
+of its rank: it forms a group of its own with the main process, the other nodes keep theirs.
 
 A batch leaves a node as one flat ``uint8`` tensor (``rlharvest.data.flat``) sent point-to-point to
-rank 0, right after the node's BATCH reply; the layout travels once, with the first reply. The
-process group is created explicitly (no ``init_process_group``), so several collectors, or a
-learner's own default group, coexist in one process.
+rank 0, right after the node's BATCH reply; the layout travels once, with the first reply (over the
+authenticated channel: the group only ever carries raw tensor bytes).
 
 Liveness: a node sends a heartbeat every ``heartbeat_interval`` seconds; the parent declares it
 dead when its connection closes (process death) or when no heartbeat arrived for
@@ -24,7 +23,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -35,152 +33,35 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from .._utils import use_worker_scheduling
 from ..data.flat import FlatLayout, is_dense
-from ..errors import RemoteFailure, WorkerError
-from .base import WorkerEndpoint, WorkerHandle
-from .channel import accept_channel, listen, open_channel
-from .ports import PortInUseError, port_is_free
+from ..errors import WorkerError
+from ..protocol import WorkerSpec
+from .base import Backend, WorkerEndpoint, WorkerHandle
+from .channel import AUTHKEY_ENV, open_channel, parse_authkey
+from .launchers import LaunchedNode, NodeTarget, launch_nodes
+from .rendezvous import BATCH_TAG, CONTROL_KEY, PAIR_BACKENDS, Rendezvous, node_group
+from .torchdist_weights import NodeGroupLinks, NodeWeightLinks
 
-__all__ = [
-    "BACKENDS",
-    "check_backend",
-    "make_process_group",
-    "Rendezvous",
-    "DistWorkerHandle",
-    "DistWorkerEndpoint",
-    "run_node",
-]
-
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-_STATE = {"created": False}
-
-
-def distributed_state_exists() -> bool:
-    """Whether this process created torch.distributed state (whose threads make fork unsafe)."""
-    return _STATE["created"] or (dist.is_available() and dist.is_initialized())
-
-
-def mark_distributed_state() -> None:
-    """Record that torch.distributed (a store, a group, RPC) now runs threads in this process."""
-    _STATE["created"] = True
-BATCH_TAG = 11
-WEIGHTS_TAG = 12
-_CONTROL_KEY, _AUTH_KEY, _WEIGHTS_KEY = "rlharvest/control_port", "rlharvest/authkey", "rlharvest/weights_port"
-
-
-def check_backend(backend: str) -> str:
-    """Validate a backend name and that this torch build provides it.
-
-    Raises:
-        ValueError: for an unknown name.
-        RuntimeError: for a backend this build lacks.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    available = getattr(dist, f"is_{backend}_available", lambda: False)()
-    if not dist.is_available() or not available:
-        raise RuntimeError(
-            f"The torch.distributed backend {backend!r} is not available in this torch build "
-            f"(torch.distributed.is_{backend}_available() is False); use backend='gloo'."
-        )
-    return backend
-
-
-def make_process_group(backend: str, store, rank: int, world_size: int, timeout: float):
-    """An explicit process group (no global default group involved)."""
-    delta = datetime.timedelta(seconds=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, delta)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
-    return dist.group.WORLD
-
-
-class Rendezvous:
-    """The main process's side of node start-up: store, command listener, process group.
-
-    Raises:
-        PortInUseError: naming ``port`` when the rendezvous port is taken.
-    """
-
-    def __init__(self, host: str, bind_host: str, port: int, world_size: int, timeout: float,
-                 user_timeout: float) -> None:
-        self.host, self.port, self.world_size = host, port, world_size
-        self.timeout, self.user_timeout = timeout, user_timeout
-        self.check_port(port, bind_host)
-        _STATE["created"] = True
-        self.store = dist.TCPStore(bind_host or "0.0.0.0", port, world_size, True,
-                                   datetime.timedelta(seconds=timeout), wait_for_workers=False)
-        self.authkey = secrets.token_bytes(16)
-        self.server = listen(bind_host, port + 1)
-        self.store.set(_CONTROL_KEY, str(self.server.getsockname()[1]))
-        self.store.set(_AUTH_KEY, self.authkey.hex())
-        self.group = None
-
-    @staticmethod
-    def check_port(port: int, bind_host: str) -> None:
-        """Raises PortInUseError naming ``port`` if the rendezvous port is taken."""
-        if not port_is_free(port, bind_host):
-            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port (ports {port}, "
-                                 f"{port + 1} and {port + 2} should be free).")
-
-    def form_group(self, backend: str, op_timeout: float, alive: Callable[[], None]) -> Any:
-        """Join the process group as rank 0, calling ``alive()`` (which raises) while waiting."""
-        result: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                result["group"] = make_process_group(backend, self.store, 0, self.world_size, op_timeout)
-            except BaseException as err:  # surfaced below
-                result["error"] = err
-
-        thread = threading.Thread(target=build, name="rlharvest-pg-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes did not join the process group within {self.timeout:g} s.")
-        if "error" in result:
-            raise RuntimeError(f"forming the {backend} process group failed: {result['error']}") from result["error"]
-        self.group = result["group"]
-        return self.group
-
-    def accept_nodes(self, count: int, alive: Callable[[], None]) -> dict[int, Any]:
-        """The command channels of ``count`` nodes, keyed by rank."""
-        channels: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
-        while len(channels) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(channels)} of {count} nodes connected within {self.timeout:g} s.")
-            conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
-            if conn is None:
-                alive()
-                continue
-            hello = conn.recv()
-            channels[int(hello[1])] = conn
-        return channels
-
-    def close(self) -> None:
-        try:
-            self.server.close()
-        except OSError:
-            pass
-        self.group = None
-        self.store = None
+__all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_authkey"]
 
 
 class DistWorkerHandle(WorkerHandle):
-    """The parent's end of one node: its command channel, its batch buffer, its liveness."""
+    """The parent's end of one node: its command channel, its batch buffer, its liveness.
 
-    def __init__(self, conn, group, rank: int, launched, heartbeat_timeout: float) -> None:
+    Args:
+        conn: the node's command channel.
+        group: the node's process group; ``peer_rank``: the node's rank in it.
+        worker_idx: the node's index (its rank - 1).
+        launched: how its launcher sees it.
+        heartbeat_timeout: seconds without a heartbeat before the node counts as dead.
+    """
+
+    def __init__(self, conn, group, peer_rank: int, worker_idx: int, launched: LaunchedNode,
+                 heartbeat_timeout: float) -> None:
         self.conn = conn
         self.group = group
-        self.rank = rank
-        self.worker_idx = rank - 1
+        self.peer_rank = peer_rank
+        self.worker_idx = worker_idx
         self.launched = launched
         self.heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
@@ -268,7 +149,7 @@ class DistWorkerHandle(WorkerHandle):
         if self._layout is None:
             raise RuntimeError(f"node {self.worker_idx} sent a batch before its layout.")
         try:
-            work = self.group.recv([self._flat], self.rank, BATCH_TAG)
+            work = self.group.recv([self._flat], self.peer_rank, BATCH_TAG)
             work.wait(datetime.timedelta(seconds=self.heartbeat_timeout))
         except RuntimeError as err:
             cause = f"receiving its batch failed ({err})"
@@ -289,11 +170,11 @@ class DistWorkerHandle(WorkerHandle):
 class DistWorkerEndpoint(WorkerEndpoint):
     """A node's end: a reader/heartbeat thread on the command channel, batches over the group."""
 
-    def __init__(self, conn, group, rank: int, heartbeat_interval: float = 1.0) -> None:
+    def __init__(self, conn, group, worker_idx: int, heartbeat_interval: float = 1.0, store=None) -> None:
         self.conn = conn
         self.group = group
-        self.rank = rank
-        self.worker_idx = rank - 1
+        self.store = store  # the store the group was formed through: it lives as long as the node
+        self.worker_idx = worker_idx
         self._inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self._send_lock = threading.Lock()
@@ -304,7 +185,7 @@ class DistWorkerEndpoint(WorkerEndpoint):
         self._stop = threading.Event()
         self._layout: FlatLayout | None = None
         self._flat: torch.Tensor | None = None
-        self.batch_buffer: TensorDictBase | None = None
+        self._batch_buffer: TensorDictBase | None = None
         self._pending_send = False
         self._interval = heartbeat_interval
         self._send_timeout = 60.0
@@ -342,6 +223,15 @@ class DistWorkerEndpoint(WorkerEndpoint):
 
     def fileno(self) -> int:
         return self._wake_r
+
+    def wait_handle(self):
+        return self
+
+    def batch_buffer(self) -> TensorDictBase | None:
+        return self._batch_buffer
+
+    def receiver_links(self) -> NodeGroupLinks:
+        return NodeGroupLinks(self.group)
 
     def recv(self, timeout: float) -> Any | None:
         try:
@@ -400,9 +290,9 @@ class DistWorkerEndpoint(WorkerEndpoint):
         first = self._layout is None
         if first:
             self._layout = FlatLayout.of(batch)
-            self._flat, self.batch_buffer = self._layout.allocate()
-        if batch is not self.batch_buffer:
-            self.batch_buffer.update_(batch)
+            self._flat, self._batch_buffer = self._layout.allocate()
+        if batch is not self._batch_buffer:
+            self._batch_buffer.update_(batch)
         self._pending_send = True  # sent right after the BATCH reply (see send)
         return self._layout if first else None
 
@@ -432,41 +322,158 @@ class DistWorkerEndpoint(WorkerEndpoint):
                 pass
 
 
-def run_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
-             timeout: float = 120.0, op_timeout: float = 1800.0, user_timeout: float = 10.0,
-             heartbeat_interval: float = 1.0) -> None:
-    """A node's whole life: join the group, connect the command channel, receive its spec, serve.
+def node_authkey(authkey: bytes | str | None) -> bytes:
+    """The key a node proves it holds: ``authkey`` if given, else ``$RLHARVEST_AUTHKEY`` (hex).
 
-    Every launcher (local processes, SLURM jobs, nodes started by hand or by
-    ``submitit_delayed_launcher``) runs exactly this; the node learns its configuration from the main
-    process over the command channel.
+    Raises:
+        ValueError: when neither is set, or the key is malformed.
     """
-    from ..worker import Reply, run_worker
+    if authkey is None:
+        authkey = os.environ.get(AUTHKEY_ENV)
+        if not authkey:
+            raise ValueError(f"this node has no key to authenticate with the main process: set {AUTHKEY_ENV} to "
+                             "the collector's key (hex), see docs/security.md.")
+        return parse_authkey(authkey, AUTHKEY_ENV)
+    return parse_authkey(authkey)
 
-    use_worker_scheduling()  # before the store and gloo start their threads: they inherit it
-    torch.set_num_threads(1)
+
+def join_as_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
+                 authkey: bytes | str | None = None, timeout: float = 120.0, op_timeout: float = 1800.0,
+                 user_timeout: float = 10.0, heartbeat_interval: float = 1.0, handshake_timeout: float = 5.0,
+                 device_host: str | None = None, generation: int = 0) -> tuple[DistWorkerEndpoint, bytes]:
+    """A node's side of start-up: join its group, connect its command channel, receive its spec.
+
+    Returns the endpoint the worker loop serves and the (pickled) spec. The node uses the channel only
+    once the main process proved it holds ``authkey``; what it reads from the store, a port number,
+    can only make it fail (docs/security.md).
+
+    Raises:
+        AuthenticationFailed: the command listener did not prove it holds the key.
+    """
+    key = node_authkey(authkey)
     store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
-    group = make_process_group(backend, store, rank, world_size, op_timeout)
-    from .torchdist_weights import set_node_group
-
-    set_node_group(group)
-    control_port = int(store.get(_CONTROL_KEY))
-    authkey = bytes.fromhex(store.get(_AUTH_KEY).decode())
-    conn = open_channel(host, control_port, authkey, timeout, user_timeout)
+    group, _ = node_group(backend, store, rank, world_size, generation, op_timeout, device_host)
+    control_port = int(store.get(CONTROL_KEY))
+    conn = open_channel(host, control_port, key, timeout, user_timeout, handshake_timeout)
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
     payload = conn.recv_bytes()
-    endpoint = DistWorkerEndpoint(conn, group, rank, heartbeat_interval)
-    try:
-        # The spec names the env constructors and the policy by reference: a node whose sys.path
-        # lacks their module must say so to the main process, not only in its own log.
-        spec = cloudpickle.loads(payload)
-    except BaseException as err:
-        endpoint.send(Reply(-1, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
-        endpoint.close()
-        return
-    torch.set_num_threads(max(1, int(spec.num_threads)))
-    try:
-        run_worker(spec, endpoint)
-    finally:
-        endpoint.close()
-        del group, store
+    return DistWorkerEndpoint(conn, group, rank - 1, heartbeat_interval, store), payload
+
+
+class TorchDistBackend(Backend):
+    """Nodes in torch.distributed process groups, started through a launcher.
+
+    Args:
+        num_workers: how many nodes.
+        target: what every node runs (the node entry point, ``rlharvest.worker.nodes.node_main``).
+        net: addresses, ports, key and timeouts (``collectors.distributed._network.NetworkConfig``).
+        launcher: ``"mp"``, ``"submitit"`` or ``"submitit_delayed"``.
+        backend: the process-group backend (``"gloo"``, ...).
+        slurm_kwargs: SLURM parameters of the node jobs; start_method: of ``"mp"`` nodes.
+        op_timeout: seconds a group operation may take.
+    """
+
+    noun = "node"
+
+    def __init__(self, num_workers: int, target: NodeTarget, net: Any, *, launcher: str, backend: str = "gloo",
+                 slurm_kwargs: dict | None = None, start_method: str | None = None, op_timeout: float = 1800.0) -> None:
+        super().__init__(num_workers)
+        self.target, self.net, self.launcher, self.backend = target, net, launcher, backend
+        self.slurm_kwargs, self.start_method, self.op_timeout = slurm_kwargs, start_method, op_timeout
+        self.launched: list[LaunchedNode | None] = [None] * num_workers
+        self.generations = [0] * num_workers
+        self.rendezvous: Rendezvous | None = None
+        #: seconds the last replacement's own group took to form, once the node reached the store
+        self.last_group_seconds: float | None = None
+
+    def _launch(self, indices: list[int]) -> None:
+        net = self.net
+        for index in indices:
+            kwargs = {**net.node_kwargs(), "generation": self.generations[index]}
+            self.launched[index], = launch_nodes(
+                self.launcher, [index + 1], self.num_workers + 1, net.advertised_host, net.tcp_port, self.backend,
+                target=self.target, slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,
+                node_kwargs=kwargs)
+
+    def _alive(self, indices: list[int]):
+        def check() -> None:
+            for index in indices:
+                node = self.launched[index]
+                if not node.is_alive():
+                    raise WorkerError(f"the node died while starting: {node.exit_description()}.", worker_idx=index)
+        return check
+
+    def _connect(self, specs: list[WorkerSpec], generation: int) -> list[DistWorkerHandle]:
+        """Form the groups of the launched nodes, take their channels, send them their specs."""
+        indices = [spec.worker_idx for spec in specs]
+        ranks = [index + 1 for index in indices]
+        alive = self._alive(indices)
+        start = time.monotonic()
+        groups = self.rendezvous.form_groups(self.backend, ranks, generation, self.op_timeout, alive)
+        self.last_group_seconds = time.monotonic() - start
+        channels = self.rendezvous.accept_nodes(ranks, alive)
+        handles = []
+        for spec, rank in zip(specs, ranks):
+            group, peer_rank = groups[rank]
+            handle = DistWorkerHandle(channels[rank], group, peer_rank, spec.worker_idx, self.launched[spec.worker_idx],
+                                      self.net.heartbeat_timeout)
+            handle.conn.send_bytes(cloudpickle.dumps(spec))
+            self.handles[spec.worker_idx] = handle
+            handles.append(handle)
+        return handles
+
+    def start_all(self, specs) -> list[DistWorkerHandle]:
+        net = self.net
+        Rendezvous.check_port(net.tcp_port, net.bind_host)
+        # Nodes first (they wait for the store): forking happens before this process starts threads.
+        self._launch([spec.worker_idx for spec in specs])
+        self.rendezvous = Rendezvous(net.bind_host, net.tcp_port, self.num_workers + 1, net.authkey,
+                                     timeout=net.worker_timeout, user_timeout=net.user_timeout,
+                                     handshake_timeout=net.handshake_timeout, device_host=net.device_host)
+        return self._connect(list(specs), generation=0)
+
+    def start_one(self, index: int, spec: WorkerSpec) -> DistWorkerHandle:
+        """Launch a node in place of node ``index`` (its next generation), which forms a group of its
+        own with this process; the other nodes keep theirs.
+
+        Raises:
+            NotImplementedError: for nodes started elsewhere (``submitit_delayed``), or a backend
+                whose group spans every node (mpi, ucc).
+        """
+        if self.launcher == "submitit_delayed":
+            raise NotImplementedError("launcher='submitit_delayed': nodes are started elsewhere, so the collector "
+                                      "cannot start one in place of another.")
+        if self.backend not in PAIR_BACKENDS:
+            raise NotImplementedError(f"backend={self.backend!r} forms one group of every node: a node cannot be "
+                                      f"replaced (use one of {list(PAIR_BACKENDS)}).")
+        self.generations[index] += 1
+        self.rendezvous.open_commands()
+        self._launch([index])
+        return self._connect([spec], self.generations[index])[0]
+
+    def stop_one(self, index: int, deadline: float) -> None:
+        handle, node = self.handles[index], self.launched[index]
+        if handle is not None:
+            handle.terminate(deadline)
+        elif node is not None:
+            node.terminate(deadline)
+
+    def stop_all(self, deadline: float, closing=()) -> None:
+        super().stop_all(deadline, closing)
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
+
+    def default_scheme(self) -> str:
+        return "distributed"
+
+    def peer(self, index: int) -> tuple[Any, int]:
+        """The group reaching node ``index``, and the node's rank in it."""
+        handle = self.handles[index]
+        return handle.group, handle.peer_rank
+
+    def weight_links(self) -> NodeWeightLinks:
+        net = self.net
+        return NodeWeightLinks(self.num_workers, self.liveness, host=net.advertised_host, bind_host=net.bind_host,
+                               port=net.tcp_port + 2, peer=self.peer, user_timeout=net.user_timeout,
+                               handshake_timeout=net.handshake_timeout)

@@ -10,7 +10,9 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
 
-The node's receiver reads its channel in a thread, so the per-step check is a flag read.
+The node's receiver reads its channel in a thread, so the per-step check is a flag read. A node that
+replaces another connects a channel of its own after start-up (``replace`` reopens the listener,
+``attach`` takes the new node and hands it the weights of the last update with that version).
 """
 
 from __future__ import annotations
@@ -18,61 +20,72 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout
+from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import WeightReceiver, WeightSender
-from .channel import accept_channel, listen, open_channel, shutdown_connection
-from .torchdist import WEIGHTS_TAG
+from .base import WeightLinks, WeightReceiver, WeightSender
+from .channel import ChannelListener, listen, new_authkey, open_channel, shutdown_connection
+from .ports import boot_id, is_loopback
+from .rendezvous import WEIGHTS_TAG
 from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
 
-__all__ = ["DistWeightSender", "DistWeightReceiver", "node_group", "set_node_group"]
+__all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
 
-_NODE_GROUP: list = [None]
-
-
-def set_node_group(group) -> None:
-    """Record this node's process group (called by the node entry point)."""
-    _NODE_GROUP[0] = group
+#: ``peer(worker) -> (group, rank)``: the process group reaching a node, and the node's rank in it
+Peer = Callable[[int], "tuple[Any, int]"]
 
 
-def node_group():
-    return _NODE_GROUP[0]
+@dataclass
+class NodeWeightLinks(WeightLinks):
+    """What the weight senders of nodes need: where to listen, how to reach each node's group.
+
+    Attributes:
+        host: the address nodes connect to; bind_host: the address the listener binds.
+        port: the weight channel's port.
+        peer: the group reaching a node, and the node's rank in it.
+        user_timeout: seconds of silence after which a blocked socket fails.
+        handshake_timeout: seconds a node has to authenticate on the weight port.
+    """
+
+    host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    peer: Peer | None = None
+    user_timeout: float = 10.0
+    handshake_timeout: float = 5.0
 
 
-def boot_id() -> str:
-    """Identifies this kernel (same value = same machine)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
+@dataclass
+class NodeGroupLinks:
+    """What a node's weight receiver needs from its transport: the node's group with the main
+    process (and the main process's rank in it)."""
 
-
-def is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("localhost", "::1")
+    group: Any
+    parent_rank: int = 0
 
 
 class DistWeightSender(WeightSender):
     """Parent end: a listener for the nodes' weight channels, a shared-memory generation pool for
     nodes on this host and a flat send buffer for the others."""
 
-    def __init__(self, num_workers: int, host: str, bind_host: str, port: int, group: Callable[[], Any],
-                 liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0) -> None:
+    def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
+                 liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
+                 handshake_timeout: float = 5.0) -> None:
         self.num_workers = num_workers
-        self.host = host
-        self.group = group
+        self.host, self.bind_host, self.port = host, bind_host, port
+        self.peer = peer
         self.liveness = liveness
-        self.user_timeout = user_timeout
-        self.server = listen(bind_host, port)
-        self.authkey = secrets.token_bytes(16)
+        self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
+        # Its own key, which reaches the nodes inside their spec (over their authenticated command channel).
+        self.authkey = new_authkey()
+        self.listener = self._listen()
         self.conns: dict[int, Any] = {}
         self.local: dict[int, bool] = {}
         self._pool: GenerationPool | None = None
@@ -85,24 +98,19 @@ class DistWeightSender(WeightSender):
         self._layout_sent: set[int] = set()
         self._works: list = []
         self._unacked: dict[int, int] = {}
+        #: version of the last weights announced, and where they are (("shm", generation) or ("pg", None))
+        self._latest: tuple[int, tuple] | None = None
+
+    def _listen(self) -> ChannelListener:
+        return ChannelListener(listen(self.bind_host, self.port), self.authkey, "weight", self.handshake_timeout,
+                               self.user_timeout)
 
     def connection_info(self) -> dict:
-        return {"host": self.host, "port": self.server.getsockname()[1], "authkey": self.authkey.hex()}
+        return {"host": self.host, "port": self.listener.port, "authkey": self.authkey.hex(),
+                "handshake_timeout": self.listener.handshake_timeout}
 
     def connect(self, initial, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        here = boot_id()
-        while len(self.conns) < self.num_workers:
-            conn = accept_channel(self.server, self.authkey, 0.2, self.user_timeout)
-            if conn is not None:
-                _, worker, local, node_boot = conn.recv()
-                self.conns[int(worker)] = conn
-                self.local[int(worker)] = bool(local) and node_boot == here
-                continue
-            self._check_peers(list(range(self.num_workers)), "to connect its weight channel")
-            if time.monotonic() > deadline:
-                raise WorkerTimeoutError(f"only {len(self.conns)} of {self.num_workers} nodes connected their "
-                                         "weight channel in time.")
+        self._accept(list(range(self.num_workers)), timeout, "to connect its weight channel")
         if initial is None:
             for conn in self.conns.values():
                 conn.send(("init", 0, None))
@@ -110,11 +118,59 @@ class DistWeightSender(WeightSender):
         self._announce(initial, 0, list(range(self.num_workers)), "init")
         self._finish_sends(timeout)
 
+    def _accept(self, workers: list[int], timeout: float, what: str) -> None:
+        """The weight channels of ``workers``; then the port closes."""
+        deadline = time.monotonic() + timeout
+        here = boot_id()
+        while any(w not in self.conns for w in workers):
+            item = self.listener.next(0.2)
+            if item is not None:
+                conn, hello, peer = item
+                worker = _hello_worker(hello, self.num_workers)
+                if worker is None or worker not in workers or worker in self.conns:  # authenticated, yet unexpected
+                    conn.close()
+                    self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
+                    continue
+                self.conns[worker] = conn
+                self.local[worker] = bool(hello[2]) and hello[3] == here
+                continue
+            self._check_peers([w for w in workers if w not in self.conns], what)
+            if time.monotonic() > deadline:
+                missing = sum(w not in self.conns for w in workers)
+                raise WorkerTimeoutError(f"{missing} of {len(workers)} nodes did not connect their weight channel "
+                                         "in time.")
+        self.listener.close()  # every awaited node is connected: the port closes
+
+    # ------------------------------------------------------------------ replacements
+    def replace(self, worker: int) -> None:
+        conn = self.conns.pop(worker, None)
+        if conn is not None:
+            conn.close()
+        self.local.pop(worker, None)
+        self._seen[worker] = set()
+        self._layout_sent.discard(worker)
+        for state in (self._current, self._pending, self._unacked):
+            state.pop(worker, None)
+        self.listener.close()
+        self.listener = self._listen()  # connection_info() now names its port
+
+    def attach(self, worker: int, timeout: float) -> None:
+        """Take the new node's channel and hand it the last weights announced, with their version."""
+        self._accept([worker], timeout, "to connect its weight channel")
+        if self._latest is None:
+            self.conns[worker].send(("init", 0, None))
+            return
+        version, (where, generation) = self._latest
+        self._finish_sends(timeout)  # the flat buffer is re-sent from, or re-staged into
+        self._announce(generation.view if where == "shm" else self._view, version, [worker], "init")
+        self._finish_sends(timeout)
+
     def _announce(self, payload: TensorDictBase, version: int, workers: list[int], kind: str) -> None:
         local = [w for w in workers if self.local[w]]
         remote = [w for w in workers if not self.local[w]]
         if local:
             generation = self._stage_shared(payload, local)
+            self._latest = (version, ("shm", generation))
             for worker in local:
                 handle = None if generation.gen_id in self._seen[worker] else generation.handle
                 self._seen[worker].add(generation.gen_id)
@@ -122,14 +178,15 @@ class DistWeightSender(WeightSender):
                 self.conns[worker].send((kind, version, ("shm", generation.gen_id, handle)))
         if remote:
             self._stage_flat(payload)
+            self._latest = (version, ("pg", None))
             for worker in remote:
                 layout = None if worker in self._layout_sent else self._layout
                 self._layout_sent.add(worker)
                 self.conns[worker].send((kind, version, ("pg", layout)))
-                self._works.append(self.group().send([self._flat], worker + 1, WEIGHTS_TAG))
-        if kind == "init":
-            self._current.update({w: g for w, g in self._pending.items()})
-            self._pending.clear()
+                group, rank = self.peer(worker)
+                self._works.append(group.send([self._flat], rank, WEIGHTS_TAG))
+        if kind == "init":  # initial weights are not acknowledged: the node runs on them once connected
+            self._current.update({w: self._pending.pop(w) for w in workers if w in self._pending})
         else:
             self._unacked.update({w: version for w in workers})
 
@@ -142,13 +199,10 @@ class DistWeightSender(WeightSender):
         return generation
 
     def _stage_flat(self, weights: TensorDictBase) -> None:
-        # weight_update sits above the transports (its schemes build on this module): import at use
-        from ..weight_update.strategy import copy_weights_
-
         if self._layout is None:
             self._layout = FlatLayout.of(weights)
             self._flat, self._view = self._layout.allocate()
-        copy_weights_(self._view, weights)
+        copy_leaves_(self._view, weights)
 
     def _finish_sends(self, timeout: float) -> None:
         works, self._works = self._works, []
@@ -206,10 +260,7 @@ class DistWeightSender(WeightSender):
                 conn.close()
             except OSError:
                 pass
-        try:
-            self.server.close()
-        except OSError:
-            pass
+        self.listener.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -219,9 +270,11 @@ class DistWeightReceiver(WeightReceiver):
 
     zero_copy = True
 
-    def __init__(self, info: dict, worker_idx: int, user_timeout: float = 10.0) -> None:
+    def __init__(self, info: dict, worker_idx: int, links: NodeGroupLinks | None = None,
+                 user_timeout: float = 10.0) -> None:
         self.info = info
         self.worker_idx = worker_idx
+        self.links = links
         self.user_timeout = user_timeout
         self.conn = None
         self._inbox: queue.Queue = queue.Queue()
@@ -235,12 +288,15 @@ class DistWeightReceiver(WeightReceiver):
     def fileno(self) -> int:
         return self._wake_r
 
+    def wait_handle(self):
+        return self
+
     def connect(self, timeout: float) -> TensorDictBase | None:
         info = self.info
         self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
-                                 self.user_timeout)
+                                 self.user_timeout, info.get("handshake_timeout", 5.0))
         self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id()))
-        kind, _, body = self.conn.recv()
+        kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
         if kind != "init":
             raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
         # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
@@ -263,7 +319,9 @@ class DistWeightReceiver(WeightReceiver):
             self._buffers = [layout.allocate(), layout.allocate()]
         self._in_use = 1 - self._in_use  # receive into the buffer the model does not run on
         flat, view = self._buffers[self._in_use]
-        node_group().recv([flat], 0, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
+        if self.links is None:
+            raise RuntimeError("weights over a process group need the node's group: this receiver has none.")
+        self.links.group.recv([flat], self.links.parent_rank, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
         return view
 
     def pending(self) -> bool:
@@ -306,6 +364,14 @@ class DistWeightReceiver(WeightReceiver):
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _hello_worker(hello: Any, num_workers: int) -> int | None:
+    """The worker index in a node's ``("hello", worker, local, boot_id)`` if it is a valid one."""
+    if (isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and type(hello[1]) is int
+            and 0 <= hello[1] < num_workers):
+        return hello[1]
+    return None
 
 
 def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender
+from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender, NodeGroupLinks, NodeWeightLinks
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 from .updaters import WeightUpdaterBase
@@ -53,17 +53,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._explicit_weights = weights
         super().init_on_sender(model_id=model_id, context=context, model=model, num_workers=num_workers)
 
-    def _make_sender(self, **kwargs) -> DistWeightSender:
-        context = self.context
-        return DistWeightSender(
-            self._num_workers,
-            host=context._advertised_host,
-            bind_host=context._bind_host,
-            port=int(context.tcp_port) + 2,
-            group=lambda: context._process_group,
-            liveness=context._worker_liveness,
-            user_timeout=getattr(context, "_user_timeout", 10.0),
-        )
+    def _make_sender(self, links: NodeWeightLinks | None, **kwargs) -> DistWeightSender:
+        if not isinstance(links, NodeWeightLinks):
+            raise ValueError("DistributedWeightSyncScheme needs a DistributedCollector as context (its nodes' "
+                             f"process group and port), got {type(links).__name__}.")
+        return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
+                                peer=links.peer, liveness=links.liveness, user_timeout=links.user_timeout,
+                                handshake_timeout=links.handshake_timeout)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:
@@ -83,13 +79,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             raise ValueError("DistributedWeightSyncScheme needs a context (the node's collector) or a model.")
         super().init_on_receiver(model_id=model_id, context=context, worker_idx=worker_idx, model=model, **kwargs)
 
-    def _make_receiver(self) -> DistWeightReceiver:
+    def _make_receiver(self, links: NodeGroupLinks | None = None) -> DistWeightReceiver:
         info = getattr(self, "_connection_info", None)
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: no weight channel to connect to.")
         if self._worker_idx is None:
             raise RuntimeError("A DistributedWeightSyncScheme receiver needs its worker index (rank - 1).")
-        return DistWeightReceiver(info, self._worker_idx)
+        return DistWeightReceiver(info, self._worker_idx, links)
 
 
 def _has_tensors(model) -> bool:
@@ -99,7 +95,8 @@ def _has_tensors(model) -> bool:
 
 
 class DistributedWeightUpdater(WeightUpdaterBase):
-    """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based ids, D3).
+    """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based node ids, unlike
+    TorchRL's 1-based ranks: docs/torchrl-compatibility.md).
 
     Args:
         store: accepted for compatibility (rlharvest talks to nodes over its command channels).

@@ -7,7 +7,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from ..transport.rpc import RPCWeightReceiver, RPCWeightSender
+from ..transport.rpc_weights import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 from .updaters import WeightUpdaterBase
@@ -31,14 +31,12 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     def __init__(self, strategy: str = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         super().__init__(strategy=strategy, sync=sync, timeout=timeout)
 
-    def _make_sender(self, **kwargs) -> RPCWeightSender:
-        context = self.context
-        for attribute in ("collector_infos", "collector_rrefs", "collector_class"):
-            if not hasattr(context, attribute):
-                raise RuntimeError(f"RPCWeightSyncScheme needs an RPCCollector context (missing {attribute!r}).")
-        return RPCWeightSender(context._pool.handles, self._model_id)
+    def _make_sender(self, links: RPCWeightLinks | None, **kwargs) -> RPCWeightSender:
+        if not isinstance(links, RPCWeightLinks):
+            raise RuntimeError(f"RPCWeightSyncScheme needs an RPCCollector context, got {type(links).__name__}.")
+        return RPCWeightSender(links.handles, self._model_id, links.apply_weights)
 
-    def _make_receiver(self) -> RPCWeightReceiver:
+    def _make_receiver(self, links=None) -> RPCWeightReceiver:
         return RPCWeightReceiver()
 
     def apply_pushed(self, version: int, weights: TensorDictBase) -> None:

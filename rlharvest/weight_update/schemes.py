@@ -1,4 +1,4 @@
-"""Weight-sync schemes: one object, two roles (SPEC §6.7).
+"""Weight-sync schemes: one object, two roles (docs/weights.md).
 
 The *sender* lives in the collector that owns workers; pickled copies of the same object become the
 *receivers* inside the workers. A scheme moves one model. The life cycle is
@@ -13,6 +13,12 @@ argument resolution and the cascading; subclasses only say which transport to bu
 
 Versions: every ``send`` carries a new version number; receivers apply, cascade to their own workers,
 then acknowledge with that version, and ``send`` returns once every targeted worker acknowledged.
+A worker started after the others (a replacement) gets a receiver of its own: ``replace`` before
+it starts, ``attach`` after, and it runs the current weights before it collects.
+
+What a scheme needs from the collector it serves is written down in ``context.py``:
+:class:`SenderContext` on the parent's side, :class:`ReceiverContext` inside a worker. A scheme reads
+nothing else of it.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import resolve_attr_path
-from ..transport.base import WeightReceiver, WeightSender
-from .strategy import WeightStrategy, copy_weights_, module_weights, weights_of
+from ..transport.base import WeightLinks, WeightReceiver, WeightSender
+from .context import ReceiverContext, SenderContext
+from .strategy import WeightStrategy, materialize, module_weights, weights_of
 
-__all__ = ["WeightSyncScheme", "NoWeightSyncScheme"]
+__all__ = ["WeightSyncScheme", "NoWeightSyncScheme", "SenderContext", "ReceiverContext"]
 
 _PICKLE_DROPPED = (
     "_context_ref",
@@ -39,6 +46,7 @@ _PICKLE_DROPPED = (
     "synchronized_on_sender",
     "synchronized_on_receiver",
     "_last_payload",
+    "_receiver_links",
 )
 
 
@@ -70,6 +78,8 @@ class WeightSyncScheme:
     supports_per_worker_weights = False
     #: whether the sender talks to workers of its collector (a leaf Collector has none)
     needs_workers = False
+    #: receiver side: what the worker's transport offers (``use_receiver_links``)
+    _receiver_links: Any = None
 
     def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
@@ -107,6 +117,15 @@ class WeightSyncScheme:
             >>> WeightSyncScheme.from_backend("shared")
             SharedMemWeightSyncScheme(model_id=None, role=idle, version=0)
         """
+        return cls.class_for(backend)(**kwargs)
+
+    @classmethod
+    def class_for(cls, backend: str) -> type[WeightSyncScheme]:
+        """The scheme class of ``backend`` (a ``from_backend`` name).
+
+        Raises:
+            ValueError: for another backend name.
+        """
         import importlib
 
         name = cls._BACKEND_ALIASES.get(backend, backend)
@@ -114,7 +133,7 @@ class WeightSyncScheme:
             choices = sorted(set(cls._BACKENDS) | set(cls._BACKEND_ALIASES))
             raise ValueError(f"backend must be one of {choices}, got {backend!r}")
         module, _, qualname = cls._BACKENDS[name].partition(":")
-        return getattr(importlib.import_module(module), qualname)(**kwargs)
+        return getattr(importlib.import_module(module), qualname)
 
     def _reset_roles(self) -> None:
         self._context_ref = None
@@ -146,9 +165,7 @@ class WeightSyncScheme:
         if context is None or self._model_id is None:
             return None
         try:
-            if hasattr(context, "get_model"):
-                return context.get_model(self._model_id)
-            return resolve_attr_path(context, self._model_id)
+            return context.get_model(self._model_id)
         except (AttributeError, KeyError, IndexError):
             # e.g. "env.transform[0].module" on a collector whose envs live in its workers: there is
             # no copy here, so updates must carry their weights (update_policy_weights_(weights_dict=...))
@@ -198,14 +215,29 @@ class WeightSyncScheme:
     def shared_transport(self):
         return getattr(self._sender, "shared", None)
 
+    def receiver_wait_handle(self) -> Any | None:
+        """What ``multiprocessing.connection.wait`` wakes on when this receiver gets an update, or None."""
+        return self._receiver.wait_handle() if self._receiver is not None else None
+
+    def bind_context(self, context: ReceiverContext) -> None:
+        """Serve ``context`` from now on (a receiver connected before its collector existed)."""
+        self._context_ref = _weak(context)
+
     # ------------------------------------------------------------------ transport hooks (subclasses)
-    def _make_sender(self, **kwargs) -> WeightSender | None:
-        """Build the sender transport; ``kwargs`` are ``init_on_sender``'s extras."""
+    def _make_sender(self, links: WeightLinks | None, **kwargs) -> WeightSender | None:
+        """Build the sender transport over ``links`` (None without a collector context); ``kwargs``
+        are ``init_on_sender``'s extras."""
         return None
 
-    def _make_receiver(self) -> WeightReceiver | None:
-        """Build this worker's receiver transport from the pickled connection info."""
+    def _make_receiver(self, links: Any = None) -> WeightReceiver | None:
+        """Build this worker's receiver transport from the pickled connection info, over ``links``
+        (what the worker's transport offers receivers, e.g. a node's process group; or None)."""
         return None
+
+    def use_receiver_links(self, links: Any) -> None:
+        """Receiver side, before ``init_on_receiver``: what the transport of the worker this receiver
+        runs in offers it (``WorkerEndpoint.receiver_links()``; set by the worker loop)."""
+        self._receiver_links = links
 
     # ------------------------------------------------------------------ life cycle
     def init_on_sender(self, *, model_id: str = "policy", context=None, model=None, num_workers: int | None = None,
@@ -222,10 +254,11 @@ class WeightSyncScheme:
             self._context_ref = _weak(context)
             if model is not None:
                 self.model = model
-            if num_workers is None and context is not None:
-                num_workers = getattr(context, "num_workers", None)
+            links = context.weight_links() if context is not None and self.needs_workers else None
+            if num_workers is None and links is not None:
+                num_workers = links.num_workers
             self._num_workers = num_workers
-            self._sender = self._make_sender(**kwargs)
+            self._sender = self._make_sender(links, **kwargs)
             self.initialized_on_sender = True
         except BaseException:
             self.initialized_on_sender = False
@@ -243,9 +276,9 @@ class WeightSyncScheme:
         if model is not None:
             self.model = model
         if worker_idx is None and context is not None:
-            worker_idx = getattr(context, "worker_idx", None)
+            worker_idx = context.worker_idx
         self._worker_idx = worker_idx
-        self._receiver = self._make_receiver(**kwargs)
+        self._receiver = self._make_receiver(self._receiver_links, **kwargs)
         self.initialized_on_receiver = True
 
     def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
@@ -274,10 +307,7 @@ class WeightSyncScheme:
             if self._receiver is not None:
                 initial = self._receiver.connect(self.timeout)
                 if initial is not None:
-                    self._attach_initial(initial)
-                    context = self.context
-                    if context is not None and hasattr(context, "_forward_initial_weights"):
-                        context._forward_initial_weights(self._model_id, initial)
+                    self.apply_initial(initial)
             self.synchronized_on_receiver = True
             return
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first.")
@@ -290,18 +320,19 @@ class WeightSyncScheme:
         model = self.model
         return weights_of(model) if model is not None else None
 
-    def _attach_initial(self, weights: TensorDictBase) -> None:
+    def apply_initial(self, weights: TensorDictBase) -> None:
+        """Receiver side: run on the weights a worker starts with, and pass them on to its own
+        workers (initial weights are not an update: no version moves)."""
         model = self.model
-        if model is None:
-            return
-        if isinstance(model, torch.nn.Module) and getattr(self._receiver, "zero_copy", False):
+        context = self.context
+        if isinstance(model, torch.nn.Module) and self._receiver is not None and self._receiver.zero_copy:
             self._strategy.apply_weights(model, weights, inplace=False)  # also materialises meta models
-            return
-        if isinstance(model, torch.nn.Module):
-            context = self.context
-            _materialize(model, weights, getattr(context, "policy_device", None))
-        else:
+        elif isinstance(model, torch.nn.Module):
+            materialize(model, weights, context.policy_device if context is not None else None)
+        elif model is not None:
             self._strategy.apply_weights(model, weights)
+        if context is not None:
+            context.forward_initial_weights(self._model_id, weights)
 
     # ------------------------------------------------------------------ sending
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
@@ -324,6 +355,21 @@ class WeightSyncScheme:
         if self.sync:
             self._sender.wait_acks(self._version, targets, self.timeout)
 
+    def replace(self, worker_id: int) -> None:
+        """Sender side: worker ``worker_id`` is gone; open a channel for the worker replacing it.
+
+        Call it before the replacement's spec is built (a pickled copy of this scheme then carries
+        the new channel), and :meth:`attach` once the replacement started.
+        """
+        if self._sender is not None:
+            self._sender.replace(worker_id)
+
+    def attach(self, worker_id: int) -> None:
+        """Sender side: connect the receiver of a replacement for ``worker_id`` and deliver the current
+        weights to it; the worker runs on them from its first step."""
+        if self._sender is not None:
+            self._sender.attach(worker_id, self.timeout)
+
     def _resolve_worker_ids(self, worker_ids, payload) -> list[int]:
         count = self._sender.num_workers if self._sender is not None else (self._num_workers or 0)
         if isinstance(payload, dict) and worker_ids is None:
@@ -344,7 +390,8 @@ class WeightSyncScheme:
         return resolved
 
     def prepare_weights(self, weights: Any, model_id: str | None, strategy: WeightStrategy, context=None):
-        """Turn any accepted weights form (SPEC §6.2 step 5) into the payload.
+        """Turn any accepted weights form (docs/weights.md, "What update_policy_weights_ accepts") into
+        the payload.
 
         Returns a TensorDict, or ``{worker_idx: TensorDict}`` for per-worker weights.
         """
@@ -391,7 +438,7 @@ class WeightSyncScheme:
         version, weights = got
         try:
             # Zero-copy transports hand over a buffer reserved for this update: swap it in.
-            self.apply_weights(weights, inplace=not getattr(self._receiver, "zero_copy", False))
+            self.apply_weights(weights, inplace=not self._receiver.zero_copy)
             self._version = version
             self._cascade(weights)
         except BaseException as err:
@@ -406,10 +453,7 @@ class WeightSyncScheme:
         context = self.context
         if context is None:
             return
-        if hasattr(context, "_weights_received"):
-            context._weights_received(self._model_id, weights, self.model)
-        elif hasattr(context, "update_policy_weights_"):
-            context.update_policy_weights_(model_id=self._model_id, policy_or_weights=weights)
+        context.weights_received(self._model_id, weights, self.model)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Write ``weights`` into this receiver's model.
@@ -426,7 +470,7 @@ class WeightSyncScheme:
         if model is None:
             raise ValueError(f"No model to apply weights to (model_id={self._model_id!r}).")
         context = self.context
-        lock = getattr(context, "_policy_lock", None) if context is not None else None
+        lock = context.policy_lock if context is not None else None
         if lock is not None:
             with lock:
                 self._strategy.apply_weights(model, weights, inplace=inplace)
@@ -460,18 +504,6 @@ class WeightSyncScheme:
     def __repr__(self) -> str:
         role = "sender" if self.initialized_on_sender else "receiver" if self.initialized_on_receiver else "idle"
         return f"{type(self).__name__}(model_id={self._model_id!r}, role={role}, version={self._version})"
-
-
-def _materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:
-    """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
-    from tensordict import TensorDict
-
-    current = TensorDict.from_module(model)
-    if any(t.is_meta for t in current.values(True, True)):
-        device = device or next((t.device for t in weights.values(True, True)), torch.device("cpu"))
-        model.to_empty(device=device)
-        current = TensorDict.from_module(model)
-    copy_weights_(current.detach(), weights)
 
 
 class NoWeightSyncScheme(WeightSyncScheme):

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from ..transport.mp import mp_context
-from ..transport.shared_memory import SharedMemWeightReceiver, SharedMemWeightSender
+from ..transport.shared_memory import SharedMemLinks, SharedMemWeightReceiver, SharedMemWeightSender
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
 
@@ -81,20 +81,21 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         super().init_on_sender(model_id=model_id, context=context, model=model, num_workers=num_workers,
                                devices=devices, ctx=ctx, **kwargs)
 
-    def _make_sender(self, *, devices=None, ctx=None, **kwargs) -> SharedMemWeightSender:
+    def _make_sender(self, links: SharedMemLinks | None, *, devices=None, ctx=None, **kwargs) -> SharedMemWeightSender:
         if kwargs:
             raise TypeError(f"Unexpected init_on_sender arguments {sorted(kwargs)}")
-        context = self.context
+        if links is not None and not isinstance(links, SharedMemLinks):
+            raise RuntimeError(f"{type(self).__name__} moves weights through this machine's shared memory: its "
+                               f"collector's workers are elsewhere ({type(links).__name__}).")
         count = self._num_workers
         if count is None:
             raise ValueError("The number of workers is unknown (give num_workers=).")
-        if devices is None and context is not None:
-            devices = getattr(context, "_worker_policy_devices", None)
-        ctx = ctx or getattr(context, "_mp_context", None) or mp_context()
-        liveness = getattr(context, "_worker_liveness", None)
+        if devices is None and links is not None:
+            devices = links.devices
+        ctx = ctx or (links.ctx if links is not None else None) or mp_context()
         return SharedMemWeightSender(count, ctx, [torch.device(d) if d is not None else None for d in devices]
-                                     if devices is not None else None,
-                                     per_worker=self.per_worker_weights, via_pipe=self._via_pipe, liveness=liveness)
+                                     if devices is not None else None, per_worker=self.per_worker_weights,
+                                     via_pipe=self._via_pipe, liveness=links.liveness if links is not None else None)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:
@@ -124,7 +125,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         self._last_payload = payload
         return payload
 
-    def _make_receiver(self) -> SharedMemWeightReceiver:
+    def _make_receiver(self, links=None) -> SharedMemWeightReceiver:
         info = getattr(self, "_connection_info", None)
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: it has no channel to receive on.")

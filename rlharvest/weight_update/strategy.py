@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ..data.flat import flat_leaves, freeze, is_frozen
+from ..data.flat import copy_leaves_ as copy_weights_, flat_leaves, freeze, is_frozen
 
-__all__ = ["WeightStrategy", "weights_of", "module_weights", "copy_weights_", "flat_leaves"]
+__all__ = ["WeightStrategy", "weights_of", "module_weights", "copy_weights_", "flat_leaves", "materialize"]
 
 
 def weights_of(source: Any) -> TensorDictBase:
@@ -134,28 +134,8 @@ def _swapped_tensors(module: torch.nn.Module, weights: TensorDictBase, binding: 
     return swapped
 
 
-def copy_weights_(dest: TensorDictBase, source: TensorDictBase) -> None:
-    """Copy ``source`` into ``dest`` in place, leaf by leaf.
-
-    Raises:
-        KeyError: when the two key sets differ, listing both.
-    """
-    dest_keys, dest_leaves = flat_leaves(dest)
-    source_keys, source_leaves = flat_leaves(source)
-    if dest_keys != source_keys:
-        raise KeyError(
-            f"Weight keys do not match the destination.\ndestination keys: {dest_keys}\nweight keys: {source_keys}"
-        )
-    pairs = [(d, s) for d, s in zip(dest_leaves, source_leaves) if d.data_ptr() != s.data_ptr() or d.device != s.device]
-    if not pairs:
-        return
-    with torch.no_grad():
-        dst, src = zip(*pairs)
-        torch._foreach_copy_(list(dst), [s.to(d.device, d.dtype) if s.device != d.device else s for d, s in pairs])
-
-
 class WeightStrategy:
-    """How a scheme extracts and applies weights (SPEC §6.6).
+    """How a scheme extracts and applies weights (docs/weights.md, "Strategies").
 
     Args:
         extract_as: ``"tensordict"`` (default) or ``"state_dict"`` (experimental).
@@ -212,3 +192,13 @@ class WeightStrategy:
         if weights.is_empty():
             return
         raise ValueError(f"Cannot apply weights to a {type(destination).__name__}.")
+
+
+def materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:
+    """Give ``model`` private tensors holding ``weights`` (works for meta-device 'stateless' models)."""
+    current = TensorDict.from_module(model)
+    if any(t.is_meta for t in current.values(True, True)):
+        device = device or next((t.device for t in weights.values(True, True)), torch.device("cpu"))
+        model.to_empty(device=device)
+        current = TensorDict.from_module(model)
+    copy_weights_(current.detach(), weights)

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.timeout(90)
 def test_signature_shows_the_collector_parameters():
     parameters = inspect.signature(Collector).parameters
     assert "self" not in parameters and list(parameters)[:2] == ["create_env_fn", "policy"]
+    for name in ("backend", "backend_options", "num_collectors", "sync"):
+        assert parameters[name].default is None and parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "backend" not in inspect.signature(MultiSyncCollector).parameters
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from mocks import ClockEnv, ConstantObsEnv, CountingPolicy, Unpicklable, bias_policy, weight_policy
+from mocks import ClockEnv, ConstantObsEnv, CountingPolicy, Unpicklable, bias_policy, wait_until, weight_policy
 from tensordict import TensorDict
 
 from rlharvest.collectors import (
@@ -340,8 +340,7 @@ def test_pause():  # 31
     collector = AsyncCollector(lambda: CountingEnv(), frames_per_batch=16, replay_buffer=rb, local_init_rb=True)
     collector.start()
     try:
-        while rb.write_count < 32:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= 32, what="32 frames written")
         with collector.pause():
             count = rb.write_count
             time.sleep(1.0)
@@ -363,8 +362,7 @@ def test_start_update_policy():  # 32
                                     frames_per_batch=16, replay_buffer=rb, local_init_rb=True)
     collector.start()
     try:
-        while rb.write_count < 64:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= 64, what="64 frames written")
         weights = TensorDict.from_module(policy).detach().clone()
         weights["module", "bias"] += 1
         collector.update_policy_weights_(weights)
@@ -407,7 +405,7 @@ def test_seed_state_reset_and_queries():
         collector.set_seed(10)
         assert torch.equal(collector.next()["observation"], first)
         state = collector.state_dict()
-        assert set(state) == {"worker0", "worker1", "frames", "iter"}
+        assert set(state) == {"worker0", "worker1", "frames", "iter", "traj_pool"}
         collector.load_state_dict(state)
         collector.reset()
         collector.reset([True, False])

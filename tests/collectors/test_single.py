@@ -6,7 +6,8 @@ import time
 
 import pytest
 import torch
-from mocks import ConstantObsEnv, CountingPolicy, PrivateKeysPolicy, StepCountEnv, TorchRLStyleCountingEnv, bias_policy
+from mocks import (ConstantObsEnv, CountingPolicy, PrivateKeysPolicy, StepCountEnv, TorchRLStyleCountingEnv, bias_policy,
+                   wait_until)
 from tensordict import TensorDict
 
 from rlharvest.collectors import Collector, SyncDataCollector
@@ -242,8 +243,7 @@ def test_start_update_policy():  # 32
                           replay_buffer=rb, local_init_rb=True)
     collector.start()
     try:
-        while rb.write_count < 32:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= 32, what="32 frames written")
         assert (rb.latest(16)["action"] == 0).all()
         new_weights = TensorDict.from_module(policy).detach().clone()
         new_weights["module", "bias"] += 1
@@ -480,9 +480,15 @@ def test_extend_buffer_false_writes_steps_and_rejects_postproc():
                   postproc=lambda td: td, local_init_rb=True)
 
 
-def test_local_init_rb_none_warns():
-    with pytest.warns(FutureWarning, match="local_init_rb"):
+def test_local_init_rb_warns_only_when_passed_false():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not passing it (or passing True, today's behaviour) is silent
         Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10))
+        Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10), local_init_rb=True)
+    with pytest.warns(FutureWarning, match="local_init_rb=False"):
+        Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10), local_init_rb=False)
 
 
 def test_worker_idx_defaults_to_none():  # D6

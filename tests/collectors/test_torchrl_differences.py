@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -238,3 +239,48 @@ def test_a_multi_async_collector_serving_a_parent_collects_on_demand():
         assert next(iterator)["action"].eq(2).all()
     finally:
         collector.shutdown()
+
+
+class _RecordingFactory:
+    """A policy factory that records the pid of every process that calls it."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self):
+        with open(self.path, "a") as file:
+            file.write(f"{os.getpid()}\n")
+        return weight_policy(1.0)
+
+
+@pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
+def test_a_policy_factory_runs_only_in_the_workers(collector_class, tmp_path):
+    calls = tmp_path / "calls"
+    collector = collector_class(envs(2), policy_factory=_RecordingFactory(calls), frames_per_batch=8, total_frames=16)
+    batches = list(collector)
+    collector.shutdown()
+    pids = [int(line) for line in calls.read_text().split()]
+    assert len(batches) == 2 and len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
+
+
+@pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector, MultiAsyncCollector])
+def test_trajectory_ids_continue_after_a_state_dict_is_loaded(collector_class):
+    """Ids in a replay buffer stay unique: a reloaded collector hands out ids after the saved ones."""
+    def make():
+        env_fn = envs(1)[0] if collector_class is Collector else envs(2)
+        return collector_class(env_fn, CountingPolicy(), frames_per_batch=8, total_frames=-1)
+
+    collector = make()
+    iterator = iter(collector)
+    seen = set()
+    for _ in range(3):
+        seen |= set(next(iterator)["collector", "traj_ids"].flatten().tolist())
+    state = collector.state_dict()
+    collector.shutdown()
+    saved = int(state["traj_pool"]["traj_id"])
+    assert saved > max(seen)
+    restored = make()
+    restored.load_state_dict(state)
+    ids = next(iter(restored))["collector", "traj_ids"].flatten().tolist()
+    restored.shutdown()
+    assert min(ids) >= saved and not set(ids) & seen

@@ -1,46 +1,46 @@
-"""DistributedCollector: one node per env constructor, over a torch.distributed process group.
+"""DistributedCollector: one node per env constructor, each with a torch.distributed group of its own.
 
-The main process is rank 0, node ``i`` is rank ``i + 1``. Nodes run the worker loop around their own
-collector (``collector_class``); batches come back as flat tensors over the process group, commands
-and replies travel on a TCP channel per node, weights through DistributedWeightSyncScheme. All of
-the collector logic (sync/async iteration, weights, seeds, profiling, shutdown) is the one of
-:class:`~rlharvest.collectors.remote.RemoteCollectorBase`.
+The main process is rank 0, node ``i`` is rank ``i + 1``; the nodes are the workers of the
+``torchdist`` backend (``rlharvest.transport.torchdist``), started through its launchers. Nodes run
+the worker loop around their own collector (``collector_class``); batches come back as flat tensors
+over each node's group, commands and replies travel on a TCP channel per node, weights through
+DistributedWeightSyncScheme. All of the collector logic (sync/async iteration, weights, seeds,
+profiling, shutdown) is the one of :class:`~rlharvest.collectors.remote.RemoteCollectorBase`.
 """
 
 from __future__ import annotations
 
-import os
-import time
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from ..._utils import to_device_list
 from ...config import CollectorConfig
-from ...errors import WorkerError
 from ...policies import ExplorationType
-from ...transport.ports import PortInUseError
-from ...transport.torchdist import DistWorkerHandle, Rendezvous, check_backend
-from ...weight_update.distributed import DistributedWeightSyncScheme
-from ...worker import Command, WorkerSpec
-from .. import _multi_setup as setup
-from .._pool import WorkerPool
+from ...protocol import Command, WorkerSpec
+from ...transport.base import Backend
+from ...transport.rendezvous import check_backend
+from ...transport.torchdist import TorchDistBackend
+from ...weight_update.schemes import WeightSyncScheme
+from ...worker.nodes import node_main
+from .. import _worker_args as setup
+from .._fleet import Fleet
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
-from ._push import PushedBatchReceiver
-from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, launch_nodes, main_host_ip
+from ._network import NetworkConfig
+from ._pushed_batches import PushedBatchReceiver
+from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
 
 _NON_MODULE_POLICY = ("The policy is not an nn.Module and no policy_factory was given: "
                       "update_policy_weights_ will be a no-op.")
+_IDS = ("collector", "traj_ids")
 
 
 def resolve_collector_class(collector_class: Any) -> type:
-    """``"single"``, ``"sync"``, ``"async"`` or a class (D13: unknown strings raise ValueError)."""
+    """``"single"``, ``"sync"``, ``"async"`` or a class (an unknown string raises ValueError)."""
     from ..multi import MultiAsyncCollector, MultiSyncCollector
 
     names = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
@@ -80,13 +80,20 @@ class DistributedCollector(RemoteCollectorBase):
         max_weight_update_interval: force an update of a node after this many batches without one.
         update_interval: push the main policy's weights every this many batches.
         launcher: ``"mp"``, ``"submitit"`` (default) or ``"submitit_delayed"``.
-        tcp_port: base port (``p``, ``p+1``, ``p+2`` are used); default ``$TCP_PORT`` or 10003.
+        tcp_port: base port (``p``, ``p+1``, ``p+2`` are used), an int in 1..65533; 0 picks free
+            ports (not with ``"submitit_delayed"``); default ``$TCP_PORT`` or 10003.
         weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).
         weight_sync_schemes: ``{model_id: scheme}``; default ``{"policy": DistributedWeightSyncScheme()}``.
         weight_recv_schemes: schemes through which this collector itself receives weights.
         worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
         heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
         mp_start_method: start method of ``"mp"`` nodes (platform default).
+        bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
+            ``"mp"``, else the address this host's name resolves to (the one nodes are told);
+            ``"0.0.0.0"`` listens on every interface. See docs/security.md.
+        authkey: the key nodes must prove they hold (bytes or hex, 16+ bytes). Default:
+            ``$RLHARVEST_AUTHKEY``, else a fresh one; ``"submitit_delayed"`` needs one of the two.
+        handshake_timeout: seconds a connecting peer has to authenticate (strangers are dropped).
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -99,6 +106,8 @@ class DistributedCollector(RemoteCollectorBase):
     noun = "node"
     #: nodes get a stateless policy and receive its weights from the scheme's initial sync
     _stateless_nodes = True
+    #: RPCCollector's trajs_per_batch / trajs_per_write / traj_format (assembled on this process)
+    _trajectory_options: dict = {}
 
     def __init__(
         self,
@@ -136,73 +145,82 @@ class DistributedCollector(RemoteCollectorBase):
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         mp_start_method: str | None = None,
+        bind_address: str | None = None,
+        authkey: bytes | str | None = None,
+        handshake_timeout: float = 5.0,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
         self._closed = True
-        self._pool = None
-        self._rendezvous = None
-        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
-            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
-        self.env_constructors = list(create_env_fn)
-        count = len(self.env_constructors)
-        self._sync = bool(sync)
-        self.config = CollectorConfig(
-            frames_per_batch=frames_per_batch, total_frames=total_frames, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, replay_buffer=replay_buffer,
-        )
-        self._check_arguments(count, launcher, backend, update_after_each_batch, max_weight_update_interval,
-                              update_interval, weight_updater, weight_sync_schemes)
-        self.collector_class = resolve_collector_class(collector_class)
-        self.num_workers_per_collector = self._check_sub_workers(num_workers_per_collector)
-        self.backend, self.launcher = backend, launcher
-        self.update_after_each_batch = bool(update_after_each_batch)
-        self.max_weight_update_interval = int(max_weight_update_interval)
-        self.update_interval = update_interval
-        # SPEC §4.3: take a node's batch, yield it, (update), then re-launch that node, so that weights
-        # changed by the caller before the next batch reach the node before it collects again.
-        self._relaunch_after_yield = True
-        self.tcp_port = str(tcp_port) if tcp_port is not None else os.environ.get("TCP_PORT", str(TCP_PORT))
-        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}
-        self._frames_per_node = frames_per_batch // count if self._sync else frames_per_batch
-        self._worker_timeout, self._heartbeat_timeout = float(worker_timeout), float(heartbeat_timeout)
-        self._user_timeout = max(3.0, heartbeat_timeout)
-        self._mp_start_method = mp_start_method
-        self._devices = {name: to_device_list(value, count, name) for name, value in (
-            ("device", device), ("storing_device", storing_device), ("env_device", env_device),
-            ("policy_device", policy_device))}
-        self.collector_kwargs = self._node_kwargs(collector_kwargs, count)
-        self.policy = policy
-        self.policy_factory = setup.per_worker(policy_factory, count, "policy_factory") if policy_factory else None
-        self.policy_weights = self._main_weights(policy)
-        self._batches_since_update = [0] * count
-        self._yielded = 0
-        self._setup_schemes(weight_updater, weight_sync_schemes)
-        self._worker_idx = None
-        self._start(count)
+        self._setup(arguments)
         self._closed = False
         if weight_recv_schemes is not None:
             self.register_scheme_receiver(weight_recv_schemes)
 
-    # ------------------------------------------------------------------ validation
-    def _check_arguments(self, count, launcher, backend, update_after_each_batch, max_interval, update_interval,
-                         weight_updater, weight_sync_schemes) -> None:
+    # ------------------------------------------------------------------ construction
+    def _setup(self, arguments: dict) -> None:
+        create_env_fn = arguments["create_env_fn"]
+        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
+            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
+        self.env_constructors = list(create_env_fn)
+        count = len(self.env_constructors)
+        self._sync = bool(arguments["sync"])
+        self.config = config = CollectorConfig.from_arguments({**arguments, **self._trajectory_options})
+        self._check_arguments(count, arguments)
+        self._frames_per_node = config.split_frames(count, "exact" if self._sync else "whole")[0]
+        config.check_workers(count)
+        self.collector_class = resolve_collector_class(arguments["collector_class"])
+        self.num_workers_per_collector = self._check_sub_workers(arguments["num_workers_per_collector"])
+        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
+        self.update_after_each_batch = bool(arguments["update_after_each_batch"])
+        self.max_weight_update_interval = int(arguments["max_weight_update_interval"])
+        self.update_interval = arguments["update_interval"]
+        # Take a node's batch, yield it, (update), then re-launch that node: weights the caller
+        # changed before the next batch reach the node before it collects again (docs/weights.md).
+        self._relaunch_after_yield = True
+        self._net = net = self._network(arguments)
+        self.tcp_port = str(net.tcp_port)
+        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
+        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
+        self._mp_start_method = arguments["mp_start_method"]
+        self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
+        self.policy = arguments["policy"]
+        factory = arguments["policy_factory"]
+        self.policy_factory = setup.per_worker(factory, count, "policy_factory") if factory else None
+        self.policy_weights = self._main_weights(self.policy)
+        self._batches_since_update = [0] * count
+        self._max_local_id = [-1] * count
+        self._yielded = 0
+        self._worker_idx = None
+        self._backend = self._make_backend(count)
+        self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self._start_nodes(count)
+
+    def _check_arguments(self, count: int, arguments: dict) -> None:
+        launcher = arguments["launcher"]
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
-        check_backend(backend)
+        check_backend(arguments["backend"])
         if launcher in ("submitit", "submitit_delayed"):
             try:
-                import submitit  # noqa: F401
+                import submitit  # noqa: F401  (only whether it is there)
             except ImportError as err:
                 raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
-        if self._sync and self.config.frames_per_batch % count:
-            raise RuntimeError(f"Cannot dispatch {self.config.frames_per_batch} frames across {count} nodes: use a "
-                               "frames_per_batch divisible by the number of nodes.")
-        if update_after_each_batch and max_interval > -1:
+        if isinstance(self.config.frames_per_batch, tuple):
+            raise TypeError(f"frames_per_batch must be an int for {type(self).__name__} (nodes collect equal "
+                            "shares), got a list.")
+        if arguments["update_after_each_batch"] and arguments["max_weight_update_interval"] > -1:
             raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
-        if update_interval is not None and (not isinstance(update_interval, int) or update_interval < 1):
-            raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
-        if weight_updater is not None and weight_sync_schemes is not None:
+        interval = arguments["update_interval"]
+        if interval is not None and (not isinstance(interval, int) or interval < 1):
+            raise ValueError(f"update_interval must be an int >= 1 (or None), got {interval!r}")
+        if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"] is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+
+    def _network(self, arguments: dict) -> NetworkConfig:
+        return NetworkConfig.parse(
+            launcher=arguments["launcher"], tcp_port=arguments["tcp_port"], bind_address=arguments["bind_address"],
+            authkey=arguments["authkey"], worker_timeout=arguments["worker_timeout"],
+            heartbeat_timeout=arguments["heartbeat_timeout"], handshake_timeout=arguments["handshake_timeout"])
 
     def _check_sub_workers(self, num_workers_per_collector: int) -> int:
         if self.collector_class is Collector and num_workers_per_collector != 1:
@@ -211,6 +229,8 @@ class DistributedCollector(RemoteCollectorBase):
         return int(num_workers_per_collector)
 
     def _node_kwargs(self, collector_kwargs, count: int) -> list[dict]:
+        """The node collectors' keyword arguments: the user's ``collector_kwargs``, then this
+        collector's own arguments for its nodes (``CollectorConfig.for_worker``)."""
         if isinstance(collector_kwargs, (list, tuple)):
             if len(collector_kwargs) != count:
                 raise ValueError(f"collector_kwargs must hold exactly one dict per node ({count}), "
@@ -221,13 +241,9 @@ class DistributedCollector(RemoteCollectorBase):
         config = self.config
         if not self._sync and config.init_random_frames:
             warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
-                          "policy batches may interleave.", stacklevel=3)
-        for node, entry in enumerate(kwargs):
-            entry.update(max_frames_per_traj=config.max_frames_per_traj,
-                         init_random_frames=config.init_random_frames // count,
-                         reset_at_each_iter=config.reset_at_each_iter, exploration_type=config.exploration_type,
-                         **{name: values[node] for name, values in self._devices.items()})
-        return kwargs
+                          "policy batches may interleave.", stacklevel=4)
+        share = config.init_random_frames // count  # a node running free decides alone: its share
+        return [{**entry, **config.for_worker(node, init_random_frames=share)} for node, entry in enumerate(kwargs)]
 
     def _main_weights(self, policy) -> TensorDictBase | None:
         if isinstance(policy, torch.nn.Module):
@@ -235,92 +251,46 @@ class DistributedCollector(RemoteCollectorBase):
 
             return TensorDict.from_module(policy).data
         if not self.policy_factory and policy is not None:
-            warnings.warn(_NON_MODULE_POLICY, stacklevel=3)
+            warnings.warn(_NON_MODULE_POLICY, stacklevel=4)
         return None
 
-    def _setup_schemes(self, weight_updater, schemes) -> None:
+    def _make_backend(self, count: int) -> Backend:
+        return TorchDistBackend(count, node_main, self._net, launcher=self.launcher, backend=self.backend,
+                                slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
+
+    def _default_schemes(self, sync: bool) -> dict:
         has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
+        scheme_class = WeightSyncScheme.class_for(self._backend.default_scheme())
+        return {"policy": scheme_class(backend=self.backend, sync=sync)} if has_weights else {}
+
+    def _setup_schemes(self, weight_updater, schemes) -> None:
         if weight_updater is None and schemes is None:
-            schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend, sync=True)} if has_weights else {}
+            schemes = self._default_schemes(sync=True)
         self._legacy = weight_updater is not None
         self._pending_updater = weight_updater
         self._sender_schemes = dict(schemes or {})
         if self._legacy:
-            self._sender_schemes = {"policy": DistributedWeightSyncScheme(backend=self.backend)} if has_weights else {}
+            self._sender_schemes = self._default_schemes(sync=True)  # the legacy updater's transport
             self._weight_sync_schemes = None
         else:
             self._weight_sync_schemes = self._sender_schemes
 
-    # ------------------------------------------------------------------ start-up
-    @property
-    def num_workers(self) -> int:
-        return len(self.env_constructors)
-
-    @property
-    def _process_group(self):
-        return self._rendezvous.group if self._rendezvous is not None else None
-
-    def _start(self, count: int) -> None:
-        local = self.launcher == "mp"
-        self._advertised_host = "127.0.0.1" if local else main_host_ip()
-        self._bind_host = "127.0.0.1" if local else ""
-        port = int(self.tcp_port)
-        launched = []
-        Rendezvous.check_port(port, self._bind_host)
+    def _start_nodes(self, count: int) -> None:
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        self._register_live()
         try:
-            # Nodes first (they wait for the store): forking happens before this process starts threads.
-            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
-                                    slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method,
-                                    node_kwargs={"user_timeout": self._user_timeout})
-            self._launched = launched
-            self._rendezvous = Rendezvous(self._advertised_host, self._bind_host, port, count + 1,
-                                          timeout=self._worker_timeout, user_timeout=self._user_timeout)
-
-            def alive() -> None:
-                for node, entry in enumerate(launched):
-                    if not entry.is_alive():
-                        raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
-
-            group = self._rendezvous.form_group(self.backend, 1800.0, alive)
-            channels = self._rendezvous.accept_nodes(count, alive)
-            handles = [DistWorkerHandle(channels[rank], group, rank, launched[rank - 1], self._heartbeat_timeout)
-                       for rank in range(1, count + 1)]
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node")
-            self._register_live()
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-            for node, handle in enumerate(handles):
-                handle.conn.send_bytes(cloudpickle.dumps(self._node_spec(node)))
-            self._connect_schemes()
-            for node in range(count):
-                self._pool.wait_for(node, WorkerPool.READY)
-            if self._legacy:
-                self.weight_updater = self._pending_updater
-        except BaseException:
-            self._abort_start(launched)
-            raise
-
-    def _connect_schemes(self) -> None:
-        try:
+            self._fleet.start([self._node_spec(node) for node in range(count)])
+        except BaseException:  # the fleet stopped what it started
             for scheme in self._sender_schemes.values():
-                scheme.connect()
-        except WorkerError:
-            self._pool.raise_start_failure()  # a node that failed to build says why
+                scheme.shutdown()
             raise
-
-    def _abort_start(self, launched) -> None:
-        if self._pool is not None:
-            self._close_workers(5.0)
-        else:
-            for entry in launched:
-                entry.terminate(time.monotonic())
-        for scheme in self._sender_schemes.values():
-            scheme.shutdown()
-        if self._rendezvous is not None:
-            self._rendezvous.close()
+        if self._legacy:
+            self.weight_updater = self._pending_updater
 
     def _node_spec(self, node: int) -> WorkerSpec:
-        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node, total_frames=-1)
+        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node)
         env_fn = self.env_constructors[node]
         if self.collector_class is not Collector:
             env_fn = [env_fn] * self.num_workers_per_collector
@@ -335,15 +305,29 @@ class DistributedCollector(RemoteCollectorBase):
                           # a node running free decides alone: its share of the random warm-up
                           init_random_frames=self.config.init_random_frames // self.num_workers)
 
+    @property
+    def num_workers(self) -> int:
+        return len(self.env_constructors)
+
+    @property
+    def _launched(self) -> list:
+        """How the launcher sees each node (a process, a SLURM job)."""
+        return self._backend.launched
+
+    def _replacement_changes(self, worker: int) -> dict:
+        # a node counts its own trajectory ids: its replacement starts past every id it handed out
+        return {**super()._replacement_changes(worker), "traj_offset": self._max_local_id[worker] + 1}
+
     # ------------------------------------------------------------------ collector hooks
     @property
     def requested_frames_per_batch(self) -> int:
         return self.config.frames_per_batch
 
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
-        """Node i's local id k becomes k * W + i; -1 stays -1 (D4)."""
-        ids = batch.get(("collector", "traj_ids"), None)
+        """Node i's local id k becomes k * W + i; -1 stays -1 (docs/collection.md, "Trajectory ids")."""
+        ids = batch.get(_IDS, None)
         if ids is not None:
+            self._max_local_id[worker] = max(self._max_local_id[worker], int(ids.max()))
             count = self.num_workers
             ids.copy_(torch.where(ids == -1, ids, ids * count + worker))
         return batch
@@ -383,7 +367,7 @@ class DistributedCollector(RemoteCollectorBase):
             [worker_ids] if isinstance(worker_ids, int) else worker_ids)
         for node in targets:
             if isinstance(node, int) and 0 <= node < self.num_workers:
-                self._batches_since_update[node] = 0  # any update of a node resets its counter (D7)
+                self._batches_since_update[node] = 0  # any update of a node resets its counter
 
     def _legacy_push(self, worker: int, weights, wait: bool = True) -> None:
         scheme = self._sender_schemes.get("policy")
@@ -453,20 +437,9 @@ class DistributedCollector(RemoteCollectorBase):
         raise NotImplementedError(f"{type(self).__name__} has no load_state_dict (nodes are remote).")
 
     # ------------------------------------------------------------------ shutdown
-    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
-        try:
-            super()._shutdown_impl(timeout, close_env)
-        finally:
-            if self._rendezvous is not None:
-                self._rendezvous.close()
-                self._rendezvous = None
-
     def _check_shutdown_args(self, close_env: bool) -> None:
-        """Nodes always close their envs when they stop; close_env is accepted either way (D2)."""
+        """Nodes always close their envs when they stop; close_env is accepted either way."""
 
     def __repr__(self) -> str:
         mode = "sync" if self._sync else "async"
         return f"DistributedCollector(nodes={self.num_workers}, {mode}, launcher={self.launcher!r}, frames={self._frames})"
-
-
-_ = (Iterator, PortInUseError, Command)

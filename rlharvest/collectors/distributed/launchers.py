@@ -1,27 +1,20 @@
-"""How nodes get started: local processes (``"mp"``), SLURM jobs (``"submitit"``), or jobs started
-by :func:`submitit_delayed_launcher` before the collector exists (``"submitit_delayed"``).
-
-Whatever starts them, every node runs :func:`rlharvest.transport.torchdist.run_node` (or its RPC
-twin) with only its rank, the world size and the main process's address: the rest of its
-configuration arrives over the command channel. A launched node is represented by a
-:class:`LaunchedNode`, which answers "is it alive?" and makes sure it is gone at shutdown.
+"""The public SLURM helpers of the distributed collectors: where their defaults live, and
+:func:`submitit_delayed_launcher`, which starts the main job and its nodes for
+``launcher="submitit_delayed"``. Starting nodes is the backend's (``rlharvest.transport.launchers``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from multiprocessing import popen_forkserver, spawn
-from multiprocessing.context import ForkServerProcess
-import signal
 import socket
-import threading
 import time
 from typing import Any, Callable
 
-from ..._utils import worker_scheduling
-from ...transport.mp import _set_parent_death_signal, mp_context
-from ...transport.torchdist import distributed_state_exists
+from ...transport.channel import AUTHKEY_ENV, new_authkey
+from ...transport.launchers import (_ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, LaunchedNode, LocalNode, SlurmNode,
+                                    main_host_ip, private_job_folder, submit_jobs)
+from ...worker.nodes import node_main
 
 __all__ = [
     "DEFAULT_SLURM_CONF",
@@ -29,265 +22,19 @@ __all__ = [
     "TCP_PORT",
     "LAUNCHERS",
     "LaunchedNode",
-    "launch_nodes",
+    "LocalNode",
+    "SlurmNode",
+    "main_host_ip",
+    "private_job_folder",
     "submitit_delayed_launcher",
     "node_main",
 ]
 
-#: SLURM parameters of node jobs (merged under ``slurm_kwargs``)
-DEFAULT_SLURM_CONF = {"timeout_min": 10, "slurm_partition": "train", "slurm_cpus_per_task": 32, "slurm_gpus_per_node": 0}
 #: SLURM parameters of the main job submitted by :func:`submitit_delayed_launcher`
 DEFAULT_SLURM_CONF_MAIN = {"timeout_min": 10, "slurm_partition": "train", "slurm_cpus_per_task": 32,
                            "slurm_gpus_per_node": 1}
 #: default base port when neither ``tcp_port`` nor the ``TCP_PORT`` environment variable is set
 TCP_PORT = 10003
-LAUNCHERS = ("mp", "submitit", "submitit_delayed")
-_ALIVE_STATES = {"PENDING", "RUNNING", "UNKNOWN", "COMPLETING", "REQUEUED", "CONFIGURING", "RESIZING", "SUSPENDED"}
-
-
-def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "gloo",
-              framework: str = "distributed", **kwargs) -> None:
-    """The entry point of every node (also ``python -m rlharvest.collectors.distributed.node``)."""
-    if framework == "rpc":
-        from ...transport.rpc import run_rpc_node
-
-        run_rpc_node(rank, world_size, host, port, backend, **kwargs)
-        return
-    from ...transport.torchdist import run_node
-
-    run_node(rank, world_size, host, port, backend, **kwargs)
-
-
-def _local_node(death_signal: bool, parent_pid: int | None, *args, **kwargs) -> None:
-    if death_signal:
-        _set_parent_death_signal()
-    if parent_pid is not None and os.getppid() != parent_pid:
-        return  # the main process died before this node started
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    node_main(*args, **kwargs)
-
-
-def _node_context(start_method: str | None):
-    """How ``"mp"`` nodes start when no start method is given.
-
-    Forking is fastest, but once this process has run torch.distributed (a TCP store, gloo pairs),
-    their threads may hold locks at fork time that a forked node would inherit forever: then nodes
-    start from the forkserver, one clean process with torch preloaded from which each node is forked.
-    """
-    if start_method is None:
-        start_method = "forkserver" if distributed_state_exists() else "fork"
-    ctx = mp_context(start_method)
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["torch", "tensordict", "rlharvest.transport.torchdist", "rlharvest.collectors"])
-    return ctx
-
-
-class _NodePopen(popen_forkserver.Popen):
-    """Forkserver launch without re-running the user's ``__main__`` in the node.
-
-    Node targets live in rlharvest and take only primitive arguments, so the main module is not
-    needed; importing it would re-execute scripts that lack an ``if __name__ == "__main__"`` guard.
-    """
-
-    def _launch(self, process_obj) -> None:
-        original = spawn.get_preparation_data
-
-        def without_main(name):
-            data = original(name)
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-            return data
-
-        spawn.get_preparation_data = without_main
-        try:
-            super()._launch(process_obj)
-        finally:
-            spawn.get_preparation_data = original
-
-
-class _NodeProcess(ForkServerProcess):
-    """A forkserver process launched by :class:`_NodePopen`."""
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _NodePopen(process_obj)
-
-
-def _process_class(ctx):
-    return _NodeProcess if ctx.get_start_method() == "forkserver" else ctx.Process
-
-
-class LaunchedNode:
-    """A started node as its launcher sees it."""
-
-    _end_awaited = False
-
-    def is_alive(self) -> bool:
-        return True
-
-    def ended(self, timeout: float = 0.0) -> bool:
-        """Whether the node has ended, from a fresh look, waiting up to ``timeout`` s for the end.
-
-        For a node whose connection just dropped: its launcher may learn of the end a moment later.
-        Only the first call waits, so that the failures of a node that lives on cost that wait once.
-        """
-        if self._end_awaited:
-            timeout = 0.0
-        elif timeout > 0:
-            self._end_awaited = True
-        return self._ended(timeout)
-
-    def _ended(self, timeout: float) -> bool:
-        return not self.is_alive()
-
-    def exit_description(self) -> str:
-        return "it stopped answering"
-
-    def terminate(self, deadline: float) -> None:
-        """Make sure the node is gone by ``deadline`` (monotonic seconds)."""
-
-
-class LocalNode(LaunchedNode):
-    """A node running as a child process of this one."""
-
-    def __init__(self, process) -> None:
-        self.process = process
-
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
-
-    def _ended(self, timeout: float) -> bool:
-        self.process.join(timeout)
-        return not self.process.is_alive()
-
-    def exit_description(self) -> str:
-        code = self.process.exitcode
-        if code is None:
-            return "it is still running"
-        if code < 0:
-            try:
-                return f"it was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"it was killed by signal {-code}"
-        return f"it exited with code {code}"
-
-    def terminate(self, deadline: float) -> None:
-        process = self.process
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
-            process.join(0.5)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
-
-
-class SlurmNode(LaunchedNode):
-    """A node running as a SLURM job submitted with submitit."""
-
-    def __init__(self, job, poll_interval: float = 2.0) -> None:
-        self.job = job
-        self.poll_interval = poll_interval
-        self._state = "PENDING"
-        self._checked = 0.0
-
-    def _refresh(self, force: bool = False) -> str:
-        now = time.monotonic()
-        if force or now - self._checked > self.poll_interval:
-            self._checked = now
-            try:
-                # job.state answers from submitit's cache, refreshed at most every max(2 s, age / 2):
-                # a finished job would look RUNNING for up to a minute. Ask sacct when forced.
-                state = self.job.watcher.get_state(self.job.job_id, mode="force" if force else "standard")
-                self._state = str(state).split()[0].upper()
-            except Exception:  # sacct hiccup: keep the last known state
-                pass
-        return self._state
-
-    def is_alive(self) -> bool:
-        return self._refresh() in _ALIVE_STATES
-
-    def _ended(self, timeout: float) -> bool:
-        # sacct has a job's end state ~0.1-0.5 s after its processes are gone (a scancel: at once)
-        deadline = time.monotonic() + timeout
-        while self._refresh(force=True) in _ALIVE_STATES:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-        return True
-
-    def exit_description(self) -> str:
-        state = self._refresh(force=True)
-        tail = ""
-        try:
-            tail = (self.job.stderr() or "")[-800:]
-        except Exception:
-            pass
-        return f"SLURM job {self.job.job_id} is {state}" + (f"; stderr ends with:\n{tail}" if tail else "")
-
-    def terminate(self, deadline: float) -> None:
-        while time.monotonic() < deadline and self._refresh(force=True) in _ALIVE_STATES:
-            time.sleep(0.2)
-        if self._refresh(force=True) in _ALIVE_STATES:
-            try:
-                self.job.cancel(check=False)
-            except Exception:
-                pass
-            end = time.monotonic() + 15.0
-            while time.monotonic() < end and self._refresh(force=True) in _ALIVE_STATES:
-                time.sleep(0.2)
-
-
-def launch_nodes(launcher: str, world_size: int, host: str, port: int, backend: str, framework: str = "distributed",
-                 slurm_kwargs: dict | None = None, start_method: str | None = None,
-                 node_kwargs: dict | None = None) -> list[LaunchedNode]:
-    """Start ranks ``1 .. world_size-1`` with ``launcher``."""
-    node_kwargs = node_kwargs or {}
-    worker_scheduling()  # a bad RLHARVEST_WORKER_SCHED fails here, not in every node
-    ranks = range(1, world_size)
-    if launcher == "mp":
-        ctx = _node_context(start_method)
-        forked_here = ctx.get_start_method() == "fork"
-        death_signal = forked_here and threading.current_thread() is threading.main_thread()
-        parent_pid = os.getpid() if forked_here else None
-        nodes = []
-        process_class = _process_class(ctx)
-        for rank in ranks:
-            process = process_class(
-                target=_local_node,
-                args=(death_signal, parent_pid, rank, world_size, host, port, backend, framework),
-                kwargs=node_kwargs,
-                name=f"rlharvest-node-{rank}",
-                daemon=False,
-            )
-            process.start()
-            nodes.append(LocalNode(process))
-        return nodes
-    if launcher == "submitit":
-        executor = _executor(slurm_kwargs or DEFAULT_SLURM_CONF)
-        return [SlurmNode(executor.submit(node_main, rank, world_size, host, port, backend, framework, **node_kwargs))
-                for rank in ranks]
-    if launcher == "submitit_delayed":
-        return [LaunchedNode() for _ in ranks]
-    raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
-
-
-def _executor(conf: dict, folder: str = "log_test"):
-    try:
-        import submitit
-    except ImportError as err:
-        raise ImportError("launcher='submitit' needs the submitit package: pip install 'rlharvest[slurm]'") from err
-    executor = submitit.AutoExecutor(folder=folder)
-    executor.update_parameters(**conf)
-    return executor
-
-
-def main_host_ip() -> str:
-    """This machine's address as other hosts should use it."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def submitit_delayed_launcher(
@@ -303,6 +50,9 @@ def submitit_delayed_launcher(
     Calling the decorated function submits it as the main SLURM job, waits until that job runs and
     resolves its node's address, then submits ``num_jobs`` node jobs that join the main process's
     process group on ``tcpport``. Returns the main job's result.
+
+    The collector's key (see docs/security.md) is ``$RLHARVEST_AUTHKEY`` if set, else a fresh one:
+    it reaches the node jobs inside their pickles and the main job as ``RLHARVEST_AUTHKEY``.
 
     Args:
         num_jobs: number of nodes (one per ``create_env_fn`` entry of the collector).
@@ -326,11 +76,12 @@ def submitit_delayed_launcher(
     def decorator(main_func: Callable) -> Callable:
         @functools.wraps(main_func)
         def submit_all(*args, **kwargs) -> Any:
-            main_job = _executor(submitit_main_conf).submit(main_func, *args, **kwargs)
+            authkey = os.environ.get(AUTHKEY_ENV) or new_authkey().hex()
+            main_job, = submit_jobs(submitit_main_conf, _with_authkey, [(authkey, main_func, *args)], kwargs)
             host = _job_host(main_job)
-            node_executor = _executor(submitit_collection_conf)
-            node_jobs = [node_executor.submit(node_main, rank, num_jobs + 1, host, int(tcpport), backend, framework)
-                         for rank in range(1, num_jobs + 1)]
+            node_jobs = submit_jobs(submitit_collection_conf, node_main,
+                                    [(rank, num_jobs + 1, host, int(tcpport), backend, framework)
+                                     for rank in range(1, num_jobs + 1)], {"authkey": authkey})
             try:
                 return main_job.result()
             finally:
@@ -340,6 +91,12 @@ def submitit_delayed_launcher(
         return submit_all
 
     return decorator
+
+
+def _with_authkey(authkey: str, main_func: Callable, *args, **kwargs) -> Any:
+    """The main job: its collector finds the key where nodes started by hand find theirs."""
+    os.environ[AUTHKEY_ENV] = authkey
+    return main_func(*args, **kwargs)
 
 
 def _job_host(job, timeout: float = 600.0) -> str:

@@ -1,32 +1,21 @@
-"""RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe), SPEC §4.8.
+"""RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe).
 
 Everything but the wire is DistributedCollector's: arguments, trajectory ids (``k * W + i``),
-automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Nodes run the
-worker loop in pull mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
+automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Its nodes are
+the workers of the ``rpc`` backend (``rlharvest.transport.rpc``): they run the worker loop in pull
+mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any, Callable, Sequence
-
-import cloudpickle
-import torch.distributed.rpc as rpc
-
-from ...errors import WorkerError
-from ...policies import ExplorationType
-from ...transport.ports import PortInUseError, port_is_free
-from ...transport.rpc import TRAINER_NAME, RPCWorkerHandle, init_rpc_quietly, rpc_options, rpc_session_state
-from ...transport.rpc import _boot_id
-from ...transport.torchdist import mark_distributed_state
-from ...transport.torchdist_weights import boot_id, is_loopback
+from ...transport.base import Backend
+from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
-from .. import _multi_setup as setup
-from .._pool import WorkerPool
-from ..single import Collector
+from ...worker.nodes import RPC_CALLS, node_main
+from .. import _worker_args as setup
+from .._signatures import bind_arguments, derived_signature, keyword
+from ._network import NetworkConfig
 from .generic import DistributedCollector
-from .launchers import launch_nodes
 
 __all__ = ["RPCCollector"]
 
@@ -40,6 +29,13 @@ class RPCCollector(DistributedCollector):
         visible_devices: one device per node (device map for tensors sent to that node).
         tensorpipe_options: merged over ``{"num_worker_threads": 16, "rpc_timeout": 10000,
             "_transports": ["uv"]}``.
+        trajs_per_batch, trajs_per_write, traj_format: batches of complete trajectories, assembled on
+            this process from the nodes' batches, as :class:`~rlharvest.collectors.Collector` does
+            (docs/trajectories.md).
+
+    ``bind_address`` is where the store listens (DistributedCollector's default: loopback with
+    ``"mp"``, where TensorPipe listens on loopback too). torch RPC authenticates nobody, whatever the
+    address: see docs/security.md before exposing its ports.
 
     Remote references to the node collectors are in ``collector_rrefs`` (``collector_infos``
     holds their RPC worker infos), e.g. to attach an ``RPCWeightUpdater``.
@@ -52,65 +48,41 @@ class RPCCollector(DistributedCollector):
         [(2, 5), (2, 5)]
     """
 
-    def __init__(
-        self,
-        create_env_fn: Sequence[Callable],
-        policy: Callable | None = None,
-        *,
-        policy_factory=None,
-        frames_per_batch: int,
-        total_frames: int = -1,
-        device=None,
-        storing_device=None,
-        env_device=None,
-        policy_device=None,
-        max_frames_per_traj: int = -1,
-        init_random_frames: int = -1,
-        reset_at_each_iter: bool = False,
-        postproc=None,
-        split_trajs: bool = False,
-        exploration_type=ExplorationType.RANDOM,
-        collector_class: Any = Collector,
-        collector_kwargs=None,
-        num_workers_per_collector: int = 1,
-        sync: bool = False,
-        slurm_kwargs: dict | None = None,
-        backend: str = "gloo",
-        update_after_each_batch: bool = False,
-        max_weight_update_interval: int = -1,
-        launcher: str = "submitit",
-        tcp_port: int | None = None,
-        visible_devices: Sequence | None = None,
-        tensorpipe_options: dict | None = None,
-        weight_updater=None,
-        weight_sync_schemes: dict | None = None,
-        weight_recv_schemes: dict | None = None,
-        replay_buffer=None,
-        worker_timeout: float = 120.0,
-        heartbeat_timeout: float = 10.0,
-        mp_start_method: str | None = None,
-    ) -> None:
-        if visible_devices is not None and len(visible_devices) != len(create_env_fn):
-            raise ValueError(f"visible_devices must hold one device per node ({len(create_env_fn)}).")
+    __signature__ = derived_signature(
+        DistributedCollector.__init__, drop=("update_interval", "authkey", "handshake_timeout"), after="tcp_port",
+        add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None"),
+             keyword("trajs_per_batch", annotation="int | None"), keyword("trajs_per_write", annotation="int | None"),
+             keyword("traj_format", annotation="str | None")))
+
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        self._trajectory_options = {name: arguments.pop(name) for name in ("trajs_per_batch", "trajs_per_write",
+                                                                           "traj_format")}
+        visible_devices = arguments.pop("visible_devices")
+        if visible_devices is not None and len(visible_devices) != len(arguments["create_env_fn"]):
+            raise ValueError(f"visible_devices must hold one device per node ({len(arguments['create_env_fn'])}).")
         self.visible_devices = visible_devices
-        self.tensorpipe_options = dict(tensorpipe_options or {})
+        self.tensorpipe_options = dict(arguments.pop("tensorpipe_options") or {})
         self.collector_rrefs: list = []
         self.collector_infos: list = []
-        super().__init__(
-            create_env_fn, policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
-            total_frames=total_frames, device=device, storing_device=storing_device, env_device=env_device,
-            policy_device=policy_device, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, collector_class=collector_class,
-            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector, sync=sync,
-            slurm_kwargs=slurm_kwargs, backend=backend, update_after_each_batch=update_after_each_batch,
-            max_weight_update_interval=max_weight_update_interval, update_interval=None, launcher=launcher,
-            tcp_port=tcp_port, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-            weight_recv_schemes=weight_recv_schemes, replay_buffer=replay_buffer, worker_timeout=worker_timeout,
-            heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method,
-        )
+        self._retired_rrefs: list = []
+        super().__init__(**arguments, update_interval=None)
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
+
+    def _network(self, arguments: dict) -> NetworkConfig:
+        return NetworkConfig.parse(launcher=arguments["launcher"], tcp_port=arguments["tcp_port"],
+                                   bind_address=arguments["bind_address"], authkey=None,
+                                   worker_timeout=arguments["worker_timeout"],
+                                   heartbeat_timeout=arguments["heartbeat_timeout"], needs_key=False)
+
+    def _make_backend(self, count: int) -> Backend:
+        device_maps = None
+        if self.visible_devices is not None:
+            device_maps = {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
+        return RPCBackend(count, node_main, RPC_CALLS, self._net, launcher=self.launcher,
+                          tensorpipe_options=self.tensorpipe_options, device_maps=device_maps,
+                          slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
 
     def _setup_schemes(self, weight_updater, schemes) -> None:
         has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
@@ -121,128 +93,22 @@ class RPCCollector(DistributedCollector):
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
         self._weight_sync_schemes = None if self._legacy else self._sender_schemes
 
-    # ------------------------------------------------------------------ start-up
-    def _start(self, count: int) -> None:
-        if rpc.api._is_current_rpc_agent_set():
-            raise RuntimeError("torch RPC is already initialised in this process (one RPCCollector at a time: "
-                               "shut the other one down first).")
-        local = self.launcher == "mp"
-        self._advertised_host = "127.0.0.1" if local else __import__(
-            "rlharvest.collectors.distributed.launchers", fromlist=["x"]).main_host_ip()
-        self._bind_host = "127.0.0.1" if local else ""
-        port = int(self.tcp_port)
-        if not port_is_free(port, self._bind_host):
-            raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port.")
-        launched = []
-        self._rpc_ready = False
-        try:
-            launched = launch_nodes(self.launcher, count + 1, self._advertised_host, port, self.backend,
-                                    framework="rpc", slurm_kwargs=self.slurm_kwargs,
-                                    start_method=self._mp_start_method,
-                                    node_kwargs={"tensorpipe_options": self.tensorpipe_options,
-                                                 "user_timeout": self._user_timeout,
-                                                 "session": rpc_session_state()})
-            self._launched = launched
-            self._init_rpc(count, port, launched)
-            handles = [RPCWorkerHandle(node, node + 1, launched[node], self._heartbeat_timeout) for node in range(count)]
-            self._pool = WorkerPool(handles, timeout=self._worker_timeout, noun="node", expect_ready=False)
-            self._register_live()
-            self._create_workers(handles)
-            if is_loopback(self._advertised_host):
-                here = boot_id()
-                for handle in handles:
-                    handle.local = rpc.rpc_sync(handle.name, _boot_id, timeout=self._worker_timeout) == here
-            self.collector_infos = [rpc.get_worker_info(h.name) for h in handles]
-            self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
-            for model_id, scheme in self._sender_schemes.items():
-                scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-                scheme.connect()
-            if self._legacy:
-                self.weight_updater = self._pending_updater
-        except BaseException:
-            self._abort_start(launched)
-            raise
+    def _start_nodes(self, count: int) -> None:
+        super()._start_nodes(count)
+        handles = self._pool.handles
+        self.collector_infos = [h.info for h in handles]
+        self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
-    def _init_rpc(self, count: int, port: int, launched) -> None:
-        """Join the RPC world as rank 0, watching the nodes while they start."""
-        options = rpc_options(self._advertised_host, port, self.tensorpipe_options, self._device_maps(count))
-        result: dict[str, Any] = {}
+    def _replace_worker(self, worker: int) -> None:
+        # The old node's RRef is deleted only once the agent is gone: deleting it now would message
+        # an owner that left the group.
+        self._retired_rrefs.append(self.collector_rrefs[worker])
+        super()._replace_worker(worker)
+        handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
+        self.collector_infos[worker] = handle.info
+        self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
 
-        def init() -> None:
-            try:
-                init_rpc_quietly(TRAINER_NAME, 0, count + 1, options)
-            except BaseException as err:  # surfaced below
-                result["error"] = err
-
-        mark_distributed_state()
-        thread = threading.Thread(target=init, name="rlharvest-rpc-init", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._worker_timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            for node, entry in enumerate(launched):
-                if not entry.is_alive():
-                    raise WorkerError(f"the node died while starting: {entry.exit_description()}.", worker_idx=node)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes did not join the RPC world within {self._worker_timeout:g} s.")
-        if "error" in result:
-            raise RuntimeError(f"starting torch RPC failed: {result['error']}") from result["error"]
-        self._rpc_ready = True
-
-    def _device_maps(self, count: int) -> dict | None:
-        if self.visible_devices is None:
-            return None
-        from ...transport.rpc import node_name
-
-        return {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
-
-    def _create_workers(self, handles: list[RPCWorkerHandle]) -> None:
-        for node, handle in enumerate(handles):
-            handle.start(cloudpickle.dumps(self._node_spec(node)), timeout=self._worker_timeout)
-        for node, handle in enumerate(handles):
-            future = handle.worker_rref._get_future()
-            deadline = time.monotonic() + self._worker_timeout
-            while not future.done():
-                if not handle.is_alive():
-                    raise WorkerError(f"the node died while starting: {handle.exit_description()}.", worker_idx=node)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"node {node} did not build its collector within {self._worker_timeout:g} s.")
-                time.sleep(0.005)
-            try:
-                future.wait()
-            except Exception as err:
-                raise WorkerError(f"building its collector failed: {err}", worker_idx=node) from err
-
-    # ------------------------------------------------------------------ shutdown
-    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
-        try:
-            self._close_workers(self._shutdown_timeout if timeout is None else timeout)
-        finally:
-            self._stop_rpc()
-
-    def _abort_start(self, launched) -> None:
-        try:
-            super()._abort_start(launched)
-        finally:
-            self._stop_rpc()
-
-    def _release_workers(self, closed: set[int]) -> None:
-        self.collector_rrefs = []
-        for worker, handle in enumerate(self._pool.handles):
-            handle.forget_remote()  # no RRef may outlive the RPC agent
-            if not self._pool.is_dead(worker):
-                handle.close_node()
-
-    def _stop_rpc(self) -> None:
-        """Non-graceful by design: a graceful shutdown is a barrier that hangs on a dead node, and
-        waits for remote-reference bookkeeping that repeated sessions in one process confuse."""
-        if getattr(self, "_rpc_ready", False):
-            self._rpc_ready = False
-            self.collector_rrefs = []
-            import gc
-
-            gc.collect()  # release dropped RRefs before the agent goes away
-            try:
-                rpc.shutdown(graceful=False)
-            except Exception:
-                pass
+    def _close_workers(self, timeout: float) -> None:
+        self.collector_rrefs = []  # the nodes' RRefs go while their owners still answer
+        super()._close_workers(timeout)
+        self._retired_rrefs = []

@@ -1,4 +1,4 @@
-"""DistributedSyncCollector: always synchronous, free-running nodes (SPEC §4.7).
+"""DistributedSyncCollector: always synchronous, free-running nodes (docs/collection.md).
 
 Nodes collect continuously and push every batch to the main process without waiting for
 instructions; each yielded batch stacks the next batch of every node (``(W, ...)``), so nodes
@@ -8,15 +8,14 @@ without waiting before batches 0, k, 2k, ... (k = ``update_interval``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator
 
 from tensordict import TensorDictBase
 
-from ...policies import ExplorationType
+from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
-from ...worker import Command
-from .. import _multi_setup as setup
-from ..single import Collector
+from .. import _worker_args as setup
+from .._signatures import bind_arguments, derived_signature
 from ..remote import valid_part
 from .generic import DistributedCollector
 
@@ -41,57 +40,22 @@ class DistributedSyncCollector(DistributedCollector):
     #: whether the nodes were told to run free (a class attribute: shutdown after a failed start reads it)
     _pushing = False
 
-    def __init__(
-        self,
-        create_env_fn: Sequence[Callable],
-        policy: Callable | None = None,
-        *,
-        policy_factory=None,
-        frames_per_batch: int,
-        total_frames: int = -1,
-        device=None,
-        storing_device=None,
-        env_device=None,
-        policy_device=None,
-        max_frames_per_traj: int = -1,
-        init_random_frames: int = -1,
-        reset_at_each_iter: bool = False,
-        postproc=None,
-        split_trajs: bool = False,
-        exploration_type=ExplorationType.RANDOM,
-        collector_class: Any = Collector,
-        collector_kwargs=None,
-        num_workers_per_collector: int = 1,
-        slurm_kwargs: dict | None = None,
-        backend: str = "gloo",
-        max_weight_update_interval: int = -1,
-        update_interval: int = 1,
-        launcher: str = "submitit",
-        tcp_port: int | None = None,
-        worker_timeout: float = 120.0,
-        heartbeat_timeout: float = 10.0,
-        mp_start_method: str | None = None,
-    ) -> None:
-        count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 0
-        if count and frames_per_batch % count:
-            raise RuntimeError(f"Cannot dispatch {frames_per_batch} frames across {count} nodes: use a "
-                               "frames_per_batch divisible by the number of nodes.")
+    __signature__ = derived_signature(
+        DistributedCollector.__init__, defaults={"update_interval": 1},
+        drop=("sync", "update_after_each_batch", "weight_updater", "weight_sync_schemes", "weight_recv_schemes",
+              "replay_buffer"))
+
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
+        count = len(arguments["create_env_fn"]) if isinstance(arguments["create_env_fn"], (list, tuple)) else 0
+        total_frames = arguments["total_frames"]
         if count and total_frames is not None and total_frames > 0 and total_frames % count:
             raise RuntimeError(f"total_frames={total_frames} must be divisible by the {count} nodes "
                                "(or -1 for endless collection).")
-        schemes = {"policy": DistributedWeightSyncScheme(backend=backend, sync=False)} if (
-            setup.has_weights(policy) or policy_factory is not None) else {}
-        super().__init__(
-            create_env_fn, policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
-            total_frames=total_frames, device=device, storing_device=storing_device, env_device=env_device,
-            policy_device=policy_device, max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames, reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-            split_trajs=split_trajs, exploration_type=exploration_type, collector_class=collector_class,
-            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector, sync=True,
-            slurm_kwargs=slurm_kwargs, backend=backend, max_weight_update_interval=max_weight_update_interval,
-            update_interval=None, launcher=launcher, tcp_port=tcp_port, weight_sync_schemes=schemes,
-            worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout, mp_start_method=mp_start_method,
-        )
+        update_interval = arguments.pop("update_interval")
+        schemes = {"policy": DistributedWeightSyncScheme(backend=arguments["backend"], sync=False)} if (
+            setup.has_weights(arguments["policy"]) or arguments["policy_factory"] is not None) else {}
+        super().__init__(**arguments, sync=True, update_interval=None, weight_sync_schemes=schemes)
         self.update_interval = int(update_interval) if update_interval else 1
         self._pushing = False
 
@@ -124,7 +88,7 @@ class DistributedSyncCollector(DistributedCollector):
 
     def _close_workers(self, timeout: float) -> None:
         if self._pushing:
-            from ._push import PushedBatchReceiver
+            from ._pushed_batches import PushedBatchReceiver
 
             receiver = PushedBatchReceiver(self)
             receiver.stop_requested.set()
@@ -132,7 +96,7 @@ class DistributedSyncCollector(DistributedCollector):
             self._pushing = False
         super()._close_workers(timeout)
 
-    # ------------------------------------------------------------------ not available (SPEC §4.7)
+    # ------------------------------------------------------------------ not available: nodes run free
     def update_policy_weights_(self, *args, **kwargs) -> None:
         raise NotImplementedError("DistributedSyncCollector pushes weights every update_interval batches by itself.")
 

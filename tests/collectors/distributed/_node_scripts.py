@@ -3,6 +3,9 @@
 * :func:`delayed_main` is the main function of the SLURM job submitted by
   ``submitit_delayed_launcher`` (submitit pickles it by reference: the job imports this module,
   so ``tests/collectors/distributed`` must be on the job's ``PYTHONPATH``).
+* ``python _node_scripts.py loopback-listeners`` (test_security.py, run in a network namespace
+  whose host name resolves to a routable address) prints, as JSON, the addresses every process
+  of an ``"mp"`` DistributedCollector and RPCCollector listens on.
 * ``python _node_scripts.py two-hosts-main --port P --mode happy|cut`` is the main process of the
   two-host test, run inside network namespace A. It prints one JSON object per line on stdout
   (flushed), which the test reads as it goes; in ``happy`` mode it waits for a line on stdin
@@ -87,7 +90,7 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
     collector = DistributedCollector([_make_env], policy, launcher="submitit_delayed", tcp_port=args.port,
                                      heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=args.frames_per_batch,
                                      total_frames=-1, worker_timeout=60.0)
-    _emit(event="started", advertised=collector._advertised_host)
+    _emit(event="started", advertised=collector._net.advertised_host)
     code = 0
     updated_at = None
     try:
@@ -120,8 +123,41 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
     return code
 
 
+# ---------------------------------------------------------------- listening addresses of "mp" collectors
+def listening_addresses(pids: list[int]) -> dict:
+    import psutil
+
+    return {str(pid): sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"})
+            for pid in pids}
+
+
+def loopback_listeners() -> int:
+    import torch
+    from mocks import CountingPolicy
+
+    from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
+    from rlharvest.transport.ports import free_port_block
+
+    torch.set_num_threads(1)
+    result = {"hostname_ip": socket.gethostbyname(socket.gethostname()),
+              "env": {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}}
+    for name, cls in (("distributed", DistributedCollector), ("rpc", RPCCollector)):
+        collector = cls([_make_env] * 2, CountingPolicy(1.0), launcher="mp", tcp_port=free_port_block(3),
+                        frames_per_batch=4, total_frames=-1)
+        try:
+            collector.next()
+            pids = [os.getpid()] + [node.process.pid for node in collector._launched]
+            result[name] = listening_addresses(pids)
+        finally:
+            collector.shutdown()
+    _emit(event="listeners", **result)
+    return 0
+
+
 if __name__ == "__main__":
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "two-hosts-main":
         sys.exit(two_hosts_main(rest))
+    if command == "loopback-listeners":
+        sys.exit(loopback_listeners())
     raise SystemExit(f"unknown command {command!r}")

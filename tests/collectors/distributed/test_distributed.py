@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy
+from mocks import CountingPolicy, wait_until
 from tensordict import TensorDict
 
 from rlharvest import WorkerError
@@ -329,8 +329,7 @@ def test_start_with_weight_updates_while_running():
     collector = make([lambda: CountingEnv(max_steps=1000)] * 2, policy=policy, frames_per_batch=20, replay_buffer=rb)
     collector.start()
     try:
-        while rb.write_count < 100:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= 100, what="100 frames written")
         with torch.no_grad():
             policy.weight.fill_(0.0)
         collector.update_policy_weights_()

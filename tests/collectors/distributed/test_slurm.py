@@ -122,6 +122,8 @@ def assert_closed_cleanly(folder, shutdown_seconds: float, jobs: int = 2) -> Non
     assert shutdown_seconds < 30, f"shutdown took {shutdown_seconds:.1f} s"
     assert_jobs_gone(folder, expected=jobs)
     assert local_children() == []
+    # the job pickles hold the collector's key: only we may enter their folder (docs/security.md)
+    assert os.stat(folder / "log_test").st_mode & 0o777 == 0o700
 
 
 def make(envs, **kwargs):

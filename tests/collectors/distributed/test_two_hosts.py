@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ TESTS = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "_node_scripts.py")
 PORT = 29500  # the namespaces are fresh and private: any port is free there
 HEARTBEAT_TIMEOUT = 3.0
+AUTHKEY = secrets.token_hex(32)  # the collector's key, given to both hosts (docs/security.md)
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def require_netns():
 
 def _env() -> dict:
     path = [TESTS, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join(path), "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+    return {"PYTHONPATH": os.pathsep.join(path), "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1",
+            "RLHARVEST_AUTHKEY": AUTHKEY}
 
 
 class Lines:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from ...worker import Command
+from ...protocol import Command
 
 __all__ = ["PushedBatchReceiver"]
 

@@ -1,99 +1,80 @@
 """THE worker loop: typed commands in, typed replies out, one handler per command.
 
 Every backend runs it. A worker builds its collector (a :class:`~rlharvest.collectors.Collector`
-by default, so it runs THE rollout loop) from a :class:`WorkerSpec`, then serves commands:
+by default, so it runs THE rollout loop) from a :class:`~rlharvest.protocol.WorkerSpec`, then
+serves commands:
 
-* push transports (worker processes, torch.distributed nodes) call :meth:`Worker.serve`, which
-  reads commands from a :class:`~rlharvest.transport.base.WorkerEndpoint` and sends replies back;
+* push transports (worker processes, threads, torch.distributed nodes) call :meth:`Worker.serve`,
+  which reads commands from a :class:`~rlharvest.transport.base.WorkerEndpoint` and sends replies;
 * pull transports (torch RPC) call :meth:`Worker.handle` remotely, one command per call.
 
+What the loop needs from the collector it runs is :class:`WorkerCollector`; it touches nothing else.
 A worker never dies silently: every handler's exception becomes a failure reply carrying the remote
 traceback, which the parent raises as :class:`~rlharvest.errors.WorkerError`.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import multiprocessing.connection
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ._utils import unwrap
-from .errors import RemoteFailure
-from .transport.base import WorkerEndpoint
+from .._utils import unwrap
+from ..errors import RemoteFailure
+from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
+from ..transport.base import WorkerEndpoint
 
-__all__ = ["Command", "Message", "Reply", "WorkerSpec", "Worker", "UnknownCommandError"]
+__all__ = ["Worker", "WorkerCollector", "run_worker"]
 
-
-class Command(enum.Enum):
-    """What a parent can ask a worker to do."""
-
-    COLLECT = "collect"                  # payload: (random, interrupt mark) -> BATCH reply
-    RUN_FREE = "run_free"                # collect continuously into the replay buffer
-    PAUSE = "pause"                      # stop running free (reply once no write is in flight)
-    RESUME = "resume"
-    SEED = "seed"                        # payload: (seed, static_seed) -> next seed
-    RESET = "reset"                      # payload: None or reset kwargs
-    STATE_DICT = "state_dict"
-    LOAD_STATE_DICT = "load_state_dict"  # payload: state dict
-    GETATTR_POLICY = "getattr_policy"    # payload: attribute name
-    GETATTR_ENV = "getattr_env"          # payload: attribute name
-    GETATTR_RB = "getattr_rb"            # payload: attribute name
-    CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
-    ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
-    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage
-    UPDATE_WEIGHTS = "update_weights"    # legacy mode: take the weights of the legacy scheme
-    CLOSE = "close"
+_TRAJ_IDS = ("collector", "traj_ids")
 
 
-#: request ids at or below this mark unsolicited batches of a worker running free (never answered ids)
-FREE_BATCH = -2
+class WorkerCollector(Protocol):
+    """What the worker loop needs from the collector it serves (``BaseCollector`` implements it)."""
 
+    policy: Any
+    env: Any
 
-class UnknownCommandError(ValueError):
-    """A message whose command is not a :class:`Command`."""
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
+        """One raw batch (random actions if ``random``), the unit of work of a worker."""
 
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
+        """Write a batch into the replay buffer workers share with their parent."""
 
-@dataclass
-class Message:
-    command: Command
-    request_id: int
-    payload: Any = None
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        """``batch`` goes to the parent, which allocates the shared buffer's storage from it (a collector
+        assembling trajectories keeps what it needs to write them later)."""
 
+    def add_step_check(self, check: Callable[[], bool]) -> None:
+        """Call ``check`` between env steps; True ends the rollout early."""
 
-@dataclass
-class Reply:
-    request_id: int
-    worker_idx: int
-    value: Any = None
-    failure: RemoteFailure | None = None
-    #: for BATCH replies: valid frames, and whether the batch went to the replay buffer
-    frames: int = 0
-    written: bool = False
+    def poll_weight_receivers(self) -> None:
+        """Apply any weight update waiting in a receiver scheme (cheap when none is)."""
 
+    def weight_receiver_waitables(self) -> list:
+        """Objects ``multiprocessing.connection.wait`` wakes on when an update arrives."""
 
-@dataclass
-class WorkerSpec:
-    """Everything a worker needs to build its collector. Pickled once, at worker start."""
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        """Write future batches into ``buffer`` (same layout as ``batch``) when ``batch`` is the
+        collector's own output buffer: the transport publishes from ``buffer`` without a copy."""
 
-    worker_idx: int
-    collector_class: Any
-    create_env_fn: Any
-    collector_kwargs: dict = field(default_factory=dict)
-    policy: Any = None
-    policy_factory: Any = None
-    weight_recv_schemes: dict | None = None
-    replay_buffer: Any = None
-    num_threads: int = 1
-    #: frames of random actions when running free (decided from the buffer's write count)
-    init_random_frames: int = 0
-    #: called in the worker before it builds its env and collector
-    init_fn: Any = None
+    def use_profile_config(self, config: Any) -> None:
+        """Profile the next rollouts as ``config`` says (also once iteration started)."""
+
+    def set_policy_version(self, version: int) -> None:
+        """Start counting policy versions from ``version`` (a replacement joins at the current one)."""
+
+    def register_scheme_receiver(self, weight_recv_schemes: dict) -> None: ...
+    def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
+    def reset(self, *args: Any, **kwargs: Any) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state_dict: dict) -> None: ...
+    def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any: ...
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None: ...
 
 
 def _is_stateless(policy: Any) -> bool:
@@ -101,7 +82,7 @@ def _is_stateless(policy: Any) -> bool:
         t.is_meta for t in itertools.chain(policy.parameters(), policy.buffers()))
 
 
-def _build_collector(spec: WorkerSpec, policy: Any):
+def _build_collector(spec: WorkerSpec, policy: Any) -> WorkerCollector:
     kwargs = {name: unwrap(value) for name, value in spec.collector_kwargs.items()}
     if spec.replay_buffer is not None:
         kwargs["replay_buffer"] = spec.replay_buffer
@@ -120,7 +101,7 @@ class Worker:
     """Serves one collector to a parent.
 
     Args:
-        spec: what to build.
+        spec: what to build (and who this worker is).
         endpoint: the connection to the parent (None for pull transports).
 
     Example:
@@ -142,9 +123,32 @@ class Worker:
         self._steps = itertools.count()
         self._free_ids = itertools.count()
         self._free_frames = 0
+        self.collector = self._build(spec)
+        self._handlers: dict[Command, Callable[[Any], Any]] = {
+            Command.COLLECT: self._collect,
+            Command.RUN_FREE: self._run_free,
+            Command.PAUSE: self._pause,
+            Command.RESUME: self._resume,
+            Command.SEED: self._seed,
+            Command.RESET: lambda kwargs: self.collector.reset(**(kwargs or {})),
+            Command.STATE_DICT: lambda _: self.collector.state_dict(),
+            Command.LOAD_STATE_DICT: lambda state: self.collector.load_state_dict(state),
+            Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
+            Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
+            Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
+            Command.ENABLE_PROFILE: self._enable_profile,
+            Command.ATTACH_BUFFER: self._attach_buffer,
+            Command.CLOSE: self._close,
+        }
+
+    def _build(self, spec: WorkerSpec) -> WorkerCollector:
+        """The collector, with its weights, its policy version and its seed (a replacement's too)."""
         if spec.init_fn is not None:
             unwrap(spec.init_fn)()
         receivers = {k: _receiver_copy(s) for k, s in (spec.weight_recv_schemes or {}).items()}
+        links = self.endpoint.receiver_links() if self.endpoint is not None else None
+        for scheme in receivers.values():
+            scheme.use_receiver_links(links)
         policy = unwrap(spec.policy)
         if "policy" in receivers and _is_stateless(policy):
             # Give the stateless policy its weights before the collector is built: a collector that
@@ -152,29 +156,16 @@ class Worker:
             scheme = receivers["policy"]
             scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=spec.worker_idx)
             scheme.connect()
-        self.collector = _build_collector(spec, policy)
-        if endpoint is not None:
-            self.collector._extra_step_checks = [self._step_check]
+        collector = _build_collector(spec, policy)
+        if self.endpoint is not None:
+            collector.add_step_check(self._step_check)
+        if spec.policy_version:
+            collector.set_policy_version(spec.policy_version)
         if receivers:
-            self.collector.register_scheme_receiver(receivers)
-        self._handlers: dict[Command, Callable[[Any], Any]] = {
-            Command.COLLECT: self._collect,
-            Command.RUN_FREE: self._run_free,
-            Command.PAUSE: self._pause,
-            Command.RESUME: self._resume,
-            Command.SEED: self._seed,
-            Command.RESET: self._reset,
-            Command.STATE_DICT: lambda _: self.collector.state_dict(),
-            Command.LOAD_STATE_DICT: lambda state: self.collector.load_state_dict(state),
-            Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
-            Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
-            Command.GETATTR_RB: lambda name: getattr(self.spec.replay_buffer, name),
-            Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
-            Command.ENABLE_PROFILE: self._enable_profile,
-            Command.ATTACH_BUFFER: self._attach_buffer,
-            Command.UPDATE_WEIGHTS: self._update_weights,
-            Command.CLOSE: self._close,
-        }
+            collector.register_scheme_receiver(receivers)
+        if spec.seed is not None:
+            _seed_worker(collector, spec.seed, spec.static_seed)
+        return collector
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, message: Message) -> Reply:
@@ -212,7 +203,7 @@ class Worker:
             else:
                 if waitables:
                     multiprocessing.connection.wait(waitables, timeout=idle_timeout)
-                    self.collector._poll_receivers()
+                    self.collector.poll_weight_receivers()
                 message = endpoint.recv(0.0 if waitables else idle_timeout)
                 if message is None:
                     if not endpoint.parent_alive():
@@ -221,74 +212,74 @@ class Worker:
             endpoint.send(self.handle(message))
 
     def _waitables(self) -> list:
-        waitables = []
-        if hasattr(self.endpoint, "fileno"):
-            waitables.append(self.endpoint)
-        for scheme in (self.collector._receiver_schemes or {}).values():
-            receiver = scheme.receiver_transport
-            if receiver is not None and hasattr(receiver, "fileno"):
-                waitables.append(receiver)
-        return waitables
+        own = self.endpoint.wait_handle()
+        return ([own] if own is not None else []) + list(self.collector.weight_receiver_waitables())
 
     def _step_check(self) -> bool:
         """Between env steps: advertise progress; stop the rollout if the parent interrupted it."""
         self.endpoint.report_progress(next(self._steps))
         return self.endpoint.interrupted()
 
-    # ------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------ rollouts
+    def _rollout(self, random: bool) -> tuple[TensorDictBase, int]:
+        """One batch of this worker's collector, with this worker's trajectory ids, and its valid frames."""
+        batch = self.collector.collect_for_parent(random)
+        offset = self.spec.traj_offset
+        ids = batch.get(_TRAJ_IDS, None)
+        if offset and ids is not None:
+            ids.copy_(torch.where(ids == -1, ids, ids + offset))
+        frames = batch.numel() if ids is None else int((ids != -1).sum())
+        return batch, frames
+
+    def _write(self, batch: TensorDictBase, frames: int) -> None:
+        """Write a batch into the shared replay buffer: only its collected steps, if it was cut short."""
+        if frames < batch.numel():
+            batch = batch[batch.get(_TRAJ_IDS) != -1]
+        if batch.numel():
+            self.collector.write_to_replay_buffer(self.spec.replay_buffer, batch)
+
+    def _publish(self, batch: TensorDictBase) -> Any:
+        """Hand the batch to the transport; let the rollout write straight into what it publishes from."""
+        value = self.endpoint.publish_batch(batch)
+        shared = self.endpoint.batch_buffer()
+        if shared is not None and shared is not batch:
+            self.collector.write_batches_into(shared, batch)
+        return value
+
     def _collect(self, request) -> Reply:
         random, mark = request if isinstance(request, tuple) else (request, None)
         if self.endpoint is not None:
             self.endpoint.before_rollout()  # the parent took the last batch before asking again
             self.endpoint.clear_interrupt(mark)
-        collector = self.collector
-        batch = collector._collect_for_parent(bool(random))
-        frames = _valid_frames(batch)
+        batch, frames = self._rollout(bool(random))
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
-            if frames < batch.numel():  # interrupted (shutdown): only the collected steps are data
-                batch = batch[batch.get(("collector", "traj_ids")) != -1]
-            if batch.numel():
-                collector._write_buffer(buffer, batch)
+            self._write(batch, frames)
             return Reply(0, self.worker_idx, frames=frames, written=True)
+        if buffer is not None:  # the parent allocates the buffer's storage from this batch
+            self.collector.keep_for_replay_buffer(batch)
         if self.endpoint is None:
             return Reply(0, self.worker_idx, value=batch, frames=frames)
-        value = self.endpoint.publish_batch(batch)
-        self._adopt_published_buffer(batch)
-        return Reply(0, self.worker_idx, value=value, frames=frames)
-
-    def _adopt_published_buffer(self, batch: TensorDictBase) -> None:
-        """Let the rollout write straight into the buffer the transport publishes from (zero copy)."""
-        shared = getattr(self.endpoint, "batch_buffer", None)
-        rollout = getattr(self.collector, "rollout", None)
-        if shared is not None and shared is not batch and rollout is not None and rollout.buffer is batch:
-            rollout.set_buffer(shared)
+        return Reply(0, self.worker_idx, value=self._publish(batch), frames=frames)
 
     def _free_rollout(self) -> None:
         """One rollout while running free: written to the shared replay buffer, or pushed to the parent
         (nodes: the parent owns the buffer) as an unsolicited BATCH reply with a negative id."""
         buffer = self.spec.replay_buffer
         target = self.spec.init_random_frames
-        if buffer is not None:
-            random = bool(target) and buffer.write_count < target
-        else:
-            random = bool(target) and self._free_frames < target
-        self.endpoint.before_rollout(idle=self.collector._poll_receivers)
+        done = buffer.write_count if buffer is not None else self._free_frames
+        self.endpoint.before_rollout(idle=self.collector.poll_weight_receivers)
         self.endpoint.clear_interrupt()
-        batch = self.collector._collect_for_parent(random)
-        frames = _valid_frames(batch)
+        batch, frames = self._rollout(bool(target) and done < target)
         self._free_frames += frames
         if buffer is None:
-            value = self.endpoint.publish_batch(batch)
-            self._adopt_published_buffer(batch)
+            value = self._publish(batch)
             self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, value=value, frames=frames))
             return
-        if self.endpoint.interrupted():
-            # pause()/shutdown interrupted the rollout: keep only the steps that were collected
-            batch = batch[batch.get(("collector", "traj_ids")) != -1]
-        if batch.numel():
-            self.collector._write_buffer(buffer, batch)
+        # pause()/shutdown may have interrupted the rollout: then only the collected steps are written
+        self._write(batch, frames if self.endpoint.interrupted() else batch.numel())
 
+    # ------------------------------------------------------------------ other handlers
     def _run_free(self, _) -> str:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is None:
@@ -306,28 +297,15 @@ class Worker:
 
     def _seed(self, payload) -> int:
         seed, static_seed = payload
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        return self.collector.set_seed(seed, static_seed=static_seed)
-
-    def _reset(self, payload) -> None:
-        self.collector.reset(**(payload or {}))
+        return _seed_worker(self.collector, seed, static_seed)
 
     def _enable_profile(self, config) -> str:
-        self.collector._iteration_started = False
-        self.collector._profile_config = config
-        self.collector._apply_profile_config(config)
+        self.collector.use_profile_config(config)
         return "profiling"
 
     def _attach_buffer(self, storage: TensorDictBase) -> str:
         self.spec.replay_buffer.attach_storage(storage)
         return "attached"
-
-    def _update_weights(self, _) -> int:
-        scheme = (self.collector._receiver_schemes or {}).get("policy")
-        if scheme is not None:
-            scheme.receive(timeout=scheme.timeout)
-        return int(self.collector._policy_version)
 
     def _close(self, _) -> str:
         self.closed = True
@@ -335,10 +313,16 @@ class Worker:
         return "closed"
 
 
+def _seed_worker(collector: WorkerCollector, seed: int, static_seed: bool) -> int:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    return collector.set_seed(seed, static_seed=static_seed)
+
+
 def _receiver_copy(scheme):
     """The receiver a worker builds from its parent's (sender) scheme, as unpickling would give it.
 
-    With the fork start method nothing is pickled: the worker sees the sender object itself.
+    Forked and in-process workers see the sender object itself, unpickled: make the copy here.
     """
     if not scheme.initialized_on_sender:
         return scheme
@@ -347,26 +331,22 @@ def _receiver_copy(scheme):
     return copy
 
 
-def _valid_frames(batch: TensorDictBase) -> int:
-    ids = batch.get(("collector", "traj_ids"), None)
-    if ids is None:
-        return batch.numel()
-    return int((ids != -1).sum())
-
-
 def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
-    """Build a worker and serve; construction failures are reported in the READY reply."""
+    """A worker's life on a push transport: build, send READY (or the failure), serve, clean up.
+
+    Every push backend runs exactly this in its worker (a process, a thread, a node); backends get
+    it passed in as their target (``rlharvest.transport`` never imports the worker loop).
+    """
     try:
         worker = Worker(spec, endpoint)
     except BaseException as err:
-        endpoint.send(Reply(-1, spec.worker_idx, failure=RemoteFailure.capture(err, spec.worker_idx)))
+        endpoint.send(Reply(READY, spec.worker_idx, failure=RemoteFailure.capture(err, spec.worker_idx)))
         endpoint.close()
         return
-    endpoint.send(Reply(-1, spec.worker_idx, value="ready"))
+    endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
     try:
         worker.serve()
     finally:
         if not worker.closed:
             worker.collector.shutdown(raise_on_error=False)
         endpoint.close()
-

@@ -1,27 +1,29 @@
-"""Argument handling for the worker-process collectors: per-worker lists, policies and weight schemes."""
+"""The arguments only collectors with workers take: one env constructor per worker, per-worker
+policies, the policy a worker is given, and the default weight-sync scheme of a backend.
+
+The arguments every collector shares are checked once, in :class:`rlharvest.config.CollectorConfig`.
+"""
 
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .._utils import CloudpickleWrapper, to_device_list
+from .._utils import CloudpickleWrapper
 from ..weight_update.schemes import WeightSyncScheme
-from ..weight_update.shared_mem import SharedMemWeightSyncScheme
 
 __all__ = [
     "per_worker",
     "env_functions",
-    "frames_per_worker",
     "stateless_copy",
     "default_schemes",
     "has_weights",
     "wrap_callable",
     "validate_cat_results",
+    "validate_preemptive_threshold",
+    "check_policy_args",
 ]
 
 
@@ -50,30 +52,6 @@ def per_worker(value: Any, num_workers: int, name: str, is_single: Callable[[Any
     return list(value)
 
 
-def frames_per_worker(frames_per_batch, num_workers: int, sync: bool) -> tuple[list[int], int]:
-    """``(per-worker frames, requested frames per batch)``."""
-    if isinstance(frames_per_batch, (list, tuple)):
-        if len(frames_per_batch) != num_workers:
-            raise ValueError(
-                f"frames_per_batch must have exactly one value per worker ({num_workers}), got {len(frames_per_batch)}."
-            )
-        for value in frames_per_batch:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"frames_per_batch values must be positive ints, got {frames_per_batch!r}")
-        total = sum(frames_per_batch)
-        # MultiAsync: each worker collects the whole batch (TorchRL's documented behaviour).
-        return (list(frames_per_batch) if sync else [total] * num_workers), total
-    if not sync:
-        return [frames_per_batch] * num_workers, frames_per_batch
-    each = math.ceil(frames_per_batch / num_workers)
-    if each * num_workers != frames_per_batch:
-        warnings.warn(
-            f"frames_per_batch={frames_per_batch} is not divisible by the {num_workers} workers: each collects "
-            f"{each} frames.", stacklevel=4,
-        )
-    return [each] * num_workers, frames_per_batch
-
-
 def validate_cat_results(cat_results, sync: bool, use_buffers) -> str | int:
     if cat_results is None or cat_results == "stack":
         return "stack"
@@ -96,9 +74,8 @@ def validate_preemptive_threshold(value: Any) -> float | None:
 
 
 def has_weights(policy: Any) -> bool:
-    return isinstance(policy, torch.nn.Module) and any(True for _ in policy.parameters()) or (
-        isinstance(policy, torch.nn.Module) and any(True for _ in policy.buffers())
-    )
+    return isinstance(policy, torch.nn.Module) and (
+        any(True for _ in policy.parameters()) or any(True for _ in policy.buffers()))
 
 
 def stateless_copy(policy: torch.nn.Module) -> torch.nn.Module:
@@ -111,13 +88,21 @@ def stateless_copy(policy: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(policy, memo)
 
 
-def default_schemes(policy: Any, factories: list | None) -> dict[str, WeightSyncScheme]:
-    """SPEC §3.2: the schemes a multi-process collector creates when none were given."""
+def default_schemes(scheme_name: str, policy: Any, factories: list | None, **options: Any) -> dict[str, WeightSyncScheme]:
+    """The schemes a collector with workers creates when none were given (docs/weights.md).
+
+    Args:
+        scheme_name: the backend's default scheme (``Backend.default_scheme()``).
+        policy: the policy workers run (no scheme when it has no weights).
+        factories: per-worker policy factories, or None.
+        **options: arguments of the scheme.
+    """
     if factories is not None and any(f is not None for f in factories):
-        distinct = len({id(f) for f in factories}) > 1
-        return {"policy": SharedMemWeightSyncScheme(per_worker_weights=distinct)}
+        if scheme_name == "shared" and len({id(f) for f in factories}) > 1:
+            options = {**options, "per_worker_weights": True}  # distinct policies: one buffer per worker
+        return {"policy": WeightSyncScheme.from_backend(scheme_name, **options)}
     if has_weights(policy):
-        return {"policy": SharedMemWeightSyncScheme()}
+        return {"policy": WeightSyncScheme.from_backend(scheme_name, **options)}
     return {}
 
 
@@ -126,10 +111,6 @@ def wrap_callable(value: Any) -> Any:
     if value is None or isinstance(value, CloudpickleWrapper):
         return value
     return CloudpickleWrapper(value)
-
-
-def device_lists(num_workers: int, **devices) -> dict[str, list]:
-    return {name: to_device_list(value, num_workers, name) for name, value in devices.items()}
 
 
 def check_policy_args(policy, factories: Sequence | None, weight_updater, schemes) -> None:

@@ -1,0 +1,52 @@
+"""Building envs from what collectors are given (an env or a factory, see docs/envs.md), and the
+few questions collectors ask of an env they built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._utils import as_tuple_key, unwrap
+from .adapters import env_attr, is_env
+
+__all__ = ["make_env", "env_keys", "close_env"]
+
+
+def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
+    """An env from an instance or a constructor (docs/envs.md: kwargs reach an instance only if it is batched)."""
+    create_env_fn = unwrap(create_env_fn)
+    kwargs = create_env_kwargs or {}
+    if is_env(create_env_fn):
+        if kwargs:
+            if not create_env_fn.batch_size or env_attr(create_env_fn, "update_kwargs") is None:
+                raise RuntimeError(
+                    f"create_env_kwargs were given with an env instance ({type(create_env_fn).__name__}); "
+                    "they can only be forwarded to a batched env. Pass a constructor instead."
+                )
+            create_env_fn.update_kwargs(kwargs)
+        return create_env_fn
+    if not callable(create_env_fn):
+        raise TypeError(f"create_env_fn must be an env or a callable returning one, got {type(create_env_fn).__name__}")
+    env = create_env_fn(**kwargs)
+    if not is_env(env):
+        raise TypeError(f"create_env_fn returned {type(env).__name__}, which is not an env (docs/envs.md).")
+    return env
+
+
+def env_keys(env) -> set:
+    """Every key of the env's observation and state specs, as tuples."""
+    keys = set()
+    for name in ("observation_spec", "full_observation_spec", "full_state_spec"):
+        spec = env_attr(env, name)
+        if spec is not None and hasattr(spec, "keys"):
+            keys |= {as_tuple_key(k) for k in spec.keys(True, True)}
+    return keys
+
+
+def close_env(env) -> None:
+    """Close the env unless it already is (envs that do not take ``raise_if_closed`` too)."""
+    if env_attr(env, "is_closed", False):
+        return
+    try:
+        env.close(raise_if_closed=False)
+    except TypeError:
+        env.close()

@@ -1,0 +1,108 @@
+"""The wire types of the worker loop: what a parent sends a worker, what comes back, and what a
+worker is built from. Both sides import this module (the collectors and the worker loop), and so do
+the transports that carry the messages; it imports nothing of rlharvest but the error types.
+
+See docs/backends.md for how a backend carries these messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RemoteFailure
+
+__all__ = ["Command", "Message", "Reply", "WorkerSpec", "FREE_BATCH", "READY", "UnknownCommandError"]
+
+
+class Command(enum.Enum):
+    """What a parent can ask a worker to do (one handler each in :class:`rlharvest.worker.Worker`)."""
+
+    COLLECT = "collect"                  # payload: (random, interrupt mark) -> BATCH reply
+    RUN_FREE = "run_free"                # collect continuously (into the replay buffer, or pushed)
+    PAUSE = "pause"                      # stop running free (reply once no write is in flight)
+    RESUME = "resume"
+    SEED = "seed"                        # payload: (seed, static_seed) -> next seed
+    RESET = "reset"                      # payload: None or reset kwargs
+    STATE_DICT = "state_dict"
+    LOAD_STATE_DICT = "load_state_dict"  # payload: state dict
+    GETATTR_POLICY = "getattr_policy"    # payload: attribute name
+    GETATTR_ENV = "getattr_env"          # payload: attribute name
+    CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
+    ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
+    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage
+    CLOSE = "close"
+
+
+#: request id of the reply every worker sends once it is built (or failed to build)
+READY = -1
+#: request ids at or below this mark unsolicited batches of a worker running free (never answered ids)
+FREE_BATCH = -2
+
+
+class UnknownCommandError(ValueError):
+    """A message whose command is not a :class:`Command`."""
+
+
+@dataclass
+class Message:
+    """One command from the parent; ``request_id`` comes back in the :class:`Reply`."""
+
+    command: Command
+    request_id: int
+    payload: Any = None
+
+
+@dataclass
+class Reply:
+    """A worker's answer to one :class:`Message` (or its READY reply, or a batch pushed while free)."""
+
+    request_id: int
+    worker_idx: int
+    value: Any = None
+    failure: RemoteFailure | None = None
+    #: for BATCH replies: valid frames, and whether the batch went to the replay buffer
+    frames: int = 0
+    written: bool = False
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker is built from, identity included.
+
+    The parent keeps one spec per worker for as long as the collector lives: a replacement for a
+    worker that failed is started from the same spec (see :meth:`replacement`), so nothing about a
+    worker's identity lives only in its process.
+    """
+
+    worker_idx: int
+    """The worker's index in its collector (0-based); never changes, also across replacements."""
+    collector_class: Any
+    create_env_fn: Any
+    collector_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the worker's collector (from ``CollectorConfig.for_worker``)."""
+    policy: Any = None
+    policy_factory: Any = None
+    weight_recv_schemes: dict | None = None
+    replay_buffer: Any = None
+    num_threads: int = 1
+    init_random_frames: int = 0
+    """Frames of random actions when running free (decided from the buffer's write count)."""
+    init_fn: Any = None
+    """Called in the worker before it builds its env and collector."""
+    seed: int | None = None
+    """The seed the parent last gave this worker (``set_seed``); a replacement is seeded with it."""
+    static_seed: bool = False
+    traj_offset: int = 0
+    """Added to every trajectory id the worker's collector hands out: a replacement starts past the
+    ids its predecessor used, so ids stay unique (docs/collection.md, "Trajectory ids")."""
+    policy_version: int = 0
+    """The policy version the worker starts at (a replacement starts at the current one)."""
+
+    def replacement(self, **changes: Any) -> WorkerSpec:
+        """The spec of a new worker taking this one's place (same index), with ``changes`` applied."""
+        if "worker_idx" in changes and changes["worker_idx"] != self.worker_idx:
+            raise ValueError("a replacement keeps the worker_idx of the worker it replaces.")
+        return dataclasses.replace(self, **changes)

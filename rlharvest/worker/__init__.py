@@ -1,0 +1,21 @@
+"""The worker side of every backend: THE worker loop (``loop.py``) and the entry points that run it
+in a node (``nodes.py``: a torch.distributed node's main, the functions an RPC node serves).
+
+Backends in ``rlharvest.transport`` get these passed in as their targets; they never import them.
+"""
+
+from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
+from .loop import Worker, WorkerCollector, run_worker
+
+__all__ = [
+    "Command",
+    "Message",
+    "Reply",
+    "WorkerSpec",
+    "FREE_BATCH",
+    "READY",
+    "UnknownCommandError",
+    "Worker",
+    "WorkerCollector",
+    "run_worker",
+]

@@ -1,0 +1,129 @@
+"""The entry points of nodes: what a torch.distributed node runs, and the functions an RPC node
+serves. They live beside the worker loop they run; backends get them as their targets.
+
+* :func:`node_main` is what every launcher starts (``python -m rlharvest.collectors.distributed.node``
+  too): a ``torchdist`` node joins its group and serves the worker loop on its command channel; an
+  ``rpc`` node joins the RPC group and waits for the main process's calls.
+* :data:`RPC_CALLS` are the functions the main process calls on an RPC node (building its worker,
+  one command, an interrupt, weights); they find the node's one worker in this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import cloudpickle
+import torch
+
+from .._utils import use_worker_scheduling
+from ..errors import RemoteFailure
+from ..protocol import READY, Reply
+from ..transport.rpc import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
+from ..transport.torchdist import join_as_node
+from ..transport.weight_pool import attach_named
+from .loop import Worker, run_worker
+
+__all__ = ["node_main", "RPC_CALLS"]
+
+
+def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "gloo",
+              framework: str = "distributed", **kwargs: Any) -> None:
+    """The entry point of every node: its rank, the world size, the main process's address; the rest
+    of its configuration arrives from the main process.
+
+    Args:
+        rank: the node's rank (node ``i`` of a collector is rank ``i + 1``).
+        world_size: number of nodes + 1.
+        host, port: the main process's address and the collector's ``tcp_port``.
+        backend: the process-group backend.
+        framework: ``"distributed"`` (DistributedCollector) or ``"rpc"`` (RPCCollector).
+        **kwargs: start arguments from the launcher (key, timeouts, generation, ...).
+    """
+    use_worker_scheduling()  # before the store, gloo or RPC start their threads: they inherit it
+    torch.set_num_threads(1)
+    if framework == "rpc":
+        serve_rpc_node(rank, host, port, RPC_CALLS, **kwargs)
+        return
+    endpoint, payload = join_as_node(rank, world_size, host, port, backend, **kwargs)
+    try:
+        # The spec names the env constructors and the policy by reference: a node whose sys.path
+        # lacks their module must say so to the main process, not only in its own log.
+        spec = cloudpickle.loads(payload)  # authenticated bytes from the main process
+    except BaseException as err:
+        endpoint.send(Reply(READY, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
+        endpoint.close()
+        return
+    torch.set_num_threads(max(1, int(spec.num_threads)))
+    try:
+        run_worker(spec, endpoint)
+    finally:
+        endpoint.close()
+
+
+# ---------------------------------------------------------------------------------------------- RPC nodes
+# The functions below run on an RPC node. They find its one worker here rather than through an RRef:
+# an RRef passed as an argument costs TensorPipe extra fork/confirm messages per call (20% of a
+# 1M-parameter weight update). RRefs to the node collectors are what users see (collector_rrefs).
+_NODE: dict[str, Any] = {"worker": None, "segments": {}}
+
+
+def _create_worker(spec_bytes: bytes) -> bool:
+    """Build the worker; the node keeps it (the main process's calls find it here)."""
+    spec = cloudpickle.loads(spec_bytes)  # torch RPC unpickled this call already: it authenticates nobody
+    torch.set_num_threads(max(1, int(spec.num_threads)))
+    worker = Worker(spec, RPCNodeEndpoint(spec.worker_idx))
+    worker.command_lock = threading.Lock()
+    _NODE["worker"] = worker
+    return True
+
+
+def _node_worker() -> Worker:
+    worker = _NODE.get("worker")
+    if worker is None:
+        raise RuntimeError("this node has no collector (not created yet, or already closed)")
+    return worker
+
+
+def _handle(message):
+    """One command. RPCs run on a thread pool, so commands are serialised like the push loop's."""
+    worker = _node_worker()
+    with worker.command_lock:
+        return worker.handle(message)
+
+
+def _interrupt() -> None:
+    _node_worker().endpoint.interrupts += 1
+
+
+def _collector_of():
+    return _node_worker().collector
+
+
+def _apply_weights(model_id: str, version: int, payload, initial: bool = False):
+    """Map or take the payload, swap it in (and cascade, unless ``initial``); returns the acknowledgement."""
+    scheme = _node_worker().collector.receiver_scheme(model_id)
+    gen_id = None
+    if isinstance(payload, tuple):  # ("shm", gen_id, handle): a generation of the sender's pool
+        _, gen_id, handle = payload
+        segments = _NODE["segments"]
+        if handle is not None:
+            segments[gen_id] = attach_named(handle)
+        payload = segments[gen_id][1]
+    if initial:  # a replacement's first weights: no update, no version bump
+        scheme.apply_initial(payload)
+    else:
+        scheme.apply_pushed(version, payload)  # fresh tensors or a reserved generation: swapped, not copied
+    return version, gen_id
+
+
+def _release() -> None:
+    """The node is closing: its worker goes (and its collector shuts down)."""
+    worker = _NODE["worker"]
+    _NODE["worker"] = None
+    if worker is not None and not worker.closed:
+        worker.collector.shutdown(raise_on_error=False)
+
+
+RPC_CALLS = RPCNodeCalls(create=_create_worker, handle=_handle, interrupt=_interrupt, collector_of=_collector_of,
+                         apply_weights=_apply_weights, release=_release)

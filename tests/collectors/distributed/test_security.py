@@ -1,0 +1,264 @@
+"""The multi-node path against a stranger on the same host (docs/security.md).
+
+Every attack sends traffic to 127.0.0.1 only (or inside the test's own network namespace): the
+rendezvous store holds no secret, a rewritten store entry cannot make a node run code, silent,
+garbage and wrong-key peers on every port change nothing, and ``"mp"`` collectors listen on
+loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from mocks import CountingPolicy
+
+import netns
+from rlharvest.collectors.distributed import DistributedCollector, RPCCollector, node
+from rlharvest.collectors.distributed.launchers import private_job_folder
+from rlharvest.envs import CountingEnv
+from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
+from rlharvest.transport.ports import free_port_block
+from rlharvest.transport.rendezvous import CONTROL_KEY, group_store, make_process_group, store_server
+
+pytestmark = pytest.mark.timeout(120)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(HERE))
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+
+
+def pids_of(collector) -> list[int]:
+    return [os.getpid()] + [node.process.pid for node in collector._launched]
+
+
+def counting_collector(cls=DistributedCollector, policy=None, **kwargs):
+    kwargs.setdefault("tcp_port", free_port_block(3))
+    return cls([lambda: CountingEnv(max_steps=1000)] * 2, policy or CountingPolicy(1.0), launcher="mp",
+               frames_per_batch=20, total_frames=-1, sync=True, **kwargs)
+
+
+def weight_port(collector) -> int:
+    return collector._sender_schemes["policy"].sender_transports.listener.port
+
+
+def test_store_holds_no_secret_and_mp_listens_on_loopback_only():
+    with counting_collector() as collector:
+        collector.next()
+        store = collector._backend.rendezvous.store
+        keys = store.list_keys()
+        values = {key: store.get(key) for key in keys}
+        secrets_ = [collector._net.authkey, collector._sender_schemes["policy"].sender_transports.authkey]
+        for key, value in values.items():
+            for secret in secrets_:
+                assert secret not in value and secret.hex().encode() not in value, key
+        # the only rlharvest entry is a port number (tampering with it can only make nodes fail)
+        assert [k for k in keys if "rlharvest" in k] == [CONTROL_KEY] and values[CONTROL_KEY].isdigit()
+        for pid in pids_of(collector):
+            assert {ip for ip, _ in listening(pid)} == {"127.0.0.1"}, (pid, listening(pid))
+        # after start-up the command and weight ports are closed: no stranger can even connect
+        ports = {port for _, port in listening(os.getpid())}
+        assert int(collector.tcp_port) + 1 not in ports and weight_port(collector) not in ports
+
+
+def test_rpc_mp_listens_on_loopback_only():
+    with counting_collector(RPCCollector) as collector:
+        collector.next()
+        for pid in pids_of(collector):
+            assert {ip for ip, _ in listening(pid)} == {"127.0.0.1"}, (pid, listening(pid))
+
+
+class Boom:
+    """Unpickling this creates ``path``: proof that an attacker's bytes were unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_rewritten_control_port_cannot_make_a_node_run_code(tmp_path):
+    """A node started by hand, whose store we prepare with the command port rewritten to point at
+    an attacker: the node connects there, refuses it, and nothing the attacker sent is unpickled."""
+    port, key, marker = free_port_block(3), new_authkey(), tmp_path / "pwned"
+    store = store_server("127.0.0.1", port, 2, 30.0)
+    attacker = socket.create_server(("127.0.0.1", 0))
+    store.set(CONTROL_KEY, str(attacker.getsockname()[1]))  # before the node reads it
+    seen: list = []
+
+    def attack() -> None:
+        attacker.settimeout(60)
+        sock, _ = attacker.accept()
+        conn = mpc.Connection(sock.detach())
+        conn.send_bytes(b"rlharvest-channel-1\0" + os.urandom(32))  # a greeting like ours...
+        seen.append(conn.recv_bytes())  # ... the node's proof ...
+        for _ in range(3):  # ... then pickles instead of the listener's proof and the node's spec
+            conn.send_bytes(pickle.dumps(Boom(str(marker))))
+        time.sleep(1.0)
+        conn.close()
+
+    group: dict = {}
+    threads = [threading.Thread(target=attack, daemon=True),
+               threading.Thread(target=lambda: group.update(pg=make_process_group("gloo", group_store(store, 1, 0), 0, 2,
+                                                                                  30.0)), daemon=True)]
+    for thread in threads:
+        thread.start()
+    env = {**os.environ, "RLHARVEST_AUTHKEY": key.hex(), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    node = subprocess.run([sys.executable, "-m", "rlharvest.collectors.distributed.node", "--rank", "1",
+                           "--world-size", "2", "--host", "127.0.0.1", "--port", str(port)],
+                          env=env, capture_output=True, text=True, timeout=90)
+    for thread in threads:
+        thread.join(10)
+    attacker.close()
+    assert seen, f"the node never reached the attacker:\n{node.stderr[-2000:]}"
+    assert node.returncode != 0 and "refused the listener" in node.stderr, node.stderr[-2000:]
+    assert not marker.exists()
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Whether the peer has not closed ``sock`` (what it sent, e.g. a handshake greeting, is read)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return False
+    except BlockingIOError:
+        return True
+    except ConnectionError:
+        return False
+
+
+def _stranger(port: int, mode: str, stop: threading.Event, held: list, results: list) -> None:
+    """Connects to ``port`` as soon as it listens, then stays silent, sends garbage or a wrong key."""
+    while not stop.is_set():
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=1)
+            break
+        except OSError:
+            time.sleep(0.005)
+    else:
+        return
+    if mode == "garbage":
+        sock.sendall(b"\xff" * 16 + os.urandom(64))
+    elif mode == "wrong-key":
+        sock.close()
+        try:
+            open_channel("127.0.0.1", port, new_authkey(), 5.0, 5.0, 5.0)
+            results.append((port, mode, "accepted"))
+        except (AuthenticationFailed, OSError) as err:
+            results.append((port, mode, type(err).__name__))
+        return
+    held.append((port, mode, sock))
+
+
+def test_strangers_on_every_port_during_startup_and_collection(caplog):
+    """Silent, garbage and wrong-key peers on the store, command and weight ports while the collector
+    starts, then garbage on every listening port (store, gloo) while it collects."""
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    port = free_port_block(3)
+    stop, held, results = threading.Event(), [], []
+    attacks = [(port, "silent"), (port, "garbage")] + [
+        (target, mode) for target in (port + 1, port + 2) for mode in ("silent", "garbage", "wrong-key")]
+    threads = [threading.Thread(target=_stranger, args=(target, mode, stop, held, results), daemon=True)
+               for target, mode in attacks]
+    for thread in threads:
+        thread.start()
+    policy = CountingPolicy(1.0)
+    # A long handshake timeout: were handshakes one at a time, a silent peer would stall start-up 30 s.
+    collector = counting_collector(policy=policy, tcp_port=port, handshake_timeout=30.0)
+    try:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        assert (collector.next()["action"] == 1).all()
+        silent = [sock for _, mode, sock in held if mode == "silent"]
+        assert len(silent) == 3  # store, command and weight ports each had a silent peer
+        assert all(still_open(sock) for sock in silent)  # the collector started without waiting for them
+        assert sorted(r[2] for r in results) == ["AuthenticationFailed"] * 2, results
+        dropped = " ".join(r.getMessage() for r in caplog.records)
+        assert "command port" in dropped and "weight port" in dropped, dropped
+        # during collection: the command and weight ports are closed...
+        for target in (port + 1, weight_port(collector)):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", target), timeout=1)
+        # ... and garbage on every port still listening (store, gloo pairs) changes nothing
+        for pid in pids_of(collector):
+            for _, target in listening(pid):
+                with socket.create_connection(("127.0.0.1", target), timeout=1) as sock:
+                    sock.sendall(b"\xff" * 16)
+        for value in (2.0, 3.0):
+            with torch.no_grad():
+                policy.weight.fill_(value)
+            collector.update_policy_weights_()
+            assert (collector.next()["action"] == value).all()
+    finally:
+        collector.shutdown()
+        for _, _, sock in held:
+            sock.close()
+
+
+@pytest.mark.netns
+def test_local_launchers_stay_on_loopback_in_a_host_with_a_routable_address():
+    """In a network namespace whose host name resolves to a routable address (and whose
+    GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME name that interface), gloo and TensorPipe would listen
+    there: "mp" collectors must keep every process on 127.0.0.1."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"network namespaces unavailable: {reason}", pytrace=False)
+    path = [TESTS, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    with netns.TwoHosts() as net:
+        host = net.host_a
+        out = host.run([sys.executable, os.path.join(HERE, "_node_scripts.py"), "loopback-listeners"], timeout=100,
+                       env={"PYTHONPATH": os.pathsep.join(path), "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert events, out.stdout + out.stderr[-3000:]
+    result = events[-1]
+    assert result["hostname_ip"] == host.ip and result["env"]["GLOO_SOCKET_IFNAME"] == host.ifname, result
+    for framework in ("distributed", "rpc"):
+        assert len(result[framework]) == 3, result  # the main process and two nodes
+        for pid, addresses in result[framework].items():
+            assert addresses == ["127.0.0.1"], (framework, pid, result)
+
+
+def test_submitit_job_folder_is_private(tmp_path):
+    folder = tmp_path / "log_test"
+    private_job_folder(str(folder))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o755)  # made by an older version, or by hand
+    private_job_folder(str(folder))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # someone else's folder (the tests run as root)
+    with pytest.raises(PermissionError, match="belongs to uid 65534"):
+        private_job_folder(str(theirs))
+
+
+def test_a_node_started_by_hand_needs_the_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("RLHARVEST_AUTHKEY", raising=False)
+    argv = ["--rank", "1", "--world-size", "2", "--host", "127.0.0.1", "--port", str(free_port_block(3))]
+    with pytest.raises(ValueError, match="RLHARVEST_AUTHKEY"):
+        node.main(argv)
+    keyfile = tmp_path / "key"
+    keyfile.write_text(new_authkey().hex())
+    keyfile.chmod(0o644)
+    with pytest.raises(PermissionError, match="readable by other users"):
+        node.main(argv + ["--authkey-file", str(keyfile)])
+    monkeypatch.setenv("RLHARVEST_AUTHKEY", "not hex")
+    with pytest.raises(ValueError, match="RLHARVEST_AUTHKEY must be hex"):
+        node.main(argv)

@@ -1,0 +1,44 @@
+"""A collector's workers through its Fleet: one replaced the way a restart will do it (issue: restart
+of a failed worker), with the current weights, its seed and fresh trajectory ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mocks import weight_policy
+
+from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
+from rlharvest.envs import CountingEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+_IDS = ("collector", "traj_ids")
+
+
+def envs(n=2):
+    return [lambda: CountingEnv(max_steps=4)] * n
+
+
+def test_a_replaced_worker_runs_the_current_weights_and_version_with_fresh_ids():
+    policy = weight_policy(1.0)
+    with MultiSyncCollector(envs(), policy, frames_per_batch=8, total_frames=-1, track_policy_version=True) as c:
+        before = c.next()
+        with torch.no_grad():
+            policy.module.weight.fill_(0.0)
+        c.update_policy_weights_()
+        c._fleet.replace(1, policy_version=c._policy_version)
+        after = c.next()
+        assert (after["action"] == 0).all() and (after["policy_version"] == 1).all()
+        assert not set(before[_IDS].flatten().tolist()) & set(after[_IDS][1].tolist())
+        assert after["observation"][1].flatten().tolist() == [0] * 4  # a fresh env (action 0: it stays)
+        assert after[_IDS][0, 0] == before[_IDS][0, -1]  # worker 0 went on with its trajectory
+
+
+def test_a_replacement_is_seeded_with_its_worker_seed():
+    with MultiAsyncCollector(envs(), frames_per_batch=16, total_frames=-1) as c:
+        c.set_seed(7)
+        assert [spec.seed for spec in c._fleet.specs] == [7, c._fleet.specs[1].seed] and c._fleet.specs[1].seed != 7
+        first = c.cascade_execute("workers[1].rollout_batch", True)["action"].flatten().tolist()
+        c._fleet.replace(1)
+        again = c.cascade_execute("workers[1].rollout_batch", True)["action"].flatten().tolist()
+        assert again == first and len(set(first)) == 2

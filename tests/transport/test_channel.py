@@ -1,0 +1,230 @@
+"""Authenticated channels (rlharvest/transport/channel.py) against strangers, over loopback only.
+
+Every attack here is a peer on 127.0.0.1 without the key: silent, garbage, a slow drip, a wrong key,
+a fake listener, a relay. None may stall the listener, crash it, or get anything unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from rlharvest.transport.channel import (AuthenticationFailed, ChannelListener, listen, new_authkey, open_channel,
+                                         parse_authkey)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Boom:
+    """Unpickling this creates ``path``: proof that a stranger's bytes were unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def listener():
+    key = new_authkey()
+    server = ChannelListener(listen("127.0.0.1", 0), key, "test", handshake_timeout=1.0, user_timeout=5.0)
+    server.key = key
+    yield server
+    server.close()
+
+
+def connect(listener, key=None, hello=("hello", 1)):
+    channel = open_channel("127.0.0.1", listener.port, key or listener.key, timeout=5.0, user_timeout=5.0,
+                           handshake_timeout=2.0)
+    channel.send(hello)
+    return channel
+
+
+def raw(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """Whether the peer closed ``sock`` (EOF or reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_messages_round_trip_after_the_handshake(listener):
+    peer = connect(listener, hello=("hello", 7, "x"))
+    channel, hello, _ = listener.next(5.0)
+    assert hello == ("hello", 7, "x")
+    channel.send({"command": 1})
+    assert peer.recv() == {"command": 1}
+    peer.send_bytes(b"payload" * 1000)
+    assert channel.recv_bytes() == b"payload" * 1000
+    peer.close()
+    channel.close()
+
+
+@pytest.mark.parametrize("attack", ["silent", "garbage", "huge-length", "mp-challenge", "slow-drip"])
+def test_strangers_are_dropped_and_logged_while_real_peers_get_in(listener, attack, caplog):
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    stranger = raw(listener.port)
+    if attack == "garbage":
+        stranger.sendall(b"\xff" * 16)
+    elif attack == "huge-length":
+        stranger.sendall(struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
+    elif attack == "mp-challenge":  # a multiprocessing peer with some other key
+        stranger.sendall(struct.pack("!i", 40) + b"#CHALLENGE#" + os.urandom(29))
+    elif attack == "slow-drip":  # one byte at a time: never a complete message, never silent for long
+        drip = threading.Event()
+
+        def send_slowly() -> None:
+            while not drip.wait(0.2):
+                try:
+                    stranger.send(b"\x00")
+                except OSError:
+                    return
+
+        threading.Thread(target=send_slowly, daemon=True).start()
+    # a real peer connecting after the stranger is let in at once, whatever the stranger does
+    peer = connect(listener)
+    channel, hello, _ = listener.next(5.0)
+    assert hello == ("hello", 1)
+    if attack == "silent":
+        assert not closed_by_peer(stranger, 0.01), "the silent stranger delayed the real peer"
+    assert closed_by_peer(stranger, 5.0)  # ... and the stranger is closed after handshake_timeout
+    if attack == "slow-drip":
+        drip.set()
+    deadline = time.monotonic() + 5
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("dropped a connection" in r.getMessage() and "test port" in r.getMessage() for r in caplog.records)
+    # the listener still works after all that
+    other = connect(listener, hello=("hello", 2))
+    assert listener.next(5.0)[1] == ("hello", 2)
+    for conn in (peer, channel, other):
+        conn.close()
+    stranger.close()
+
+
+def test_a_flood_of_silent_peers_only_delays_a_real_one(listener):
+    """Beyond MAX_PENDING handshakes newcomers are closed at once; a real peer retries until a slot frees."""
+    flood = [raw(listener.port) for _ in range(ChannelListener.MAX_PENDING)]
+    time.sleep(0.2)  # all of them are in a handshake now
+    peer = connect(listener)
+    assert listener.next(5.0)[1] == ("hello", 1)
+    for sock in flood:
+        sock.close()
+    peer.close()
+
+
+def test_wrong_key_is_refused_on_both_sides(listener, caplog, tmp_path):
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    with pytest.raises(AuthenticationFailed, match="refused the listener"):
+        connect(listener, key=new_authkey())
+    assert listener.next(1.5) is None
+    assert any("wrong key" in r.getMessage() for r in caplog.records)
+    # a listener with another key (a stranger on the port a node expects) is refused by the node
+    fake = ChannelListener(listen("127.0.0.1", 0), new_authkey(), "fake", 1.0, 5.0)
+    try:
+        with pytest.raises(AuthenticationFailed, match="refused the listener.*another key"):
+            open_channel("127.0.0.1", fake.port, listener.key, 5.0, 5.0, 2.0)
+    finally:
+        fake.close()
+
+
+def test_a_fake_listener_cannot_get_a_pickle_unpickled(listener, tmp_path):
+    """A stranger accepting the node's connection sends a pickle instead of its proof."""
+    marker = tmp_path / "pwned"
+    server = listen("127.0.0.1", 0)
+
+    def attacker() -> None:
+        sock, _ = server.accept()
+        conn = mpc.Connection(sock.detach())
+        conn.send_bytes(b"rlharvest-channel-1\0" + os.urandom(32))  # looks like ours
+        conn.recv_bytes()  # the node's proof
+        conn.send_bytes(pickle.dumps(Boom(str(marker))))
+        conn.send_bytes(pickle.dumps(Boom(str(marker))))
+        time.sleep(0.5)
+        conn.close()
+
+    thread = threading.Thread(target=attacker)
+    thread.start()
+    try:
+        with pytest.raises(AuthenticationFailed):
+            open_channel("127.0.0.1", server.getsockname()[1], listener.key, 5.0, 5.0, 2.0)
+    finally:
+        thread.join(5)
+        server.close()
+    assert not marker.exists()
+
+
+def test_a_relay_cannot_inject_messages(listener, tmp_path):
+    """A stranger in the middle (a tampered port) relays the handshake it cannot do itself, then
+    injects a pickle: the tag check rejects it before it is unpickled, and the channel closes."""
+    marker = tmp_path / "pwned"
+    relay = listen("127.0.0.1", 0)
+
+    def man_in_the_middle() -> None:
+        node_side, _ = relay.accept()
+        server_side = raw(listener.port)
+        server_side.settimeout(None)
+        node, server = mpc.Connection(node_side.detach()), mpc.Connection(server_side.detach())
+        node.send_bytes(server.recv_bytes())  # greeting ->
+        server.send_bytes(node.recv_bytes())  # <- proof
+        node.send_bytes(server.recv_bytes())  # listener's proof ->
+        hello = node.recv_bytes()
+        server.send_bytes(hello)  # the genuine hello passes
+        node.send_bytes(b"\0" * 32 + pickle.dumps(Boom(str(marker))))  # forged message to the node
+        server.send_bytes(hello[:32] + pickle.dumps(Boom(str(marker))))  # and to the listener
+        time.sleep(1.0)
+        node.close()
+        server.close()
+
+    thread = threading.Thread(target=man_in_the_middle)
+    thread.start()
+    try:
+        peer = open_channel("127.0.0.1", relay.getsockname()[1], listener.key, 5.0, 5.0, 2.0)
+        peer.send(("hello", 1))
+        channel, hello, _ = listener.next(5.0)
+        assert hello == ("hello", 1)  # relaying a genuine exchange is all a relay can do
+        with pytest.raises(AuthenticationFailed, match="failed authentication"):
+            peer.recv()
+        with pytest.raises(AuthenticationFailed, match="failed authentication"):
+            channel.recv()
+        assert channel.closed and peer.closed
+    finally:
+        thread.join(5)
+        relay.close()
+    assert not marker.exists()
+
+
+def test_closed_listener_refuses_connections(listener):
+    port = listener.port
+    listener.close()
+    with pytest.raises(ConnectionRefusedError):
+        raw(port)
+
+
+def test_parse_authkey():
+    key = new_authkey()
+    assert parse_authkey(key.hex()) == key and parse_authkey(key) == key
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        parse_authkey("ab" * 8 + "")  # 8 bytes
+    with pytest.raises(ValueError, match="hex"):
+        parse_authkey("not a key")
+    with pytest.raises(TypeError, match="authkey"):
+        parse_authkey(1234)
