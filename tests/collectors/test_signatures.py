@@ -19,7 +19,8 @@ def test_derived_signatures_list_every_parameter():
     parent = parameters(DistributedCollector)
     expected = [p for p in parent if p not in ("update_interval", "authkey", "handshake_timeout")]  # RPC has neither
     at = expected.index("tcp_port") + 1
-    assert parameters(RPCCollector) == expected[:at] + ["visible_devices", "tensorpipe_options"] + expected[at:]
+    own = ["visible_devices", "tensorpipe_options", "trajs_per_batch", "trajs_per_write", "traj_format"]
+    assert parameters(RPCCollector) == expected[:at] + own + expected[at:]
     dropped = {"sync", "update_after_each_batch", "weight_updater", "weight_sync_schemes", "weight_recv_schemes",
                "replay_buffer"}
     assert parameters(DistributedSyncCollector) == [p for p in parent if p not in dropped]

@@ -297,7 +297,7 @@ def test_collector_reloading():  # 38
 def test_state_dict_contains_policy():
     collector = counting_collector()
     state = collector.state_dict()
-    assert set(state) == {"policy_state_dict", "env_state_dict", "frames", "iter"}
+    assert set(state) == {"policy_state_dict", "env_state_dict", "frames", "iter", "traj_pool"}
     assert torch.equal(state["policy_state_dict"]["weight"], torch.tensor(1.0))
 
 
