@@ -13,6 +13,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
 import torch.multiprocessing as torch_mp
 
@@ -26,6 +27,7 @@ __all__ = [
     "use_normal_scheduling",
     "describe_exit",
     "describe_process_exit",
+    "end_process",
 ]
 
 
@@ -106,6 +108,18 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"it was killed by signal {-code}"
     return f"it exited with code {code}"
+
+
+def end_process(process, deadline: float) -> None:
+    """Make sure a ``multiprocessing`` process is gone: wait until ``deadline`` (monotonic seconds)
+    for it to exit by itself, then terminate it, then kill it."""
+    process.join(max(0.0, deadline - time.monotonic()))
+    if process.is_alive():
+        process.terminate()
+        process.join(0.5)
+    if process.is_alive():
+        process.kill()
+        process.join(1.0)
 
 
 def describe_process_exit(process) -> str:

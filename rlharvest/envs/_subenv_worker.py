@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .._processes import prepare_worker_process
 from .._utils import NestedKey, unravel_key, unwrap
 from ..errors import RemoteFailure
 from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
@@ -363,9 +364,7 @@ class SubEnvRunner:
     def set_seed(self, seed: int, static_seed: bool) -> int:
         """Seed the sub-env; returns the seed the next sub-env should use."""
         if self.reseed_process:  # sub-envs that draw from the global generators get distinct streams
-            torch.manual_seed(seed)
-            np.random.seed(seed % 2**32)
-            random.seed(seed)
+            seed_process(seed)
         try:
             out = self.env.set_seed(seed, static_seed=static_seed)
         except TypeError:  # an env whose set_seed takes the seed only
@@ -404,8 +403,6 @@ def subenv_main(index: int, create_env_fn, create_env_kwargs: dict, commands, re
     ``commands``: command bytes (and pickled payloads) from the parent; ``results``: pickled results
     and failures to it; ``board``: where this sub-env says it answered.
     """
-    from .._processes import prepare_worker_process
-
     if not prepare_worker_process(parent_pid, death_signal, waited_on=_WAITED_ON):
         return
     torch.set_num_threads(max(1, int(num_threads)))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that share tensors through pipes)
 
-from .._processes import describe_process_exit, mp_context, parent_watch
+from .._processes import describe_process_exit, end_process, mp_context, parent_watch
 from .._utils import CloudpickleWrapper, worker_scheduling
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from ._subenv_worker import PAYLOAD_COMMANDS, ReplyBoard, Status, SubEnvCommand, SubEnvDescription, subenv_main
@@ -198,15 +198,10 @@ class ProcessPool(SubEnvPool):
             if self._broken is None and process.is_alive():
                 with contextlib.suppress(OSError):
                     os.write(self._fds[index], bytes([SubEnvCommand.CLOSE]))
+        if self._broken is not None:  # a sub-env failed: the others are not waited for
+            deadline = time.monotonic()
         for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()) if self._broken is None else 0.0)
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(0.5)
-            if process.is_alive():
-                process.kill()
-                process.join(1.0)
+            end_process(process, deadline)
         for conn in [*self.commands, *self.conns, self.board.reply_r]:
             with contextlib.suppress(OSError):
                 conn.close()

@@ -24,6 +24,7 @@ from tensordict import TensorDictBase
 from .._processes import (
     describe_exit,
     describe_process_exit,
+    end_process,
     mp_context,
     parent_watch,
     prepare_worker_process,
@@ -142,14 +143,7 @@ class MPWorkerHandle(PipeHandle):
         return self._batch
 
     def terminate(self, deadline: float) -> None:
-        process = self.process
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
-            process.join(0.5)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
+        end_process(self.process, deadline)
         self.close_pipe()
 
 
