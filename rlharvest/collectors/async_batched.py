@@ -347,6 +347,12 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
         self._server.update_policy(_copy_in(weights))
 
+    # ------------------------------------------------------------------ workers
+    def _replace_worker(self, worker: int, **changes: Any) -> None:
+        # A replacement would reuse the worker's pipes to the server, where an answer to the old
+        # worker's last request may still wait: until the server clears them, a failure is raised.
+        raise NotImplementedError("AsyncBatchedCollector does not replace failed workers.")
+
     # ------------------------------------------------------------------ shutdown
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._stop(self._shutdown_timeout if timeout is None else timeout)

@@ -145,17 +145,17 @@ def test_sub_env_that_fails_to_build():
         ParallelEnv(2, [broken, CountingEnv])
 
 
-def test_killed_sub_env_is_detected_within_seconds():
-    env = ParallelEnv(3, functools.partial(CountingEnv, max_steps=10**6))
+def test_killed_sub_env_is_detected_as_a_death():
+    # worker_timeout is far above the test's timeout: only noticing the death itself can pass
+    env = ParallelEnv(3, functools.partial(CountingEnv, max_steps=10**6), worker_timeout=1000.0)
     try:
         env.rand_action(env.reset())
         victim = env._pool.processes[2].pid
         os.kill(victim, signal.SIGKILL)
-        start = time.monotonic()
         with pytest.raises(WorkerError, match="sub-env 2: the sub-env process died.*SIGKILL") as info:
             for _ in range(10**6):
                 env.step(env.rand_action(env.reset()))
-        assert info.value.worker_idx == 2 and time.monotonic() - start < 5.0
+        assert info.value.worker_idx == 2 and not isinstance(info.value, WorkerTimeoutError)
         with pytest.raises(WorkerError):  # the env stays broken
             env.reset()
     finally:
@@ -171,9 +171,7 @@ def test_hung_sub_env_times_out():
             for _ in range(5):
                 td = env.step(env.rand_action(td))["next"]
     finally:
-        start = time.monotonic()
-        env.close()
-        assert time.monotonic() - start < 5.0
+        env.close()  # terminates the hung sub-env (the autouse fixture checks that none is left)
 
 
 _ORPHAN_SCRIPT = textwrap.dedent("""
