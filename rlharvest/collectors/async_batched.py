@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
-from ..config import CollectorConfig
+from ..config import CollectorConfig, positive_seconds
 from ..errors import WorkerError
 from ..policies import ExplorationType
 from ..protocol import WorkerSpec
@@ -164,7 +164,7 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         self.post_collect_hook = post_collect_hook
         self.policy = policy if policy is not None else policy_factory()
         self.policy_factory = policy_factory
-        self._worker_timeout = float(worker_timeout)
+        self._worker_timeout = positive_seconds("worker_timeout", worker_timeout)
         self._carry: collections.deque = collections.deque()
         self._carried = 0
         self._partial: dict[int, list] = {}
