@@ -106,18 +106,39 @@ THROUGHPUT_WORKLOADS: dict[str, tuple[str, str]] = {
     "distributed_sync_cartpole": ("distributed_sync", "cartpole"),
     "distributed_async_cartpole": ("distributed_async", "cartpole"),
     "rpc_cartpole": ("rpc_async", "cartpole"),
+    "ray_sync_cartpole": ("ray_sync", "cartpole"),
+    "ray_async_cartpole": ("ray_async", "cartpole"),
 }
+
+#: Resources of the local Ray a Ray workload starts (before its collector, outside the timings).
+RAY_INIT = {"num_cpus": NUM_WORKERS, "include_dashboard": False, "object_store_memory": 400 * 1024**2,
+            "log_to_driver": False}
+
+
+def init_ray(kind: str) -> None:
+    """Start the local Ray of a ``ray_*`` workload (no-op for the others); usage stats off."""
+    if not kind.startswith("ray_"):
+        return
+    import os
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT)
 
 #: ``weightsync_<backend>_<size>``: backend -> collector kind.  The sync
 #: variants, so every worker is idle between batches and only the weight
 #: transfer is timed.
-WEIGHTSYNC_KINDS = {"multisync": "multisync", "distributed": "distributed_sync", "rpc": "rpc_sync"}
+WEIGHTSYNC_KINDS = {"multisync": "multisync", "distributed": "distributed_sync", "rpc": "rpc_sync",
+                    "ray": "ray_sync"}
 
 #: ``freshness_<name>``: name -> collector kind.
 FRESHNESS_KINDS = {
     "multiasync": "multiasync",
     "distributed_async": "distributed_async",
     "rpc": "rpc_async",
+    "ray": "ray_async",
 }
 
 

@@ -94,7 +94,16 @@ def is_mp_helper(pid: int) -> bool:
     counted apart from workers and never reaped.
     """
     cmd = cmdline(pid)
-    return "resource_tracker" in cmd or "forkserver" in cmd
+    return "resource_tracker" in cmd or "forkserver" in cmd or is_ray_service(cmd)
+
+
+def is_ray_service(cmd: str) -> bool:
+    """The local Ray of a Ray workload (daemons, agents, idle pooled workers, gone with
+    ``ray.shutdown``), as opposed to an actor left alive (``ray::<ActorClass>``)."""
+    if cmd.startswith("ray::"):
+        name = cmd.split()[0]
+        return name.startswith("ray::IDLE") or name.endswith("Agent")
+    return "/site-packages/ray/" in cmd
 
 
 def live_descendants() -> list[int]:

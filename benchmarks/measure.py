@@ -92,6 +92,7 @@ def shutdown_and_check(collector: Any) -> dict[str, Any]:
 def measure_throughput(side: Side, kind: str, family: str, budget: common.Budget) -> dict[str, Any]:
     """``first_batch_s``, ``frames_per_s`` and ``shutdown_s`` of one collector."""
     env_fn, policy = side.env_fn(family), side.policy(family)
+    common.init_ray(kind)
     start = time.perf_counter()
     collector = side.build_collector(kind, env_fn, policy, budget.frames_per_batch)
     return {"collector_kind": kind, **_time_collector(collector, start, budget)}
@@ -152,6 +153,7 @@ def measure_weightsync(side: Side, kind: str, n_params: int, budget: common.Budg
     it makes it in.
     """
     policy = side.big_policy(n_params)
+    common.init_ray(kind)
     collector = side.build_collector(
         kind, side.env_fn("cartpole"), policy, budget.weightsync_frames_per_batch
     )
@@ -224,6 +226,7 @@ def measure_freshness(side: Side, kind: str, budget: common.Budget) -> dict[str,
     already in flight when the update was made.
     """
     module, policy = side.marked_policy()
+    common.init_ray(kind)
     collector = side.build_collector(
         kind, side.env_fn("timestamp"), policy, budget.freshness_frames_per_batch
     )

@@ -66,6 +66,10 @@ class RLHarvestSide:
             cls = DistributedCollector if family == "distributed" else RPCCollector
             return cls(env_fns, policy, launcher="mp", backend="gloo", tcp_port=common.find_free_port_block(3),
                        sync=mode == "sync", **kwargs)
+        if family == "ray":
+            from rlharvest.collectors.distributed import RayCollector
+
+            return RayCollector(env_fns, policy, sync=mode == "sync", **kwargs)
         raise ValueError(f"unknown collector kind {kind!r}")
 
     def build_batched_collector(self, kind: str, num_envs: int, size: str, frames_per_batch: int) -> Any:

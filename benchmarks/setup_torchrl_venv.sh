@@ -12,26 +12,30 @@ set -euo pipefail
 
 TORCH_VERSION="2.13.0"
 TORCHRL_VERSION="0.12.0"
+# TorchRL 0.12's RayCollector calls ray.internal.free, which later Ray releases removed.
+RAY_VERSION="2.52.1"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv_dir="${1:-$repo_root/.venv-torchrl}"
 python="${PYTHON:-$(command -v python3)}"
 
 check_imports() {
-    "$venv_dir/bin/python" - "$TORCH_VERSION" "$TORCHRL_VERSION" <<'EOF'
+    "$venv_dir/bin/python" - "$TORCH_VERSION" "$TORCHRL_VERSION" "$RAY_VERSION" <<'EOF'
 import sys
 
 import gymnasium
+import ray
 import tensordict
 import torch
 import torchrl
 
-want_torch, want_torchrl = sys.argv[1:3]
+want_torch, want_torchrl, want_ray = sys.argv[1:4]
 print(
     f"torch {torch.__version__}, torchrl {torchrl.__version__}, "
     f"tensordict {tensordict.__version__}, gymnasium {gymnasium.__version__}"
 )
-ok = torch.__version__.split("+")[0] == want_torch and torchrl.__version__ == want_torchrl
+ok = (torch.__version__.split("+")[0] == want_torch and torchrl.__version__ == want_torchrl
+      and ray.__version__ == want_ray)
 sys.exit(0 if ok else 1)
 EOF
 }
@@ -47,6 +51,6 @@ if check_imports 2>/dev/null; then
 fi
 
 "$venv_dir/bin/python" -m pip install --quiet \
-    "torch==$TORCH_VERSION" "torchrl==$TORCHRL_VERSION" gymnasium
+    "torch==$TORCH_VERSION" "torchrl==$TORCHRL_VERSION" gymnasium "ray==$RAY_VERSION"
 check_imports
 echo "venv $venv_dir is ready"

@@ -70,6 +70,10 @@ class TorchRLSide:
             return MultiSyncCollector(env_fns, policy, **kwargs)
         if kind == "multiasync":
             return MultiAsyncCollector(env_fns, policy, **kwargs)
+        if kind.startswith("ray_"):
+            from torchrl.collectors.distributed import RayCollector
+
+            return RayCollector(env_fns, policy, sync=kind == "ray_sync", **kwargs)
         if kind.startswith(("distributed_", "rpc_")):
             return self._remote_collector(kind, env_fns, policy, kwargs)
         raise ValueError(f"unknown collector kind {kind!r}")

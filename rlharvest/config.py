@@ -21,7 +21,8 @@ import torch
 from ._utils import CloudpickleWrapper
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "parse_total_frames", "positive_seconds", "resolve_devices", "validate_exploration_type"]
+__all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices",
+           "validate_exploration_type"]
 
 _TRAJ_FORMAT_DEFAULT = (
     "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
@@ -79,6 +80,26 @@ def _optional_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     return max(0, value)
+
+
+def check_restart_arguments(max_worker_restarts, restart_delay) -> tuple[int, float]:
+    """Validate ``max_worker_restarts`` (an int >= 0) and ``restart_delay`` (finite seconds >= 0).
+
+    Raises:
+        TypeError: naming the argument, for a value of the wrong type.
+        ValueError: naming the argument, for a negative (or infinite) value.
+    """
+    if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int):
+        raise TypeError(f"max_worker_restarts must be an int >= 0 (0: a failed worker raises WorkerError), got "
+                        f"{type(max_worker_restarts).__name__} {max_worker_restarts!r}")
+    if max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts must be an int >= 0, got {max_worker_restarts!r}")
+    if isinstance(restart_delay, bool) or not isinstance(restart_delay, (int, float)):
+        raise TypeError(f"restart_delay must be a number of seconds >= 0, got {type(restart_delay).__name__} "
+                        f"{restart_delay!r}")
+    if not math.isfinite(restart_delay) or restart_delay < 0:
+        raise ValueError(f"restart_delay must be a finite number of seconds >= 0, got {restart_delay!r}")
+    return max_worker_restarts, float(restart_delay)
 
 
 def validate_exploration_type(value: Any):
@@ -206,6 +227,11 @@ class CollectorConfig:
     ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
     auto_register_policy_transforms: bool | None = _arg(worker=_parent)
     """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
+    max_worker_restarts: int = _arg(0, worker=_parent)
+    """Failed workers the collector replaces over its life before it raises (0: the first failure
+    raises ``WorkerError``, as without restarts). docs/restarts.md."""
+    restart_delay: float = _arg(0.0, worker=_parent)
+    """Seconds to wait before a failed worker's replacement starts."""
 
     @classmethod
     def from_kwargs(cls, owner: str, **kwargs) -> CollectorConfig:
@@ -246,6 +272,9 @@ class CollectorConfig:
                 "transforms the policy needs (e.g. TorchRL's TensorDictPrimer / InitTracker for recurrent modules) "
                 "to the env yourself, and pass None or False."
             )
+        restarts, delay = check_restart_arguments(self.max_worker_restarts, self.restart_delay)
+        set_(self, "max_worker_restarts", restarts)
+        set_(self, "restart_delay", delay)
         self._check_trajectory_options()
         self._check_buffer_options()
 

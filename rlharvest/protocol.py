@@ -100,6 +100,22 @@ class WorkerSpec:
     ids its predecessor used, so ids stay unique (docs/collection.md, "Trajectory ids")."""
     policy_version: int = 0
     """The policy version the worker starts at (a replacement starts at the current one)."""
+    restart: int = 0
+    """How many failed workers this one replaces at its index (0: the first); a restarted worker's env
+    is seeded from its worker's seed and this number (:meth:`start_seed`)."""
+
+    def start_seed(self) -> int | None:
+        """The seed the worker is built with: ``seed``, or for restart ``k > 0`` a seed derived from
+        (``seed``, ``worker_idx``, ``k``), the same for the same restart, different from every other
+        restart's and from the first worker's (docs/restarts.md, "Seeds")."""
+        if not self.restart:
+            return self.seed
+        words = [self.worker_idx, self.restart] + ([] if self.seed is None else [self.seed % 2**63])
+        value = 0x9E3779B97F4A7C15  # splitmix64 over the words: cheap, deterministic, well mixed
+        for word in words:
+            value = (value ^ word) * 0xBF58476D1CE4E5B9 % 2**64
+            value = (value ^ (value >> 31)) * 0x94D049BB133111EB % 2**64
+        return int(value >> 33)  # 31 bits: every env's seed() takes it
 
     def replacement(self, **changes: Any) -> WorkerSpec:
         """The spec of a new worker taking this one's place (same index), with ``changes`` applied."""

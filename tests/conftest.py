@@ -21,3 +21,36 @@ def free_port():
     from rlharvest.transport.ports import free_port_block
 
     return free_port_block(3)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Ray tests run last: the session's Ray (its daemons, and the driver's gRPC port, which listens on
+    every interface) then never runs beside the other tests, whose checks it would disturb."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for every Ray test of the session (2 CPUs, no dashboard, 200 MB object store),
+    shut down at the end of the session. No Ray service is needed beforehand."""
+    import os
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Actors import what the tests' env and policy constructors live in (tests/mocks.py).
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_session(ray_cluster):
+    """Ray for one test, which must leave no actor alive (the process check cannot tell a leaked
+    actor's process from Ray's own workers by parentage: it asks Ray)."""
+    yield ray_cluster
+    from ray_check import assert_no_live_actors
+
+    assert_no_live_actors(ray_cluster)

@@ -392,3 +392,88 @@ class EpisodeLengthEnv(CountingEnv):
     def _step_arrays(self, actions):
         self.count = self.count + 1
         return {"observation": self.count}, self._zero_reward, self.count >= self.lengths, None
+
+
+def claim(marker: str) -> bool:
+    """Whether this call is the first, across processes, to claim ``marker`` (a file made atomically)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+class FailOnceEnv(CountingEnv):
+    """A CountingEnv that fails once per test: the first env of worker ``bad`` to reach step ``at_step``
+    (counted since it was built) fails, and leaves ``marker`` so that its replacement does not.
+
+    ``mode``: ``"raise"`` (ValueError in step), ``"hang"`` (sleeps until killed), ``"kill"`` (SIGKILLs
+    its own process, mid-batch), ``"exit"`` (``os._exit(3)``).
+    """
+
+    def __init__(self, marker: str, worker_idx: int, bad: int = 1, at_step: int = 10, mode: str = "kill",
+                 max_steps: int = 6) -> None:
+        super().__init__(max_steps=max_steps)
+        self.marker, self.is_bad, self.at_step, self.mode, self.steps = marker, worker_idx == bad, at_step, mode, 0
+
+    def _step_arrays(self, actions):
+        self.steps += 1
+        if self.is_bad and self.steps == self.at_step and claim(self.marker):
+            if self.mode == "raise":
+                raise ValueError("FailOnceEnv: injected failure")
+            if self.mode == "hang":
+                while True:
+                    time.sleep(1)
+            if self.mode == "kill":
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "exit":
+                os._exit(3)
+        return super()._step_arrays(actions)
+
+
+def fail_once_envs(marker, count: int = 2, **kwargs):
+    """One FailOnceEnv constructor per worker (worker i's env knows its index)."""
+    return [lambda i=i: FailOnceEnv(str(marker), i, **kwargs) for i in range(count)]
+
+
+class FailOncePolicy(WeightPolicy):
+    """``action = weight``; raises once per test (``marker``) at its ``at_call``-th call in a process."""
+
+    def __init__(self, marker: str, at_call: int = 10) -> None:
+        super().__init__(1.0)
+        self.marker, self.at_call, self.calls = str(marker), at_call, 0
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at_call and claim(self.marker):
+            raise RuntimeError("FailOncePolicy: injected failure")
+        return super().forward(observation)
+
+
+def check_counting_batches(batches, frames_per_batch: int, total_frames: int, step: int = 1) -> dict:
+    """The invariants of collection that survived failures, on CountingEnv batches driven by a
+    policy whose action is ``step``: every batch complete, no frame twice, observations stepping by
+    exactly ``step`` within a trajectory, each trajectory id collected by one worker only, and
+    ``total_frames`` met exactly. Returns ``{traj_id: [observations]}``."""
+    ids_key = ("collector", "traj_ids")
+    seen: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    frames = 0
+    for batch in batches:
+        assert batch.numel() == frames_per_batch, f"incomplete batch: {batch.numel()} of {frames_per_batch} frames"
+        rows = batch.reshape(-1, batch.shape[-1]) if batch.batch_dims > 1 else batch.unsqueeze(0)
+        for row, part in enumerate(rows.unbind(0)):
+            ids, obs = part.get(ids_key).tolist(), part["observation"].reshape(-1).tolist()
+            assert -1 not in ids, "a batch holds steps that were not collected"
+            for traj, value in zip(ids, obs):
+                seen.setdefault(traj, []).append(value)
+                if batch.batch_dims > 1:
+                    assert owner.setdefault(traj, row) == row, f"trajectory {traj} collected by two workers"
+        frames += batch.numel()
+    assert frames == total_frames
+    for traj, values in seen.items():
+        assert len(values) == len(set(values)), f"trajectory {traj} has a frame twice: {values}"
+        assert all(b - a == step for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
+    return seen

@@ -15,6 +15,16 @@ import pytest
 _INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
+def _is_ray_service(command: str) -> bool:
+    """A process of the session's local Ray (its daemons, agents and idle pooled workers, started by
+    ``ray.init`` and gone with ``ray.shutdown``), as opposed to an actor a test left alive
+    (``ray::<ActorClass>``, also what its forked children inherit)."""
+    if command.startswith("ray::"):
+        name = command.split()[0]
+        return name.startswith("ray::IDLE") or name.endswith("Agent")
+    return "/site-packages/ray/" in command
+
+
 def children() -> set[int]:
     me = psutil.Process(os.getpid())
     alive = set()
@@ -22,7 +32,8 @@ def children() -> set[int]:
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if any(helper in " ".join(child.cmdline()) for helper in _INTERPRETER_HELPERS):
+            command = " ".join(child.cmdline())
+            if any(helper in command for helper in _INTERPRETER_HELPERS) or _is_ray_service(command):
                 continue
             alive.add(child.pid)
         except psutil.NoSuchProcess:

@@ -3,6 +3,7 @@
 from .._utils import deprecated_alias
 from ..policies import RandomPolicy
 from ..profiling import ProfileConfig
+from ..weight_update.ray import RayWeightUpdater
 from ..weight_update.updaters import (
     MultiProcessedWeightUpdater,
     RemoteModuleWeightUpdater,
@@ -30,6 +31,7 @@ __all__ = [
     "VanillaWeightUpdater",
     "MultiProcessedWeightUpdater",
     "RemoteModuleWeightUpdater",
+    "RayWeightUpdater",
     "MultiSyncCollector",
     "MultiAsyncCollector",
     "AsyncCollector",

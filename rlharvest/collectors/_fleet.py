@@ -23,6 +23,7 @@ from ..errors import WorkerError
 from ..protocol import READY, Command, WorkerSpec
 from ..transport.base import Backend, WorkerHandle
 from ._pool import WorkerPool
+from ._restarts import RestartPolicy
 
 __all__ = ["Fleet"]
 
@@ -34,6 +35,7 @@ class Fleet:
         backend: runs the workers (processes, threads, nodes, RPC nodes).
         schemes: the sender weight schemes (``{model_id: scheme}``), initialised on the sender side.
         timeout: seconds a worker may take to answer while making no progress.
+        restarts: which failed workers are replaced (default: none, failures raise).
 
     Example:
         >>> from rlharvest.collectors import Collector
@@ -47,8 +49,10 @@ class Fleet:
         >>> fleet.stop(5.0)
     """
 
-    def __init__(self, backend: Backend, schemes: dict[str, Any], timeout: float) -> None:
+    def __init__(self, backend: Backend, schemes: dict[str, Any], timeout: float,
+                 restarts: RestartPolicy | None = None) -> None:
         self.backend = backend
+        self.restarts = restarts if restarts is not None else RestartPolicy(0, 0.0, backend.noun)
         self.schemes = schemes
         self.timeout = float(timeout)
         self.specs: list[WorkerSpec] = []

@@ -231,8 +231,10 @@ class WorkerPool:
         doing = f" while handling {command.value!r}" if command is not None else " while starting"
         if command is None and self.READY not in self._outstanding[worker]:
             doing = ""
-        return WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
-                           worker_idx=worker)
+        err = WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
+                          worker_idx=worker)
+        err.kind = self.handles[worker].exit_kind()  # how it is gone, for the restart policy
+        return err
 
     def is_dead(self, worker: int) -> bool:
         return worker in self._dead or not self.handles[worker].is_alive()

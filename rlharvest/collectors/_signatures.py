@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["derived_signature", "bind_arguments"]
+__all__ = ["derived_signature", "bind_arguments", "method_signature", "keyword"]
 
 
 def derived_signature(parent: Callable, *, drop: Iterable[str] = (), defaults: Mapping[str, Any] | None = None,
@@ -48,3 +48,10 @@ def bind_arguments(owner: str, signature: inspect.Signature, args: tuple, kwargs
 def keyword(name: str, default: Any = None, annotation: Any = inspect.Parameter.empty) -> inspect.Parameter:
     """A keyword-only parameter."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def method_signature(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with a leading ``self``: what ``inspect.signature(cls.__init__)`` shows (TorchRL's
+    tests and users compare constructors that way, not only through the class)."""
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return signature.replace(parameters=[this, *signature.parameters.values()])

@@ -18,6 +18,7 @@ from tensordict import TensorDictBase
 from .._utils import is_private_key, resolve_attr_path
 from ..config import CollectorConfig
 from ..profiling import ProfileConfig
+from ._progress import ProgressMeter
 from ._weight_api import WeightAPIMixin
 from .trajectories import TrajectoryAssembler
 
@@ -59,6 +60,7 @@ class BaseCollector(WeightAPIMixin):
     _pre_collect_hook: Callable[[], None] | None = None
     _post_collect_hook: Callable[[TensorDictBase], None] | None = None
     _assembler: TrajectoryAssembler | None = None
+    _meter: ProgressMeter | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -119,7 +121,20 @@ class BaseCollector(WeightAPIMixin):
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """The generator behind ``__iter__``."""
-        return self._iterate()
+        return self._measured(self._iterate())
+
+    def _measured(self, batches: Iterator[TensorDictBase | None]) -> Iterator[TensorDictBase | None]:
+        """``batches``, each recorded for :meth:`stats` (throughput, policy lag) as it is yielded."""
+        meter = self._progress
+        for batch in batches:
+            meter.record(self._frames, batch, self.policy_version)
+            yield batch
+
+    @property
+    def _progress(self) -> ProgressMeter:
+        if self._meter is None:
+            self._meter = ProgressMeter()
+        return self._meter
 
     def __iter__(self) -> Iterator[TensorDictBase | None]:
         self._iteration_started = True
@@ -439,7 +454,9 @@ class BaseCollector(WeightAPIMixin):
         """A cheap snapshot of progress, plain scalars only (JSON-serialisable, safe while running).
 
         Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
-        ``requested_frames_per_batch``, and ``policy_version`` when versions are tracked.
+        ``requested_frames_per_batch``, and ``policy_version`` when versions are tracked; once a batch
+        was yielded, ``frames_per_s`` (overall) and ``frames_per_s_recent`` (last 16 batches), and
+        ``policy_lag`` (how many versions the last batch's oldest frame is behind) when tracked.
 
         Example:
             >>> collector.stats()["frames"]                          # doctest: +SKIP
@@ -453,6 +470,7 @@ class BaseCollector(WeightAPIMixin):
         version = self.policy_version
         if isinstance(version, int):
             stats["policy_version"] = version
+        stats.update(self._progress.stats())
         return stats
 
     # ------------------------------------------------------------------ the worker-loop contract

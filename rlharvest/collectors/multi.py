@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from .._utils import cpu_count
 from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
+from ..errors import WorkerError
 from ..policies import ExplorationType
 from ..protocol import Command, WorkerSpec
 from ..transport.base import Backend
@@ -25,7 +26,8 @@ from ..weight_update.strategy import weights_of
 from ..worker import run_worker
 from . import _worker_args as setup
 from ._fleet import Fleet
-from ._signatures import bind_arguments, derived_signature
+from ._restarts import RestartPolicy
+from ._signatures import bind_arguments, derived_signature, method_signature
 from .remote import RemoteCollectorBase
 from .single import Collector
 
@@ -117,6 +119,8 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         track_policy_version: Any = False,
         worker_idx: int | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
         mp_start_method: str | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
@@ -207,7 +211,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     def _setup_buffer(self) -> None:
         buffer = self.config.replay_buffer
-        self._workers_write = isinstance(buffer, ReplayBuffer)
+        # With restarts, only this process writes the buffer, and only whole batches: a worker killed
+        # while writing would leave a partial write (and the buffer's lock held). docs/restarts.md.
+        self._workers_write = isinstance(buffer, ReplayBuffer) and not self.config.max_worker_restarts
         if self._workers_write:
             buffer.make_process_safe(self._backend.ctx)
 
@@ -239,7 +245,8 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         ) for worker in range(len(env_fns))]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
-        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        restarts = RestartPolicy(self.config.max_worker_restarts, self.config.restart_delay, self.noun)
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout, restarts)
         self._register_live()
         try:
             self._fleet.start(specs)
@@ -297,7 +304,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         # No scheme (parameter-free policy): nothing to send; versions still move.
         self._policy_version += 1
 
-    def _on_legacy_weights_written(self, device: torch.device) -> None:
+    def legacy_weights_written(self, device: torch.device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
         updater = self.weight_updater
         workers = [w for w in range(self.num_workers) if self.config.policy_device_of(w) == torch.device(device)]
@@ -366,14 +373,19 @@ class MultiSyncCollector(MultiCollector):
             return super()._gather_sync(random)
         pool = self._pool
         needed = int(len(pool) * self.preemptive_threshold)
-        ids = {w: self._request_batch(w, random) for w in range(len(pool))}
+        ids = {w: self._launch(w, random) for w in range(len(pool))}
         replies: dict[int, Any] = {}
         while len(replies) < len(pool):
             if len(replies) >= needed:
                 for worker in ids:
                     if worker not in replies:
                         pool.handles[worker].interrupt()
-            worker, reply = pool.wait_any({w: r for w, r in ids.items() if w not in replies})
+            try:
+                worker, reply = pool.wait_any({w: r for w, r in ids.items() if w not in replies})
+            except WorkerError as err:  # asked again of its replacement
+                failed = self._restart_after(err)
+                ids[failed] = self._launch(failed, random)
+                continue
             replies[worker] = reply
         return [replies[w] for w in range(len(pool))]
 
@@ -446,3 +458,5 @@ class AsyncCollector(MultiAsyncCollector):
             raise ValueError("AsyncCollector runs exactly one worker.")
         arguments["create_env_kwargs"] = [arguments["create_env_kwargs"] or {}]
         super().__init__([create_env_fn], **arguments)
+
+    __init__.__signature__ = method_signature(__signature__)

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
+from ..errors import WorkerError
 from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
@@ -118,8 +119,11 @@ class RemoteCollectorBase(BaseCollector):
         """The worker's batch as a private copy with remapped ids, or None if it went to the buffer."""
         if reply.written:
             return None
-        batch = self._pool.handles[worker].fetch_batch(reply)
-        return self._remap_traj_ids(batch, worker)
+        batch = self._remap_traj_ids(self._pool.handles[worker].fetch_batch(reply), worker)
+        if self._trajectories is not None and self._fleet.restarts.enabled:
+            ids = batch.get(_TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
+            self._running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
+        return batch
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
@@ -129,10 +133,14 @@ class RemoteCollectorBase(BaseCollector):
 
     def _iterate_sync(self) -> Iterator[TensorDictBase | None]:
         while not self._reached_total():
-            self._before_sync_batch()
+            self._updating_weights(self._before_sync_batch)
             self._iter += 1
-            replies = self._gather_sync(self._random_phase())
-            batches = [self._handle_worker_batch(w, r) for w, r in enumerate(replies)]
+            random = self._random_phase()
+            replies = self._gather_sync(random)
+            batches = []
+            for worker in range(len(replies)):
+                batch, replies[worker] = self._fetched(worker, replies[worker], random)
+                batches.append(batch)
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
@@ -143,8 +151,37 @@ class RemoteCollectorBase(BaseCollector):
 
     def _gather_sync(self, random: bool) -> list:
         pool = self._pool
-        ids = {w: self._request_batch(w, random) for w in range(len(pool))}
-        return [pool.wait_for(w, ids[w]) for w in range(len(pool))]
+        ids = {w: self._launch(w, random) for w in range(len(pool))}
+        replies: dict[int, Any] = {}
+        for worker in range(len(pool)):
+            while worker not in replies:
+                try:
+                    replies[worker] = pool.wait_for(worker, ids[worker])
+                except WorkerError as err:  # its batch is dropped and asked again of its replacement
+                    failed = self._restart_after(err)
+                    replies.pop(failed, None)
+                    ids[failed] = self._launch(failed, random)
+        return [replies[w] for w in range(len(pool))]
+
+    def _fetched(self, worker: int, reply, random: bool) -> tuple[TensorDictBase | None, Any]:
+        """The batch of ``reply`` and the reply; when the worker fails while sending it (nodes send
+        batches after replying), its replacement collects the batch again."""
+        while True:
+            try:
+                if reply is None:
+                    reply = self._pool.wait_for(worker, self._launch(worker, random))
+                return self._handle_worker_batch(worker, reply), reply
+            except WorkerError as err:
+                self._restart_after(err)
+                reply = None
+
+    def _launch(self, worker: int, random: bool) -> int:
+        """:meth:`_request_batch`, replacing the worker first when it is found failed (restarts on)."""
+        while True:
+            try:
+                return self._request_batch(worker, random)
+            except WorkerError as err:
+                self._restart_after(err)
 
     def _iterate_async(self) -> Iterator[TensorDictBase | None]:
         pool = self._pool
@@ -152,20 +189,91 @@ class RemoteCollectorBase(BaseCollector):
         while not self._reached_total():
             for worker in range(len(pool)):
                 if worker not in running:
-                    self._before_relaunch(worker)
-                    running[worker] = self._request_batch(worker, self._random_phase())
-            worker, reply = pool.wait_any(running)
+                    self._relaunch(worker)
+            try:
+                worker, reply = pool.wait_any(running)
+            except WorkerError as err:  # its batch is dropped; the loop asks its replacement again
+                self._restart_after(err)
+                continue
             del running[worker]
+            try:
+                batch = self._handle_worker_batch(worker, reply)
+            except WorkerError as err:  # it failed while sending the batch: asked again of its replacement
+                self._restart_after(err)
+                continue
             self._iter += 1
-            batch = self._handle_worker_batch(worker, reply)
             batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
             self._frames += self._count_frames([reply])
             if not self._relaunch_after_yield and not self._reached_total():
                 # re-launch before yielding: the worker collects while the caller trains
-                self._before_relaunch(worker)
-                running[worker] = self._request_batch(worker, self._random_phase())
+                self._relaunch(worker)
             yield from self._emit([batch] if batch is not None else [], [reply], sync=False, counted=True)
             self._after_yield(worker)
+
+    def _relaunch(self, worker: int) -> None:
+        """Async: weights for ``worker`` if due, then its next request (replacing it if found failed)."""
+        self._updating_weights(lambda: self._before_relaunch(worker))
+        self._async_requests[worker] = self._launch(worker, self._random_phase())
+
+    # ------------------------------------------------------------------ restarts (docs/restarts.md)
+    def _restart_after(self, err: WorkerError, **changes: Any) -> int:
+        """Replace the worker ``err`` names, as the restart policy allows, and return its index.
+
+        What it had in flight is dropped (its pending request, the steps of its unfinished
+        trajectories); a replacement that fails while starting counts as one more failure.
+
+        Raises:
+            WorkerError: ``err`` itself with ``max_worker_restarts=0``; past the limit, a
+                ``RestartLimitError`` listing every cause.
+        """
+        restarts = self._fleet.restarts
+        worker = restarts.admit(err)
+        while True:
+            self._forget_in_flight(worker)
+            try:
+                self._replace_worker(worker, restart=restarts.restarts_of(worker), **changes)
+                return worker
+            except WorkerError as again:
+                worker = restarts.admit(again)
+            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
+                raise err from cannot
+
+    def update_policy_weights_(self, *args, **kwargs) -> None:
+        """As :meth:`BaseCollector.update_policy_weights_`; with restarts on, a worker found failed
+        while the weights are delivered is replaced, and starts with them (docs/restarts.md)."""
+        self._updating_weights(lambda: super(RemoteCollectorBase, self).update_policy_weights_(*args, **kwargs))
+
+    def _forget_in_flight(self, worker: int) -> None:
+        """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
+        back for complete-trajectory batches (they will never end)."""
+        self._async_requests.pop(worker, None)
+        running = self._running_trajs.pop(worker, None)
+        if running and self._trajectories is not None:
+            self._trajectories.drop_in_flight(running)
+
+    @property
+    def _running_trajs(self) -> dict[int, list[int]]:
+        if not hasattr(self, "_running_traj_ids"):
+            self._running_traj_ids: dict[int, list[int]] = {}
+        return self._running_traj_ids
+
+    def _updating_weights(self, update, counted: bool = True) -> None:
+        """Run an automatic weight update; a worker it finds failed is replaced.
+
+        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
+        have the new weights; the replacement starts with them (and, when the update ``counted`` a
+        version, with the version it makes) too.
+        """
+        try:
+            update()
+        except WorkerError as err:
+            restarts = self._fleet.restarts if self._fleet is not None else None
+            if restarts is None or not restarts.enabled:
+                raise
+            step = 1 if counted else 0
+            self._restart_after(err, policy_version=self._policy_version + step)
+            if counted:
+                BaseCollector.increment_version(self)
 
     @property
     def _async_requests(self) -> dict[int, int]:
@@ -271,9 +379,13 @@ class RemoteCollectorBase(BaseCollector):
 
     def _drain_async(self) -> None:
         """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
-        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken)."""
+        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
+        a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
         for worker, request_id in list(self._async_requests.items()):
-            self._pool.wait_arrived(worker, request_id)
+            try:
+                self._pool.wait_arrived(worker, request_id)
+            except WorkerError as err:
+                self._restart_after(err)
 
     def get_distant_attr(self, attr: str) -> list[Any]:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
@@ -295,6 +407,10 @@ class RemoteCollectorBase(BaseCollector):
         """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
         each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
 
+        Always there: ``workers``, ``workers_alive``, ``restarts`` (failed workers replaced, over the
+        collector's life) and per worker ``worker_<i>/restarts`` and ``worker_<i>/restart_causes``
+        (``"<kind>: <message>"`` of each, ``"; "``-separated). docs/restarts.md.
+
         Raises:
             ValueError: for another ``workers`` value.
         """
@@ -303,6 +419,8 @@ class RemoteCollectorBase(BaseCollector):
         stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
         stats["workers"] = self.num_workers
         stats["workers_alive"] = sum(not self._pool.is_dead(w) for w in range(self.num_workers)) if self._pool else 0
+        if self._fleet is not None:  # kept here, no worker is asked
+            stats.update(self._fleet.restarts.stats(self.num_workers))
         if workers != "aggregate":
             for worker, worker_stats in enumerate(self.map_fn("stats")):
                 stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
@@ -441,10 +559,11 @@ class RemoteCollectorBase(BaseCollector):
         """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
         return {"policy_version": self._policy_version}
 
-    def _replace_worker(self, worker: int) -> None:
+    def _replace_worker(self, worker: int, **changes: Any) -> None:
         """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
-        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker")."""
-        self._fleet.replace(worker, **self._replacement_changes(worker))
+        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
+        with ``changes`` to its spec on top."""
+        self._fleet.replace(worker, **{**self._replacement_changes(worker), **changes})
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

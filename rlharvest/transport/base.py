@@ -79,6 +79,11 @@ class WorkerHandle(ABC):
         """Why the worker is gone, for error messages."""
         return "it is no longer alive"
 
+    def exit_kind(self) -> str:
+        """How the worker is gone: ``"died"`` (its process ended), or ``"heartbeat"`` (its host stopped
+        answering while its connection stayed open)."""
+        return "died"
+
     def progress(self) -> int:
         """A counter the worker advances as it works (env steps); -1 when unknown."""
         return -1

@@ -45,10 +45,14 @@ __all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryC
 
 
 class SharedTrajectoryCounter(TrajectoryCounter):
-    """Trajectory ids shared by every worker of a collector (a locked counter in shared memory)."""
+    """Trajectory ids shared by every worker of a collector (a locked counter in shared memory).
+
+    The counter also records which process holds the lock: a worker killed while holding it would
+    otherwise leave every other worker waiting forever, and :meth:`recover` releases it for the dead.
+    """
 
     def __init__(self, ctx, start: int = 0) -> None:
-        self._value = torch.full((1,), start, dtype=torch.int64).share_memory_()
+        self._value = torch.tensor([start, 0], dtype=torch.int64).share_memory_()  # [next id, holder pid]
         self._lock = ctx.Lock()
         self._view = None
 
@@ -57,9 +61,18 @@ class SharedTrajectoryCounter(TrajectoryCounter):
         if view is None:
             view = self._view = self._value.numpy()
         with self._lock:
+            view[1] = os.getpid()
             first = int(view[0])
             view[0] = first + n
+            view[1] = 0
         return first
+
+    def recover(self, pid: int | None) -> None:
+        """Release the lock if the process ``pid``, now dead, died holding it."""
+        view = self._value.numpy()
+        if pid is not None and int(view[1]) == pid:
+            view[1] = 0
+            self._lock.release()  # a semaphore: any process may release it
 
     def peek(self) -> int:
         with self._lock:
@@ -169,10 +182,20 @@ class MPBackend(Backend):
         self.ctx = ctx
         self.policy_devices = policy_devices
         self.signals = SignalBoard(num_workers)
+        self._counters: list[SharedTrajectoryCounter] = []
 
     def trajectory_counter(self) -> SharedTrajectoryCounter:
         """Trajectory ids shared by the workers (held in this process's shared memory)."""
-        return SharedTrajectoryCounter(self.ctx)
+        counter = SharedTrajectoryCounter(self.ctx)
+        self._counters.append(counter)
+        return counter
+
+    def stop_one(self, index: int, deadline: float) -> None:
+        handle = self.handles[index]
+        super().stop_one(index, deadline)
+        if handle is not None:
+            for counter in self._counters:  # a worker killed inside take() must not block the others
+                counter.recover(handle.process.pid)
 
     def start_one(self, index: int, spec: WorkerSpec) -> MPWorkerHandle:
         """Start the process of worker ``index``.

@@ -120,6 +120,9 @@ class DistWorkerHandle(WorkerHandle):
             return "its connection closed"
         return f"no heartbeat for {self.heartbeat_timeout:g} s (host unreachable?)"
 
+    def exit_kind(self) -> str:
+        return "died" if self._closed or not self.launched.is_alive() else "heartbeat"
+
     def progress(self) -> int:
         return self._steps
 

@@ -1,6 +1,7 @@
 """Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
 
 from .distributed import DistributedWeightSyncScheme
+from .ray import RayWeightSyncScheme, RayWeightUpdater
 from .rpc import RPCWeightSyncScheme
 from .schemes import NoWeightSyncScheme, WeightSyncScheme
 from .shared_mem import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
@@ -13,6 +14,8 @@ __all__ = [
     "NoWeightSyncScheme",
     "DistributedWeightSyncScheme",
     "RPCWeightSyncScheme",
+    "RayWeightSyncScheme",
+    "RayWeightUpdater",
     "SharedMemWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "WeightUpdaterBase",

@@ -129,4 +129,4 @@ class DistributedWeightUpdater(WeightUpdaterBase):
             raise RuntimeError("DistributedWeightUpdater is not registered with a collector.")
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
             raise ValueError(f"Worker {worker_id} not registered (0-based node indices 0..{self.num_workers - 1}).")
-        collector._legacy_push(worker_id, server_weights, wait=self.sync)
+        collector.push_legacy_weights(worker_id, server_weights, wait=self.sync)

@@ -98,6 +98,7 @@ class WeightSyncScheme:
         "process": "rlharvest.weight_update.shared_mem:MultiProcessWeightSyncScheme",
         "distributed": "rlharvest.weight_update.distributed:DistributedWeightSyncScheme",
         "rpc": "rlharvest.weight_update.rpc:RPCWeightSyncScheme",
+        "ray": "rlharvest.weight_update.ray:RayWeightSyncScheme",
     }
     _BACKEND_ALIASES = {"direct": "none", "thread": "shared", "multiprocessing": "process"}
 
@@ -106,7 +107,7 @@ class WeightSyncScheme:
         """The scheme that moves weights over ``backend``, built with ``kwargs``.
 
         Args:
-            backend: ``"none"``, ``"shared"``, ``"process"``, ``"distributed"`` or ``"rpc"`` (also
+            backend: ``"none"``, ``"shared"``, ``"process"``, ``"distributed"``, ``"rpc"`` or ``"ray"`` (also
                 ``"direct"``, ``"thread"`` and ``"multiprocessing"``, aliases of the first three).
             **kwargs: the scheme's constructor arguments.
 

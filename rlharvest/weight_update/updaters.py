@@ -259,8 +259,8 @@ class MultiProcessedWeightUpdater(WeightUpdaterBase):
             raise ValueError(f"Worker device {device} not registered; known: {list(self.policy_weights)}")
         copy_weights_(self.policy_weights[device], weights_of(server_weights))
         collector = self.collector
-        if collector is not None and hasattr(collector, "_on_legacy_weights_written"):
-            collector._on_legacy_weights_written(device)
+        if collector is not None and hasattr(collector, "legacy_weights_written"):
+            collector.legacy_weights_written(device)
 
 
 class RemoteModuleWeightUpdater(WeightUpdaterBase):

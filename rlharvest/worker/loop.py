@@ -163,8 +163,9 @@ class Worker:
             collector.set_policy_version(spec.policy_version)
         if receivers:
             collector.register_scheme_receiver(receivers)
-        if spec.seed is not None:
-            _seed_worker(collector, spec.seed, spec.static_seed)
+        seed = spec.start_seed()
+        if seed is not None:
+            _seed_worker(collector, seed, spec.static_seed)
         return collector
 
     # ------------------------------------------------------------------ dispatch
@@ -198,7 +199,7 @@ class Worker:
             if self.running_free and not self.paused:
                 message = endpoint.recv(0.0)
                 if message is None:
-                    self._free_rollout()
+                    self._free_rollout_reported()
                     continue
             else:
                 if waitables:
@@ -261,6 +262,19 @@ class Worker:
         if self.endpoint is None:
             return Reply(0, self.worker_idx, value=batch, frames=frames)
         return Reply(0, self.worker_idx, value=self._publish(batch), frames=frames)
+
+    def _free_rollout_reported(self) -> None:
+        """A rollout while running free; when it raises and batches are pushed to the parent, the
+        failure is pushed in their place (the parent raises it, or replaces this worker) and the
+        worker stops running free. Workers writing a replay buffer end as before."""
+        try:
+            self._free_rollout()
+        except Exception as err:
+            if self.spec.replay_buffer is not None:
+                raise
+            self.running_free = False
+            failure = RemoteFailure.capture(err, self.worker_idx)
+            self.endpoint.send(Reply(FREE_BATCH - next(self._free_ids), self.worker_idx, failure=failure))
 
     def _free_rollout(self) -> None:
         """One rollout while running free: written to the shared replay buffer, or pushed to the parent

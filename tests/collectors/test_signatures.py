@@ -37,3 +37,9 @@ def test_derived_signatures_list_every_parameter():
 def test_arguments_outside_the_signature_are_refused(make, name):
     with pytest.raises(TypeError, match=f"got an unexpected keyword argument '{name}'"):
         make()
+
+
+@pytest.mark.parametrize("cls", [AsyncCollector, DistributedSyncCollector, RPCCollector])
+def test_the_constructor_shows_the_derived_signature(cls):
+    """inspect.signature(cls.__init__) is what TorchRL's tests and IDEs read, beside the class's."""
+    assert list(inspect.signature(cls.__init__).parameters) == ["self", *parameters(cls)]

@@ -25,6 +25,7 @@ from rlharvest.protocol import Command, WorkerSpec
 from rlharvest.collectors.distributed._network import NetworkConfig
 from rlharvest.transport.inprocess import InProcessBackend
 from rlharvest.transport.mp import MPBackend, mp_context
+from rlharvest.transport.ray import RayBackend
 from rlharvest.transport.rpc import RPCBackend
 from rlharvest.transport.torchdist import TorchDistBackend
 from rlharvest.weight_update.schemes import WeightSyncScheme
@@ -75,7 +76,10 @@ SETUPS = {
                        shared_ids=False),
     "rpc": Setup(lambda count, port: RPCBackend(count, node_main, RPC_CALLS, network(port, key=False), launcher="mp"),
                  shared_ids=False, stateless=False),
+    "ray": Setup(lambda count, port: RayBackend(count, run_worker), shared_ids=False),
 }
+#: backends that need a service of the session (the ``ray`` marker selects, or deselects, them)
+MARKS = {"ray": [pytest.mark.ray]}
 
 
 class Harness:
@@ -139,8 +143,10 @@ class Harness:
         self.scheme.shutdown()
 
 
-@pytest.fixture(params=list(SETUPS))
+@pytest.fixture(params=[pytest.param(name, marks=MARKS.get(name, [])) for name in SETUPS])
 def harness(request, free_port):
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
     made = []
 
     def make(count: int = 2, env_fn=lambda w: (lambda: CountingEnv(max_steps=2)), **kwargs) -> Harness:

@@ -1,9 +1,12 @@
-"""Multi-node collectors: DistributedCollector (torch.distributed) and RPCCollector (torch RPC)."""
+"""Multi-node collectors: DistributedCollector (torch.distributed), RPCCollector (torch RPC) and
+RayCollector (Ray actors; Ray itself is the optional extra ``rlharvest[ray]``)."""
 
 from ..._utils import deprecated_alias
 from ...weight_update.distributed import DistributedWeightUpdater
+from ...weight_update.ray import RayWeightSyncScheme, RayWeightUpdater
 from ...weight_update.rpc import RPCWeightUpdater
 from .generic import DistributedCollector
+from .ray import RayCollector
 from .rpc import RPCCollector
 from .sync import DistributedSyncCollector
 from .launchers import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
@@ -21,6 +24,9 @@ __all__ = [
     "RPCCollector",
     "RPCDataCollector",
     "RPCWeightUpdater",
+    "RayCollector",
+    "RayWeightSyncScheme",
+    "RayWeightUpdater",
     "DEFAULT_SLURM_CONF",
     "DEFAULT_SLURM_CONF_MAIN",
     "submitit_delayed_launcher",

@@ -26,6 +26,7 @@ from ...weight_update.schemes import WeightSyncScheme
 from ...worker.nodes import node_main
 from .. import _worker_args as setup
 from .._fleet import Fleet
+from .._restarts import RestartPolicy
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
 from ._network import NetworkConfig
@@ -85,8 +86,13 @@ class DistributedCollector(RemoteCollectorBase):
         weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).
         weight_sync_schemes: ``{model_id: scheme}``; default ``{"policy": DistributedWeightSyncScheme()}``.
         weight_recv_schemes: schemes through which this collector itself receives weights.
+        track_policy_version: every frame carries ``"policy_version"``, the version of the weights
+            that collected it (the nodes count the updates they apply; docs/weights.md).
         worker_timeout: seconds a node may go without answering or progressing (TimeoutError).
         heartbeat_timeout: seconds without a heartbeat before a node is declared dead.
+        max_worker_restarts: failed nodes replaced (a new node through the same launcher) before a
+            failure raises; 0 (default): the first failure raises ``WorkerError``. docs/restarts.md.
+        restart_delay: seconds to wait before a failed node's replacement starts.
         mp_start_method: start method of ``"mp"`` nodes (platform default).
         bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
             ``"mp"``, else the address this host's name resolves to (the one nodes are told);
@@ -142,8 +148,11 @@ class DistributedCollector(RemoteCollectorBase):
         weight_sync_schemes: dict | None = None,
         weight_recv_schemes: dict | None = None,
         replay_buffer=None,
+        track_policy_version: Any = False,
         worker_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
         mp_start_method: str | None = None,
         bind_address: str | None = None,
         authkey: bytes | str | None = None,
@@ -170,18 +179,13 @@ class DistributedCollector(RemoteCollectorBase):
         config.check_workers(count)
         self.collector_class = resolve_collector_class(arguments["collector_class"])
         self.num_workers_per_collector = self._check_sub_workers(arguments["num_workers_per_collector"])
-        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
         self.update_after_each_batch = bool(arguments["update_after_each_batch"])
         self.max_weight_update_interval = int(arguments["max_weight_update_interval"])
         self.update_interval = arguments["update_interval"]
         # Take a node's batch, yield it, (update), then re-launch that node: weights the caller
         # changed before the next batch reach the node before it collects again (docs/weights.md).
         self._relaunch_after_yield = True
-        self._net = net = self._network(arguments)
-        self.tcp_port = str(net.tcp_port)
-        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
-        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
-        self._mp_start_method = arguments["mp_start_method"]
+        self._setup_transport(arguments)
         self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
         self.policy = arguments["policy"]
         factory = arguments["policy_factory"]
@@ -191,11 +195,21 @@ class DistributedCollector(RemoteCollectorBase):
         self._max_local_id = [-1] * count
         self._yielded = 0
         self._worker_idx = None
+        self._version_tracker = self._track_versions(arguments["collector_kwargs"])
         self._backend = self._make_backend(count)
         self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
         self._start_nodes(count)
 
-    def _check_arguments(self, count: int, arguments: dict) -> None:
+    def _setup_transport(self, arguments: dict) -> None:
+        """Where nodes run and how they are reached (launcher, process-group backend, network)."""
+        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
+        self._net = net = self._network(arguments)
+        self.tcp_port = str(net.tcp_port)
+        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
+        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
+        self._mp_start_method = arguments["mp_start_method"]
+
+    def _check_transport_arguments(self, arguments: dict) -> None:
         launcher = arguments["launcher"]
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
@@ -205,6 +219,9 @@ class DistributedCollector(RemoteCollectorBase):
                 import submitit  # noqa: F401  (only whether it is there)
             except ImportError as err:
                 raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+
+    def _check_arguments(self, count: int, arguments: dict) -> None:
+        self._check_transport_arguments(arguments)
         if isinstance(self.config.frames_per_batch, tuple):
             raise TypeError(f"frames_per_batch must be an int for {type(self).__name__} (nodes collect equal "
                             "shares), got a list.")
@@ -215,6 +232,11 @@ class DistributedCollector(RemoteCollectorBase):
             raise ValueError(f"update_interval must be an int >= 1 (or None), got {interval!r}")
         if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"] is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+
+    def _track_versions(self, collector_kwargs) -> Any:
+        """The version tracker: ``track_policy_version``, or the nodes' when given in ``collector_kwargs``."""
+        entries = collector_kwargs if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs or {}]
+        return self.config.track_policy_version or any(e.get("track_policy_version") for e in entries) or None
 
     def _network(self, arguments: dict) -> NetworkConfig:
         return NetworkConfig.parse(
@@ -276,7 +298,8 @@ class DistributedCollector(RemoteCollectorBase):
             self._weight_sync_schemes = self._sender_schemes
 
     def _start_nodes(self, count: int) -> None:
-        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout)
+        restarts = RestartPolicy(self.config.max_worker_restarts, self.config.restart_delay, self.noun)
+        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout, restarts)
         self._register_live()
         try:
             for model_id, scheme in self._sender_schemes.items():
@@ -369,7 +392,9 @@ class DistributedCollector(RemoteCollectorBase):
             if isinstance(node, int) and 0 <= node < self.num_workers:
                 self._batches_since_update[node] = 0  # any update of a node resets its counter
 
-    def _legacy_push(self, worker: int, weights, wait: bool = True) -> None:
+    def push_legacy_weights(self, worker: int, weights, wait: bool = True) -> None:
+        """Send ``weights`` to node ``worker`` for the legacy ``DistributedWeightUpdater`` (waits for the
+        acknowledgement when ``wait``)."""
         scheme = self._sender_schemes.get("policy")
         if scheme is None:
             return

@@ -13,7 +13,7 @@ from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
 from ...worker.nodes import RPC_CALLS, node_main
 from .. import _worker_args as setup
-from .._signatures import bind_arguments, derived_signature, keyword
+from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ._network import NetworkConfig
 from .generic import DistributedCollector
 
@@ -68,6 +68,8 @@ class RPCCollector(DistributedCollector):
         self._retired_rrefs: list = []
         super().__init__(**arguments, update_interval=None)
 
+    __init__.__signature__ = method_signature(__signature__)
+
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 
     def _network(self, arguments: dict) -> NetworkConfig:
@@ -99,11 +101,11 @@ class RPCCollector(DistributedCollector):
         self.collector_infos = [h.info for h in handles]
         self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
-    def _replace_worker(self, worker: int) -> None:
+    def _replace_worker(self, worker: int, **changes) -> None:
         # The old node's RRef is deleted only once the agent is gone: deleting it now would message
         # an owner that left the group.
         self._retired_rrefs.append(self.collector_rrefs[worker])
-        super()._replace_worker(worker)
+        super()._replace_worker(worker, **changes)
         handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
         self.collector_infos[worker] = handle.info
         self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)

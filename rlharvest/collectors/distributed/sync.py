@@ -12,10 +12,12 @@ from typing import Iterator
 
 from tensordict import TensorDictBase
 
+from ...errors import WorkerError, WorkerTimeoutError
 from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
 from .. import _worker_args as setup
-from .._signatures import bind_arguments, derived_signature
+from .._signatures import bind_arguments, derived_signature, method_signature
+from ..base import BaseCollector
 from ..remote import valid_part
 from .generic import DistributedCollector
 
@@ -59,6 +61,8 @@ class DistributedSyncCollector(DistributedCollector):
         self.update_interval = int(update_interval) if update_interval else 1
         self._pushing = False
 
+    __init__.__signature__ = method_signature(__signature__)
+
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
         pool = self._pool
@@ -71,20 +75,39 @@ class DistributedSyncCollector(DistributedCollector):
             self._iter += 1
             batches, frames = [], 0
             for node in range(self.num_workers):
-                worker, reply = pool.next_pushed(self._worker_timeout, [node]) or (None, None)
-                if reply is None:
-                    raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
-                batch = self._remap_traj_ids(pool.handles[node].fetch_batch(reply), node)
+                reply, batch = self._next_batch_of(node)
                 batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
             self._frames += frames
             self._yielded += 1
             yield from self._emit(batches, [], sync=True, counted=True)
 
+    def _next_batch_of(self, node: int):
+        """The next batch ``node`` pushes (its reply, and the batch with collector-wide ids); a node
+        that failed is replaced (restarts on) and its next batch awaited instead, the one it was
+        sending being dropped."""
+        while True:
+            try:
+                got = self._pool.next_pushed(self._worker_timeout, [node])
+                if got is not None:
+                    return got[1], self._remap_traj_ids(self._pool.handles[node].fetch_batch(got[1]), node)
+                if not self._fleet.restarts.enabled:
+                    raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
+                raise WorkerTimeoutError(f"pushed no batch within {self._worker_timeout:g} s.", worker_idx=node)
+            except WorkerError as err:
+                self._restart_after(err)
+
+    def _replace_worker(self, worker: int, **changes) -> None:
+        super()._replace_worker(worker, **changes)
+        if self._pushing:  # the replacement runs free like the others
+            self._pool.request(worker, Command.RUN_FREE)
+
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")
         if scheme is not None:
-            scheme.send()  # sync=False: nodes pick it up between two env steps
+            # sync=False: nodes pick it up between two env steps, each counting one version as we do
+            BaseCollector.increment_version(self)
+            self._updating_weights(scheme.send, counted=False)  # a replacement starts at the new version
 
     def _close_workers(self, timeout: float) -> None:
         if self._pushing:

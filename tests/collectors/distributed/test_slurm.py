@@ -367,3 +367,29 @@ def test_submitit_delayed_launcher(in_tmp, framework):
         assert set(per_node[0]).isdisjoint(per_node[1])
     assert_jobs_gone(in_tmp, expected=3)  # the main job and its 2 node jobs
     assert local_children() == []
+
+
+@pytest.mark.timeout(150)
+def test_node_job_cancelled_during_collection_is_replaced_by_a_new_job(in_tmp):
+    """With max_worker_restarts, a node job scancelled mid-run is replaced by a new SLURM job (same
+    launcher), and collection goes on: every batch complete, no frame twice (docs/restarts.md)."""
+    from mocks import check_counting_batches, weight_policy
+
+    collector = make([lambda: CountingEnv(max_steps=50)] * 2, policy=weight_policy(1.0), frames_per_batch=8,
+                     total_frames=-1, sync=True, max_worker_restarts=1)
+    try:
+        batches = [collector.next().clone()]
+        old_job = str(collector._launched[1].job.job_id)
+        subprocess.run(["scancel", old_job], check=True, timeout=10)
+        deadline = time.monotonic() + 90
+        while collector.stats()["restarts"] == 0 and time.monotonic() < deadline:
+            batches.append(collector.next().clone())
+        batches += [collector.next().clone() for _ in range(3)]
+        new_job = str(collector._launched[1].job.job_id)
+        causes = collector._fleet.restarts.causes
+    finally:
+        shutdown_seconds = timed_shutdown(collector)
+    assert [c.worker for c in causes] == [1] and new_job != old_job
+    assert f"SLURM job {old_job}" in causes[0].message, causes[0].message
+    check_counting_batches(batches, 8, 8 * len(batches))
+    assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=3)

@@ -1,0 +1,397 @@
+"""The ``ray`` backend: every worker is a Ray actor running the worker loop.
+
+* An actor (:class:`RayWorkerActor`) runs the backend's target, the worker loop, in a thread of
+  its own, against a :class:`RayWorkerEndpoint`; its methods are the other end of that endpoint.
+  The actor is threaded (``max_concurrency``) so that commands, replies and weights never wait for
+  a rollout.
+* Commands are one-way actor calls (``push``) numbered by the parent: a threaded actor may run
+  calls out of order, so the endpoint hands them to the loop in their order.
+* Replies come back by long polling: a thread of the parent keeps one ``pull`` call outstanding,
+  which returns as soon as replies are ready (or after a second, with the worker's progress), and
+  rings a pipe the worker pool waits on. A dead actor fails that call: the handle knows within
+  moments, and the pool raises ``WorkerError`` naming it.
+* A batch travels inside its reply (a private copy: the loop reuses its buffer for the next rollout).
+* Weights: ``ray_weights.py`` (one ``ray.put`` per update, fetched by each actor).
+* Actors die with their driver (Ray's ownership), and are killed (``ray.kill``) when stopped.
+
+Ray is imported lazily: ``pip install 'rlharvest[ray]'`` provides it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+from tensordict import TensorDictBase
+
+from ..protocol import WorkerSpec
+from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .ray_weights import RayWeightLinks, WeightInboxes
+
+__all__ = ["RayBackend", "RayWorkerActor", "RayWorkerEndpoint", "RayWorkerHandle", "require_ray", "ensure_ray",
+           "DEFAULT_REMOTE_CONFIG"]
+
+#: what each actor reserves unless ``remote_configs`` says otherwise: one CPU, no GPU
+DEFAULT_REMOTE_CONFIG = {"num_cpus": 1}
+#: concurrent calls an actor serves (commands, the long poll, weights, interrupts)
+_ACTOR_CONCURRENCY = 8
+#: seconds a long poll waits for replies before it returns the worker's progress anyway
+_POLL_SECONDS = 1.0
+
+
+def require_ray():
+    """The ``ray`` module.
+
+    Raises:
+        ImportError: when Ray is not installed, saying how to install it.
+    """
+    try:
+        import ray
+    except ImportError as err:
+        raise ImportError("The Ray backend needs Ray: pip install 'rlharvest[ray]'") from err
+    return ray
+
+
+def ensure_ray(init_config: dict | None = None):
+    """Ray, initialised with ``init_config`` if it is not yet (an initialised Ray is used as it is)."""
+    ray = require_ray()
+    if not ray.is_initialized():
+        ray.init(**(init_config or {}))
+    return ray
+
+
+class _Doorbell:
+    """A pipe rung when something arrives: what ``multiprocessing.connection.wait`` waits on."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ring(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._write, b"x")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._read, 4096):
+                pass
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- actor side
+class RayWorkerEndpoint(WorkerEndpoint):
+    """The worker loop's end inside an actor: numbered commands in, replies out, interrupts, progress."""
+
+    def __init__(self, worker_idx: int) -> None:
+        self.worker_idx = worker_idx
+        self._commands: dict[int, Any] = {}
+        self._next = 0
+        self._lock = threading.Condition()
+        self._doorbell = _Doorbell()
+        self._replies: collections.deque = collections.deque()
+        self._replies_ready = threading.Condition()
+        self.interrupts = 0
+        self._seen = 0
+        self.steps = 0
+        self.inboxes = WeightInboxes()
+
+    # ---- called by the actor's methods (threads of the actor)
+    def put_command(self, seq: int, message: Any) -> None:
+        with self._lock:
+            self._commands[seq] = message
+            self._lock.notify_all()
+        self._doorbell.ring()
+
+    def take_replies(self, timeout: float) -> list:
+        with self._replies_ready:
+            self._replies_ready.wait_for(lambda: bool(self._replies), timeout)
+            replies = list(self._replies)
+            self._replies.clear()
+        return replies
+
+    # ---- the worker loop's side
+    def recv(self, timeout: float) -> Any | None:
+        with self._lock:
+            if self._next not in self._commands and timeout > 0:
+                self._lock.wait_for(lambda: self._next in self._commands, timeout)
+            message = self._commands.pop(self._next, None)
+            if message is None:
+                self._doorbell.clear()  # rung for a command still in flight (it rings again)
+                return None
+            self._next += 1
+            return message
+
+    def send(self, message: Any) -> None:
+        with self._replies_ready:
+            self._replies.append(message)
+            self._replies_ready.notify_all()
+
+    def publish_batch(self, batch: TensorDictBase) -> TensorDictBase:
+        return batch.clone()  # serialised when the reply leaves, after the next rollout may have begun
+
+    def wait_handle(self) -> _Doorbell:
+        return self._doorbell
+
+    def receiver_links(self) -> WeightInboxes:
+        return self.inboxes
+
+    def interrupted(self) -> bool:
+        return self.interrupts > self._seen
+
+    def clear_interrupt(self, mark: int | None = None) -> None:
+        self._seen = self.interrupts if mark is None else mark
+
+    def report_progress(self, steps: int) -> None:
+        self.steps = steps
+
+
+def _run_loop(target: WorkerTarget, spec: WorkerSpec, endpoint: RayWorkerEndpoint, outcome: dict) -> None:
+    try:
+        target(spec, endpoint)
+    except BaseException:  # the worker loop reports its own failures; this is a failure of the loop
+        outcome["failure"] = traceback.format_exc()
+
+
+class RayWorkerActor:
+    """The body of every worker actor: the worker loop in a thread, and the calls the parent makes.
+
+    Args:
+        target: the worker loop (``rlharvest.worker.run_worker``), run as ``target(spec, endpoint)``.
+        spec: what the worker is built from.
+    """
+
+    def __init__(self, target: WorkerTarget, spec: WorkerSpec) -> None:
+        import torch
+
+        from .._utils import use_worker_scheduling
+
+        use_worker_scheduling()
+        torch.set_num_threads(max(1, int(spec.num_threads)))
+        self.endpoint = RayWorkerEndpoint(spec.worker_idx)
+        self._outcome: dict[str, str] = {}
+        self._thread = threading.Thread(target=_run_loop, args=(target, spec, self.endpoint, self._outcome),
+                                        name=f"rlharvest-worker-{spec.worker_idx}", daemon=True)
+        self._thread.start()
+
+    def push(self, seq: int, message: Any) -> None:
+        self.endpoint.put_command(seq, message)
+
+    def pull(self, timeout: float) -> tuple[list, int, bool, str | None]:
+        """``(replies, progress, loop running, failure of the loop)``, as soon as there are replies."""
+        running = self._thread.is_alive()
+        replies = self.endpoint.take_replies(timeout if running else 0.0)
+        return replies, self.endpoint.steps, running or bool(replies), self._outcome.get("failure")
+
+    def interrupt(self, count: int) -> None:
+        self.endpoint.interrupts = max(self.endpoint.interrupts, count)
+
+    def deliver_weights(self, model_id: str, version: int, payload: list, initial: bool, timeout: float):
+        """Leave weights for the loop (``payload`` is ``[ObjectRef]``: fetched by the loop, not here);
+        for an update, return once it is applied (the version, or the failure that stopped it)."""
+        return self.endpoint.inboxes.deliver(model_id, version, payload, initial, timeout)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+_ACTOR_CLASS: dict[str, Any] = {}
+
+
+def _actor_class():
+    if "class" not in _ACTOR_CLASS:
+        _ACTOR_CLASS["class"] = require_ray().remote(RayWorkerActor)
+    return _ACTOR_CLASS["class"]
+
+
+# ---------------------------------------------------------------------------------------------- parent side
+class RayWorkerHandle(WorkerHandle):
+    """The parent's end of one worker actor: numbered one-way commands, replies by long polling.
+
+    Args:
+        worker_idx: the worker's index.
+        actor: its Ray actor handle.
+        heartbeat_timeout: seconds a long poll may stay unanswered before the actor counts as gone.
+        start_timeout: seconds the first answer may take (Ray creating the actor: scheduling it,
+            starting its process, importing what it runs).
+        resources: the actor's ``ray.remote`` options, named when it cannot be created in time.
+    """
+
+    def __init__(self, worker_idx: int, actor: Any, heartbeat_timeout: float, start_timeout: float = 120.0,
+                 resources: dict | None = None) -> None:
+        self.worker_idx = worker_idx
+        self.actor = actor
+        self.heartbeat_timeout = heartbeat_timeout
+        self.start_timeout = start_timeout
+        self.resources = resources or {}
+        self._seq = 0
+        self._interrupts = 0
+        self._progress = -1
+        self._replies: collections.deque = collections.deque()
+        self._doorbell = _Doorbell()
+        self._gone: str | None = None
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll_forever, name=f"rlharvest-ray-poll-{worker_idx}",
+                                        daemon=True)
+        self._poller.start()
+
+    def _poll_forever(self) -> None:
+        ray = require_ray()
+        started = False
+        while not self._stopping.is_set():
+            bound = _POLL_SECONDS + (self.heartbeat_timeout if started else self.start_timeout)
+            try:
+                replies, progress, running, failure = ray.get(self.actor.pull.remote(_POLL_SECONDS), timeout=bound)
+            except ray.exceptions.GetTimeoutError:
+                self._end(f"it did not answer for {bound:g} s (node unreachable?)" if started else
+                          f"Ray did not create it within {bound:g} s (can the cluster give it {self.resources}?)")
+                return
+            except Exception as err:  # the actor died (killed, crashed, its node lost) or Ray shut down
+                self._end(_describe_death(err))
+                return
+            started = True
+            self._progress = progress
+            self._replies.extend(replies)
+            if replies:
+                self._doorbell.ring()
+            if not running:
+                self._end("its worker loop ended" + (f" with:\n{failure}" if failure else ""))
+                return
+
+    def _end(self, description: str) -> None:
+        if self._gone is None:
+            self._gone = description
+        self._doorbell.ring()
+
+    def send(self, message: Any) -> None:
+        if self._gone is not None:
+            raise ConnectionError(f"actor {self.worker_idx} is gone: {self._gone}")
+        self.actor.push.remote(self._seq, message)
+        self._seq += 1
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if not self._replies and timeout > 0 and self._gone is None:
+            import select
+
+            select.select([self._doorbell], [], [], timeout)
+        return bool(self._replies)
+
+    def recv(self) -> Any:
+        reply = self._replies.popleft()
+        if not self._replies:
+            self._doorbell.clear()
+            if self._replies:  # arrived between the two lines: keep the bell ringing
+                self._doorbell.ring()
+        return reply
+
+    def fileno(self) -> int:
+        return self._doorbell.fileno()
+
+    def is_alive(self) -> bool:
+        return self._gone is None
+
+    def exit_description(self) -> str:
+        return self._gone or "it is still running"
+
+    def progress(self) -> int:
+        return self._progress
+
+    def interrupt(self) -> None:
+        if self._gone is None:
+            self._interrupts += 1
+            self.actor.interrupt.remote(self._interrupts)
+
+    def interrupt_mark(self) -> int:
+        return self._interrupts
+
+    def fetch_batch(self, reply: Any) -> TensorDictBase:
+        return reply.value
+
+    def terminate(self, deadline: float) -> None:
+        """Give the worker loop until ``deadline`` to end by itself, then kill the actor and wait (a
+        few seconds at most) until Ray reports it gone, so that no process outlives the call."""
+        ray = require_ray()
+        while self._gone is None and time.monotonic() < deadline:
+            self._poller.join(min(0.05, max(0.0, deadline - time.monotonic())))
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+        self._poller.join(5.0)
+        self._stopping.set()
+        if self._gone is None:
+            self._gone = "it was stopped"
+        self._doorbell.close()
+
+
+def _describe_death(err: Exception) -> str:
+    ray = require_ray()
+    if isinstance(err, ray.exceptions.RayActorError):
+        text = str(err).strip().splitlines()
+        reason = next((line for line in text if "reason" in line.lower() or "died" in line.lower()), text[0] if text
+                      else type(err).__name__)
+        return f"the Ray actor died ({reason.strip()[:300]})"
+    return f"its Ray call failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err) else ''})"
+
+
+class RayBackend(Backend):
+    """Workers as Ray actors, on whatever nodes the Ray cluster places them.
+
+    Args:
+        num_workers: how many actors.
+        target: what each actor runs, ``target(spec, endpoint)`` (the worker loop).
+        remote_configs: the ``ray.remote`` options of each actor (resources, runtime env, ...).
+        heartbeat_timeout: seconds an actor may leave a long poll unanswered before it counts as gone.
+        start_timeout: seconds Ray may take to create an actor (schedule it, start its process).
+
+    Example:
+        >>> from rlharvest.worker import run_worker
+        >>> backend = RayBackend(2, run_worker, [{"num_cpus": 1}] * 2)
+        >>> backend.default_scheme()
+        'ray'
+    """
+
+    noun = "actor"
+
+    def __init__(self, num_workers: int, target: WorkerTarget, remote_configs: Sequence[dict] | None = None,
+                 heartbeat_timeout: float = 10.0, start_timeout: float = 120.0) -> None:
+        super().__init__(num_workers)
+        self.target = target
+        configs = list(remote_configs) if remote_configs is not None else [DEFAULT_REMOTE_CONFIG] * num_workers
+        if len(configs) != num_workers:
+            raise ValueError(f"remote_configs must hold one dict per actor ({num_workers}), got {len(configs)}.")
+        self.remote_configs = [dict(config) for config in configs]
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.start_timeout = float(start_timeout)
+
+    def start_one(self, index: int, spec: WorkerSpec) -> RayWorkerHandle:
+        """Create the actor of worker ``index`` (a new actor when it replaces one).
+
+        Raises:
+            ImportError: when Ray is not installed.
+        """
+        options = {"max_concurrency": _ACTOR_CONCURRENCY, **self.remote_configs[index]}
+        # Restarting is the collector's (through the seam, with the current weights and fresh ids):
+        # an actor Ray restarted by itself would start from its first spec.
+        options["max_restarts"] = 0
+        actor = _actor_class().options(**options).remote(self.target, spec)
+        handle = self.handles[index] = RayWorkerHandle(index, actor, self.heartbeat_timeout, self.start_timeout,
+                                                       self.remote_configs[index])
+        return handle
+
+    def default_scheme(self) -> str:
+        return "ray"
+
+    def weight_links(self) -> RayWeightLinks:
+        return RayWeightLinks(self.num_workers, self.liveness, handles=self.handles)
+

@@ -1,0 +1,108 @@
+"""Weight sync to Ray actors: RayWeightSyncScheme (RayCollector's default) and the legacy
+RayWeightUpdater, both over ``transport.ray_weights`` (one ``ray.put`` per update)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..transport.ray_weights import RayWeightLinks, RayWeightReceiver, RayWeightSender, WeightInboxes
+from .schemes import WeightSyncScheme
+from .strategy import weights_of
+from .updaters import WeightUpdaterBase
+
+__all__ = ["RayWeightSyncScheme", "RayWeightUpdater"]
+
+
+class RayWeightSyncScheme(WeightSyncScheme):
+    """An update is put once in Ray's object store; every targeted actor fetches it, applies it
+    between two env steps, passes it on to its own workers (cascading), and acknowledges the version.
+
+    Args:
+        strategy: ``"tensordict"`` (default) or ``"state_dict"``.
+        backend: accepted for TorchRL compatibility (the weights travel through Ray's object store,
+            not a process group).
+        sync: whether ``send`` waits for every targeted actor's acknowledgement.
+        timeout: seconds to wait for acknowledgements (and for a new actor's initial weights).
+
+    ``init_on_sender`` needs ``context``: a RayCollector (its actors are the transport).
+
+    Example:
+        >>> collector = RayCollector([make_env] * 2, policy, frames_per_batch=200,            # doctest: +SKIP
+        ...                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
+        >>> collector.update_policy_weights_(worker_ids=[1])                                  # doctest: +SKIP
+    """
+
+    needs_workers = True
+
+    def __init__(self, strategy: str = "tensordict", backend: str | None = "gloo", sync: bool = True,
+                 timeout: float = 120.0) -> None:
+        super().__init__(strategy=strategy, sync=sync, timeout=timeout)
+        self.backend = backend
+
+    def _make_sender(self, links: RayWeightLinks | None, **kwargs) -> RayWeightSender:
+        if not isinstance(links, RayWeightLinks):
+            raise RuntimeError(f"RayWeightSyncScheme needs a RayCollector context, got {type(links).__name__}.")
+        sender = RayWeightSender(links.handles, self._model_id)
+        sender.timeout = self.timeout
+        return sender
+
+    def _make_receiver(self, links: WeightInboxes | None = None) -> RayWeightReceiver:
+        if not isinstance(links, WeightInboxes):
+            raise RuntimeError("A RayWeightSyncScheme receiver runs inside a Ray actor of a RayCollector.")
+        return RayWeightReceiver(links.get(self._model_id))
+
+
+class RayWeightUpdater(WeightUpdaterBase):
+    """Legacy updater of a RayCollector: puts the weights in the object store once and has every
+    targeted actor apply them (0-based actor indices).
+
+    Args:
+        policy_weights: the weights pushed when none are given.
+        remote_collectors: the collector's actors (``collector.remote_collectors``); their number
+            is what this updater serves.
+        max_interval: skip an actor updated fewer than this many pushes ago (0: never skip).
+
+    Example:
+        >>> collector = RayCollector([make_env] * 2, policy, frames_per_batch=200,            # doctest: +SKIP
+        ...     weight_updater=RayWeightUpdater(policy_weights, remote_collectors=[None] * 2))
+    """
+
+    def __init__(self, policy_weights: Any = None, remote_collectors: list | None = None, max_interval: int = 0) -> None:
+        self.policy_weights = policy_weights
+        self.remote_collectors = list(remote_collectors or [])
+        self.max_interval = int(max_interval)
+        self._since_update: dict[int, int] = {}
+
+    @property
+    def num_workers(self) -> int:
+        collector = self.collector
+        return collector.num_workers if collector is not None else len(self.remote_collectors)
+
+    def _get_server_weights(self):
+        return self.policy_weights
+
+    def _maybe_map_weights(self, server_weights):
+        return weights_of(server_weights) if server_weights is not None else None
+
+    def all_worker_ids(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    def _skip_update(self, worker_id: int) -> bool:
+        if self.max_interval <= 0:
+            return False
+        count = self._since_update.get(worker_id, self.max_interval)
+        if count < self.max_interval:
+            self._since_update[worker_id] = count + 1
+            return True
+        self._since_update[worker_id] = 0
+        return False
+
+    def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
+        if server_weights is None:
+            return
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError("RayWeightUpdater is not registered with a collector.")
+        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
+            raise ValueError(f"Actor {worker_id} not registered (0-based actor indices 0..{self.num_workers - 1}).")
+        collector.push_legacy_weights(worker_id, server_weights, wait=True)

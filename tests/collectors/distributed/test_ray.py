@@ -1,0 +1,223 @@
+"""RayCollector on a real local Ray (one per session: the ``ray_cluster`` fixture in conftest.py).
+
+Deterministic envs (CountingEnv, whose observation counts the steps of its trajectory) and a policy
+whose action is its only weight, so batches say exactly which weights collected them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from mocks import wait_until, weight_policy
+from ray_check import live_actors
+
+from rlharvest import WorkerError
+from rlharvest.collectors import Collector
+from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme, RayWeightUpdater
+from rlharvest.data import ReplayBuffer
+from rlharvest.envs import CountingEnv
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(60), pytest.mark.usefixtures("ray_session")]
+
+IDS = ("collector", "traj_ids")
+
+
+def counting(max_steps: int = 2):
+    return lambda: CountingEnv(max_steps=max_steps)
+
+
+def make(count: int = 2, policy=None, **kwargs) -> RayCollector:
+    kwargs.setdefault("frames_per_batch", 8)
+    kwargs.setdefault("total_frames", -1)
+    return RayCollector([counting()] * count, policy if policy is not None else weight_policy(1.0), **kwargs)
+
+
+def set_weight(policy, value: float) -> None:
+    with torch.no_grad():
+        policy.module.weight.fill_(value)
+
+
+def test_sync_batches_stack_actors_in_order_with_unique_ids(ray_cluster):
+    collector = make(sync=True, total_frames=16)
+    batches = list(collector)
+    assert [tuple(b.shape) for b in batches] == [(2, 4), (2, 4)]
+    assert batches[0]["observation"].reshape(2, 4).tolist() == [[0, 1, 2, 0]] * 2  # auto-reset past max_steps
+    assert batches[1]["observation"].reshape(2, 4).tolist() == [[1, 2, 0, 1]] * 2  # each actor's env goes on
+    ids = torch.cat([b[IDS].reshape(-1) for b in batches])
+    per_actor = [set(torch.cat([b[IDS][w] for b in batches]).tolist()) for w in range(2)]
+    assert not per_actor[0] & per_actor[1] and len(set(ids.tolist())) == 6  # 3 trajectories per actor
+    assert collector.remote_collectors == []  # iteration shut it down, leaving no actor
+    wait_until(lambda: not live_actors(ray_cluster), timeout=10.0, what="every actor dead")
+    collector.shutdown()  # idempotent
+
+
+def test_async_batches_first_ready_with_unique_ids_and_state_per_actor():
+    collector = make(sync=False, total_frames=32)
+    try:
+        states = collector.state_dict()
+        assert isinstance(states, list) and len(states) == 2
+        collector.load_state_dict(states)
+        collector.load_state_dict(states[0])
+        with pytest.raises(ValueError, match="one per actor"):
+            collector.load_state_dict(states * 2)
+        assert isinstance(collector.set_seed(3), int) and collector.stats()["workers_alive"] == 2
+        batches = list(collector)
+        assert len(batches) == 4 and all(b.shape == (8,) for b in batches)
+        seen: dict[int, set] = {}
+        for batch in batches:
+            ids = batch[IDS].tolist()
+            actor = ids[0] % 2  # actor i's local id k is k * 2 + i
+            assert all(i % 2 == actor for i in ids)
+            seen.setdefault(actor, set()).update(ids)
+        assert all(not seen[a] & seen[b] for a in seen for b in seen if a != b)
+    finally:
+        collector.shutdown()
+
+
+def test_weight_update_is_visible_in_the_next_batch_and_learner_tensors_stay_private():
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True, total_frames=-1)
+    try:
+        iterator = iter(collector)
+        assert next(iterator)["action"].unique().tolist() == [1.0]
+        set_weight(policy, 0.0)
+        collector.update_policy_weights_()  # returns once both actors acknowledged
+        assert next(iterator)["action"].unique().tolist() == [0.0]
+        set_weight(policy, 5.0)  # no update: the actors must not see the learner's tensors
+        assert next(iterator)["action"].unique().tolist() == [0.0]
+    finally:
+        collector.shutdown()
+
+
+def test_subset_update_reaches_only_those_actors():
+    policy = weight_policy(1.0)
+    collector = Collector(counting(), policy, backend="ray", num_collectors=2, sync=True, frames_per_batch=8,
+                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
+    try:
+        assert isinstance(collector, RayCollector) and collector.num_collectors == 2
+        iterator = iter(collector)
+        next(iterator)
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_(worker_ids=[1])
+        batch = next(iterator)
+        assert batch["action"][0].unique().tolist() == [1.0] and batch["action"][1].unique().tolist() == [3.0]
+    finally:
+        collector.shutdown()
+
+
+def test_weights_cascade_into_a_multisync_collector_inside_an_actor():
+    policy = weight_policy(1.0)
+    collector = make(count=1, policy=policy, sync=True, collector_class="sync", num_workers_per_collector=2,
+                     )
+    try:
+        iterator = iter(collector)
+        first = next(iterator)
+        assert first["action"].unique().tolist() == [1.0] and first.shape[:2] == (1, 2)  # actor, sub-workers
+        set_weight(policy, 7.0)
+        collector.update_policy_weights_()  # the actor's MultiSyncCollector forwards it to its workers
+        assert next(iterator)["action"].unique().tolist() == [7.0]
+    finally:
+        collector.shutdown()
+
+
+def test_start_writes_into_a_replay_buffer_until_async_shutdown():
+    buffer = ReplayBuffer(capacity=1000)
+    collector = make(sync=False, replay_buffer=buffer)
+    collector.start()
+    wait_until(lambda: len(buffer) >= 64, timeout=30.0, what="64 frames in the buffer")
+    with collector.pause():
+        frozen = len(buffer)
+        assert len(buffer) == frozen
+    collector.async_shutdown()
+    data = buffer.sample(len(buffer)) if hasattr(buffer, "sample") else None
+    assert len(buffer) >= 64 and set(data["observation"].unique().tolist()) <= {0, 1, 2}
+    assert collector.remote_collectors == []
+
+
+def test_a_killed_actor_raises_worker_error_naming_it(ray_cluster):
+    # worker_timeout far beyond the test's own timeout: only noticing the death ends the wait in time
+    collector = make(sync=True, worker_timeout=600.0)
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        ray_cluster.kill(collector.remote_collectors[1])
+        with pytest.raises(WorkerError) as info:
+            next(iterator)
+            next(iterator)
+        assert info.value.worker_idx == 1 and "actor" in str(info.value)
+    finally:
+        collector.shutdown()
+
+
+def test_a_dead_actor_is_replaced_with_the_current_weights_and_a_fresh_env(ray_cluster):
+    policy = weight_policy(1.0)
+    collector = make(count=1, policy=policy, sync=True)
+    try:
+        iterator = iter(collector)
+        used = set(next(iterator)[IDS].reshape(-1).tolist())
+        set_weight(policy, 4.0)
+        collector.update_policy_weights_()
+        used |= set(next(iterator)[IDS].reshape(-1).tolist())
+        ray_cluster.kill(collector.remote_collectors[0])
+        wait_until(lambda: not collector._pool.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        collector._replace_worker(0)  # the seam a restart goes through (through Fleet.replace)
+        batch = next(iterator)
+        assert batch["action"].unique().tolist() == [4.0]
+        assert not used & set(batch[IDS].reshape(-1).tolist())  # fresh trajectory ids
+    finally:
+        collector.shutdown()
+
+
+def test_the_legacy_updater_pushes_to_the_listed_actors():
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True, weight_updater=RayWeightUpdater(remote_collectors=[None, None]))
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        set_weight(policy, 2.0)
+        collector.update_policy_weights_(policy, worker_ids=[0])
+        batch = next(iterator)
+        assert batch["action"][0].unique().tolist() == [2.0] and batch["action"][1].unique().tolist() == [1.0]
+    finally:
+        collector.shutdown()
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="num_collectors"):
+        RayCollector(counting(), frames_per_batch=8, num_collectors=0)
+    with pytest.raises(ValueError, match="remote_configs"):
+        RayCollector([counting()] * 2, frames_per_batch=8, remote_configs=[{}])
+    with pytest.raises(TypeError, match="launcher"):
+        RayCollector([counting()], frames_per_batch=8, launcher="mp")
+
+
+def test_missing_ray_names_the_extra(monkeypatch):
+    from rlharvest.transport.ray import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=r"rlharvest\[ray\]"):
+        require_ray()
+
+
+def test_with_restarts_a_killed_actor_is_replaced_and_collection_goes_on(ray_cluster):
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True, max_worker_restarts=1)
+    try:
+        iterator = iter(collector)
+        used = set(next(iterator)[IDS].reshape(-1).tolist())
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_()
+        ray_cluster.kill(collector.remote_collectors[1])
+        batches = [next(iterator) for _ in range(3)]
+        for batch in batches:
+            assert batch.shape == (2, 4) and batch["action"].unique().tolist() == [3.0]  # complete, current weights
+            obs, ids = batch["observation"].squeeze(-1), batch[IDS]
+            same_traj = ids[:, 1:] == ids[:, :-1]
+            assert ((obs[:, 1:] - obs[:, :-1])[same_traj] == 1).all()  # no frame twice or skipped
+        stats = collector.stats()
+        assert stats["restarts"] == 1 and stats["worker_1/restarts"] == 1
+        assert not used & set(batches[-1][IDS][1].tolist())  # the replacement's trajectories are new ones
+    finally:
+        collector.shutdown()
