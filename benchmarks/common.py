@@ -26,8 +26,9 @@ Env families each side must provide (``measure.Side.env_fn``):
       observation returned; policy :class:`MarkedCartpolePolicy` writing
       ``action`` and ``marker``.
 
-Workloads (:func:`workload_names`) and their sizes (:data:`FULL`,
-:data:`QUICK`) are defined here; ``measure.py`` runs them.
+Workloads (:func:`workload_names`: the collector suite, then the batched suite "Many envs, one
+batched policy") and their sizes (:data:`FULL`, :data:`QUICK`) are defined here; ``measure.py``
+runs them.
 """
 
 from __future__ import annotations
@@ -143,12 +144,106 @@ FRESHNESS_KINDS = {
 
 def workload_names() -> list[str]:
     """Every workload name, in the order ``--workload all`` runs them."""
+    return collector_workload_names() + batched_workload_names()
+
+
+def collector_workload_names() -> list[str]:
+    """The workloads of the collector suite (one or two workers, the 4-64-64-2 MLP)."""
     names = ["raw_gym_cartpole", "raw_td_cartpole", *THROUGHPUT_WORKLOADS]
     names += [
         f"weightsync_{backend}_{size}" for backend in WEIGHTSYNC_KINDS for size in BIG_POLICY_SIZES
     ]
     names += [f"freshness_{name}" for name in FRESHNESS_KINDS]
     return names
+
+
+# --------------------------------------------------------------------------
+# Many envs, one batched policy
+# --------------------------------------------------------------------------
+
+#: Hidden widths of the CartPole MLPs of the batched workloads: 4-64-64-2 and 4-512-512-512-2.
+BATCHED_POLICY_HIDDEN: dict[str, tuple[int, ...]] = {"small": (64, 64), "big": (512, 512, 512)}
+
+#: Env counts of the scaling table, and the count of the main table.
+BATCHED_ENV_COUNTS = (1, 2, 4, 8, 16)
+BATCHED_MAIN_ENVS = 8
+
+#: ``batched_<kind>_<n>_<size>`` kinds: n CartPole-v1 envs stepped by ...
+#:   * ``raw_vector``: ``gymnasium.vector.AsyncVectorEnv(n, shared_memory=True)`` and the MLP on the
+#:     batch, no collector (the limit); * ``parallel``: ``Collector(ParallelEnv(n, GymEnv))``;
+#:   * ``serial``: ``Collector(SerialEnv(n, GymEnv))`` (every env in the collector's process);
+#:   * ``asyncbatched``: ``AsyncBatchedCollector([GymEnv] * n)``; ``asyncbatched_auto``: the same with
+#:     TorchRL's ``transport="auto"`` and a ``policy_factory`` (TorchRL 0.14's fastest set-up);
+#:   * ``multisync``: ``MultiSyncCollector`` with n workers of one env each (per-worker inference);
+#:   * ``vectorenv``: rlharvest's ``Collector(GymEnv(AsyncVectorEnv(n)))``;
+#:   * ``parallel_transformed``: ``Collector(ParallelEnv(n, TransformedEnv(GymEnv, StepCounter +
+#:     RewardSum)))``, TorchRL env factories (the rlharvest side runs it in the TorchRL 0.14 venv).
+BATCHED_KINDS = ("raw_vector", "parallel", "serial", "asyncbatched", "asyncbatched_auto", "multisync", "vectorenv",
+                 "parallel_transformed")
+#: kinds whose env factories are TorchRL's: rlharvest runs them with a Python that has torchrl
+NEEDS_TORCHRL_ENVS = ("parallel_transformed",)
+
+
+def batched_workload(name: str) -> tuple[str, int, str] | None:
+    """``(kind, num_envs, size)`` of a ``batched_<kind>_<n>_<size>`` name, or None."""
+    if not name.startswith("batched_"):
+        return None
+    head, _, size = name.removeprefix("batched_").rpartition("_")
+    kind, _, count = head.rpartition("_")
+    if kind not in BATCHED_KINDS or size not in BATCHED_POLICY_HIDDEN or not count.isdigit():
+        return None
+    return kind, int(count), size
+
+
+def batched_workload_names() -> list[str]:
+    """The main table (8 envs, both MLPs), then the scaling table (small MLP, n = 1 ... 16)."""
+    names = [f"batched_{kind}_{BATCHED_MAIN_ENVS}_{size}" for size in BATCHED_POLICY_HIDDEN for kind in BATCHED_KINDS]
+    names += [f"batched_{kind}_{n}_small" for n in BATCHED_ENV_COUNTS if n != BATCHED_MAIN_ENVS
+              for kind in ("raw_vector", "parallel", "asyncbatched", "asyncbatched_auto")]
+    return names
+
+
+def batched_frames_per_batch(budget_frames: int, num_envs: int) -> int:
+    """``budget_frames`` rounded to a multiple of ``num_envs`` (every side's Collector would round it)."""
+    return num_envs * max(1, round(budget_frames / num_envs))
+
+
+def make_sized_cartpole_mlp(size: str, seed: int = 0) -> nn.Sequential:
+    """The CartPole MLP 4-h1-...-2 (Tanh between layers) with :class:`ArgmaxOneHot` at the end."""
+    widths = (CARTPOLE_OBS_DIM, *BATCHED_POLICY_HIDDEN[size], CARTPOLE_NUM_ACTIONS)
+    layers: list[nn.Module] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for index, (width_in, width_out) in enumerate(zip(widths, widths[1:])):
+            if index:
+                layers.append(nn.Tanh())
+            layers.append(nn.Linear(width_in, width_out))
+    return nn.Sequential(*layers, ArgmaxOneHot())
+
+
+def raw_vector_loop(num_envs: int, size: str, seconds: float, seed: int = 0) -> dict[str, float]:
+    """Frames per second of ``AsyncVectorEnv(num_envs, shared_memory=True)`` + the MLP on the batch.
+
+    The limit a batched-env collector is compared to: each step runs the MLP once on the batch of
+    observations (``torch.from_numpy``, no grad), takes the argmax as the actions and steps the vector
+    env (gymnasium's own autoreset). Timed for ``seconds`` after 100 warm-up steps.
+    """
+    import gymnasium as gym
+
+    env = gym.vector.AsyncVectorEnv([lambda: gym.make("CartPole-v1")] * num_envs, shared_memory=True)
+    policy = make_sized_cartpole_mlp(size, seed)
+    obs, _ = env.reset(seed=seed)
+    steps = 0
+    with torch.no_grad():
+        for _ in range(100):
+            obs, *_ = env.step(policy(torch.from_numpy(obs)).argmax(-1).numpy())
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            obs, *_ = env.step(policy(torch.from_numpy(obs)).argmax(-1).numpy())
+            steps += 1
+        elapsed = time.perf_counter() - start
+    env.close()
+    return {"frames_per_s": rate(steps * num_envs, elapsed), "timed_frames": steps * num_envs, "timed_s": elapsed}
 
 
 class ArgmaxOneHot(nn.Module):

@@ -66,6 +66,11 @@ class Side(Protocol):
     def marked_policy(self) -> tuple[common.MarkedCartpolePolicy, nn.Module]:
         """The marked module and its wrapper writing ``action`` and ``marker``."""
 
+    def build_batched_collector(self, kind: str, num_envs: int, size: str, frames_per_batch: int) -> Any:
+        """A collector of ``kind`` (see ``common.BATCHED_KINDS``) over ``num_envs`` CartPole envs with
+        ``common.make_sized_cartpole_mlp(size)``; raises NotImplementedError where the side has no such
+        collector."""
+
 
 def _collect_or_shutdown(collector: Any, body: Callable[[], Any]) -> Any:
     """Run ``body``; on any exception shut ``collector`` down and re-raise."""
@@ -90,6 +95,23 @@ def measure_throughput(side: Side, kind: str, family: str, budget: common.Budget
     common.init_ray(kind)
     start = time.perf_counter()
     collector = side.build_collector(kind, env_fn, policy, budget.frames_per_batch)
+    return {"collector_kind": kind, **_time_collector(collector, start, budget)}
+
+
+def measure_batched(side: Side, kind: str, num_envs: int, size: str, budget: common.Budget) -> dict[str, Any]:
+    """Frames/s of ``num_envs`` CartPole envs and the ``size`` MLP (README "Many envs, one batched policy")."""
+    info = {"collector_kind": kind, "num_envs": num_envs, "policy": size}
+    if kind == "raw_vector":
+        monitor = harness.CpuMonitor().start()
+        return {**info, **common.raw_vector_loop(num_envs, size, budget.seconds), **monitor.stop()}
+    start = time.perf_counter()
+    frames = common.batched_frames_per_batch(budget.frames_per_batch, num_envs)
+    collector = side.build_batched_collector(kind, num_envs, size, frames)
+    return {**info, **_time_collector(collector, start, budget)}
+
+
+def _time_collector(collector: Any, start: float, budget: common.Budget) -> dict[str, Any]:
+    """Iterate ``collector`` for ``budget.seconds`` after its first batch, then shut it down."""
 
     def collect() -> dict[str, Any]:
         batches = iter(collector)
@@ -112,7 +134,7 @@ def measure_throughput(side: Side, kind: str, family: str, budget: common.Budget
         }
 
     result = _collect_or_shutdown(collector, collect)
-    return {"collector_kind": kind, **result, **shutdown_and_check(collector)}
+    return {**result, **shutdown_and_check(collector)}
 
 
 def measure_weightsync(side: Side, kind: str, n_params: int, budget: common.Budget) -> dict[str, Any]:
@@ -268,6 +290,9 @@ def run_workload(side: Side, name: str, budget: common.Budget) -> dict[str, Any]
         return measure_raw_gym(budget)
     if name == "raw_td_cartpole":
         return measure_raw_td(side, budget)
+    batched = common.batched_workload(name)
+    if batched is not None:
+        return measure_batched(side, *batched, budget)
     if name in common.THROUGHPUT_WORKLOADS:
         kind, family = common.THROUGHPUT_WORKLOADS[name]
         return measure_throughput(side, kind, family, budget)

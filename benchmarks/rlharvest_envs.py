@@ -5,6 +5,7 @@ Everything is importable by name so that worker processes and nodes can unpickle
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -80,6 +81,20 @@ def big_policy(n_params: int) -> TensorDictModule:
 def marked_policy() -> tuple[common.MarkedCartpolePolicy, TensorDictModule]:
     module = common.MarkedCartpolePolicy()
     return module, TensorDictModule(module, in_keys=["observation"], out_keys=["action", "marker"])
+
+
+def batched_policy(size: str) -> TensorDictModule:
+    """``common.make_sized_cartpole_mlp(size)`` reading ``observation``, writing ``action``."""
+    return TensorDictModule(common.make_sized_cartpole_mlp(size), in_keys=["observation"], out_keys=["action"])
+
+
+def make_vector_cartpole(num_envs: int) -> GymEnv:
+    """rlharvest's GymEnv around ``AsyncVectorEnv(num_envs, shared_memory=True)`` (resets done by the rollout)."""
+    import gymnasium as gym
+
+    vector = gym.vector.AsyncVectorEnv([functools.partial(gym.make, "CartPole-v1")] * num_envs, shared_memory=True,
+                                       autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    return GymEnv(vector)
 
 
 ENV_FNS: dict[str, Callable] = {

@@ -26,6 +26,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's rlharvest, also when another Python runs this side (the TorchRL 0.14 venv, for the
+# workloads with TorchRL env factories).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 import harness  # noqa: E402
@@ -68,6 +71,37 @@ class RLHarvestSide:
 
             return RayCollector(env_fns, policy, sync=mode == "sync", **kwargs)
         raise ValueError(f"unknown collector kind {kind!r}")
+
+    def build_batched_collector(self, kind: str, num_envs: int, size: str, frames_per_batch: int) -> Any:
+        """ParallelEnv / AsyncBatched / MultiSync / vector-env collectors over ``num_envs`` CartPole envs."""
+        import functools
+
+        import rlharvest_envs as envs
+
+        from rlharvest.collectors import AsyncBatchedCollector, Collector, MultiSyncCollector
+        from rlharvest.envs import ParallelEnv, SerialEnv
+
+        kwargs = {"frames_per_batch": frames_per_batch, "total_frames": common.TOTAL_FRAMES}
+        make = envs.make_cartpole_env
+        if kind in ("parallel", "serial"):
+            batched = ParallelEnv if kind == "parallel" else SerialEnv
+            return Collector(batched(num_envs, make), envs.batched_policy(size), **kwargs)
+        if kind == "parallel_transformed":
+            import torchrl_envs  # TorchRL's env factories: this side then runs with a Python that has torchrl
+
+            return Collector(ParallelEnv(num_envs, torchrl_envs.make_transformed_cartpole), envs.batched_policy(size),
+                             **kwargs)
+        if kind == "asyncbatched":
+            return AsyncBatchedCollector([make] * num_envs, policy=envs.batched_policy(size),
+                                         env_backend="multiprocessing", **kwargs)
+        if kind == "asyncbatched_auto":
+            return AsyncBatchedCollector([make] * num_envs, policy_factory=functools.partial(envs.batched_policy, size),
+                                         transport="auto", env_backend="multiprocessing", **kwargs)
+        if kind == "multisync":
+            return MultiSyncCollector([make] * num_envs, envs.batched_policy(size), **kwargs)
+        if kind == "vectorenv":
+            return Collector(envs.make_vector_cartpole(num_envs), envs.batched_policy(size), **kwargs)
+        raise ValueError(f"unknown batched collector kind {kind!r}")
 
     def env_fn(self, family: str) -> Callable[[], Any]:
         import rlharvest_envs

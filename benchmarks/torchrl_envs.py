@@ -24,7 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torch import nn
 from torchrl.data import Binary, Categorical, Composite, Unbounded
-from torchrl.envs import EnvBase, GymEnv, Transform, TransformedEnv
+from torchrl.envs import Compose, EnvBase, GymEnv, RewardSum, StepCounter, Transform, TransformedEnv
 
 import common
 
@@ -77,6 +77,11 @@ class CountingEnv(EnvBase):
         if with_reward:
             source["reward"] = torch.zeros(self.count.shape, dtype=torch.float32)
         return TensorDict(source, batch_size=self.batch_size)
+
+
+def make_transformed_cartpole() -> TransformedEnv:
+    """CartPole with two common transforms (``step_count``, ``episode_reward``): a TorchRL env factory."""
+    return TransformedEnv(make_cartpole_env(), Compose(StepCounter(), RewardSum()))
 
 
 def make_cartpole_categorical_env() -> GymEnv:
@@ -155,6 +160,11 @@ def big_policy(n_params: int) -> TensorDictModule:
     """``common.make_big_policy`` + ArgmaxOneHot as an observation -> action module."""
     net = nn.Sequential(common.make_big_policy(n_params), common.ArgmaxOneHot())
     return TensorDictModule(net, in_keys=["observation"], out_keys=["action"])
+
+
+def batched_policy(size: str) -> TensorDictModule:
+    """``common.make_sized_cartpole_mlp(size)`` reading ``observation``, writing ``action``."""
+    return TensorDictModule(common.make_sized_cartpole_mlp(size), in_keys=["observation"], out_keys=["action"])
 
 
 def marked_policy() -> tuple[common.MarkedCartpolePolicy, TensorDictModule]:

@@ -1,11 +1,13 @@
-"""``rlharvest bench``: run the benchmarks of ``benchmarks/`` for rlharvest (and TorchRL, when its side
-environment exists) and print one table of the results and their ratios.
+"""``rlharvest bench``: run the benchmarks of ``benchmarks/`` for rlharvest and, in the same run, for
+TorchRL when its side environments exist, and print tables of the results and their ratios.
 
-Both sides run the same measurement code (``benchmarks/measure.py``), each in its own interpreter:
-rlharvest's with this process's Python, TorchRL's with the Python of the side environment made by
-``benchmarks/setup_torchrl_venv.sh`` (``.venv-torchrl`` at the repository root, or
-``--torchrl-python``). Every workload runs in a fresh process; each figure is the median of
-``--repeats`` runs. Results are also written as JSON, to compare across commits.
+Every side runs the same measurement code (``benchmarks/measure.py``), each in its own interpreter:
+rlharvest's with this process's Python, TorchRL 0.12's with the Python of the side environment made
+by ``benchmarks/setup_torchrl_venv.sh`` (``.venv-torchrl`` at the repository root, or
+``--torchrl-python``), TorchRL 0.14's with ``.venv-torchrl14`` (the venv of the TorchRL compatibility
+suite, made by ``make setup-torchrl``; or ``--torchrl14-python``). Workloads run one at a time, each
+side right after the other (so sides are compared under the same load), each in a fresh process;
+each figure is the median of ``--repeats`` runs. Results are also written as JSON.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_bench", "find_benchmarks", "find_torchrl_python", "format_table"]
+from ._bench_tables import batched_tables
+
+__all__ = ["run_bench", "find_benchmarks", "find_torchrl_python", "find_torchrl14_python", "format_table"]
 
 QUICK_WORKLOADS = ["raw_gym_cartpole", "collector_cartpole", "multisync_cartpole", "weightsync_multisync_1m"]
+_SPREAD_KEYS = ("steps_per_s", "frames_per_s", "update_s")
 _MEDIAN_KEYS = ("steps_per_s", "frames_per_s", "first_batch_s", "shutdown_s", "update_s", "copy_s",
                 "ratio_to_copy", "fresh_fraction", "batch_fresh_fraction")
 
@@ -38,26 +43,40 @@ def find_benchmarks(path: str | None = None) -> Path:
 
 
 def find_torchrl_python(explicit: str | None, benchmarks: Path) -> str | None:
-    """A Python that can import torchrl (the side environment), or None."""
+    """A Python that can import TorchRL 0.12 (its side environment), or None."""
     candidates = [explicit] if explicit else []
     candidates += [os.environ.get("RLHARVEST_TORCHRL_PYTHON"), str(benchmarks.parent / ".venv-torchrl/bin/python")]
+    return _first_python(candidates, "import torchrl")
+
+
+def find_torchrl14_python(explicit: str | None, benchmarks: Path) -> str | None:
+    """A Python that can import TorchRL 0.14 (the side with AsyncBatchedCollector), or None."""
+    candidates = [explicit] if explicit else []
+    candidates += [os.environ.get("RLHARVEST_TORCHRL14_PYTHON"), str(benchmarks.parent / ".venv-torchrl14/bin/python")]
+    probe = "import torchrl, sys; sys.exit(0 if torchrl.__version__.startswith('0.14') else 1)"
+    return _first_python(candidates, probe)
+
+
+def _first_python(candidates: list, probe: str) -> str | None:
     for python in filter(None, candidates):
         if Path(python).exists():
-            probe = subprocess.run([python, "-c", "import torchrl"], capture_output=True, timeout=120)
-            if probe.returncode == 0:
+            completed = subprocess.run([python, "-c", probe], capture_output=True, timeout=120)
+            if completed.returncode == 0:
                 return python
     return None
 
 
-def _run_side(python: str, script: Path, workloads: list[str], quick: bool, timeout: float) -> list[dict]:
+def _run_side(python: str, script: Path, workloads: list[str], quick: bool, timeout: float,
+              quiet_wait: float | None = None, noisy_retries: int | None = None) -> list[dict]:
     """One pass of a side: every workload in a fresh process, JSON lines parsed."""
+    quiet_wait = (0 if quick else 30) if quiet_wait is None else quiet_wait
+    noisy_retries = (0 if quick else 2) if noisy_retries is None else noisy_retries
     command = [python, str(script), "--workload", ",".join(workloads), "--json", "--isolated",
-               "--timeout", str(timeout), "--noisy-retries", "0" if quick else "2",
-               "--quiet-wait", "0" if quick else "30"]
+               "--timeout", str(timeout), "--noisy-retries", str(noisy_retries), "--quiet-wait", str(quiet_wait)]
     if quick:
         command.append("--quick")
     completed = subprocess.run(command, capture_output=True, text=True,
-                               timeout=timeout * max(1, len(workloads)) + 60)
+                               timeout=(timeout + quiet_wait) * (noisy_retries + 1) * max(1, len(workloads)) + 60)
     results = []
     for line in completed.stdout.splitlines():
         line = line.strip()
@@ -85,35 +104,71 @@ def _median_results(passes: list[list[dict]]) -> dict[str, dict]:
             values = [r[key] for r in good if isinstance(r.get(key), (int, float))]
             if values:
                 row[key] = statistics.median(values)
+                if key in _SPREAD_KEYS:
+                    row[f"{key}_runs"] = values  # how much the figure moved between runs (the noise)
         row["runs"] = len(good)
+        row["background_cpu_runs"] = [r.get("background_cpu") for r in good]
         merged[name] = row
     return merged
 
 
+SIDES = ("rlharvest", "torchrl", "torchrl14")
+
+
+def _workload_names(folder: Path, suite: str) -> list[str]:
+    listing = subprocess.run([sys.executable, str(folder / "rlharvest_side.py"), "--list"],
+                             capture_output=True, text=True, check=True)
+    names = listing.stdout.split()
+    if suite == "batched":
+        return [n for n in names if n.startswith("batched_")]
+    if suite == "collectors":
+        return [n for n in names if not n.startswith("batched_")]
+    return names
+
+
+def _needs_torchrl_envs(name: str) -> bool:
+    """Workloads whose env factories are TorchRL's: rlharvest then runs them in the TorchRL 0.14 venv."""
+    return name.startswith("batched_parallel_transformed_")
+
+
 def run_bench(quick: bool = False, workloads: list[str] | None = None, repeats: int | None = None,
               output: str | None = None, torchrl_python: str | None = None, benchmarks: str | None = None,
-              with_torchrl: bool = True) -> dict[str, Any]:
-    """Run both sides and return ``{"rlharvest": {...}, "torchrl": {...}|None, ...}``."""
+              with_torchrl: bool = True, torchrl14_python: str | None = None, with_torchrl14: bool = True,
+              suite: str = "all", quiet_wait: float | None = None, noisy_retries: int | None = None) -> dict[str, Any]:
+    """Run every side and return ``{"rlharvest": {...}, "torchrl": {...}|None, "torchrl14": {...}|None, ...}``.
+
+    Each workload runs on every side, one side after the other, before the next workload starts.
+    """
     folder = find_benchmarks(benchmarks)
-    names = workloads or (QUICK_WORKLOADS if quick else None)
-    if names is None:
-        listing = subprocess.run([sys.executable, str(folder / "rlharvest_side.py"), "--list"],
-                                 capture_output=True, text=True, check=True)
-        names = listing.stdout.split()
+    names = workloads or (QUICK_WORKLOADS if quick else _workload_names(folder, suite))
     repeats = repeats or (1 if quick else 3)
     timeout = 60.0 if quick else 180.0
     started = time.time()
+    pythons = {
+        "rlharvest": sys.executable,
+        "torchrl": find_torchrl_python(torchrl_python, folder) if with_torchrl else None,
+        "torchrl14": find_torchrl14_python(torchrl14_python, folder) if with_torchrl14 else None,
+    }
+    scripts = {"rlharvest": folder / "rlharvest_side.py", "torchrl": folder / "torchrl_side.py",
+               "torchrl14": folder / "torchrl_side.py"}
+    passes: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
+    for _ in range(repeats):
+        for name in names:
+            for side in SIDES:
+                python = pythons[side]
+                if side == "rlharvest" and _needs_torchrl_envs(name):
+                    python = pythons["torchrl14"]
+                    if python is None:
+                        passes[side].append([{"workload": name, "error": "needs TorchRL env factories: give "
+                                              "--torchrl14-python (a Python with TorchRL 0.14 and gymnasium)"}])
+                        continue
+                if python is not None:
+                    passes[side].append(_run_side(python, scripts[side], [name], quick, timeout, quiet_wait,
+                                                  noisy_retries))
     report: dict[str, Any] = {"quick": quick, "repeats": repeats, "workloads": names, "started": started}
-    python = find_torchrl_python(torchrl_python, folder) if with_torchrl else None
-    report["torchrl_python"] = python
-    ours: list[list[dict]] = []
-    theirs: list[list[dict]] = []
-    for _ in range(repeats):  # the sides alternate, so that a change of background load hits both
-        ours.append(_run_side(sys.executable, folder / "rlharvest_side.py", names, quick, timeout))
-        if python:
-            theirs.append(_run_side(python, folder / "torchrl_side.py", names, quick, timeout))
-    report["rlharvest"] = _median_results(ours)
-    report["torchrl"] = _median_results(theirs) if python else None
+    for side in SIDES:
+        report[f"{side}_python"] = pythons[side]
+        report[side] = _median_results(passes[side]) if pythons[side] is not None or side == "rlharvest" else None
     report["wall_s"] = round(time.time() - started, 1)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +189,7 @@ def _ratio(a: Any, b: Any, digits: int = 2) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The results as one plain-text table."""
+    """The results as plain-text tables (the batched suite's after the collectors')."""
     ours, theirs = report["rlharvest"], report.get("torchrl") or {}
     raw_ours = ours.get("raw_gym_cartpole", {}).get("steps_per_s")
     raw_theirs = theirs.get("raw_gym_cartpole", {}).get("steps_per_s")
@@ -145,7 +200,7 @@ def format_table(report: dict[str, Any]) -> str:
         if "error" in a:
             lines.append(f"{name:34s} error: {a['error'][:70]}")
             continue
-        if name.startswith("weightsync_") or name.startswith("freshness_"):
+        if name.startswith(("weightsync_", "freshness_", "batched_")):
             continue
         rate_a = a.get("frames_per_s", a.get("steps_per_s"))
         rate_b = b.get("frames_per_s", b.get("steps_per_s"))
@@ -176,6 +231,9 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"{name:34s} {_fmt(a.get('fresh_fraction'), 3):>12s} "
                          f"{_fmt(a.get('batch_fresh_fraction'), 3):>8s} {_fmt(b.get('fresh_fraction'), 3):>10s} "
                          f"{_fmt(b.get('batch_fresh_fraction'), 3):>8s}")
+    lines += batched_tables(report)
     if not theirs:
         lines += ["", "TorchRL side not run (create it with benchmarks/setup_torchrl_venv.sh)."]
+    if not report.get("torchrl14") and any(n.startswith("batched_") for n in report["workloads"]):
+        lines += ["TorchRL 0.14 side not run (create it with make setup-torchrl)."]
     return "\n".join(lines)

@@ -41,17 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     bench = commands.add_parser(
         "bench", help="measure rlharvest's collectors (and TorchRL's, side by side) and print one table",
-        description="Run benchmarks/ for rlharvest and, when its side environment exists (see "
-                    "benchmarks/README.md), for TorchRL 0.12 in the same run; print frames/s with ratios to the "
-                    "raw gymnasium loop, weight-sync latency with ratios to one in-process copy_, and write JSON.",
+        description="Run benchmarks/ for rlharvest and, when their side environments exist (see "
+                    "benchmarks/README.md), for TorchRL 0.12 and 0.14 in the same run, one side after the other "
+                    "per workload; print frames/s with ratios to the raw gymnasium loops, weight-sync latency "
+                    "with ratios to one in-process copy_, and write JSON.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_argument("--quick", action="store_true", help="a few small workloads, one run each (< 2 minutes)")
     bench.add_argument("--workload", action="append", help="run only this workload (repeatable)")
     bench.add_argument("--repeats", type=_positive_int, help="runs per figure (median); default 3, 1 with --quick")
     bench.add_argument("--output", default="benchmarks/results/local-latest.json", help="JSON report path")
-    bench.add_argument("--torchrl-python", help="Python of the TorchRL side environment")
-    bench.add_argument("--no-torchrl", action="store_true", help="measure rlharvest only")
+    bench.add_argument("--torchrl-python", help="Python of the TorchRL 0.12 side environment")
+    bench.add_argument("--no-torchrl", action="store_true", help="do not run the TorchRL 0.12 side")
+    bench.add_argument("--torchrl14-python", help="Python of the TorchRL 0.14 side environment")
+    bench.add_argument("--no-torchrl14", action="store_true", help="do not run the TorchRL 0.14 side")
+    bench.add_argument("--suite", choices=("all", "collectors", "batched"), default="all",
+                       help="which workloads (collectors: one or two workers; batched: many envs, one policy)")
+    bench.add_argument("--quiet-wait", type=float, help="seconds to wait for a quiet machine before each workload "
+                                                        "(default 30, 0 with --quick)")
+    bench.add_argument("--noisy-retries", type=int, help="re-runs of a workload disturbed by other processes "
+                                                         "(default 2, 0 with --quick)")
     bench.add_argument("--benchmarks", help="the benchmarks/ folder (default: the source checkout's)")
     return parser
 
@@ -87,7 +96,9 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         report = run_bench(quick=args.quick, workloads=args.workload, repeats=args.repeats, output=args.output,
                            torchrl_python=args.torchrl_python, benchmarks=args.benchmarks,
-                           with_torchrl=not args.no_torchrl)
+                           with_torchrl=not args.no_torchrl, torchrl14_python=args.torchrl14_python,
+                           with_torchrl14=not args.no_torchrl14, suite=args.suite, quiet_wait=args.quiet_wait,
+                           noisy_retries=args.noisy_retries)
     except FileNotFoundError as err:
         print(f"rlharvest bench: error: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ class WorkerError(RuntimeError):
 
     Attributes:
         worker_idx: 0-based index of the worker (``None`` when unknown).
+        noun: what the message calls the worker (``"worker"``, ``"node"``, ``"sub-env"``).
         remote_type: qualified name of the exception type raised remotely (``None`` for a death).
         remote_traceback: the formatted remote traceback, or ``""``.
 
@@ -38,8 +39,9 @@ class WorkerError(RuntimeError):
         worker_idx: int | None = None,
         remote_type: str | None = None,
         remote_traceback: str = "",
+        noun: str = "worker",
     ) -> None:
-        prefix = f"worker {worker_idx}: " if worker_idx is not None else ""
+        prefix = f"{noun} {worker_idx}: " if worker_idx is not None else ""
         text = prefix + message
         if remote_traceback:
             text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
@@ -47,12 +49,13 @@ class WorkerError(RuntimeError):
         self.worker_idx = worker_idx
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+        self.noun = noun
 
     def __reduce__(self):
         # The generated subclasses below are not importable by name: pickle as a plain WorkerError.
         return (
             _rebuild_worker_error,
-            (str(self), self.worker_idx, self.remote_type, self.remote_traceback),
+            (str(self), self.worker_idx, self.remote_type, self.remote_traceback, self.noun),
         )
 
 
@@ -60,10 +63,11 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """A worker did not answer (or made no progress) within the allowed time."""
 
 
-def _rebuild_worker_error(text, worker_idx, remote_type, remote_traceback):
+def _rebuild_worker_error(text, worker_idx, remote_type, remote_traceback, noun="worker"):
     err = WorkerError.__new__(WorkerError)
     RuntimeError.__init__(err, text)
     err.worker_idx, err.remote_type, err.remote_traceback = worker_idx, remote_type, remote_traceback
+    err.noun = noun
     return err
 
 
@@ -98,8 +102,13 @@ class RemoteFailure:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return cls(worker_idx, type(exc).__module__, type(exc).__qualname__, str(exc), tb)
 
-    def to_exception(self, context: str = "") -> WorkerError:
-        """The exception to raise in the parent: a WorkerError that is also the remote type."""
+    def to_exception(self, context: str = "", noun: str = "worker") -> WorkerError:
+        """The exception to raise in the parent: a WorkerError that is also the remote type.
+
+        Args:
+            context: what the worker was doing (``"'step'"``), put before the remote message.
+            noun: what the message calls the worker (``"sub-env 3: ..."``).
+        """
         remote_cls = self._import_type()
         cls = _mixed_error_type(remote_cls) if remote_cls is not None else WorkerError
         message = f"{self.type_name}: {self.message}"
@@ -112,6 +121,7 @@ class RemoteFailure:
             worker_idx=self.worker_idx,
             remote_type=f"{self.type_module}.{self.type_name}",
             remote_traceback=self.traceback,
+            noun=noun,
         )
         return err
 

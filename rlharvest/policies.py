@@ -314,7 +314,13 @@ def _stages_of(policy) -> list[tuple] | None:
 
 
 def make_policy_step(policy: Callable, env, root_keys: set, device: torch.device | None) -> PolicyStep:
-    """The fastest :class:`PolicyStep` that computes exactly what ``policy`` would."""
+    """The fastest :class:`PolicyStep` that computes exactly what ``policy`` would.
+
+    A policy that already is a :class:`PolicyStep` (rlharvest's inference client, whose policy runs
+    elsewhere) is used as it is.
+    """
+    if isinstance(policy, PolicyStep):
+        return policy
     if isinstance(policy, RandomPolicy):
         return RandomStep(env, policy)
     stages = _stages_of(policy)

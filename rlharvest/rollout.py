@@ -283,6 +283,11 @@ class Rollout:
         return traj
 
     @property
+    def root(self) -> dict:
+        """The root values the next step acts on (read-only: the loop owns them)."""
+        return self._root
+
+    @property
     def policy_lock(self) -> threading.RLock:
         """Held while the policy runs; weight updates from other threads take it too."""
         return self._policy_lock

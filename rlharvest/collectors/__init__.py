@@ -10,6 +10,7 @@ from ..weight_update.updaters import (
     VanillaWeightUpdater,
     WeightUpdaterBase,
 )
+from .async_batched import AsyncBatchedCollector
 from .base import BaseCollector
 from .multi import AsyncCollector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from .single import Collector
@@ -35,6 +36,7 @@ __all__ = [
     "MultiAsyncCollector",
     "AsyncCollector",
     "MultiCollector",
+    "AsyncBatchedCollector",
     "SyncDataCollector",
     "MultiSyncDataCollector",
     "MultiaSyncDataCollector",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import WorkerError
 from ..protocol import READY, Command, WorkerSpec
@@ -61,8 +61,14 @@ class Fleet:
     def __len__(self) -> int:
         return len(self.specs)
 
-    def start(self, specs: Sequence[WorkerSpec]) -> None:
+    def start(self, specs: Sequence[WorkerSpec], started: Callable[[], None] | None = None) -> None:
         """Start every worker, deliver the initial weights, and wait until each is built.
+
+        Args:
+            specs: one per worker, in index order.
+            started: called once every worker was started, before waiting for them: a service the
+                workers call while they are built (a policy server) starts then, so that no thread
+                of it runs while worker processes are forked.
 
         Raises:
             WorkerError: naming a worker that died or failed while starting (all are stopped then).
@@ -70,6 +76,8 @@ class Fleet:
         self.specs = list(specs)
         try:
             handles = self.backend.start_all(self.specs)
+            if started is not None:
+                started()
             self.pool = WorkerPool(handles, timeout=self.timeout, noun=self.backend.noun)
             self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
             for worker in range(len(handles)):

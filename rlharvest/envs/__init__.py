@@ -1,10 +1,12 @@
-"""Environments: the duck-typed env protocol, minimal specs, and rlharvest's own envs."""
+"""Environments: the duck-typed env protocol, minimal specs, rlharvest's own envs, and batched envs."""
 
 from ..policies import ExplorationType
 from .adapters import is_env
 from .base import EnvBase
+from .batched import SerialEnv
 from .counting import ContinuousMockEnv, CountingEnv
 from .gym import GymEnv
+from .parallel import ParallelEnv
 from .specs import Binary, Bounded, Categorical, Composite, OneHot, TensorSpec, Unbounded
 
 __all__ = [
@@ -13,6 +15,8 @@ __all__ = [
     "CountingEnv",
     "ContinuousMockEnv",
     "GymEnv",
+    "SerialEnv",
+    "ParallelEnv",
     "ExplorationType",
     "TensorSpec",
     "Unbounded",

@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 from multiprocessing import popen_forkserver, spawn
 from multiprocessing.context import ForkServerProcess
-import signal
 import socket
 import threading
 import time
 from typing import Callable, Sequence
 
+from .._processes import describe_exit, end_process, mp_context, prepare_worker_process
 from .._utils import worker_scheduling
-from .mp import describe_exit, mp_context, set_parent_death_signal
 from .rendezvous import distributed_state_exists
 
 __all__ = [
@@ -49,11 +48,8 @@ _ALIVE_STATES = {"PENDING", "RUNNING", "UNKNOWN", "COMPLETING", "REQUEUED", "CON
 
 
 def _local_node(death_signal: bool, parent_pid: int | None, target: NodeTarget, *args, **kwargs) -> None:
-    if death_signal:
-        set_parent_death_signal()
-    if parent_pid is not None and os.getppid() != parent_pid:
+    if not prepare_worker_process(parent_pid, death_signal):
         return  # the main process died before this node started
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     target(*args, **kwargs)
 
 
@@ -155,14 +151,7 @@ class LocalNode(LaunchedNode):
         return describe_exit(self.process.exitcode)
 
     def terminate(self, deadline: float) -> None:
-        process = self.process
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
-            process.join(0.5)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
+        end_process(self.process, deadline)
 
 
 class SlurmNode(LaunchedNode):

@@ -15,17 +15,22 @@ shared memory.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import threading
 import time
 
 import torch
-import torch.multiprocessing as torch_mp
 from tensordict import TensorDictBase
 
-from .._utils import CloudpickleWrapper, use_worker_scheduling, worker_scheduling
+from .._processes import (
+    describe_exit,
+    describe_process_exit,
+    end_process,
+    mp_context,
+    parent_watch,
+    prepare_worker_process,
+    set_parent_death_signal,
+)
+from .._utils import CloudpickleWrapper, worker_scheduling
 from ..data.flat import is_dense
 from ..protocol import WorkerSpec
 from ..rollout import TrajectoryCounter
@@ -33,22 +38,10 @@ from .base import Backend, WorkerTarget
 from .pipes import PipeEndpoint, PipeHandle
 from .shared_memory import SharedMemLinks
 
+# describe_exit, mp_context and set_parent_death_signal live in _processes.py (ParallelEnv's sub-env
+# processes use them too, below this layer); they are re-exported here for the backends and launchers.
 __all__ = ["MPBackend", "MPWorkerHandle", "MPWorkerEndpoint", "SharedTrajectoryCounter", "describe_exit", "mp_context",
            "set_parent_death_signal"]
-
-
-
-def mp_context(start_method: str | None = None):
-    """The multiprocessing context workers are started with: ``fork`` unless told otherwise.
-
-    Worker processes only use pipes, shared memory, their env and policy, so forking (the fastest
-    start) is safe for them; ``mp_start_method="spawn"``/``"forkserver"`` are honoured.
-    """
-    method = start_method or ("fork" if "fork" in torch_mp.get_all_start_methods() else "spawn")
-    allowed = torch_mp.get_all_start_methods()
-    if method not in allowed:
-        raise ValueError(f"mp_start_method must be one of {allowed}, got {method!r}")
-    return torch_mp.get_context(method)
 
 
 class SharedTrajectoryCounter(TrajectoryCounter):
@@ -100,27 +93,6 @@ class SignalBoard:
         self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
 
 
-def describe_exit(code: int | None) -> str:
-    """How a process ended, from its exit code, for error messages."""
-    if code is None:
-        return "it is still running"
-    if code < 0:
-        try:
-            return f"it was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"it was killed by signal {-code}"
-    return f"it exited with code {code}"
-
-
-def set_parent_death_signal() -> None:
-    """Ask Linux to kill this process when the thread that forked it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
-        pass
-
-
 class MPWorkerEndpoint(PipeEndpoint):
     """A worker process's end: the pipe, its signal row, and its shared batch buffer."""
 
@@ -154,12 +126,8 @@ class MPWorkerEndpoint(PipeEndpoint):
 def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, parent_pid: int | None,
                   death_signal: bool) -> None:
     """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
-    if death_signal:
-        set_parent_death_signal()
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before we got here
+    if not prepare_worker_process(parent_pid, death_signal):
         return
-    use_worker_scheduling()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     target = target.payload if isinstance(target, CloudpickleWrapper) else target
     spec = spec.payload if isinstance(spec, CloudpickleWrapper) else spec
     torch.set_num_threads(max(1, int(spec.num_threads)))
@@ -178,13 +146,7 @@ class MPWorkerHandle(PipeHandle):
         return self.process.is_alive()
 
     def exit_description(self) -> str:
-        code = self.process.exitcode
-        if code is None:
-            self.process.join(1.0)  # its pipe closed first: give the exit status a moment to arrive
-            code = self.process.exitcode
-        if code is None:
-            return "it stopped answering (its connection closed) but is still running"
-        return describe_exit(code)
+        return describe_process_exit(self.process)
 
     def fetch_batch(self, reply) -> TensorDictBase:
         if reply.value is not None:
@@ -194,14 +156,7 @@ class MPWorkerHandle(PipeHandle):
         return self._batch
 
     def terminate(self, deadline: float) -> None:
-        process = self.process
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
-            process.join(0.5)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
+        end_process(self.process, deadline)
         self.close_pipe()
 
 
@@ -252,9 +207,7 @@ class MPBackend(Backend):
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         # The spec goes through multiprocessing's pickler, which knows how to pass pipes, locks and
         # shared tensors; user callables inside it are already wrapped for cloudpickle.
-        direct_child = self.ctx.get_start_method() in ("fork", "spawn")
-        death_signal = direct_child and threading.current_thread() is threading.main_thread()
-        parent_pid = os.getpid() if direct_child else None
+        parent_pid, death_signal = parent_watch(self.ctx)
         process = self.ctx.Process(
             target=_process_main,
             args=(self.target, spec, child_conn, self.signals.table, index, parent_pid, death_signal),

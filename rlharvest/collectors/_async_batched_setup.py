@@ -1,0 +1,147 @@
+"""AsyncBatchedCollector's arguments, validated once into a frozen dataclass, and its worker env factories."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._utils import NestedKey
+from ..envs import SerialEnv
+
+__all__ = ["AsyncBatchedConfig", "async_batched_config", "worker_env_factories"]
+
+#: TorchRL 0.14 defaults of the inference server
+DEFAULT_MAX_BATCH_SIZE, DEFAULT_MIN_BATCH_SIZE, DEFAULT_SERVER_TIMEOUT = 64, 1, 0.01
+#: most env steps per message from a worker with transition_chunk_size="auto"
+AUTO_CHUNK_CAP = 64
+ENV_BACKENDS = ("multiprocessing", "threading")
+
+
+@dataclass(frozen=True)
+class AsyncBatchedConfig:
+    """What AsyncBatchedCollector adds to the common collector arguments."""
+
+    num_envs: int
+    """Envs in all (``len(create_env_fn)``)."""
+    envs_per_worker: int
+    """Envs stepped by one worker (a SerialEnv of them when more than one)."""
+    env_backend: str
+    """``"multiprocessing"`` (a process per worker) or ``"threading"`` (a thread per worker)."""
+    chunk_steps: int
+    """Env steps a worker collects per message to the collector (``transition_chunk_size``)."""
+    max_batch_size: int
+    """Most frames one policy call serves."""
+    min_batch_size: int
+    """Frames the server gathers, for up to ``server_timeout`` seconds, before a policy call."""
+    server_timeout: float
+    yield_completed_trajectories: bool
+    """Yield one complete trajectory at a time instead of batches of ``frames_per_batch`` frames."""
+    policy_version_key: NestedKey | None
+    """Where each frame carries the version of the weights that chose its action (None: nowhere)."""
+    policy_version: int
+    """Version of the initial weights."""
+    device: torch.device | None = None
+    """Where the policy runs (in the server; workers' envs stay where they are)."""
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_envs // self.envs_per_worker
+
+
+#: TorchRL arguments that have nothing to configure here, with the values that mean "the default"
+_NEUTRAL = {
+    "transport": (None, "driver", "auto"),  # the server is always a thread of the collector's process
+    "backend": (None, "threading", "multiprocessing"),
+    "env_exchange": ("auto", "shm", "queue"),  # data always travels through shared memory
+    "policy_backend": (None, "threading"),
+    "weight_sync": (None,),
+    "weight_sync_model_id": ("policy",),
+    "verbose": (False, True),
+    "worker_affinity": (None,),
+    "driver_affinity": (None,),
+    "server_config": (None,),
+    "device_config": (None,),
+    "reset_at_each_iter": (False,),
+}
+
+
+def _positive(name: str, value: Any, kind=int):
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+        raise ValueError(f"AsyncBatchedCollector: {name} must be a positive {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def reject_unsupported(options: dict) -> None:
+    """Refuse, by name, the TorchRL arguments this collector cannot honour.
+
+    Raises:
+        TypeError: for an argument TorchRL does not have either.
+        ValueError: for a TorchRL argument given a value other than its neutral ones.
+    """
+    unknown = sorted(k for k in options if k not in _NEUTRAL)
+    if unknown:
+        raise TypeError(f"AsyncBatchedCollector got unexpected keyword argument(s) {unknown}.")
+    for name, value in options.items():
+        allowed = _NEUTRAL[name]
+        if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+            raise ValueError(f"AsyncBatchedCollector does not support {name}={value!r} (allowed: {list(allowed)}): "
+                             "envs step in rlharvest workers and the policy is served from a thread of this process.")
+
+
+def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch: int, max_batch_size, min_batch_size,
+                         server_timeout, env_backend, envs_per_worker, transition_chunk_size,
+                         yield_completed_trajectories: bool, policy_version_key, policy_version, device=None,
+                         options: dict) -> AsyncBatchedConfig:
+    """Validate the collector's own arguments (see :class:`AsyncBatchedConfig`)."""
+    reject_unsupported(options)
+    if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
+        raise TypeError("AsyncBatchedCollector: create_env_fn must be a non-empty list of env factories.")
+    num_envs = len(create_env_fn)
+    backend = env_backend if env_backend is not None else options.get("backend") or "multiprocessing"
+    if backend not in ENV_BACKENDS:
+        raise ValueError(f"AsyncBatchedCollector: env_backend must be one of {ENV_BACKENDS}, got {backend!r}")
+    envs_per_worker = _positive("envs_per_worker", envs_per_worker)
+    if num_envs % envs_per_worker:
+        raise ValueError(f"AsyncBatchedCollector: envs_per_worker={envs_per_worker} does not divide the {num_envs} "
+                         "envs (every worker must host as many envs, so that their requests stack).")
+    num_workers = num_envs // envs_per_worker
+    if transition_chunk_size == "auto":
+        # Small enough that one chunk per worker (what may already be collected when weights are updated)
+        # stays below a batch, large enough to keep the per-message cost off the per-frame path.
+        chunk = max(1, min(AUTO_CHUNK_CAP, frames_per_batch // ((num_workers + 1) * envs_per_worker)))
+    else:
+        chunk = _positive("transition_chunk_size", transition_chunk_size)
+    max_batch = _positive("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size)
+    min_batch = _positive("min_batch_size", DEFAULT_MIN_BATCH_SIZE if min_batch_size is None else min_batch_size)
+    timeout = DEFAULT_SERVER_TIMEOUT if server_timeout is None else server_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"AsyncBatchedCollector: server_timeout must be a non-negative number, got {timeout!r}")
+    if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+        raise TypeError(f"AsyncBatchedCollector: policy_version must be an int, got {policy_version!r}")
+    return AsyncBatchedConfig(
+        num_envs=num_envs, envs_per_worker=envs_per_worker, env_backend=backend, chunk_steps=chunk,
+        max_batch_size=max_batch, min_batch_size=min_batch, server_timeout=float(timeout),
+        yield_completed_trajectories=bool(yield_completed_trajectories), policy_version_key=policy_version_key,
+        policy_version=policy_version, device=torch.device(device) if device is not None else None,
+    )
+
+
+def worker_env_factories(create_env_fn: Sequence[Callable], create_env_kwargs, envs_per_worker: int) -> list:
+    """One env factory per worker: the env itself, or a SerialEnv of ``envs_per_worker`` of them."""
+    count = len(create_env_fn)
+    if create_env_kwargs is None or isinstance(create_env_kwargs, dict):
+        kwargs = [dict(create_env_kwargs or {}) for _ in range(count)]
+    elif len(create_env_kwargs) != count or not all(isinstance(k, dict) for k in create_env_kwargs):
+        raise ValueError(f"AsyncBatchedCollector: create_env_kwargs must be a dict or a list of {count} dicts.")
+    else:
+        kwargs = [dict(k) for k in create_env_kwargs]
+    if envs_per_worker == 1:
+        return [functools.partial(fn, **kw) if kw else fn for fn, kw in zip(create_env_fn, kwargs)]
+    return [
+        functools.partial(SerialEnv, envs_per_worker, list(create_env_fn[first:first + envs_per_worker]),
+                          create_env_kwargs=kwargs[first:first + envs_per_worker])
+        for first in range(0, count, envs_per_worker)
+    ]
