@@ -105,4 +105,4 @@ class RayWeightUpdater(WeightUpdaterBase):
             raise RuntimeError("RayWeightUpdater is not registered with a collector.")
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
             raise ValueError(f"Actor {worker_id} not registered (0-based actor indices 0..{self.num_workers - 1}).")
-        collector._legacy_push(worker_id, server_weights, wait=True)
+        collector.push_legacy_weights(worker_id, server_weights, wait=True)
