@@ -42,6 +42,8 @@ def set_weight(policy, value: float) -> None:
 
 def test_sync_batches_stack_actors_in_order_with_unique_ids(ray_cluster):
     collector = make(sync=True, total_frames=16)
+    with pytest.raises(NotImplementedError, match="num_collectors"):
+        collector.add_collectors([counting()], 1, None, [{}], [{}])
     batches = list(collector)
     assert [tuple(b.shape) for b in batches] == [(2, 4), (2, 4)]
     assert batches[0]["observation"].reshape(2, 4).tolist() == [[0, 1, 2, 0]] * 2  # auto-reset past max_steps
