@@ -206,6 +206,10 @@ class RayWorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def hello(self) -> tuple[int, str]:
+        """``(pid, Ray node id)``: answered as soon as the actor exists, while its worker builds."""
+        return os.getpid(), require_ray().get_runtime_context().get_node_id()
+
 
 _ACTOR_CLASS: dict[str, Any] = {}
 
@@ -242,26 +246,29 @@ class RayWorkerHandle(WorkerHandle):
         self._replies: collections.deque = collections.deque()
         self._doorbell = _Doorbell()
         self._gone: str | None = None
+        #: the Ray node the actor runs on, once it answered ``hello`` (weights to it travel by shared
+        #: memory when it is the driver's node)
+        self.node_id: str | None = None
+        self._greeted = threading.Event()
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll_forever, name=f"rlharvest-ray-poll-{worker_idx}",
                                         daemon=True)
         self._poller.start()
 
     def _poll_forever(self) -> None:
+        if not self._greet():
+            return
         ray = require_ray()
-        started = False
         while not self._stopping.is_set():
-            bound = _POLL_SECONDS + (self.heartbeat_timeout if started else self.start_timeout)
+            bound = _POLL_SECONDS + self.heartbeat_timeout
             try:
                 replies, progress, running, failure = ray.get(self.actor.pull.remote(_POLL_SECONDS), timeout=bound)
             except ray.exceptions.GetTimeoutError:
-                self._end(f"it did not answer for {bound:g} s (node unreachable?)" if started else
-                          f"Ray did not create it within {bound:g} s (can the cluster give it {self.resources}?)")
+                self._end(f"it did not answer for {bound:g} s (node unreachable?)")
                 return
             except Exception as err:  # the actor died (killed, crashed, its node lost) or Ray shut down
                 self._end(_describe_death(err))
                 return
-            started = True
             self._progress = progress
             self._replies.extend(replies)
             if replies:
@@ -269,6 +276,26 @@ class RayWorkerHandle(WorkerHandle):
             if not running:
                 self._end("its worker loop ended" + (f" with:\n{failure}" if failure else ""))
                 return
+
+    def _greet(self) -> bool:
+        """Wait (up to ``start_timeout``) until Ray created the actor; learn its node. False if it never was."""
+        ray = require_ray()
+        try:
+            _, self.node_id = ray.get(self.actor.hello.remote(), timeout=self.start_timeout)
+            return True
+        except ray.exceptions.GetTimeoutError:
+            self._end(f"Ray did not create it within {self.start_timeout:g} s (can the cluster give it "
+                      f"{self.resources}?)")
+        except Exception as err:  # it died while being created, or Ray shut down
+            self._end(_describe_death(err))
+        finally:
+            self._greeted.set()
+        return False
+
+    def wait_node_id(self, timeout: float) -> str | None:
+        """The actor's Ray node id, waiting up to ``timeout`` for it to exist; None if it is gone."""
+        self._greeted.wait(timeout)
+        return self.node_id
 
     def _end(self, description: str) -> None:
         if self._gone is None:

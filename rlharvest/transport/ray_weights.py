@@ -1,13 +1,19 @@
 """Weights to Ray actors (the transport of RayWeightSyncScheme).
 
-An update is put in Ray's object store once (``ray.put`` copies the learner's tensors there, so they
-are never shared), whatever the number of actors; each targeted actor is handed the reference, its
-worker loop fetches the weights between two env steps (or as soon as it is idle), applies them,
-and acknowledges the version: the actor call that delivered the reference returns it then.
+Every update is copied once by the sender, so the learner's tensors are never shared, and each
+targeted actor acknowledges the version once it applied it between two env steps (the actor call
+that delivered the update returns it then). Where the copy goes depends on the actor's Ray node:
 
-Dense weights travel as raw bytes (one buffer per tensor, read without a copy on the actor's node)
-with their layout; anything else is pickled as it is. A replacement actor gets the weights of the
-last update (or of the start) before it is built, as initial weights.
+* an actor on the driver's node gets a generation of a named shared-memory pool (``weight_pool``):
+  the sender copies the update into a generation no actor runs on, whatever the number of local
+  actors, and each actor swaps its model's tensors for views of it (no copy on its side);
+* an actor on another node gets a reference to one ``ray.put`` of the update (dense weights as raw
+  bytes, one buffer per tensor, with their layout; anything else pickled), which it fetches and
+  copies in.
+
+Initial weights go through the object store (one ``ray.put``, before any actor exists). A
+replacement actor gets the weights of the last update (or of the start) as its initial weights,
+the same way: a generation on the driver's node, a reference elsewhere.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ..data.flat import flat_leaves, is_dense
+from ..data.flat import FlatLayout, flat_leaves, is_dense
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightReceiver, WeightSender
+from .weight_pool import Generation, GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["RayWeightLinks", "RayWeightSender", "RayWeightReceiver", "WeightInboxes", "stage_weights",
            "unstage_weights"]
@@ -111,10 +118,16 @@ class WeightInboxes:
 
 
 class RayWeightReceiver(WeightReceiver):
-    """An actor's end: the inbox of its model, filled by the parent's ``deliver_weights`` calls."""
+    """An actor's end: the inbox of its model, filled by the parent's ``deliver_weights`` calls.
+
+    ``zero_copy`` says how the payload last returned arrived: a shared-memory generation reserved
+    for this update (swapped in) or weights read from the object store (copied in).
+    """
 
     def __init__(self, inbox: _Inbox) -> None:
         self.inbox = inbox
+        self.zero_copy = False
+        self._segments: dict[int, tuple] = {}
 
     def connect(self, timeout: float) -> TensorDictBase | None:
         """The initial weights (None when the parent has none: the policy came with the spec)."""
@@ -123,7 +136,7 @@ class RayWeightReceiver(WeightReceiver):
             if not inbox.cond.wait_for(lambda: inbox.initial is not None, timeout):
                 raise TimeoutError(f"no initial weights arrived within {timeout:g} s.")
             _, payload = inbox.initial
-        return _fetch(payload)
+        return self._open(payload)
 
     def pending(self) -> bool:
         return self.inbox.update is not None
@@ -138,7 +151,23 @@ class RayWeightReceiver(WeightReceiver):
         if item is None:
             return None
         version, payload = item
-        return version, _fetch(payload)
+        return version, self._open(payload)
+
+    def _open(self, payload: list) -> TensorDictBase | None:
+        """The weights ``payload`` (``[body]``, see :class:`RayWeightSender`) stands for."""
+        body = payload[0] if payload else None
+        if body is None:
+            return None
+        if body[0] == "shm":
+            _, gen_id, handle = body
+            if handle is not None:  # a generation this actor has not mapped yet
+                self._segments[gen_id] = attach_named(handle)
+            self.zero_copy = True
+            return self._segments[gen_id][1]
+        import ray
+
+        self.zero_copy = False
+        return unstage_weights(ray.get(body[1]))
 
     def ack(self, version: int) -> None:
         with self.inbox.cond:
@@ -153,53 +182,102 @@ class RayWeightReceiver(WeightReceiver):
     def wait_handle(self):
         return self.inbox.doorbell
 
-
-def _fetch(payload: list) -> TensorDictBase | None:
-    if not payload or payload[0] is None:
-        return None
-    import ray
-
-    return unstage_weights(ray.get(payload[0]))
+    def close(self) -> None:
+        for mapping, _ in self._segments.values():
+            try:
+                mapping.close()
+            except (BufferError, OSError):
+                pass  # the model may still hold views of it: the OS unmaps it when the actor exits
+        self._segments.clear()
 
 
 # ---------------------------------------------------------------------------------------------- parent side
 class RayWeightSender(WeightSender):
-    """One ``ray.put`` per update, its reference handed to every targeted actor.
+    """Each update copied once: into a shared-memory generation for actors on the driver's node, into
+    the object store (one ``ray.put``) for actors elsewhere.
+
+    An actor call carries ``[body]`` (in a list, so that Ray hands a reference over unresolved):
+    ``None`` (no weights), ``("ref", reference)`` or ``("shm", generation id, handle)``, the
+    handle only the first time an actor is sent that generation.
 
     Args:
-        handles: the actors' handles (``actor``, ``is_alive``, ``exit_description``), by index.
+        handles: the actors' handles (``actor``, ``is_alive``, ``exit_description``,
+            ``wait_node_id``), by index.
         model_id: the model these weights are for.
+        use_shared_memory: whether actors on the driver's node get updates through shared memory.
     """
 
-    def __init__(self, handles: list, model_id: str) -> None:
+    def __init__(self, handles: list, model_id: str, use_shared_memory: bool = True) -> None:
+        import ray
+
         self.handles = handles
         self.model_id = model_id
-        self._acks: dict[int, tuple[int, Any]] = {}
-        #: ``(version, reference)`` of the last update or of the initial weights: what a replacement gets
-        self._latest: tuple[int, Any] | None = None
         self.timeout = 120.0
+        self._driver_node = ray.get_runtime_context().get_node_id() if use_shared_memory else None
+        self._acks: dict[int, tuple[int, Any]] = {}
+        self._pool: GenerationPool | None = None
+        #: generation each actor runs on, and the one delivered to it and not yet acknowledged
+        self._current: dict[int, int] = {}
+        self._pending: dict[int, int] = {}
+        self._seen: dict[int, set] = {}
+        #: ``(version, staged)`` of the last update or of the initial weights: what a replacement
+        #: gets; ``staged`` is an object-store reference (or None) or a Generation
+        self._latest: tuple[int, Any] = (0, None)
 
     @property
     def num_workers(self) -> int:
         return len(self.handles)
 
-    def _send(self, worker: int, version: int, ref: Any, initial: bool):
-        return self.handles[worker].actor.deliver_weights.remote(self.model_id, version, [ref], initial, self.timeout)
+    def _send(self, worker: int, version: int, body: Any, initial: bool):
+        return self.handles[worker].actor.deliver_weights.remote(self.model_id, version, [body], initial, self.timeout)
+
+    def _is_local(self, worker: int) -> bool:
+        """Whether actor ``worker`` runs on the driver's node (it reads shared memory of this host)."""
+        if self._driver_node is None:
+            return False
+        return self.handles[worker].wait_node_id(self.timeout) == self._driver_node
 
     def connect(self, initial) -> None:
-        """Hand every actor its initial weights (or word that there are none) once, by reference."""
+        """Hand every actor its initial weights (or word that there are none) once, by reference:
+        the actors need not exist yet."""
         ref = stage_weights(initial) if initial is not None else None
         self._latest = (0, ref)
         for worker in range(self.num_workers):
-            self._send(worker, 0, ref, initial=True)
+            self._send(worker, 0, None if ref is None else ("ref", ref), initial=True)
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
         if isinstance(payload, dict):
             raise ValueError("RayWeightSyncScheme sends the same weights to every actor (no per-worker payloads).")
-        ref = stage_weights(payload)
-        self._latest = (version, ref)
-        for worker in worker_ids:
-            self._acks[worker] = (version, self._send(worker, version, ref, initial=False))
+        unsettled = [worker for worker in worker_ids if worker in self._acks]
+        if unsettled:  # an update sent without waiting (sync=False): its generation may not be swapped in yet
+            self.wait_acks(version - 1, unsettled, self.timeout)
+        # raw tensors only in shared memory (anything else is pickled into the object store)
+        local = [worker for worker in worker_ids if self._is_local(worker)] if is_dense(payload) else []
+        remote = [worker for worker in worker_ids if worker not in local]
+        generation = self._stage_shared(payload) if local else None
+        ref = stage_weights(payload) if remote else None
+        self._latest = (version, generation if generation is not None else ref)
+        for worker in local:
+            self._pending[worker] = generation.gen_id
+            self._acks[worker] = (version, self._send(worker, version, self._shm_body(worker, generation), False))
+        for worker in remote:
+            self._acks[worker] = (version, self._send(worker, version, ("ref", ref), initial=False))
+
+    def _stage_shared(self, weights: TensorDictBase) -> Generation:
+        if self._pool is None:
+            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
+        busy = set(self._current.values()) | set(self._pending.values())
+        if isinstance(self._latest[1], Generation):  # what a replacement would be handed
+            busy.add(self._latest[1].gen_id)
+        generation, _ = self._pool.acquire(busy)
+        copy_into(generation, self._pool.keys, weights)
+        return generation
+
+    def _shm_body(self, worker: int, generation: Generation) -> tuple:
+        seen = self._seen.setdefault(worker, set())
+        handle = None if generation.gen_id in seen else generation.handle
+        seen.add(generation.gen_id)
+        return "shm", generation.gen_id, handle
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         import ray
@@ -212,7 +290,7 @@ class RayWeightSender(WeightSender):
                 if ref in ready:
                     del waiting[worker]
                     self._acks.pop(worker, None)
-                    self._check_ack(worker, ref, version)
+                    self._check_ack(worker, ref)
                 elif not self.handles[worker].is_alive():
                     raise WorkerError(f"the actor died while applying new weights: "
                                       f"{self.handles[worker].exit_description()}.", worker_idx=worker)
@@ -220,9 +298,10 @@ class RayWeightSender(WeightSender):
                 raise WorkerTimeoutError(f"actor(s) {sorted(waiting)} did not acknowledge weights version {version} "
                                          f"within {timeout:g} s.", worker_idx=min(waiting))
 
-    def _check_ack(self, worker: int, ref: Any, version: int) -> None:
+    def _check_ack(self, worker: int, ref: Any) -> None:
         import ray
 
+        delivered = self._pending.pop(worker, None)
         try:
             answer = ray.get(ref)
         except Exception as err:
@@ -231,11 +310,25 @@ class RayWeightSender(WeightSender):
                               f"({type(err).__name__}).", worker_idx=worker) from err
         if isinstance(answer, RemoteFailure):
             raise answer.to_exception(context="applying new weights")
+        if delivered is not None:
+            self._current[worker] = delivered
 
     def replace(self, worker: int) -> None:
-        self._acks.pop(worker, None)
+        for state in (self._acks, self._current, self._pending, self._seen):
+            state.pop(worker, None)
 
     def attach(self, worker: int, timeout: float) -> None:
         """Hand the replacement the weights of the last update (or of the start), as its initial weights."""
-        version, ref = self._latest if self._latest is not None else (0, None)
-        self._send(worker, version, ref, initial=True)
+        version, staged = self._latest
+        if isinstance(staged, Generation):
+            if self._is_local(worker):
+                self._current[worker] = staged.gen_id  # initial weights are not acknowledged: it runs on them
+                self._send(worker, version, self._shm_body(worker, staged), initial=True)
+                return
+            staged = stage_weights(staged.view)
+        self._send(worker, version, None if staged is None else ("ref", staged), initial=True)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

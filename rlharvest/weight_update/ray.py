@@ -1,5 +1,6 @@
 """Weight sync to Ray actors: RayWeightSyncScheme (RayCollector's default) and the legacy
-RayWeightUpdater, both over ``transport.ray_weights`` (one ``ray.put`` per update)."""
+RayWeightUpdater, both over ``transport.ray_weights`` (one copy per update: into shared memory for
+actors on the driver's node, into the object store for the others)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ __all__ = ["RayWeightSyncScheme", "RayWeightUpdater"]
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
-    """An update is put once in Ray's object store; every targeted actor fetches it, applies it
-    between two env steps, passes it on to its own workers (cascading), and acknowledges the version.
+    """An update is copied once, into a shared-memory buffer that actors on the driver's node swap
+    in, and (when some target runs elsewhere) into Ray's object store, from which the other actors
+    fetch it; every targeted actor applies it between two env steps, passes it on to its own
+    workers (cascading), and acknowledges the version (docs/ray.md, "Weights").
 
     Args:
         strategy: ``"tensordict"`` (default) or ``"state_dict"``.
@@ -23,6 +26,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
             not a process group).
         sync: whether ``send`` waits for every targeted actor's acknowledgement.
         timeout: seconds to wait for acknowledgements (and for a new actor's initial weights).
+        use_shared_memory: whether actors on the driver's Ray node get updates through shared
+            memory (default); False sends every update through the object store.
 
     ``init_on_sender`` needs ``context``: a RayCollector (its actors are the transport).
 
@@ -35,14 +40,15 @@ class RayWeightSyncScheme(WeightSyncScheme):
     needs_workers = True
 
     def __init__(self, strategy: str = "tensordict", backend: str | None = "gloo", sync: bool = True,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, use_shared_memory: bool = True) -> None:
         super().__init__(strategy=strategy, sync=sync, timeout=timeout)
         self.backend = backend
+        self.use_shared_memory = bool(use_shared_memory)
 
     def _make_sender(self, links: RayWeightLinks | None, **kwargs) -> RayWeightSender:
         if not isinstance(links, RayWeightLinks):
             raise RuntimeError(f"RayWeightSyncScheme needs a RayCollector context, got {type(links).__name__}.")
-        sender = RayWeightSender(links.handles, self._model_id)
+        sender = RayWeightSender(links.handles, self._model_id, use_shared_memory=self.use_shared_memory)
         sender.timeout = self.timeout
         return sender
 

@@ -162,14 +162,20 @@ class RayCollector(DistributedCollector):
         self.shutdown()
 
     def add_collectors(self, *args, **kwargs) -> None:
-        """Not available: the actors are created by the constructor (pass ``num_collectors`` or a
-        longer ``create_env_fn`` list).
+        """Not available: a RayCollector's actors are fixed when it is built (pass ``num_collectors``
+        or one env constructor per actor).
+
+        An actor added later would change what the running ones produce: trajectory ids are
+        ``k * W + i`` for ``W`` actors, ``sync=True`` splits ``frames_per_batch`` evenly across the
+        actors and stacks one rollout of each, and the workers, their weight channels and their
+        restart budget are started as one set (docs/ray.md, "Adding actors").
 
         Raises:
             NotImplementedError: always.
         """
-        raise NotImplementedError("RayCollector creates its actors in the constructor: pass num_collectors or one "
-                                  "env constructor per actor.")
+        raise NotImplementedError("RayCollector fixes its actors when it is built (trajectory ids, the sync batch "
+                                  "layout and weight sync depend on their number): pass num_collectors or one env "
+                                  "constructor per actor, or build a second RayCollector.")
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:

@@ -6,6 +6,7 @@ whose action is its only weight, so batches say exactly which weights collected 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -41,6 +42,8 @@ def set_weight(policy, value: float) -> None:
 
 def test_sync_batches_stack_actors_in_order_with_unique_ids(ray_cluster):
     collector = make(sync=True, total_frames=16)
+    with pytest.raises(NotImplementedError, match="num_collectors"):
+        collector.add_collectors([counting()], 1, None, [{}], [{}])
     batches = list(collector)
     assert [tuple(b.shape) for b in batches] == [(2, 4), (2, 4)]
     assert batches[0]["observation"].reshape(2, 4).tolist() == [[0, 1, 2, 0]] * 2  # auto-reset past max_steps
@@ -103,6 +106,75 @@ def test_subset_update_reaches_only_those_actors():
         collector.update_policy_weights_(worker_ids=[1])
         batch = next(iterator)
         assert batch["action"][0].unique().tolist() == [1.0] and batch["action"][1].unique().tolist() == [3.0]
+    finally:
+        collector.shutdown()
+
+
+def sender_of(collector: RayCollector):
+    return collector._sender_schemes["policy"]._sender
+
+
+def segment_files(sender) -> list[str]:
+    """The /dev/shm files of the sender's generation buffers."""
+    return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender._pool._generations.values()]
+
+
+def test_updates_reach_actors_on_this_node_through_shared_memory_leaving_no_segment():
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True)
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        set_weight(policy, 2.0)
+        collector.update_policy_weights_()
+        set_weight(policy, 6.0)
+        collector.update_policy_weights_(worker_ids=[1])
+        batch = next(iterator)
+        assert batch["action"][0].unique().tolist() == [2.0] and batch["action"][1].unique().tolist() == [6.0]
+        sender = sender_of(collector)
+        assert sender._current == {0: 0, 1: 1}  # each actor runs on a generation of its own
+        files = segment_files(sender)
+        assert len(files) == 2 and all(os.path.exists(path) for path in files)
+        set_weight(policy, 8.0)
+        collector.update_policy_weights_()  # into the one generation neither actor runs on
+        assert next(iterator)["action"].unique().tolist() == [8.0] and len(segment_files(sender)) == 3
+        files = segment_files(sender)
+    finally:
+        collector.shutdown()
+    assert not [path for path in files if os.path.exists(path)]
+
+
+def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster):
+    policy = weight_policy(1.0)
+    collector = make(policy=policy, sync=True)
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        collector._pool.handles[1].node_id = "another-node"  # as Ray would report an actor placed elsewhere
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_()
+        assert next(iterator)["action"].unique().tolist() == [3.0]
+        sender = sender_of(collector)
+        assert set(sender._seen) == {0} and sender._current == {0: 0}  # only actor 0 mapped a generation
+        sender._driver_node = "a-third-node"  # the replacement counts as remote: it gets a reference
+        ray_cluster.kill(collector.remote_collectors[0])
+        wait_until(lambda: not collector._pool.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        collector._replace_worker(0)
+        assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender._current
+    finally:
+        collector.shutdown()
+
+
+def test_use_shared_memory_false_sends_every_update_through_the_object_store():
+    policy = weight_policy(1.0)
+    collector = make(count=1, policy=policy, sync=True,
+                     weight_sync_schemes={"policy": RayWeightSyncScheme(use_shared_memory=False)})
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        set_weight(policy, 9.0)
+        collector.update_policy_weights_()
+        assert next(iterator)["action"].unique().tolist() == [9.0] and sender_of(collector)._pool is None
     finally:
         collector.shutdown()
 
