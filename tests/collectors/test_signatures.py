@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
-from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
+from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RayCollector, RPCCollector
 from rlharvest.envs import CountingEnv
 
 
@@ -39,7 +39,7 @@ def test_arguments_outside_the_signature_are_refused(make, name):
         make()
 
 
-@pytest.mark.parametrize("cls", [AsyncCollector, DistributedSyncCollector, RPCCollector])
+@pytest.mark.parametrize("cls", [AsyncCollector, DistributedSyncCollector, RPCCollector, RayCollector])
 def test_the_constructor_shows_the_derived_signature(cls):
     """inspect.signature(cls.__init__) is what TorchRL's tests and IDEs read, beside the class's."""
     assert list(inspect.signature(cls.__init__).parameters) == ["self", *parameters(cls)]

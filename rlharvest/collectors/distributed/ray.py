@@ -19,7 +19,7 @@ from ...protocol import Command
 from ...transport.base import Backend
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, ensure_ray, require_ray
 from ...worker import run_worker
-from .._signatures import bind_arguments, derived_signature, keyword
+from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from .generic import DistributedCollector
 
 __all__ = ["RayCollector"]
@@ -127,6 +127,8 @@ class RayCollector(DistributedCollector):
         self._closed = False
         if arguments["weight_recv_schemes"] is not None:
             self.register_scheme_receiver(arguments["weight_recv_schemes"])
+
+    __init__.__signature__ = method_signature(__signature__)
 
     # ------------------------------------------------------------------ construction
     def _setup_transport(self, arguments: dict) -> None:
