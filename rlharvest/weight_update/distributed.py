@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 from ..transport.torchdist_weights import DistWeightReceiver, DistWeightSender, NodeGroupLinks, NodeWeightLinks
 from .schemes import WeightSyncScheme
 from .strategy import weights_of
-from .updaters import WeightUpdaterBase
+from .updaters import RemoteWorkerWeightUpdater
 
 __all__ = ["DistributedWeightSyncScheme", "DistributedWeightUpdater"]
 
@@ -94,7 +94,7 @@ def _has_tensors(model) -> bool:
     return True
 
 
-class DistributedWeightUpdater(WeightUpdaterBase):
+class DistributedWeightUpdater(RemoteWorkerWeightUpdater):
     """Legacy updater of a DistributedCollector: pushes weights to nodes (0-based node ids, unlike
     TorchRL's 1-based ranks: docs/torchrl-compatibility.md).
 
@@ -105,6 +105,8 @@ class DistributedWeightUpdater(WeightUpdaterBase):
         sync: wait for each node's acknowledgement.
     """
 
+    noun = "node"
+
     def __init__(self, store=None, policy_weights: TensorDictBase | None = None, num_workers: int = 1,
                  sync: bool = True) -> None:
         self.store = store
@@ -112,21 +114,6 @@ class DistributedWeightUpdater(WeightUpdaterBase):
         self.num_workers = num_workers
         self.sync = sync
 
-    def _get_server_weights(self):
-        return self.policy_weights
-
-    def _maybe_map_weights(self, server_weights):
-        return weights_of(server_weights) if server_weights is not None else None
-
-    def all_worker_ids(self) -> list[int]:
-        return list(range(self.num_workers))
-
-    def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
-        if server_weights is None:
-            return
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError("DistributedWeightUpdater is not registered with a collector.")
-        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
-            raise ValueError(f"Worker {worker_id} not registered (0-based node indices 0..{self.num_workers - 1}).")
-        collector.push_legacy_weights(worker_id, server_weights, wait=self.sync)
+    @property
+    def wait(self) -> bool:
+        return self.sync

@@ -8,8 +8,7 @@ from typing import Any
 
 from ..transport.ray_weights import RayWeightLinks, RayWeightReceiver, RayWeightSender, WeightInboxes
 from .schemes import WeightSyncScheme
-from .strategy import weights_of
-from .updaters import WeightUpdaterBase
+from .updaters import RemoteWorkerWeightUpdater
 
 __all__ = ["RayWeightSyncScheme", "RayWeightUpdater"]
 
@@ -58,7 +57,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         return RayWeightReceiver(links.get(self._model_id))
 
 
-class RayWeightUpdater(WeightUpdaterBase):
+class RayWeightUpdater(RemoteWorkerWeightUpdater):
     """Legacy updater of a RayCollector: puts the weights in the object store once and has every
     targeted actor apply them (0-based actor indices).
 
@@ -73,6 +72,8 @@ class RayWeightUpdater(WeightUpdaterBase):
         ...     weight_updater=RayWeightUpdater(policy_weights, remote_collectors=[None] * 2))
     """
 
+    noun = "actor"
+
     def __init__(self, policy_weights: Any = None, remote_collectors: list | None = None, max_interval: int = 0) -> None:
         self.policy_weights = policy_weights
         self.remote_collectors = list(remote_collectors or [])
@@ -84,15 +85,6 @@ class RayWeightUpdater(WeightUpdaterBase):
         collector = self.collector
         return collector.num_workers if collector is not None else len(self.remote_collectors)
 
-    def _get_server_weights(self):
-        return self.policy_weights
-
-    def _maybe_map_weights(self, server_weights):
-        return weights_of(server_weights) if server_weights is not None else None
-
-    def all_worker_ids(self) -> list[int]:
-        return list(range(self.num_workers))
-
     def _skip_update(self, worker_id: int) -> bool:
         if self.max_interval <= 0:
             return False
@@ -103,12 +95,3 @@ class RayWeightUpdater(WeightUpdaterBase):
         self._since_update[worker_id] = 0
         return False
 
-    def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
-        if server_weights is None:
-            return
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError("RayWeightUpdater is not registered with a collector.")
-        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
-            raise ValueError(f"Actor {worker_id} not registered (0-based actor indices 0..{self.num_workers - 1}).")
-        collector.push_legacy_weights(worker_id, server_weights, wait=True)

@@ -273,3 +273,34 @@ class RemoteModuleWeightUpdater(WeightUpdaterBase):
 
     def _sync_weights_with_worker(self, *, worker_id=None, server_weights: Any) -> None:
         return None
+
+
+class RemoteWorkerWeightUpdater(WeightUpdaterBase):
+    """Shared part of the legacy updaters whose collector pushes weights to remote workers (nodes,
+    actors) by 0-based index: subclasses set ``num_workers``, :attr:`noun` and :attr:`wait`."""
+
+    #: how errors name a worker
+    noun = "worker"
+    #: whether a push waits for the worker's acknowledgement
+    wait = True
+
+    def _get_server_weights(self):
+        return self.policy_weights
+
+    def _maybe_map_weights(self, server_weights):
+        return weights_of(server_weights) if server_weights is not None else None
+
+    def all_worker_ids(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
+        if server_weights is None:
+            return
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError(f"{type(self).__name__} is not registered with a collector.")
+        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < self.num_workers:
+            raise ValueError(f"Worker {worker_id} not registered (0-based {self.noun} indices "
+                             f"0..{self.num_workers - 1}).")
+        collector.push_legacy_weights(worker_id, server_weights, wait=self.wait)
+

@@ -8,9 +8,10 @@ import signal
 
 import pytest
 import torch
-from mocks import check_counting_batches, fail_once_envs, weight_policy
+from mocks import check_counting_batches, echo_weight_policy, fail_once_envs, wait_until, weight_policy
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
+from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.ports import free_port_block
 
@@ -110,11 +111,8 @@ def check_buffer_frames(frames) -> dict:
     return trajectories
 
 
-def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_replacement():
-    from mocks import echo_weight_policy, wait_until
-
-    from rlharvest.data import ReplayBuffer
-
+def started_free_running():
+    """Two nodes running free into a replay buffer (restarts allowed), once they wrote some frames."""
     policy = echo_weight_policy(1.0)
     buffer = ReplayBuffer(capacity=100_000)
     collector = make(DistributedCollector, [lambda: CountingEnv(max_steps=50)] * 2, policy=policy, frames_per_batch=8,
@@ -122,6 +120,15 @@ def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_repla
     try:
         collector.start()
         wait_until(lambda: buffer.write_count >= 64, what="frames in the buffer")
+    except BaseException:
+        collector.async_shutdown()
+        raise
+    return policy, buffer, collector
+
+
+def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_replacement():
+    policy, buffer, collector = started_free_running()
+    try:
         victim = collector._launched[1].process
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
@@ -143,17 +150,8 @@ def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_repla
 
 
 def test_a_free_running_node_killed_is_replaced_with_the_current_weights():
-    from mocks import echo_weight_policy, wait_until
-
-    from rlharvest.data import ReplayBuffer
-
-    policy = echo_weight_policy(1.0)
-    buffer = ReplayBuffer(capacity=100_000)
-    collector = make(DistributedCollector, [lambda: CountingEnv(max_steps=50)] * 2, policy=policy, frames_per_batch=8,
-                     total_frames=-1, replay_buffer=buffer, max_worker_restarts=1, track_policy_version=True)
+    policy, buffer, collector = started_free_running()
     try:
-        collector.start()
-        wait_until(lambda: buffer.write_count >= 64, what="frames in the buffer")
         with torch.no_grad():
             policy.module.weight.fill_(3.0)
         collector.update_policy_weights_()
