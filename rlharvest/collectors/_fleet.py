@@ -11,6 +11,10 @@ worker (docs/backends.md, "Replacing a worker"):
    current policy version, the seed), starts a new worker at the same index (``start_one``);
 4. the pool talks to the new handle; every scheme connects the new receiver and hands it the current
    weights (``attach``); the new worker answers READY once built, before it ever collects.
+
+Adding workers (:meth:`Fleet.grow`, docs/backends.md, "Adding workers") takes steps 2-4 at new
+indices, after the backend made room for them (``Backend.grow``); it needs a backend and weight
+senders that are ``growable``.
 """
 
 from __future__ import annotations
@@ -109,6 +113,67 @@ class Fleet:
         self._reporting_start_failures(lambda: [scheme.attach(index) for scheme in self.schemes.values()])
         self.pool.wait_for(index, READY)
         return handle
+
+    def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
+        """Start more workers after the others, each running the current weights before it collects.
+
+        All are started at once, then connected to every weight scheme, then awaited (READY). When
+        one fails, the new workers are stopped and the fleet is left as it was.
+
+        Args:
+            specs: one per new worker, with indices ``len(self)``, ``len(self) + 1``, ... in order.
+            options: what the backend needs of each new worker (``Backend.grow``), or None.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+            ValueError: for specs whose indices do not follow the current workers'.
+            NotImplementedError: when the backend or a weight scheme cannot serve more workers.
+            WorkerError: naming a new worker that died or failed while starting.
+        """
+        if self.pool is None:
+            raise RuntimeError("Fleet.grow() needs the fleet started first.")
+        first, specs = len(self.specs), list(specs)
+        indices = [spec.worker_idx for spec in specs]
+        if indices != list(range(first, first + len(specs))):
+            raise ValueError(f"new {self.backend.noun}s take indices {first}..{first + len(specs) - 1}, got {indices}.")
+        self._check_growable()
+        self.backend.grow(len(specs), options)
+        try:
+            for spec in specs:
+                for scheme in self.schemes.values():
+                    scheme.replace(spec.worker_idx)  # a channel for it, before its spec travels
+                self.specs.append(spec)
+                self.pool.add(self.backend.start_one(spec.worker_idx, spec))
+            for spec in specs:
+                self._reporting_start_failures(lambda: [scheme.attach(spec.worker_idx)
+                                                        for scheme in self.schemes.values()])
+            for spec in specs:
+                self.pool.wait_for(spec.worker_idx, READY)
+        except BaseException:
+            self._shrink(first)
+            raise
+
+    def _check_growable(self) -> None:
+        noun = self.backend.noun
+        if not self.backend.growable:
+            raise NotImplementedError(f"{type(self.backend).__name__} cannot add {noun}s to a running collector.")
+        for model_id, scheme in self.schemes.items():
+            sender = scheme.sender_transports
+            if sender is not None and not sender.growable:
+                raise NotImplementedError(f"the weight scheme of {model_id!r} ({type(scheme).__name__}) cannot serve "
+                                          f"{noun}s added after start-up.")
+
+    def _shrink(self, count: int) -> None:
+        """Stop the workers from index ``count`` on and forget them (a growth that failed)."""
+        for index in range(count, self.backend.num_workers):
+            with contextlib.suppress(Exception):
+                self.backend.stop_one(index, time.monotonic())
+            for scheme in self.schemes.values():
+                with contextlib.suppress(Exception):
+                    scheme.replace(index)  # forgets its receiver
+        self.backend.truncate(count)
+        self.pool.truncate(count)
+        del self.specs[count:]
 
     def _reporting_start_failures(self, connect) -> None:
         """Run ``connect`` (weight channels waiting for workers); when it finds a worker gone, raise

@@ -30,7 +30,7 @@ __all__ = ["WorkerPool"]
 
 
 class WorkerPool:
-    """Commands and replies for a fixed set of workers.
+    """Commands and replies for a set of workers (one can be replaced, and more added).
 
     Args:
         handles: one handle per worker, in worker-index order.
@@ -71,6 +71,23 @@ class WorkerPool:
         self.unresponsive.discard(worker)
         self._free = collections.deque(item for item in self._free if item[0] != worker)
         self._outstanding[worker][self.READY] = None
+
+    def add(self, handle: WorkerHandle) -> int:
+        """Talk to ``handle`` as a new worker after the others (a collector that grew); its READY
+        reply is expected. Returns its index."""
+        worker = len(self.handles)
+        self.handles.append(handle)
+        self.replace(worker, handle)
+        return worker
+
+    def truncate(self, count: int) -> None:
+        """Forget the workers from index ``count`` on (undoing :meth:`add` for workers that failed to start)."""
+        for worker in range(count, len(self.handles)):
+            self.forget(worker)
+            self._dead.discard(worker)
+            self.unresponsive.discard(worker)
+        self._free = collections.deque(item for item in self._free if item[0] < count)
+        del self.handles[count:]
 
     # ------------------------------------------------------------------ sending
     def send(self, worker: int, command: Command, payload: Any = None) -> int:

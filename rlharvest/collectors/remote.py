@@ -359,6 +359,7 @@ class RemoteCollectorBase(BaseCollector):
         for worker in range(self.num_workers):
             self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
             seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
+        self._seed_chain = (seed, static_seed)  # workers added later continue the chain
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
@@ -588,6 +589,33 @@ class RemoteCollectorBase(BaseCollector):
         current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
         with ``changes`` to its spec on top."""
         self._fleet.replace(worker, **{**self._replacement_changes(worker), **changes})
+
+    def _add_workers(self, specs: list, options: list | None = None) -> None:
+        """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and
+        policy version, with the hooks set since construction, seeded by continuing the chain of the
+        last :meth:`set_seed` (docs/backends.md, "Adding workers").
+
+        Raises:
+            RuntimeError: after shutdown, or while running free.
+        """
+        if self._closed or self._fleet is None or self._pool is None:
+            raise RuntimeError(f"{type(self).__name__} is shut down: it cannot add {self.noun}s.")
+        if self.is_running():
+            raise RuntimeError(f"{type(self).__name__} is running free (start()): add {self.noun}s before start().")
+        from ._worker_args import wrap_callable
+
+        hooks = {name.strip("_"): wrap_callable(getattr(self, name)) for name in ("_pre_collect_hook",
+                 "_post_collect_hook") if getattr(self, name, None) is not None}
+        specs = [spec.replacement(policy_version=self._policy_version,
+                                  collector_kwargs={**spec.collector_kwargs, **hooks}) for spec in specs]
+        self._fleet.grow(specs, options)  # the others' rollouts in flight go on meanwhile
+        chain = getattr(self, "_seed_chain", None)
+        if chain is not None:
+            seed, static_seed = chain
+            for spec in specs:
+                self._fleet.remember(spec.worker_idx, seed=seed, static_seed=static_seed)
+                seed = self._pool.request(spec.worker_idx, Command.SEED, (seed, static_seed))
+            self._seed_chain = (seed, static_seed)
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

@@ -10,7 +10,8 @@
 * Weights travel from a scheme's :class:`WeightSender` (parent) to one :class:`WeightReceiver` per
   worker, over what the backend offers them (:class:`WeightLinks`). A sender accepts a new receiver
   for one worker after start-up (``replace`` then ``attach``), so a replacement gets the current
-  weights and version before it collects.
+  weights and version before it collects; a sender that is ``growable`` connects a worker added
+  after start-up the same way.
 
 One file per backend implements these: ``inprocess.py`` (threads, for tests), ``mp.py`` (worker
 processes: pipes and shared memory), ``torchdist.py`` (nodes: TCP commands, a torch.distributed
@@ -171,10 +172,35 @@ class Backend(ABC):
     """
 
     noun = "worker"
+    #: whether :meth:`grow` can add workers to a running collector
+    growable = False
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.handles: list[WorkerHandle | None] = [None] * num_workers
+
+    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+        """Make room for ``count`` more workers, indices ``num_workers`` on, each then started with
+        :meth:`start_one` (docs/backends.md, "Adding workers").
+
+        Args:
+            count: how many workers are added.
+            options: what this backend needs to know of each new worker (Ray: its ``ray.remote``
+                options), or None for its defaults.
+
+        Raises:
+            NotImplementedError: when this backend cannot add workers (``growable`` is False).
+        """
+        if not self.growable:
+            raise NotImplementedError(f"{type(self).__name__} cannot add workers to a running collector.")
+        self.handles.extend([None] * count)  # in place: weight links hold this very list
+        self.num_workers += count
+
+    def truncate(self, num_workers: int) -> None:
+        """Forget the workers from index ``num_workers`` on (stopped already): undoes a :meth:`grow`
+        whose workers failed to start."""
+        del self.handles[num_workers:]
+        self.num_workers = num_workers
 
     def start_all(self, specs: Sequence[WorkerSpec]) -> list[WorkerHandle]:
         """Start one worker per spec (index order); returns their handles. They answer READY once built.
@@ -229,6 +255,9 @@ class WeightSender(ABC):
     """Parent end of a weight channel to ``num_workers`` receivers."""
 
     num_workers: int
+    #: whether the sender serves workers its backend added after start-up (``Backend.grow``): each
+    #: is then connected like a replacement, with :meth:`replace` and :meth:`attach`
+    growable = False
 
     @abstractmethod
     def connect(self, initial: TensorDictBase | dict[int, TensorDictBase] | None) -> None:

@@ -416,6 +416,22 @@ class RayBackend(Backend):
                                                        self.remote_configs[index])
         return handle
 
+    #: actors are started one by one, by index: more can be added to a running collector
+    growable = True
+
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
+        """Make room for ``count`` more actors; ``options`` are their ``ray.remote`` options (one dict
+        each; default ``DEFAULT_REMOTE_CONFIG``)."""
+        configs = list(options) if options is not None else [DEFAULT_REMOTE_CONFIG] * count
+        if len(configs) != count:
+            raise ValueError(f"remote_configs must hold one dict per new actor ({count}), got {len(configs)}.")
+        super().grow(count)
+        self.remote_configs.extend(dict(config) for config in configs)
+
+    def truncate(self, num_workers: int) -> None:
+        super().truncate(num_workers)
+        del self.remote_configs[num_workers:]
+
     def default_scheme(self) -> str:
         return "ray"
 

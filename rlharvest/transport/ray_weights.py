@@ -207,6 +207,9 @@ class RayWeightSender(WeightSender):
         use_shared_memory: whether actors on the driver's node get updates through shared memory.
     """
 
+    #: it serves ``len(handles)`` actors, the backend's list grown in place (``RayBackend.grow``)
+    growable = True
+
     def __init__(self, handles: list, model_id: str, use_shared_memory: bool = True) -> None:
         import ray
 

@@ -42,3 +42,90 @@ def test_a_replacement_is_seeded_with_its_worker_seed():
         c._fleet.replace(1)
         again = c.cascade_execute("workers[1].rollout_batch", True)["action"].flatten().tolist()
         assert again == first and len(set(first)) == 2
+
+
+# ---------------------------------------------------------------------------------------------- growth
+def _grow_fleet(backend_class):
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors._fleet import Fleet
+    from rlharvest.protocol import WorkerSpec
+    from rlharvest.worker import run_worker
+
+    fleet = Fleet(backend_class(1, run_worker), {}, timeout=10.0)
+    spec = WorkerSpec(0, Collector, lambda: CountingEnv(max_steps=4), {"frames_per_batch": 4})
+    fleet.start([spec])
+    return fleet, spec
+
+
+def _collect(fleet, worker: int):
+    from rlharvest.protocol import Command
+
+    reply = fleet.pool.wait_for(worker, fleet.pool.send(worker, Command.COLLECT, (False, 0)))
+    return fleet.pool.handles[worker].fetch_batch(reply)
+
+
+def test_a_backend_that_cannot_grow_refuses_before_starting_anything():
+    import dataclasses
+
+    from rlharvest.transport.inprocess import InProcessBackend
+
+    fleet, spec = _grow_fleet(InProcessBackend)
+    try:
+        with pytest.raises(NotImplementedError, match="cannot add workers"):
+            fleet.grow([dataclasses.replace(spec, worker_idx=1)])
+        assert len(fleet) == 1 and fleet.backend.num_workers == 1
+    finally:
+        fleet.stop(5.0)
+
+
+def test_a_growable_backend_adds_workers_and_undoes_a_failed_growth():
+    import dataclasses
+
+    from rlharvest.errors import WorkerError
+    from rlharvest.transport.inprocess import InProcessBackend
+
+    class GrowableInProcess(InProcessBackend):
+        growable = True
+
+    fleet, spec = _grow_fleet(GrowableInProcess)
+    try:
+        with pytest.raises(ValueError, match="indices 1..1"):
+            fleet.grow([dataclasses.replace(spec, worker_idx=2)])
+        fleet.grow([dataclasses.replace(spec, worker_idx=1)])
+        assert len(fleet) == len(fleet.pool) == fleet.backend.num_workers == 2
+        assert _collect(fleet, 1).numel() == 4  # the new worker collects
+
+        def broken():
+            raise ValueError("this env cannot be built")
+
+        with pytest.raises(WorkerError, match="cannot be built"):
+            fleet.grow([dataclasses.replace(spec, worker_idx=2, create_env_fn=broken)])
+        assert len(fleet) == len(fleet.pool) == fleet.backend.num_workers == 2  # as it was
+        assert _collect(fleet, 0).numel() == 4 and fleet.pool.handles[1].is_alive()  # the others go on
+    finally:
+        fleet.stop(5.0)
+
+
+def test_a_weight_scheme_that_cannot_serve_new_workers_refuses_the_growth():
+    import dataclasses
+    import types
+
+    from rlharvest.transport.inprocess import InProcessBackend
+
+    class GrowableInProcess(InProcessBackend):
+        growable = True
+
+    class FixedScheme:  # a sender sized once (shared-memory buffers per worker)
+        sender_transports = types.SimpleNamespace(growable=False)
+
+        def connect(self) -> None:
+            pass
+
+    fleet, spec = _grow_fleet(GrowableInProcess)
+    fleet.schemes = {"policy": FixedScheme()}
+    try:
+        with pytest.raises(NotImplementedError, match="'policy'.*FixedScheme"):
+            fleet.grow([dataclasses.replace(spec, worker_idx=1)])
+        assert len(fleet) == fleet.backend.num_workers == 1
+    finally:
+        fleet.stop(5.0)

@@ -29,6 +29,7 @@ from ...worker.nodes import node_main
 from .. import _worker_args as setup
 from .._fleet import Fleet
 from .._restarts import RestartPolicy
+from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
@@ -195,7 +196,7 @@ class DistributedCollector(RemoteCollectorBase):
         self.policy_factory = setup.per_worker(factory, count, "policy_factory") if factory else None
         self.policy_weights = self._main_weights(self.policy)
         self._batches_since_update = [0] * count
-        self._max_local_id = [-1] * count
+        self._traj_ids = TrajIdMap(count)
         self._yielded = 0
         self._worker_idx = None
         self._version_tracker = self._track_versions(arguments["collector_kwargs"])
@@ -342,7 +343,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     def _replacement_changes(self, worker: int) -> dict:
         # a node counts its own trajectory ids: its replacement starts past every id it handed out
-        return {**super()._replacement_changes(worker), "traj_offset": self._max_local_id[worker] + 1}
+        return {**super()._replacement_changes(worker), "traj_offset": self._traj_ids.next_local(worker)}
 
     # ------------------------------------------------------------------ collector hooks
     @property
@@ -350,12 +351,11 @@ class DistributedCollector(RemoteCollectorBase):
         return self.config.frames_per_batch
 
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
-        """Node i's local id k becomes k * W + i; -1 stays -1 (docs/collection.md, "Trajectory ids")."""
+        """Node i's local id k becomes k * W + i (segments after growth: ``_traj_ids.py``); -1 stays -1
+        (docs/collection.md, "Trajectory ids")."""
         ids = batch.get(_IDS, None)
         if ids is not None:
-            self._max_local_id[worker] = max(self._max_local_id[worker], int(ids.max()))
-            count = self.num_workers
-            ids.copy_(torch.where(ids == -1, ids, ids * count + worker))
+            self._traj_ids.map_(ids, worker)
         return batch
 
     def _nominal_frames(self, reply) -> int:

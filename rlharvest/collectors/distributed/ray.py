@@ -1,7 +1,7 @@
 """RayCollector: one Ray actor per env constructor, each running the worker loop around its own collector.
 
 Everything but where the workers run is DistributedCollector's: arguments, trajectory ids
-(``k * W + i``), automatic weight pushes (``update_after_each_batch``,
+(``k * W + i``, in segments once actors are added: ``collectors/_traj_ids.py``), automatic weight pushes (``update_after_each_batch``,
 ``max_weight_update_interval``), ``start()``/``pause()`` into a replay buffer, and the collector
 logic of RemoteCollectorBase. The actors are the workers of the ``ray`` backend
 (``rlharvest.transport.ray``); weights go through RayWeightSyncScheme (docs/ray.md).
@@ -9,8 +9,11 @@ logic of RemoteCollectorBase. The actors are the workers of the ``ray`` backend
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import warnings
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from tensordict import TensorDictBase
 
@@ -20,6 +23,7 @@ from ...transport.base import Backend
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, ensure_ray, require_ray
 from ...worker import run_worker
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
+from ..single import Collector
 from .generic import DistributedCollector
 
 __all__ = ["RayCollector"]
@@ -28,18 +32,21 @@ __all__ = ["RayCollector"]
 _NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port", "mp_start_method", "bind_address",
             "authkey", "handshake_timeout")
 
+#: how argument errors of add_collectors name one entry
+_NEW = "new actor (one per entry of create_env_fn)"
 
-def _replicated(value: Any, name: str, count: int) -> list:
+
+def _replicated(value: Any, name: str, count: int, per: str = "collector") -> list:
     """``value`` for each of ``count`` collectors: a list of that length, or one value repeated."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
-            raise ValueError(f"{name} must hold one entry per collector ({count}), got {len(value)}.")
+            raise ValueError(f"{name} must hold one entry per {per} ({count}), got {len(value)}.")
         return list(value)
     return [value] * count
 
 
-def _remote_configs(value: Any, count: int) -> list[dict]:
-    configs = _replicated(DEFAULT_REMOTE_CONFIG if value is None else value, "remote_configs", count)
+def _remote_configs(value: Any, count: int, per: str = "collector") -> list[dict]:
+    configs = _replicated(DEFAULT_REMOTE_CONFIG if value is None else value, "remote_configs", count, per)
     for config in configs:
         if not isinstance(config, dict):
             raise TypeError(f"remote_configs must be a dict or a list of dicts (ray.remote options), got "
@@ -163,25 +170,158 @@ class RayCollector(DistributedCollector):
         """Stop every actor (the collector cannot collect afterwards)."""
         self.shutdown()
 
-    def add_collectors(self, *args, **kwargs) -> None:
-        """Not available: a RayCollector's actors are fixed when it is built (pass ``num_collectors``
-        or one env constructor per actor).
+    def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs: int | None = None,
+                       policy: Any = None, collector_kwargs: dict | Sequence[dict] | None = None,
+                       remote_configs: dict | Sequence[dict] | None = None) -> None:
+        """Add one actor per entry of ``create_env_fn`` to the running collector.
 
-        An actor added later would change what the running ones produce: trajectory ids are
-        ``k * W + i`` for ``W`` actors, ``sync=True`` splits ``frames_per_batch`` evenly across the
-        actors and stacks one rollout of each, and the workers, their weight channels and their
-        restart budget are started as one set (docs/ray.md, "Adding actors").
+        The new actors take the indices after the others (``W``, ``W + 1``, ...), start on the weights
+        of the last update and the current policy version, with seeds that continue the chain of the
+        last :meth:`set_seed`, and share the collector's restart budget. From the next batch on they
+        collect like the others: with ``sync=True`` each adds one rollout of ``frames_per_batch / W``
+        frames (the share fixed at construction) to every batch, so batches grow to
+        ``(W', frames_per_batch / W)`` and ``requested_frames_per_batch`` with them; with
+        ``sync=False`` each yields batches of ``frames_per_batch`` frames. Trajectory ids stay unique
+        across every actor, old and new (docs/ray.md, "Adding actors").
+
+        Args:
+            create_env_fn: an env constructor, or a list of them (one per new actor).
+            num_envs: envs per new actor: 1 with ``collector_class="single"``, else how many
+                sub-workers its collector runs (default: ``num_workers_per_collector``).
+            policy: None or this collector's policy (``local_policy()``), or a list of those, one per
+                new actor: every actor runs the weights this collector sends.
+            collector_kwargs: a dict for every new actor's collector, or one dict per new actor.
+            remote_configs: the new actors' ``ray.remote`` options (a dict for all, or one per new
+                actor; default ``{"num_cpus": 1}``).
 
         Raises:
-            NotImplementedError: always.
+            ValueError: for an argument that does not fit (named in the message).
+            RuntimeError: after shutdown, while running free (:meth:`start`), or from inside the
+                collector's own iteration (a ``postproc``, another thread).
+            WorkerError: naming a new actor that failed to start (the new actors are then stopped;
+                the collector goes on with the others).
+
+        Example:
+            >>> collector = RayCollector([CountingEnv], frames_per_batch=4, sync=True)   # doctest: +SKIP
+            >>> collector.add_collectors([CountingEnv])                                 # doctest: +SKIP
+            >>> collector.num_collectors, collector.requested_frames_per_batch          # doctest: +SKIP
+            (2, 8)
         """
-        raise NotImplementedError("RayCollector fixes its actors when it is built (trajectory ids, the sync batch "
-                                  "layout and weight sync depend on their number): pass num_collectors or one env "
-                                  "constructor per actor, or build a second RayCollector.")
+        if getattr(self, "_collecting", False):
+            raise RuntimeError("add_collectors cannot run while a batch is being collected (from a postproc, a "
+                               "hook or another thread): call it between two batches.")
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or not all(callable(env_fn) for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"actor), got {create_env_fn!r}.")
+        count, first = len(env_fns), self.num_workers
+        sub_workers = self._new_num_envs(num_envs)
+        kwargs = self._new_collector_kwargs(collector_kwargs, count)
+        configs = _remote_configs(remote_configs, count, _NEW)
+        factory = self._new_policy(policy, count)
+        self._check_new_count(first + count)
+        self.env_constructors.extend(env_fns)
+        self.collector_kwargs.extend({**entry, **self.config.for_worker(
+            first + k, init_random_frames=self.config.init_random_frames // (first + count))}
+            for k, entry in enumerate(kwargs))
+        if self.policy_factory:
+            self.policy_factory.extend([factory] * count)
+        specs = [self._node_spec(node) for node in range(first, first + count)]
+        if self.collector_class is not Collector:
+            specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
+                     for spec, env_fn in zip(specs, env_fns)]
+        try:
+            self._add_workers(specs, configs)
+        except BaseException:
+            for per_actor in (self.env_constructors, self.collector_kwargs, self.policy_factory or []):
+                del per_actor[first:]
+            raise
+        self._grown(count)
+
+    def _new_num_envs(self, num_envs: int | None) -> int:
+        if num_envs is None:
+            return self.num_workers_per_collector
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+        if self.collector_class is Collector and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 when the actors run a single Collector, got {num_envs}: build "
+                             "the collector with collector_class='sync' or 'async' for several envs per actor.")
+        return num_envs
+
+    def _new_collector_kwargs(self, collector_kwargs: Any, count: int) -> list[dict]:
+        entries = _replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
+                              _NEW)
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new actor), got "
+                                 f"{type(entry).__name__} at index {index}.")
+            frames = entry.get("frames_per_batch", self._frames_per_node)
+            if frames != self._frames_per_node:
+                raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every actor collects "
+                                 f"{self._frames_per_node} frames per rollout (leave it out).")
+        return [dict(entry) for entry in entries]
+
+    def _new_policy(self, policy: Any, count: int) -> Callable | None:
+        """The policy factory of the new actors (None: they run this collector's policy)."""
+        policies = _replicated(policy, "policy", count, _NEW) if isinstance(policy, (list, tuple)) else [policy]
+        if any(entry is not None and entry is not self.policy for entry in policies):
+            raise ValueError("policy must be None or this collector's policy (local_policy()), or a list of those: "
+                             "every actor runs the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factory or []}
+        if len(factories) > 1:
+            raise ValueError("add_collectors cannot choose the new actors' policy_factory: this collector was built "
+                             "with a different one per actor.")
+        return next(iter(factories.values()), None)
+
+    def _check_new_count(self, total: int) -> None:
+        """Per-actor arguments of the constructor (devices, ...) leave the new actors' values unknown."""
+        try:
+            self.config.check_workers(total)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"add_collectors: {err} The collector was built with one value per actor: it cannot "
+                             f"tell the new actors' values.") from None
+
+    def _grown(self, count: int) -> None:
+        """Bookkeeping once ``count`` actors joined: trajectory ids, update counters, batch layout."""
+        self._traj_ids.grow(count)
+        # a sync batch yielded but not yet accounted for (suspended at its yield) counts every actor
+        self._batches_since_update.extend([-1 if self._sync and self._suspended else 0] * count)
+        if self._sync:
+            self._growth_point = (self._iter + 1, self._frames)
+            remaining = self.config.total_frames - self._frames
+            if not self.config.endless and remaining > 0 and remaining % self.requested_frames_per_batch:
+                warnings.warn(f"{remaining} frames remain to total_frames={self.config.total_frames}, not a multiple "
+                              f"of the {self.requested_frames_per_batch} of a batch of {self.num_workers} actors: "
+                              "the last batch collects the excess.", stacklevel=3)
+
+    @property
+    def requested_frames_per_batch(self) -> int:
+        """Frames per batch: ``frames_per_batch``, and with ``sync=True`` each added actor's share on top."""
+        return self._frames_per_node * self.num_workers if self._sync else self.config.frames_per_batch
+
+    def __len__(self) -> int:
+        point = getattr(self, "_growth_point", None)
+        if point is None or self.config.endless:
+            return super().__len__()
+        batches, frames = point  # batches of the former size so far, then of the current one
+        return batches + math.ceil(max(0, self.config.total_frames - frames) / self.requested_frames_per_batch)
 
     # ------------------------------------------------------------------ iteration
+    _collecting = False
+    #: between a batch's yield and the iteration resuming (when add_collectors may run)
+    _suspended = False
+
     def _iterate(self) -> Iterator[TensorDictBase | None]:
-        yield from super()._iterate()
+        batches = super()._iterate()
+        self._collecting = True
+        try:
+            for batch in batches:
+                self._collecting, self._suspended = False, True
+                yield batch
+                self._collecting, self._suspended = True, False
+        finally:
+            self._collecting = self._suspended = False
+            batches.close()
         if self._reached_total():  # TorchRL's RayCollector releases its actors at the end of iteration
             self.shutdown()
 

@@ -42,8 +42,6 @@ def set_weight(policy, value: float) -> None:
 
 def test_sync_batches_stack_actors_in_order_with_unique_ids(ray_cluster):
     collector = make(sync=True, total_frames=16)
-    with pytest.raises(NotImplementedError, match="num_collectors"):
-        collector.add_collectors([counting()], 1, None, [{}], [{}])
     batches = list(collector)
     assert [tuple(b.shape) for b in batches] == [(2, 4), (2, 4)]
     assert batches[0]["observation"].reshape(2, 4).tolist() == [[0, 1, 2, 0]] * 2  # auto-reset past max_steps
@@ -198,6 +196,8 @@ def test_start_writes_into_a_replay_buffer_until_async_shutdown():
     buffer = ReplayBuffer(capacity=1000)
     collector = make(sync=False, replay_buffer=buffer)
     collector.start()
+    with pytest.raises(RuntimeError, match=r"before start\(\)"):
+        collector.add_collectors([counting()])
     wait_until(lambda: len(buffer) >= 64, timeout=30.0, what="64 frames in the buffer")
     with collector.pause():
         frozen = len(buffer)
