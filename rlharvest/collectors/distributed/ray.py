@@ -1,10 +1,11 @@
 """RayCollector: one Ray actor per env constructor, each running the worker loop around its own collector.
 
 Everything but where the workers run is DistributedCollector's: arguments, trajectory ids
-(``k * W + i``, in segments once actors are added: ``collectors/_traj_ids.py``), automatic weight pushes (``update_after_each_batch``,
-``max_weight_update_interval``), ``start()``/``pause()`` into a replay buffer, and the collector
-logic of RemoteCollectorBase. The actors are the workers of the ``ray`` backend
-(``rlharvest.transport.ray``); weights go through RayWeightSyncScheme (docs/ray.md).
+(``k * W + i``; in segments once actors are added, ``collectors/_traj_ids.py``), automatic weight
+pushes (``update_after_each_batch``, ``max_weight_update_interval``), ``start()``/``pause()`` into a
+replay buffer, and the collector logic of RemoteCollectorBase. The actors are the workers of the
+``ray`` backend (``rlharvest.transport.ray``); weights go through RayWeightSyncScheme (docs/ray.md).
+Only this collector can add workers once running (:meth:`RayCollector.add_collectors`, as TorchRL).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ observation above 2 comes from them.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from mocks import wait_until, weight_policy
@@ -15,6 +17,7 @@ from ray_check import live_actors
 
 from rlharvest import WorkerError
 from rlharvest.collectors.distributed import RayCollector
+from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(90), pytest.mark.usefixtures("ray_session")]
@@ -109,6 +112,28 @@ def test_async_growth_serves_the_new_actor_with_the_current_weights_and_exact_to
         check_trajectories([stream(per_actor[0]), stream(per_actor[1])])
     finally:
         collector.shutdown()
+
+
+def test_an_added_actor_runs_free_into_the_replay_buffer_and_pauses_with_the_others():
+    buffer = ReplayBuffer(capacity=2000)
+    collector = RayCollector([counting()], weight_policy(1.0), frames_per_batch=4, total_frames=-1, sync=False,
+                             replay_buffer=buffer)
+    collector.add_collectors([counting(5)])  # before iterating: fine too
+
+    def from_both() -> bool:  # the new actor's env counts past 2
+        return len(buffer) >= 32 and bool((buffer.sample(len(buffer))["observation"] > 2).any())
+
+    collector.start()
+    try:
+        wait_until(from_both, timeout=30.0, what="frames of both actors in the buffer")
+        with collector.pause():  # both actors stopped: nothing more is written meanwhile
+            frozen = len(buffer)
+            time.sleep(0.5)
+            assert len(buffer) == frozen
+        wait_until(lambda: len(buffer) > frozen, timeout=30.0, what="collection resumed")
+    finally:
+        collector.async_shutdown()
+    assert collector.remote_collectors == []
 
 
 def test_a_new_actor_that_fails_to_start_is_named_and_the_others_go_on():
