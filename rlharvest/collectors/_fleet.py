@@ -150,7 +150,7 @@ class Fleet:
             for spec in specs:
                 self.pool.wait_for(spec.worker_idx, READY)
         except BaseException:
-            self._shrink(first)
+            self.shrink(first)
             raise
 
     def _check_growable(self) -> None:
@@ -163,8 +163,8 @@ class Fleet:
                 raise NotImplementedError(f"the weight scheme of {model_id!r} ({type(scheme).__name__}) cannot serve "
                                           f"{noun}s added after start-up.")
 
-    def _shrink(self, count: int) -> None:
-        """Stop the workers from index ``count`` on and forget them (a growth that failed)."""
+    def shrink(self, count: int) -> None:
+        """Stop the workers from index ``count`` on and forget them (undoes a growth that failed)."""
         for index in range(count, self.backend.num_workers):
             with contextlib.suppress(Exception):
                 self.backend.stop_one(index, time.monotonic())

@@ -608,14 +608,20 @@ class RemoteCollectorBase(BaseCollector):
                  "_post_collect_hook") if getattr(self, name, None) is not None}
         specs = [spec.replacement(policy_version=self._policy_version,
                                   collector_kwargs={**spec.collector_kwargs, **hooks}) for spec in specs]
+        first = len(self._fleet)
         self._fleet.grow(specs, options)  # the others' rollouts in flight go on meanwhile
         chain = getattr(self, "_seed_chain", None)
-        if chain is not None:
-            seed, static_seed = chain
+        if chain is None:
+            return
+        seed, static_seed = chain
+        try:
             for spec in specs:
                 self._fleet.remember(spec.worker_idx, seed=seed, static_seed=static_seed)
                 seed = self._pool.request(spec.worker_idx, Command.SEED, (seed, static_seed))
-            self._seed_chain = (seed, static_seed)
+        except BaseException:  # a new worker failed at once: as if it had failed to start
+            self._fleet.shrink(first)
+            raise
+        self._seed_chain = (seed, static_seed)
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

@@ -212,7 +212,7 @@ class RayCollector(DistributedCollector):
             raise RuntimeError("add_collectors cannot run while a batch is being collected (from a postproc, a "
                                "hook or another thread): call it between two batches.")
         env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
-        if not env_fns or not all(callable(env_fn) for env_fn in env_fns):
+        if not env_fns or any(env_fn is None for env_fn in env_fns):
             raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
                              f"actor), got {create_env_fn!r}.")
         count, first = len(env_fns), self.num_workers
