@@ -5,8 +5,8 @@ for rlharvest's envs, the TensorDict protocol for any other env, TorchRL's ``Tra
 included). It reads its actions from, and writes its outcome into, its row of the batched env's
 :class:`Buffers` (shared memory for ParallelEnv), so nothing is pickled per step. ``SerialEnv``
 calls its runners directly; ParallelEnv runs one per process with :func:`subenv_main`, which waits
-for its command on a :class:`CommandBoard` (one doorbell wakes every sub-env of a step) and answers
-on a :class:`ReplyBoard` (the last sub-env to answer a round wakes the parent).
+for one command byte per step and answers on a :class:`ReplyBoard` (the last sub-env to answer a
+round wakes the parent).
 
 A sub-env whose step ends its episode is reset in the same wake-up (as gymnasium's SAME_STEP
 autoreset does): the fresh root goes to the ``root`` buffer and the row's ``pending`` flag tells the
@@ -26,13 +26,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .._doorbell import Doorbell
 from .._processes import prepare_worker_process
 from .._utils import NestedKey, unravel_key, unwrap
 from ..errors import RemoteFailure
 from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
 
-__all__ = ["SubEnvCommand", "Status", "CommandBoard", "ReplyBoard", "Buffers", "SubEnvDescription", "FirstStep", "SubEnvRunner",
+__all__ = ["SubEnvCommand", "Status", "ReplyBoard", "Buffers", "SubEnvDescription", "FirstStep", "SubEnvRunner",
            "build_env", "subenv_main", "value_meta"]
 
 #: root-level done flags: they travel in their own buffers, never as observations
@@ -45,7 +44,7 @@ _NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, 
 
 
 class SubEnvCommand(enum.IntEnum):
-    """What a batched env asks a sub-env to do: its code in the sub-env's slot of the command board."""
+    """What a batched env asks a sub-env to do; one byte on the command pipe."""
 
     STEP = 1        # read the action buffers, write the next buffers (+ reset what ended)
     RESET = 2       # full reset
@@ -66,17 +65,6 @@ class Status(enum.IntEnum):
     PAYLOAD = 1  # a pickled result follows on its connection
     FAILED = 2   # a pickled RemoteFailure follows on its connection
     WAITING = 3  # set by the parent when it sends a command: no answer yet
-
-
-class CommandBoard:
-    """How the parent commands sub-envs: a command code per sub-env in shared memory, and a doorbell
-    that wakes every commanded sub-env with one system call (see ``rlharvest/_doorbell.py``; one pipe
-    write per sub-env made the parent wait for each sub-env it woke). Payloads follow on the
-    sub-env's command pipe."""
-
-    def __init__(self, ctx, num_workers: int) -> None:
-        self.codes = torch.zeros(num_workers, dtype=torch.int8).share_memory_()
-        self.bell = Doorbell(ctx, num_workers)
 
 
 class ReplyBoard:
@@ -408,12 +396,12 @@ def seed_process(seed: int) -> None:
 _WAITED_ON = True  # see prepare_worker_process (a switch for the benchmark that measured it)
 
 
-def subenv_main(index: int, create_env_fn, create_env_kwargs: dict, commands, results, inbox: CommandBoard,
-                board: ReplyBoard, parent_pid: int | None, death_signal: bool, num_threads: int, seed: int) -> None:
+def subenv_main(index: int, create_env_fn, create_env_kwargs: dict, commands, results, board: ReplyBoard,
+                parent_pid: int | None, death_signal: bool, num_threads: int, seed: int) -> None:
     """Entry point of a ParallelEnv sub-env process: build the sub-env, describe it, serve commands.
 
-    ``inbox``: where the parent's commands arrive; ``commands``: their pickled payloads;
-    ``results``: pickled results and failures to the parent; ``board``: where this sub-env says it answered.
+    ``commands``: command bytes (and pickled payloads) from the parent; ``results``: pickled results
+    and failures to it; ``board``: where this sub-env says it answered.
     """
     if not prepare_worker_process(parent_pid, death_signal, waited_on=_WAITED_ON):
         return
@@ -427,45 +415,35 @@ def subenv_main(index: int, create_env_fn, create_env_kwargs: dict, commands, re
         results.close()
         return
     try:
-        _serve(runner, index, commands, results, inbox, board, parent_pid)
+        _serve(runner, index, commands, results, board, parent_pid)
     finally:
         runner.close()
         commands.close()
         results.close()
 
 
-def _parent_gone(commands, parent_pid: int | None) -> bool:
-    """Checked when no command came for a while: the parent died, or closed its end of the pipe."""
-    if parent_pid is not None and os.getppid() != parent_pid:
-        return True
-    poller = select.poll()  # a payload may be on its way (rung just now): look for a hang-up, read nothing
-    poller.register(commands.fileno(), select.POLLIN)
-    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
-
-
-def _serve(runner: SubEnvRunner, index: int, commands, results, inbox: CommandBoard, board: ReplyBoard,
-           parent_pid: int | None) -> None:
+def _serve(runner: SubEnvRunner, index: int, commands, results, board: ReplyBoard, parent_pid: int | None) -> None:
     """Answer commands until CLOSE, until the parent's end closes, or until the parent is gone."""
-    reply_fd = board.reply_w.fileno()
-    codes, bell = inbox.codes.numpy(), inbox.bell
+    fd, reply_fd = commands.fileno(), board.reply_w.fileno()
     status, remaining, lock = board.status.numpy(), board.remaining.numpy(), board.lock
-    # command code -> (command, takes a payload); no Enum lookups on the per-step path
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    # command byte -> (command, takes a payload); no Enum lookups on the per-step path
     table = {int(c): (c, c in PAYLOAD_COMMANDS) for c in SubEnvCommand}
     valid = ", ".join(c.name for c in SubEnvCommand)
-    seen = 0
     while True:
-        rung = bell.wait(index, seen, 1.0)
-        if rung == seen:
-            if _parent_gone(commands, parent_pid):
+        if not poller.poll(1000):
+            if parent_pid is not None and os.getppid() != parent_pid:
                 return
             continue
-        seen = rung
-        raw = int(codes[index])
+        raw = os.read(fd, 1)
+        if not raw:
+            return
         command, result, code = None, None, Status.OK
         try:
-            entry = table.get(raw)
+            entry = table.get(raw[0])
             if entry is None:
-                raise ValueError(f"unknown sub-env command {raw}; valid commands: {valid}")
+                raise ValueError(f"unknown sub-env command {raw[0]}; valid commands: {valid}")
             command, takes_payload = entry
             result = runner.handle(command, commands.recv() if takes_payload else None)
             if result is not None:

@@ -1,8 +1,8 @@
 """ParallelEnv: one worker process per sub-env, one wake-up per sub-env per step, nothing pickled per step.
 
-Per step the env writes the actions into shared buffers and each sub-env's command code into a
-shared board, wakes them all with one doorbell call (``CommandBoard``), and sleeps until the last
-sub-env to answer wakes it (one wake-up per round, see ``ReplyBoard``); the sub-envs read their actions from, and write their outcomes into, their rows of
+Per step the env writes the actions into shared buffers, writes one command byte to each sub-env's
+pipe, and sleeps until the last sub-env to answer wakes it (one wake-up per round, see
+``ReplyBoard``); the sub-envs read their actions from, and write their outcomes into, their rows of
 the shared buffers (see ``_subenv_worker.py``). Pickled messages only travel at start (each sub-env describes itself),
 once after the first step (the outcome buffers), and for seeds.
 
@@ -31,15 +31,7 @@ import torch.multiprocessing  # noqa: F401  (registers the reductions that share
 from .._processes import describe_process_exit, end_process, mp_context, parent_watch
 from .._utils import CloudpickleWrapper, worker_scheduling
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
-from ._subenv_worker import (
-    PAYLOAD_COMMANDS,
-    CommandBoard,
-    ReplyBoard,
-    Status,
-    SubEnvCommand,
-    SubEnvDescription,
-    subenv_main,
-)
+from ._subenv_worker import PAYLOAD_COMMANDS, ReplyBoard, Status, SubEnvCommand, SubEnvDescription, subenv_main
 from .batched import BatchedEnvBase, BatchedEnvConfig, SerialEnv, SubEnvPool
 
 __all__ = ["ParallelEnv"]
@@ -64,7 +56,7 @@ def _subenv_seeds(config: BatchedEnvConfig) -> list[int]:
 
 
 class ProcessPool(SubEnvPool):
-    """One process per sub-env; commands through a shared board and a doorbell, data in shared memory."""
+    """One process per sub-env; commands as bytes on pipes, data in shared memory."""
 
     shared = True
 
@@ -73,13 +65,13 @@ class ProcessPool(SubEnvPool):
         self.config = config
         self.ctx = mp_context(config.mp_start_method)
         self.processes: list = []
-        self.commands: list = []  # our write ends of the payload pipes
+        self.commands: list = []  # our write ends of the command pipes
         self.conns: list = []     # our read ends of the result pipes
-        self.inbox = CommandBoard(self.ctx, config.num_workers)
+        self._fds: list[int] = []
         self.board = ReplyBoard(self.ctx, config.num_workers)
-        self._codes = self.inbox.codes.numpy()
         self._status = self.board.status.numpy()
         self._remaining = self.board.remaining.numpy()
+        self._codes = {command: bytes([command]) for command in SubEnvCommand}
         self._broken: WorkerError | None = None
         self._closed = False
         self._poller = None
@@ -90,12 +82,14 @@ class ProcessPool(SubEnvPool):
         parent_pid, death_signal = parent_watch(ctx)
         seeds = _subenv_seeds(config)
         for index in range(config.num_workers):
+            # Two one-way pipes rather than a socket pair: a pipe write that wakes the sub-env costs
+            # the parent a third of a socket write's time (measured: 5-10 us against 17-33 us).
             command_r, command_w = ctx.Pipe(duplex=False)
             result_r, result_w = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=subenv_main,
                 args=(index, CloudpickleWrapper(config.create_env_fns[index]), config.create_env_kwargs[index],
-                      command_r, result_w, self.inbox, self.board, parent_pid, death_signal, config.num_sub_threads,
+                      command_r, result_w, self.board, parent_pid, death_signal, config.num_sub_threads,
                       seeds[index]),
                 name=f"rlharvest-subenv-{index}", daemon=config.daemon,
             )
@@ -105,6 +99,7 @@ class ProcessPool(SubEnvPool):
             self.processes.append(process)
             self.commands.append(command_w)
             self.conns.append(result_r)
+            self._fds.append(command_w.fileno())
         self.board.reply_w.close()  # only sub-envs write replies
         deadline = time.monotonic() + config.worker_timeout
         descriptions = [self._hello(index, deadline) for index in range(config.num_workers)]
@@ -141,19 +136,21 @@ class ProcessPool(SubEnvPool):
     def run(self, command: SubEnvCommand, workers: Sequence[int], payload: Any = None) -> dict[int, Any]:
         if self._broken is not None:
             raise self._broken
-        status = self._status
+        code, status, fds = self._codes[command], self._status, self._fds
         status[workers] = Status.WAITING
         self._remaining[0] = len(workers)  # every sub-env is idle between rounds: no lock needed
-        self._codes[workers] = command
-        self.inbox.bell.ring(workers)
-        if command in PAYLOAD_COMMANDS:  # after the ring: a large payload fills the pipe until the sub-env reads
-            worker = -1
-            try:
+        worker = -1
+        try:
+            if command in PAYLOAD_COMMANDS:
                 for worker in workers:
+                    os.write(fds[worker], code)
                     self.commands[worker].send(payload)
-            except OSError:
-                self._broken = self._death(worker, f"before {command.name.lower()!r}")
-                raise self._broken from None
+            else:
+                for worker in workers:
+                    os.write(fds[worker], code)
+        except OSError:
+            self._broken = self._death(worker, f"before {command.name.lower()!r}")
+            raise self._broken from None
         self._wait(workers, command)
         if not status.any():  # the usual case: every sub-env answered OK, nothing to read
             return {}
@@ -197,10 +194,10 @@ class ProcessPool(SubEnvPool):
             return
         self._closed = True
         deadline = time.monotonic() + timeout
-        alive = [index for index, process in enumerate(self.processes) if process.is_alive()]
-        if self._broken is None and alive:
-            self._codes[alive] = SubEnvCommand.CLOSE
-            self.inbox.bell.ring(alive)
+        for index, process in enumerate(self.processes):
+            if self._broken is None and process.is_alive():
+                with contextlib.suppress(OSError):
+                    os.write(self._fds[index], bytes([SubEnvCommand.CLOSE]))
         if self._broken is not None:  # a sub-env failed: the others are not waited for
             deadline = time.monotonic()
         for process in self.processes:
@@ -208,7 +205,6 @@ class ProcessPool(SubEnvPool):
         for conn in [*self.commands, *self.conns, self.board.reply_r]:
             with contextlib.suppress(OSError):
                 conn.close()
-        self.inbox.bell.close()
 
 
 class ParallelEnv(BatchedEnvBase):
