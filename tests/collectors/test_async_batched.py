@@ -162,6 +162,29 @@ def test_server_batches_whichever_envs_are_ready_up_to_max_batch_size():
     assert stats["max_batch_frames"] == 4 and stats["frames"] / stats["batches"] > 2
 
 
+class _ObservationEcho(torch.nn.Module):
+    """action = 1; ``echo`` = the observation as bfloat16, a dtype numpy lacks (the server's rows fall back to torch)."""
+
+    def forward(self, observation: torch.Tensor):
+        return torch.ones_like(observation), observation.to(torch.bfloat16) * 2
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_each_worker_gets_the_outputs_of_its_own_rows(envs_per_worker):
+    from tensordict.nn import TensorDictModule
+
+    policy = TensorDictModule(_ObservationEcho(), in_keys=["observation"], out_keys=["action", "echo"])
+    collector = AsyncBatchedCollector([functools.partial(CountingEnv, max_steps=3 + env) for env in range(4)],
+                                      policy=policy, frames_per_batch=40, total_frames=120,
+                                      envs_per_worker=envs_per_worker)
+    batches = _collect(collector)
+    for batch in batches:
+        assert batch["echo"].dtype == torch.bfloat16
+        assert torch.equal(batch["echo"], (batch["observation"] * 2).to(torch.bfloat16))
+        assert torch.equal(batch["action"], torch.ones_like(batch["observation"]))
+    assert sum(b.numel() for b in batches) == 120
+
+
 def test_replay_buffer_hook_seeds_and_policy_factory():
     buffer = ReplayBuffer(capacity=1000)
     seen = []
