@@ -1,0 +1,191 @@
+"""A weight channel to the Ray actors on the driver's node that bypasses Ray's calls.
+
+A Ray actor call costs a few hundred microseconds each way, and an update through actor calls
+takes two per actor (the notice, and its reply once applied). Actors on the driver's node reach
+the driver directly instead:
+
+* the sender listens on a Unix socket in a private directory of its own (mode 0700) and hands
+  each actor, with its initial weights, an *invitation*: the socket's path, a one-time token and a
+  slot of a small named shared-memory *board* (one int64 per actor: the last version announced);
+* the actor's receiver connects while it is built (before the worker loop serves), presents the
+  token, and maps the board;
+* an update writes the actor's slot of the board (what the receiver reads between env steps, a
+  memory read) and then sends the notice on the socket (what an idle worker loop wakes on); the
+  receiver acknowledges on the same socket. A dead actor closes its socket: the sender's wait
+  ends at once.
+
+The socket carries pickles only after the token was checked (the token itself is read as raw
+bytes), so a stranger connecting to the path never gets anything unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import select
+import shutil
+import socket
+import tempfile
+import time
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import WorkerError, WorkerTimeoutError
+from .weight_pool import map_named
+
+__all__ = ["ChannelServer", "ChannelClient", "Wakeup"]
+
+#: seconds an accepted connection may take to present its token
+_HELLO_SECONDS = 2.0
+#: longest single wait, between two liveness checks
+_SLICE_SECONDS = 0.2
+
+
+class ChannelServer:
+    """The driver's end: the listening socket, the board, one connection per actor.
+
+    Args:
+        num_workers: how many actors (board slots).
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="rlharvest-weights-")  # 0700: only this user connects
+        self.path = os.path.join(self._dir, "s")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._board_segment = shared_memory.SharedMemory(create=True, size=8 * max(1, num_workers))
+        self.board = np.ndarray((max(1, num_workers),), dtype=np.int64, buffer=self._board_segment.buf)
+        self.board[:] = 0
+        self.conns: dict[int, Connection] = {}
+        self._tokens: dict[bytes, int] = {}
+
+    def invite(self, worker: int, node_id: str | None) -> dict:
+        """What actor ``worker`` needs to connect (``node_id``: the driver's node, where it must run)."""
+        for token in [t for t, w in self._tokens.items() if w == worker]:
+            del self._tokens[token]
+        token = secrets.token_hex(16).encode()
+        self._tokens[token] = worker
+        return {"path": self.path, "token": token, "board": self._board_segment.name, "slots": len(self.board),
+                "slot": worker, "node": node_id}
+
+    def connection(self, worker: int, deadline: float, alive: Callable[[], tuple[bool, str]]) -> Connection:
+        """The connection of actor ``worker``, accepting connections until it arrived.
+
+        Raises:
+            WorkerError: when the actor died before it connected.
+            WorkerTimeoutError: when it did not connect by ``deadline``.
+        """
+        while worker not in self.conns:
+            readable, _, _ = select.select([self._listener], [], [], _SLICE_SECONDS)
+            if readable:
+                self._accept()
+                continue
+            ok, description = alive()
+            if not ok:
+                raise WorkerError(f"the actor died before it opened its weight channel: {description}.",
+                                  worker_idx=worker)
+            if time.monotonic() > deadline:
+                raise WorkerTimeoutError("the actor did not open its weight channel in time.", worker_idx=worker)
+        return self.conns[worker]
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        try:
+            token = conn.recv_bytes(64) if conn.poll(_HELLO_SECONDS) else b""
+        except (EOFError, OSError):
+            token = b""
+        worker = self._tokens.pop(token, None)
+        if worker is None:  # a stale invitation (a replaced actor) or a stranger
+            conn.close()
+            return
+        self.drop(worker)
+        self.conns[worker] = conn
+
+    def announce(self, worker: int, version: int, body: Any) -> None:
+        """Write the version on the board, then the notice on the socket (the receiver reads them in
+        that order: a notice never arrives before its version)."""
+        self.board[worker] = version
+        self.conns[worker].send(("update", version, body))
+
+    def drop(self, worker: int) -> None:
+        """Forget actor ``worker``'s connection (it is gone, or replaced)."""
+        conn = self.conns.pop(worker, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for worker in list(self.conns):
+            self.drop(worker)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self.board = None
+        with contextlib.suppress(FileNotFoundError, BufferError):
+            self._board_segment.close()
+            self._board_segment.unlink()
+
+
+class ChannelClient:
+    """An actor's end: the connection to the driver and its slot of the board.
+
+    Raises:
+        ConnectionError: when the driver's socket cannot be reached (the actor does not share this
+            host's file system: pass ``RayWeightSyncScheme(use_shared_memory=False)``).
+    """
+
+    def __init__(self, invite: dict, timeout: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(invite["path"])
+        except OSError as err:
+            sock.close()
+            raise ConnectionError(f"cannot reach the driver's weight channel at {invite['path']} ({err}); "
+                                  f"RayWeightSyncScheme(use_shared_memory=False) avoids it.") from err
+        sock.setblocking(True)
+        self.conn = Connection(sock.detach())
+        self.conn.send_bytes(invite["token"])
+        self._mapping, board = map_named(invite["board"], 8 * invite["slots"], writable=False)
+        self._board = np.frombuffer(board, dtype=np.int64)
+        self._slot = invite["slot"]
+
+    def announced(self) -> int:
+        """The last version the driver announced to this actor (a read of shared memory)."""
+        return int(self._board[self._slot])
+
+    def close(self) -> None:
+        self._board = None
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with contextlib.suppress(BufferError, OSError):
+            self._mapping.close()
+
+
+class Wakeup:
+    """One file descriptor ``multiprocessing.connection.wait`` can wait on, ready whenever one of its
+    members is (an epoll set): a receiver's wait handle fixed before every source of updates is."""
+
+    def __init__(self, *members) -> None:
+        self._epoll = select.epoll()
+        for member in members:
+            self.add(member)
+
+    def add(self, member) -> None:
+        self._epoll.register(member.fileno(), select.EPOLLIN)
+
+    def fileno(self) -> int:
+        return self._epoll.fileno()
+
+    def close(self) -> None:
+        self._epoll.close()
