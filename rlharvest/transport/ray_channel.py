@@ -21,6 +21,7 @@ bytes), so a stranger connecting to the path never gets anything unpickled.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
 import os
 import secrets
 import select
@@ -28,6 +29,7 @@ import shutil
 import socket
 import tempfile
 import time
+import weakref
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -37,12 +39,18 @@ import numpy as np
 from ..errors import WorkerError, WorkerTimeoutError
 from .weight_pool import map_named
 
-__all__ = ["ChannelServer", "ChannelClient", "Wakeup"]
+__all__ = ["ChannelServer", "ChannelClient", "Wakeup", "channel_supported"]
 
 #: seconds an accepted connection may take to present its token
 _HELLO_SECONDS = 2.0
 #: longest single wait, between two liveness checks
 _SLICE_SECONDS = 0.2
+
+
+def channel_supported() -> bool:
+    """Whether this host offers what the channel's receiving end waits with (epoll: Linux). Actors
+    that use the channel run on the driver's host, so the driver's answer is theirs."""
+    return hasattr(select, "epoll")
 
 
 class ChannelServer:
@@ -53,12 +61,10 @@ class ChannelServer:
     """
 
     def __init__(self, num_workers: int) -> None:
-        self._dir = tempfile.mkdtemp(prefix="rlharvest-weights-")  # 0700: only this user connects
+        self._listener, self._dir = _listen(backlog=max(128, num_workers + 16))
         self.path = os.path.join(self._dir, "s")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(64)
-        self._listener.setblocking(False)
+        # the directory goes even if the collector is never shut down (at interpreter exit)
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._board_segment = shared_memory.SharedMemory(create=True, size=8 * max(1, num_workers))
         self.board = np.ndarray((max(1, num_workers),), dtype=np.int64, buffer=self._board_segment.buf)
         self.board[:] = 0
@@ -82,8 +88,7 @@ class ChannelServer:
             WorkerTimeoutError: when it did not connect by ``deadline``.
         """
         while worker not in self.conns:
-            readable, _, _ = select.select([self._listener], [], [], _SLICE_SECONDS)
-            if readable:
+            if multiprocessing.connection.wait([self._listener], _SLICE_SECONDS):
                 self._accept()
                 continue
             ok, description = alive()
@@ -129,11 +134,38 @@ class ChannelServer:
             self.drop(worker)
         with contextlib.suppress(OSError):
             self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
         self.board = None
         with contextlib.suppress(FileNotFoundError, BufferError):
             self._board_segment.close()
             self._board_segment.unlink()
+
+
+def _listen(backlog: int) -> tuple[socket.socket, str]:
+    """A listening socket at ``<dir>/s`` in a new private directory (mode 0700: only this user can
+    connect to it), in the temporary directory or in /tmp.
+
+    Actors connect while they are built and are accepted at the first update: the backlog holds
+    every actor's connection until then, so none waits in ``connect``.
+    """
+    try:
+        return _listen_in(tempfile.gettempdir(), backlog)
+    except OSError:  # e.g. a TMPDIR too long for a socket's path (108 bytes at most)
+        return _listen_in("/tmp", backlog)
+
+
+def _listen_in(parent: str, backlog: int) -> tuple[socket.socket, str]:
+    directory = tempfile.mkdtemp(prefix="rlharvest-weights-", dir=parent)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(os.path.join(directory, "s"))
+    except OSError:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    listener.listen(backlog)
+    listener.setblocking(False)
+    return listener, directory
 
 
 class ChannelClient:

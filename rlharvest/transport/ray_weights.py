@@ -35,7 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from ..data.flat import FlatLayout, flat_leaves, is_dense
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightReceiver, WeightSender
-from .ray_channel import ChannelClient, ChannelServer, Wakeup
+from .ray_channel import ChannelClient, ChannelServer, Wakeup, channel_supported
 from .weight_pool import Generation, GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["RayWeightLinks", "RayWeightSender", "RayWeightReceiver", "WeightInboxes", "stage_weights",
@@ -304,7 +304,7 @@ class RayWeightSender(WeightSender):
         with its invitation to the direct channel: the actors need not exist yet."""
         ref = stage_weights(initial) if initial is not None else None
         self._latest = (0, ref)
-        if self._driver_node is not None:
+        if self._driver_node is not None and channel_supported():
             self._server = ChannelServer(self.num_workers)
         for worker in range(self.num_workers):
             self._send(worker, 0, None if ref is None else ("ref", ref), initial=True)
@@ -318,21 +318,30 @@ class RayWeightSender(WeightSender):
         # raw tensors only in shared memory (anything else is pickled into the object store)
         local = [worker for worker in worker_ids if self._is_local(worker)] if is_dense(payload) else []
         remote = [worker for worker in worker_ids if worker not in local]
-        deadline = time.monotonic() + self.timeout
-        conns = {worker: self._server.connection(worker, deadline, lambda w=worker: self._liveness(w))
-                 for worker in local}  # opened while the actors were built: waits only for one still building
+        if local and self._server is not None:
+            deadline = time.monotonic() + self.timeout
+            for worker in local:  # opened while the actors were built: waits only for one still building
+                self._server.connection(worker, deadline, lambda w=worker: self._liveness(w))
         generation = self._stage_shared(payload) if local else None
         ref = stage_weights(payload) if remote else None
         self._latest = (version, generation if generation is not None else ref)
-        for worker in conns:
+        for worker in local:
             self._pending[worker] = generation.gen_id
-            try:
-                self._server.announce(worker, version, self._shm_body(worker, generation))
-            except OSError as err:  # the actor is gone (its end of the socket closed)
-                raise self._died(worker, type(err).__name__) from err
-            self._channel_unacked[worker] = version
+            self._announce(worker, version, self._shm_body(worker, generation))
         for worker in remote:
             self._acks[worker] = (version, self._send(worker, version, ("ref", ref), initial=False))
+
+    def _announce(self, worker: int, version: int, body: tuple) -> None:
+        """Tell an actor on the driver's node about a generation: through the channel, or (where
+        there is none) through an actor call."""
+        if self._server is None:
+            self._acks[worker] = (version, self._send(worker, version, body, initial=False))
+            return
+        try:
+            self._server.announce(worker, version, body)
+        except OSError as err:  # the actor is gone (its end of the socket closed)
+            raise self._died(worker, type(err).__name__) from err
+        self._channel_unacked[worker] = version
 
     def _stage_shared(self, weights: TensorDictBase) -> Generation:
         if self._pool is None:

@@ -157,3 +157,22 @@ def test_an_actor_killed_while_an_update_waits_for_it_raises_worker_error_naming
         assert info.value.worker_idx == 1 and "actor" in str(info.value) and "died" in str(info.value)
     finally:
         collector.shutdown()
+
+
+def test_without_epoll_actors_on_this_node_are_told_by_actor_calls(monkeypatch):
+    from rlharvest.transport import ray_weights
+
+    monkeypatch.setattr(ray_weights, "channel_supported", lambda: False)  # as on a host without epoll
+    policy = weight_policy(1.0)
+    collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
+    try:
+        sender, calls = spy_on_calls(collector)
+        iterator = iter(collector)
+        next(iterator)
+        set_weight(policy, 4.0)
+        collector.update_policy_weights_()
+        assert actions(next(iterator)) == [[4.0], [4.0]]
+        assert sorted(calls) == [(0, False), (1, False)] and sender._server is None
+        assert sender._current == {0: 0, 1: 0}  # both swapped the same shared-memory generation in
+    finally:
+        collector.shutdown()
