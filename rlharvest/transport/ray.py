@@ -11,7 +11,7 @@
   rings a pipe the worker pool waits on. A dead actor fails that call: the handle knows within
   moments, and the pool raises ``WorkerError`` naming it.
 * A batch travels inside its reply (a private copy: the loop reuses its buffer for the next rollout).
-* Weights: ``ray_weights.py`` (one ``ray.put`` per update, fetched by each actor).
+* Weights: ``ray_weights.py`` (shared memory and a direct channel on the driver's node, ``ray.put`` elsewhere).
 * Actors die with their driver (Ray's ownership), and are killed (``ray.kill``) when stopped.
 
 Ray is imported lazily: ``pip install 'rlharvest[ray]'`` provides it.

@@ -14,10 +14,15 @@ that delivered the update returns it then). Where the copy goes depends on the a
 Initial weights go through the object store (one ``ray.put``, before any actor exists). A
 replacement actor gets the weights of the last update (or of the start) as its initial weights,
 the same way: a generation on the driver's node, a reference elsewhere.
+
+Notices and acknowledgements: for actors on the driver's node, a direct channel (``ray_channel``: a
+Unix socket and a shared version board, opened while the actor is built), which spares the two
+Ray actor calls per update; for the others, one actor call that returns once the update is applied.
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import threading
 import time
 import warnings
@@ -30,6 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from ..data.flat import FlatLayout, flat_leaves, is_dense
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightReceiver, WeightSender
+from .ray_channel import ChannelClient, ChannelServer, Wakeup, channel_supported
 from .weight_pool import Generation, GenerationPool, NamedShmAllocator, attach_named, copy_into
 
 __all__ = ["RayWeightLinks", "RayWeightSender", "RayWeightReceiver", "WeightInboxes", "stage_weights",
@@ -118,7 +124,8 @@ class WeightInboxes:
 
 
 class RayWeightReceiver(WeightReceiver):
-    """An actor's end: the inbox of its model, filled by the parent's ``deliver_weights`` calls.
+    """An actor's end: the inbox of its model, filled by the parent's ``deliver_weights`` calls, and,
+    on the driver's node, the direct channel (``ray_channel``) updates arrive through.
 
     ``zero_copy`` says how the payload last returned arrived: a shared-memory generation reserved
     for this update (swapped in) or weights read from the object store (copied in).
@@ -128,20 +135,45 @@ class RayWeightReceiver(WeightReceiver):
         self.inbox = inbox
         self.zero_copy = False
         self._segments: dict[int, tuple] = {}
+        self._channel: ChannelClient | None = None
+        #: the last version taken from the channel, and whether the update last returned came through it
+        self._taken = 0
+        self._via_channel = False
+        self._wakeup = Wakeup(inbox.doorbell)
 
     def connect(self, timeout: float) -> TensorDictBase | None:
-        """The initial weights (None when the parent has none: the policy came with the spec)."""
+        """The initial weights (None when the parent has none: the policy came with the spec); opens
+        the direct channel when the parent invited this actor and it runs on the parent's node."""
         inbox = self.inbox
         with inbox.cond:
             if not inbox.cond.wait_for(lambda: inbox.initial is not None, timeout):
                 raise TimeoutError(f"no initial weights arrived within {timeout:g} s.")
-            _, payload = inbox.initial
+            version, payload = inbox.initial
+        invite = payload[1] if len(payload) > 1 else None
+        if invite is not None and invite["node"] == _own_node_id():
+            self._channel = ChannelClient(invite, timeout)
+            self._wakeup.add(self._channel.conn)
+            self._taken = version
         return self._open(payload)
 
     def pending(self) -> bool:
-        return self.inbox.update is not None
+        channel = self._channel
+        return self.inbox.update is not None or (channel is not None and channel.announced() > self._taken)
 
     def receive(self, timeout: float) -> tuple[int, TensorDictBase] | None:
+        channel = self._channel
+        if channel is None:
+            return self._receive_inbox(timeout)
+        if timeout > 0 and self.inbox.update is None and not channel.conn.poll(0):
+            multiprocessing.connection.wait([self._wakeup], timeout)
+        if channel.conn.poll(0):
+            _, version, body = channel.conn.recv()
+            self._taken = version
+            self._via_channel = True
+            return version, self._open([body])
+        return self._receive_inbox(0.0)
+
+    def _receive_inbox(self, timeout: float) -> tuple[int, TensorDictBase] | None:
         inbox = self.inbox
         with inbox.cond:
             if inbox.update is None and timeout > 0:
@@ -150,11 +182,12 @@ class RayWeightReceiver(WeightReceiver):
             inbox.doorbell.clear()
         if item is None:
             return None
+        self._via_channel = False
         version, payload = item
         return version, self._open(payload)
 
     def _open(self, payload: list) -> TensorDictBase | None:
-        """The weights ``payload`` (``[body]``, see :class:`RayWeightSender`) stands for."""
+        """The weights ``payload`` (``[body, ...]``, see :class:`RayWeightSender`) stands for."""
         body = payload[0] if payload else None
         if body is None:
             return None
@@ -170,19 +203,29 @@ class RayWeightReceiver(WeightReceiver):
         return unstage_weights(ray.get(body[1]))
 
     def ack(self, version: int) -> None:
+        if self._via_channel:
+            self._channel.conn.send(("ack", version))
+            return
         with self.inbox.cond:
             self.inbox.acked = max(self.inbox.acked, version)
             self.inbox.cond.notify_all()
 
     def nack(self, failure) -> None:
+        if self._via_channel:
+            self._channel.conn.send(("error", failure))
+            return
         with self.inbox.cond:
             self.inbox.failure = failure
             self.inbox.cond.notify_all()
 
     def wait_handle(self):
-        return self.inbox.doorbell
+        return self._wakeup
 
     def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._wakeup.close()
         for mapping, _ in self._segments.values():
             try:
                 mapping.close()
@@ -191,14 +234,22 @@ class RayWeightReceiver(WeightReceiver):
         self._segments.clear()
 
 
+def _own_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 # ---------------------------------------------------------------------------------------------- parent side
 class RayWeightSender(WeightSender):
     """Each update copied once: into a shared-memory generation for actors on the driver's node, into
     the object store (one ``ray.put``) for actors elsewhere.
 
-    An actor call carries ``[body]`` (in a list, so that Ray hands a reference over unresolved):
-    ``None`` (no weights), ``("ref", reference)`` or ``("shm", generation id, handle)``, the
-    handle only the first time an actor is sent that generation.
+    An actor call carries ``[body]`` (in a list, so that Ray hands a reference over unresolved), and
+    with initial weights also the invitation to the direct channel: ``[body, invite]``. A body is
+    ``None`` (no weights), ``("ref", reference)`` or ``("shm", generation id, handle)``, the handle
+    only the first time an actor is sent that generation. Updates of actors on the driver's node
+    go through the channel (``ray_channel``) instead of actor calls.
 
     Args:
         handles: the actors' handles (``actor``, ``is_alive``, ``exit_description``,
@@ -217,7 +268,11 @@ class RayWeightSender(WeightSender):
         self.model_id = model_id
         self.timeout = 120.0
         self._driver_node = ray.get_runtime_context().get_node_id() if use_shared_memory else None
+        self._server: ChannelServer | None = None
+        #: worker -> (version, Ray reference of the call that returns once it is applied)
         self._acks: dict[int, tuple[int, Any]] = {}
+        #: worker -> version announced through the channel and not yet acknowledged
+        self._channel_unacked: dict[int, int] = {}
         self._pool: GenerationPool | None = None
         #: generation each actor runs on, and the one delivered to it and not yet acknowledged
         self._current: dict[int, int] = {}
@@ -232,7 +287,10 @@ class RayWeightSender(WeightSender):
         return len(self.handles)
 
     def _send(self, worker: int, version: int, body: Any, initial: bool):
-        return self.handles[worker].actor.deliver_weights.remote(self.model_id, version, [body], initial, self.timeout)
+        payload = [body]
+        if initial and self._server is not None:
+            payload.append(self._server.invite(worker, self._driver_node))
+        return self.handles[worker].actor.deliver_weights.remote(self.model_id, version, payload, initial, self.timeout)
 
     def _is_local(self, worker: int) -> bool:
         """Whether actor ``worker`` runs on the driver's node (it reads shared memory of this host)."""
@@ -240,31 +298,53 @@ class RayWeightSender(WeightSender):
             return False
         return self.handles[worker].wait_node_id(self.timeout) == self._driver_node
 
+    def _liveness(self, worker: int) -> tuple[bool, str]:
+        handle = self.handles[worker]
+        return handle.is_alive(), handle.exit_description()
+
     def connect(self, initial) -> None:
-        """Hand every actor its initial weights (or word that there are none) once, by reference:
-        the actors need not exist yet."""
+        """Hand every actor its initial weights (or word that there are none) once, by reference,
+        with its invitation to the direct channel: the actors need not exist yet."""
         ref = stage_weights(initial) if initial is not None else None
         self._latest = (0, ref)
+        if self._driver_node is not None and channel_supported():
+            self._server = ChannelServer(self.num_workers)
         for worker in range(self.num_workers):
             self._send(worker, 0, None if ref is None else ("ref", ref), initial=True)
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
         if isinstance(payload, dict):
             raise ValueError("RayWeightSyncScheme sends the same weights to every actor (no per-worker payloads).")
-        unsettled = [worker for worker in worker_ids if worker in self._acks]
+        unsettled = [worker for worker in worker_ids if worker in self._acks or worker in self._channel_unacked]
         if unsettled:  # an update sent without waiting (sync=False): its generation may not be swapped in yet
             self.wait_acks(version - 1, unsettled, self.timeout)
         # raw tensors only in shared memory (anything else is pickled into the object store)
         local = [worker for worker in worker_ids if self._is_local(worker)] if is_dense(payload) else []
         remote = [worker for worker in worker_ids if worker not in local]
+        if local and self._server is not None:
+            deadline = time.monotonic() + self.timeout
+            for worker in local:  # opened while the actors were built: waits only for one still building
+                self._server.connection(worker, deadline, lambda w=worker: self._liveness(w))
         generation = self._stage_shared(payload) if local else None
         ref = stage_weights(payload) if remote else None
         self._latest = (version, generation if generation is not None else ref)
         for worker in local:
             self._pending[worker] = generation.gen_id
-            self._acks[worker] = (version, self._send(worker, version, self._shm_body(worker, generation), False))
+            self._announce(worker, version, self._shm_body(worker, generation))
         for worker in remote:
             self._acks[worker] = (version, self._send(worker, version, ("ref", ref), initial=False))
+
+    def _announce(self, worker: int, version: int, body: tuple) -> None:
+        """Tell an actor on the driver's node about a generation: through the channel, or (where
+        there is none) through an actor call."""
+        if self._server is None:
+            self._acks[worker] = (version, self._send(worker, version, body, initial=False))
+            return
+        try:
+            self._server.announce(worker, version, body)
+        except OSError as err:  # the actor is gone (its end of the socket closed)
+            raise self._died(worker, type(err).__name__) from err
+        self._channel_unacked[worker] = version
 
     def _stage_shared(self, weights: TensorDictBase) -> Generation:
         if self._pool is None:
@@ -283,10 +363,51 @@ class RayWeightSender(WeightSender):
         return "shm", generation.gen_id, handle
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._wait_channel_acks(version, [worker for worker in worker_ids if worker in self._channel_unacked],
+                                deadline, timeout)
+        self._wait_call_acks(version, [worker for worker in worker_ids if worker in self._acks], deadline, timeout)
+
+    def _wait_channel_acks(self, version: int, workers: list[int], deadline: float, timeout: float) -> None:
+        """Read the channel acknowledgements of ``workers``: a wait on their sockets, in slices between
+        which their liveness is checked (a dead actor's socket closes: the wait ends at once)."""
+        waiting = {self._server.conns[worker]: worker for worker in workers}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            for conn in multiprocessing.connection.wait(list(waiting), timeout=min(0.2, max(0.0, remaining))):
+                worker = waiting[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError) as err:
+                    raise self._died(worker, type(err).__name__) from err
+                if message[0] == "error":
+                    del self._channel_unacked[worker]
+                    self._pending.pop(worker, None)
+                    raise message[1].to_exception(context="applying new weights")
+                if message[1] >= self._channel_unacked[worker]:
+                    del waiting[conn], self._channel_unacked[worker]
+                    self._current[worker] = self._pending.pop(worker)
+            for worker in waiting.values():
+                if not self.handles[worker].is_alive():
+                    raise self._died(worker, "")
+            if waiting and remaining <= 0:
+                raise WorkerTimeoutError(f"actor(s) {sorted(waiting.values())} did not acknowledge weights version "
+                                         f"{version} within {timeout:g} s.", worker_idx=min(waiting.values()))
+
+    def _died(self, worker: int, how: str) -> WorkerError:
+        """The error of an actor found dead while it applied an update (its poll says why within moments)."""
+        handle = self.handles[worker]
+        until = time.monotonic() + 2.0
+        while handle.is_alive() and time.monotonic() < until:
+            time.sleep(0.02)
+        detail = handle.exit_description() if not handle.is_alive() else "its weight channel closed"
+        return WorkerError(f"the actor died while applying new weights: {detail}" + (f" ({how})." if how else "."),
+                           worker_idx=worker)
+
+    def _wait_call_acks(self, version: int, workers: list[int], deadline: float, timeout: float) -> None:
         import ray
 
-        deadline = time.monotonic() + timeout
-        waiting = {worker: self._acks[worker][1] for worker in worker_ids if worker in self._acks}
+        waiting = {worker: self._acks[worker][1] for worker in workers}
         while waiting:
             ready, _ = ray.wait(list(waiting.values()), num_returns=len(waiting), timeout=0.2)
             for worker, ref in list(waiting.items()):
@@ -317,11 +438,14 @@ class RayWeightSender(WeightSender):
             self._current[worker] = delivered
 
     def replace(self, worker: int) -> None:
-        for state in (self._acks, self._current, self._pending, self._seen):
+        for state in (self._acks, self._channel_unacked, self._current, self._pending, self._seen):
             state.pop(worker, None)
+        if self._server is not None:
+            self._server.drop(worker)
 
     def attach(self, worker: int, timeout: float) -> None:
-        """Hand the replacement the weights of the last update (or of the start), as its initial weights."""
+        """Hand the replacement the weights of the last update (or of the start), as its initial
+        weights, with a new invitation to the direct channel."""
         version, staged = self._latest
         if isinstance(staged, Generation):
             if self._is_local(worker):
@@ -332,6 +456,9 @@ class RayWeightSender(WeightSender):
         self._send(worker, version, None if staged is None else ("ref", staged), initial=True)
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

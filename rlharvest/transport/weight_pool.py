@@ -25,7 +25,8 @@ from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, flat_leaves, freeze
 
-__all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into"]
+__all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
+           "map_named"]
 
 
 @dataclass
@@ -75,17 +76,25 @@ class NamedShmAllocator:
 
 
 class _Mapping:
-    """A read/write mapping of a named segment; closing it never unlinks (the creator owns it)."""
+    """A mapping of a named segment; closing it never unlinks (the creator owns it)."""
 
-    def __init__(self, name: str, size: int) -> None:
-        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+    def __init__(self, name: str, size: int, writable: bool = True) -> None:
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR if writable else os.O_RDONLY)
         try:
-            self.map = mmap.mmap(fd, size)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.map = mmap.mmap(fd, size, prot=prot)
         finally:
             os.close(fd)
 
     def close(self) -> None:
         self.map.close()
+
+
+def map_named(name: str, size: int, writable: bool = True) -> tuple[_Mapping, mmap.mmap]:
+    """Map ``size`` bytes of the named segment ``name`` (created by another process); returns the
+    mapping (close it when done) and the mapped buffer."""
+    mapping = _Mapping(name, size, writable)
+    return mapping, mapping.map
 
 
 def attach_named(handle) -> tuple[Any, TensorDictBase]:

@@ -15,9 +15,10 @@ __all__ = ["RayWeightSyncScheme", "RayWeightUpdater"]
 
 class RayWeightSyncScheme(WeightSyncScheme):
     """An update is copied once, into a shared-memory buffer that actors on the driver's node swap
-    in, and (when some target runs elsewhere) into Ray's object store, from which the other actors
-    fetch it; every targeted actor applies it between two env steps, passes it on to its own
-    workers (cascading), and acknowledges the version (docs/ray.md, "Weights").
+    in (told, and acknowledging, through a Unix socket rather than Ray calls), and (when some
+    target runs elsewhere) into Ray's object store, from which the other actors fetch it; every
+    targeted actor applies it between two env steps, passes it on to its own workers (cascading),
+    and acknowledges the version (docs/ray.md, "Weights").
 
     Args:
         strategy: ``"tensordict"`` (default) or ``"state_dict"``.
@@ -26,7 +27,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
         sync: whether ``send`` waits for every targeted actor's acknowledgement.
         timeout: seconds to wait for acknowledgements (and for a new actor's initial weights).
         use_shared_memory: whether actors on the driver's Ray node get updates through shared
-            memory (default); False sends every update through the object store.
+            memory and the direct channel (default); False sends every update through the object
+            store, with an actor call per actor.
 
     ``init_on_sender`` needs ``context``: a RayCollector (its actors are the transport).
 
