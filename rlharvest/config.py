@@ -118,19 +118,23 @@ def _device(value: Any) -> torch.device | None:
 
 
 def resolve_devices(device, storing_device, policy_device, env_device, env=None):
-    """Fill devices left as None (docs/collection.md, "Devices"). Returns (storing, policy, env)."""
+    """Fill devices left as None (docs/collection.md, "Devices"). Returns (storing, policy, env).
+
+    The storing device comes from the arguments alone, as TorchRL decides it: ``storing_device``,
+    else ``device``, else the env and policy device when both were given and agree; otherwise None
+    (batches without a device, their leaves where they were produced). The env's own device fills
+    ``env_device`` only afterwards, so it never decides where batches are stored.
+    """
     device = _device(device)
     storing_device = _device(storing_device) or device
     policy_device = _device(policy_device) or device
     env_device = _device(env_device) or device
+    if storing_device is None and env_device == policy_device:
+        storing_device = env_device
     if env_device is None and env is not None:
         from .envs.adapters import env_attr
 
         env_device = _device(env_attr(env, "device"))
-    if storing_device is None and env_device is not None and env_device == policy_device:
-        storing_device = env_device
-    if storing_device is None and env_device is not None and policy_device is None:
-        storing_device = env_device
     return storing_device, policy_device, env_device
 
 

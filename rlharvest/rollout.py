@@ -535,7 +535,10 @@ class Rollout:
                 if key not in values and dtype is not STRUCTURED:
                     values[key] = torch.zeros(shape, dtype=dtype)
             values = {k: v if isinstance(v, (torch.Tensor, TensorDictBase)) else to_tensor(v) for k, v in values.items()}
-            per_step.append(TensorDict(values, batch_size=batch, device=self.settings.storing_device))
+            step = TensorDict(values, batch_size=batch, device=self.settings.storing_device)
+            if self.settings.storing_device is None:
+                step.clear_device_()  # nested TensorDicts the env made keep its device: stacked, they must agree
+            per_step.append(step)
         out = LazyStackedTensorDict.lazy_stack(per_step, self.time_dim)
         out.refine_names(*([None] * self.time_dim), "time")
         return out

@@ -5,8 +5,10 @@ Workers run the worker loop (``rlharvest.worker``); this class drives them throu
 
 * **sync** iteration: every batch holds one rollout of every worker, ordered by worker index;
 * **async** iteration: first ready, re-launched before the batch is yielded;
-* weights through sender schemes, seeds chained across workers, state dicts per worker,
-  profiling and ``cascade_execute`` forwarded to workers, running free, bounded shutdown.
+* weights through sender schemes, running free, bounded shutdown;
+* seeds chained across workers, state dicts per worker, profiling and ``cascade_execute`` forwarded
+  to workers (``_worker_calls.py``);
+* failed workers replaced as the restart policy allows (``_restarts.py``).
 
 Subclasses (``multi.py``, ``distributed/``) pick a backend, build one spec per worker and start them
 through a :class:`~rlharvest.collectors._fleet.Fleet`; they say how a worker's trajectory ids map to
@@ -20,18 +22,19 @@ import contextlib
 import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from tensordict import TensorDictBase
 
 from ..errors import WorkerError
-from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
 from ._fleet import Fleet
 from ._pool import WorkerPool
-from .base import BaseCollector, _argument_sets
+from ._restarts import WorkerReplacementMixin
+from ._worker_calls import WorkerCallsMixin
+from .base import BaseCollector
 
 __all__ = ["RemoteCollectorBase", "valid_part"]
 
@@ -56,8 +59,13 @@ def valid_part(batch: TensorDictBase) -> TensorDictBase:
     return batch[ids != -1]
 
 
-class RemoteCollectorBase(BaseCollector):
-    """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers)."""
+class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollector):
+    """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers).
+
+    What is answered by asking every worker (seeds, state dicts, ``map_fn``, ...) lives in
+    :class:`~._worker_calls.WorkerCallsMixin`; a failed worker met anywhere is replaced, or the
+    failure raised, by :class:`~._restarts.WorkerReplacementMixin` (docs/restarts.md).
+    """
 
     _backend: Backend | None = None
     _fleet: Fleet | None = None
@@ -237,65 +245,15 @@ class RemoteCollectorBase(BaseCollector):
         self._updating_weights(lambda: self._before_relaunch(worker))
         self._async_requests[worker] = self._launch(worker, self._random_phase())
 
-    # ------------------------------------------------------------------ restarts (docs/restarts.md)
-    def _restart_after(self, err: WorkerError, **changes: Any) -> int:
-        """Replace the worker ``err`` names, as the restart policy allows, and return its index.
-
-        What it had in flight is dropped (its pending request, the steps of its unfinished
-        trajectories); a replacement that fails while starting counts as one more failure.
-
-        Raises:
-            WorkerError: ``err`` itself with ``max_worker_restarts=0``; past the limit, a
-                ``RestartLimitError`` listing every cause.
-        """
-        restarts = self._fleet.restarts
-        worker = restarts.admit(err)
-        while True:
-            self._forget_in_flight(worker)
+    def _drain_async(self) -> None:
+        """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
+        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
+        a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
+        for worker, request_id in list(self._async_requests.items()):
             try:
-                self._replace_worker(worker, restart=restarts.restarts_of(worker), **changes)
-                return worker
-            except WorkerError as again:
-                worker = restarts.admit(again)
-            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
-                raise err from cannot
-
-    def update_policy_weights_(self, *args, **kwargs) -> None:
-        """As :meth:`BaseCollector.update_policy_weights_`; with restarts on, a worker found failed
-        while the weights are delivered is replaced, and starts with them (docs/restarts.md)."""
-        self._updating_weights(lambda: super(RemoteCollectorBase, self).update_policy_weights_(*args, **kwargs))
-
-    def _forget_in_flight(self, worker: int) -> None:
-        """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
-        back for complete-trajectory batches (they will never end)."""
-        self._async_requests.pop(worker, None)
-        running = self._running_trajs.pop(worker, None)
-        if running and self._trajectories is not None:
-            self._trajectories.drop_in_flight(running)
-
-    @property
-    def _running_trajs(self) -> dict[int, list[int]]:
-        if not hasattr(self, "_running_traj_ids"):
-            self._running_traj_ids: dict[int, list[int]] = {}
-        return self._running_traj_ids
-
-    def _updating_weights(self, update, counted: bool = True) -> None:
-        """Run an automatic weight update; a worker it finds failed is replaced.
-
-        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
-        have the new weights; the replacement starts with them (and, when the update ``counted`` a
-        version, with the version it makes) too.
-        """
-        try:
-            update()
-        except WorkerError as err:
-            restarts = self._fleet.restarts if self._fleet is not None else None
-            if restarts is None or not restarts.enabled:
-                raise
-            step = 1 if counted else 0
-            self._restart_after(err, policy_version=self._policy_version + step)
-            if counted:
-                BaseCollector.increment_version(self)
+                self._pool.wait_arrived(worker, request_id)
+            except WorkerError as err:
+                self._restart_after(err)
 
     @property
     def _async_requests(self) -> dict[int, int]:
@@ -351,169 +309,6 @@ class RemoteCollectorBase(BaseCollector):
         if self.config.postproc is not None:
             batch = self.config.postproc(batch)
         return self._drop_private_keys(batch)
-
-    # ------------------------------------------------------------------ seeds, state, reset, queries
-    def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
-        self._drain_async()
-        for worker in range(self.num_workers):
-            self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
-            seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
-        self._seed_chain = (seed, static_seed)  # workers added later continue the chain
-        if self._trajectories is not None:
-            self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
-        return seed
-
-    def state_dict(self) -> dict:
-        self._drain_async()
-        state = {f"worker{w}": self._pool.request(w, Command.STATE_DICT) for w in range(self.num_workers)}
-        state.update(frames=self._frames, iter=self._iter)
-        counter = getattr(self, "_traj_counter", None)
-        if counter is not None:
-            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}
-        if self._version_tracker:
-            state["policy_version"] = self._policy_version
-        return state
-
-    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
-        self._drain_async()
-        for worker in range(self.num_workers):
-            key = f"worker{worker}"
-            if key in state_dict:
-                self._pool.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
-        self._frames = state_dict["frames"]
-        self._iter = state_dict["iter"]
-        if "policy_version" in state_dict:
-            self._policy_version = int(state_dict["policy_version"])
-        counter = getattr(self, "_traj_counter", None)
-        if counter is not None and "traj_pool" in state_dict:
-            counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
-            self._pool.broadcast(Command.RESET, None)  # episodes restart, with ids after the saved ones
-
-    def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
-        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True.
-
-        With ``trajs_per_batch``, the trajectories held back (running, or complete but not yielded yet)
-        are dropped, so later batches hold only steps collected after the reset.
-        """
-        if self._trajectories is not None:
-            self._trajectories.flush()
-        self._drain_async()
-        workers = [w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]]
-        self._pool.broadcast(Command.RESET, None, workers)
-
-    def _drain_async(self) -> None:
-        """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
-        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
-        a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
-        for worker, request_id in list(self._async_requests.items()):
-            try:
-                self._pool.wait_arrived(worker, request_id)
-            except WorkerError as err:
-                self._restart_after(err)
-
-    def get_distant_attr(self, attr: str) -> list[Any]:
-        """The attribute at ``attr`` in every worker's collector, in worker order."""
-        return self._pool.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
-
-    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
-               list_of_kwargs: list[dict] | None = None) -> list[Any]:
-        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
-
-        Raises:
-            ValueError: when the number of argument sets is not the number of workers.
-        """
-        calls = _argument_sets(list_of_args, list_of_kwargs, self.num_workers)
-        self._drain_async()
-        ids = {w: self._pool.send(w, Command.CASCADE, (method_name, *calls[w])) for w in range(self.num_workers)}
-        return [self._pool.wait_for(w, ids[w]).value for w in range(self.num_workers)]
-
-    def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
-        """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
-        each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
-
-        Always there: ``workers``, ``workers_alive``, ``restarts`` (failed workers replaced, over the
-        collector's life) and per worker ``worker_<i>/restarts`` and ``worker_<i>/restart_causes``
-        (``"<kind>: <message>"`` of each, ``"; "``-separated). docs/restarts.md.
-
-        Raises:
-            ValueError: for another ``workers`` value.
-        """
-        if workers not in ("aggregate", "per_worker", "both"):
-            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
-        stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
-        stats["workers"] = self.num_workers
-        stats["workers_alive"] = sum(not self._pool.is_dead(w) for w in range(self.num_workers)) if self._pool else 0
-        if self._fleet is not None:  # kept here, no worker is asked
-            stats.update(self._fleet.restarts.stats(self.num_workers))
-        if workers != "aggregate":
-            for worker, worker_stats in enumerate(self.map_fn("stats")):
-                stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
-        return stats
-
-    def _set_hook(self, name: str, hook) -> None:
-        """Hooks run where batches are collected: in the workers."""
-        super()._set_hook(name, hook)
-        if self._pool is not None:
-            from ._worker_args import wrap_callable
-
-            self._drain_async()
-            self._pool.broadcast(Command.CASCADE, (f"set{name.rstrip('_')}", (wrap_callable(hook),), {}))
-            for worker, spec in enumerate(self._fleet.specs):  # a replacement gets the same hook
-                if spec is not None:
-                    self._fleet.remember(worker, collector_kwargs={**spec.collector_kwargs,
-                                                                   name.strip("_"): wrap_callable(hook)})
-
-    def getattr_policy(self, name: str) -> Any:
-        return self._pool.request(0, Command.GETATTR_POLICY, name)
-
-    def getattr_env(self, name: str) -> Any:
-        return self._pool.request(0, Command.GETATTR_ENV, name)
-
-    def getattr_rb(self, name: str) -> Any:
-        return getattr(self.config.replay_buffer, name)
-
-    def cascade_execute(self, attr_path: str, *args, **kwargs) -> Any:
-        """Like :meth:`BaseCollector.cascade_execute`; ``workers[i].<path>`` runs inside worker i's
-        collector, and ``workers.<path>`` inside every worker (a list of results)."""
-        head, _, rest = attr_path.partition(".")
-        if head == "workers" or head.startswith("workers["):
-            if not rest:
-                raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
-            workers = range(self.num_workers) if head == "workers" else [int(head[len("workers["):-1])]
-            results = [self._pool.request(w, Command.CASCADE, (rest, args, kwargs)) for w in workers]
-            return results if head == "workers" else results[0]
-        return super().cascade_execute(attr_path, *args, **kwargs)
-
-    def increment_version(self) -> None:
-        super().increment_version()
-        if self._pool is not None:
-            self._drain_async()
-            self._pool.broadcast(Command.CASCADE, ("increment_version", (), {}))
-
-    def _after_weights_sent(self, work: dict) -> None:
-        # Workers bumped their own versions when they applied the update: only ours moves here.
-        if "policy" in work:
-            BaseCollector.increment_version(self)
-
-    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
-        """Initial weights received from a parent continue down to our own workers (no version bump)."""
-        scheme = (self._weight_sync_schemes or {}).get(model_id)
-        if scheme is not None and self._pool is not None:
-            scheme.send(weights=weights)
-
-    # ------------------------------------------------------------------ profiling
-    def _apply_profile_config(self, config: ProfileConfig) -> None:
-        workers = [w for w in config.workers if 0 <= w < self.num_workers]
-        replies = self._pool.broadcast(Command.ENABLE_PROFILE, config, workers, timeout=30.0)
-        for worker, reply in zip(workers, replies):
-            if reply != "profiling":
-                raise RuntimeError(f"{self.noun} {worker} answered {reply!r} to enable_profile.")
-
-    def _stop_profiling(self) -> None:
-        if self._pool is not None:
-            self._drain_async()
-            self._pool.broadcast(Command.CASCADE, ("disable_profile", (), {}))
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
@@ -578,17 +373,6 @@ class RemoteCollectorBase(BaseCollector):
 
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._close_workers(self._shutdown_timeout if timeout is None else timeout)
-
-    # ------------------------------------------------------------------ workers
-    def _replacement_changes(self, worker: int) -> dict:
-        """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
-        return {"policy_version": self._policy_version}
-
-    def _replace_worker(self, worker: int, **changes: Any) -> None:
-        """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
-        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
-        with ``changes`` to its spec on top."""
-        self._fleet.replace(worker, **{**self._replacement_changes(worker), **changes})
 
     def _add_workers(self, specs: list, options: list | None = None) -> None:
         """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and

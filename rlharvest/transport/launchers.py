@@ -13,7 +13,7 @@ makes sure it is gone at shutdown. A replacement node is started the same way, o
 from __future__ import annotations
 
 import os
-from multiprocessing import popen_forkserver, spawn
+from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.context import ForkServerProcess
 import socket
 import threading
@@ -67,6 +67,19 @@ def _node_context(start_method: str | None):
         ctx.set_forkserver_preload(["torch", "tensordict", "rlharvest.transport.torchdist", "rlharvest.worker",
                                     "rlharvest.collectors"])
     return ctx
+
+
+def _warm_forkserver() -> None:
+    """Start the forkserver now; it imports its preload list in its own process, in the background.
+
+    Nodes forked before torch.distributed runs here are followed by nodes started from the
+    forkserver (replacements). A cold forkserver first imports torch and rlharvest, seconds of CPU
+    that take tens of seconds on a loaded machine, and launching a node waits for that without a
+    bound: paid at a replacement, it stalls collection while a worker is missing. Started here, it
+    has long finished by the time a node fails.
+    """
+    _node_context("forkserver")
+    forkserver.ensure_running()
 
 
 class _NodePopen(popen_forkserver.Popen):
@@ -233,6 +246,8 @@ def launch_nodes(launcher: str, ranks: Sequence[int], world_size: int, host: str
                                     kwargs=node_kwargs, name=f"rlharvest-node-{rank}", daemon=False)
             process.start()
             nodes.append(LocalNode(process))
+        if forked_here and start_method is None:
+            _warm_forkserver()  # after the forks, which so do not inherit its socket
         return nodes
     if launcher == "submitit":
         return [SlurmNode(job) for job in submit_jobs(slurm_kwargs or DEFAULT_SLURM_CONF, target,

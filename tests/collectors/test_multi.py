@@ -466,3 +466,12 @@ def test_spawn_start_method_with_lambdas():
     with MultiSyncCollector([lambda: CountingEnv(max_steps=3)] * 2, CountingPolicy(), frames_per_batch=8,
                             total_frames=16, mp_start_method="spawn") as collector:
         assert [b.numel() for b in collector] == [8, 8]
+
+
+@pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
+@pytest.mark.parametrize("devices, stored", [({}, None), ({"device": "cpu"}, "cpu")])
+def test_batches_from_workers_have_the_device_a_worker_stores_on(collector_class, devices, stored):
+    with collector_class([CountingEnv] * 2, frames_per_batch=8, total_frames=16, **devices) as collector:
+        batches = list(collector)
+    assert [batch.device for batch in batches] == [torch.device(stored) if stored else None] * 2
+

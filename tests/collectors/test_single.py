@@ -395,6 +395,19 @@ def test_devices_are_resolved():
     collector.shutdown()
 
 
+@pytest.mark.parametrize("devices, stored", [
+    ({}, None), ({"env_device": "cpu"}, None), ({"policy_device": "cpu"}, None),
+    ({"device": "cpu"}, "cpu"), ({"storing_device": "cpu"}, "cpu"), ({"env_device": "cpu", "policy_device": "cpu"}, "cpu"),
+])
+def test_batches_have_a_device_only_when_the_arguments_give_one(devices, stored):
+    """The CPU env's own device does not decide where batches are stored (docs/collection.md, "Devices")."""
+    collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, **devices)
+    batches = list(collector)
+    assert [batch.device for batch in batches] == [torch.device(stored) if stored else None] * 2
+    assert {leaf.device for leaf in batches[-1].values(True, True)} == {torch.device("cpu")}
+    assert batches[-1].names[-1] == "time" and batches[-1].numel() == 4
+
+
 def test_return_same_td():
     collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, return_same_td=True)
     first, second = collector.next(), collector.next()
