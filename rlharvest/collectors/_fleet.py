@@ -78,6 +78,8 @@ class Fleet:
             WorkerError: naming a worker that died or failed while starting (all are stopped then).
         """
         self.specs = list(specs)
+        if self.restarts.enabled:
+            self.backend.expect_replacements()
         try:
             handles = self.backend.start_all(self.specs)
             if started is not None:

@@ -178,6 +178,14 @@ class Backend(ABC):
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.handles: list[WorkerHandle | None] = [None] * num_workers
+        #: set by :meth:`expect_replacements`: failed workers will be replaced
+        self.replacements_expected = False
+
+    def expect_replacements(self) -> None:
+        """Say, before :meth:`start_all`, that failed workers will be replaced, so that a backend
+        whose replacements need something prepared (torchdist and RPC ``"mp"`` nodes: a forkserver
+        that has imported torch) prepares it while the first workers start, not at a failure."""
+        self.replacements_expected = True
 
     def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
         """Make room for ``count`` more workers, indices ``num_workers`` on, each then started with

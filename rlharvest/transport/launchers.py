@@ -225,8 +225,13 @@ class SlurmNode(LaunchedNode):
 
 def launch_nodes(launcher: str, ranks: Sequence[int], world_size: int, host: str, port: int, backend: str, *,
                  target: NodeTarget, framework: str = "distributed", slurm_kwargs: dict | None = None,
-                 start_method: str | None = None, node_kwargs: dict | None = None) -> list[LaunchedNode]:
+                 start_method: str | None = None, node_kwargs: dict | None = None,
+                 warm_replacements: bool = False) -> list[LaunchedNode]:
     """Start the nodes of ``ranks`` with ``launcher``, each running ``target``.
+
+    ``warm_replacements``: failed nodes will be replaced; forked ``"mp"`` nodes then also start the
+    forkserver their replacements come from (seconds of CPU importing torch, spent now rather than
+    while a node is missing).
 
     Raises:
         ValueError: for an unknown launcher, or a bad ``$RLHARVEST_WORKER_SCHED``.
@@ -246,7 +251,7 @@ def launch_nodes(launcher: str, ranks: Sequence[int], world_size: int, host: str
                                     kwargs=node_kwargs, name=f"rlharvest-node-{rank}", daemon=False)
             process.start()
             nodes.append(LocalNode(process))
-        if forked_here and start_method is None:
+        if warm_replacements and forked_here and start_method is None:
             _warm_forkserver()  # after the forks, which so do not inherit its socket
         return nodes
     if launcher == "submitit":

@@ -382,7 +382,7 @@ class RPCBackend(Backend):
         self.launched[index], = launch_nodes(self.launcher, [rank], self.num_workers + 1, net.advertised_host,
                                              net.tcp_port, "gloo", target=self.target, framework="rpc",
                                              slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,
-                                             node_kwargs=kwargs)
+                                             node_kwargs=kwargs, warm_replacements=self.replacements_expected)
 
     def start_all(self, specs) -> list[RPCWorkerHandle]:
         if rpc.api._is_current_rpc_agent_set():

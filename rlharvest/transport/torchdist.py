@@ -396,7 +396,7 @@ class TorchDistBackend(Backend):
             self.launched[index], = launch_nodes(
                 self.launcher, [index + 1], self.num_workers + 1, net.advertised_host, net.tcp_port, self.backend,
                 target=self.target, slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,
-                node_kwargs=kwargs)
+                node_kwargs=kwargs, warm_replacements=self.replacements_expected)
 
     def _alive(self, indices: list[int]):
         def check() -> None:

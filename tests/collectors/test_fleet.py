@@ -129,3 +129,27 @@ def test_a_weight_scheme_that_cannot_serve_new_workers_refuses_the_growth():
         assert len(fleet) == fleet.backend.num_workers == 1
     finally:
         fleet.stop(5.0)
+
+
+# ---------------------------------------------------------------------------------------------- replacements
+@pytest.mark.parametrize("max_restarts", [0, 2])
+def test_the_backend_is_told_before_start_whether_failed_workers_will_be_replaced(max_restarts):
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors._fleet import Fleet
+    from rlharvest.collectors._restarts import RestartPolicy
+    from rlharvest.protocol import WorkerSpec
+    from rlharvest.transport.inprocess import InProcessBackend
+    from rlharvest.worker import run_worker
+
+    class Recording(InProcessBackend):
+        def start_all(self, specs):
+            self.expected_at_start = self.replacements_expected
+            return super().start_all(specs)
+
+    backend = Recording(1, run_worker)
+    fleet = Fleet(backend, {}, timeout=10.0, restarts=RestartPolicy(max_restarts))
+    fleet.start([WorkerSpec(0, Collector, lambda: CountingEnv(max_steps=4), {"frames_per_batch": 4})])
+    try:
+        assert backend.expected_at_start is (max_restarts > 0)
+    finally:
+        fleet.stop(5.0)

@@ -107,6 +107,7 @@ class Harness:
         specs = [WorkerSpec(w, Collector, env_fn(w), dict(kwargs), policy=policy,
                             weight_recv_schemes={"policy": self.scheme}) for w in range(count)]
         self.fleet = Fleet(self.backend, {"policy": self.scheme}, timeout=30.0)
+        self.backend.expect_replacements()  # the contract includes replacing workers
         self.fleet.start(specs)
         self.pool = self.fleet.pool
         self.count = count

@@ -55,7 +55,7 @@ def _forkservers() -> list[psutil.Process]:
 
 def test_forked_nodes_leave_a_started_forkserver_for_their_replacements():
     # A replacement comes from the forkserver; started cold at that moment it would first import torch.
-    nodes = launch_nodes("mp", [1], 2, "127.0.0.1", 1, "gloo", target=_node_that_exits)
+    nodes = launch_nodes("mp", [1], 2, "127.0.0.1", 1, "gloo", target=_node_that_exits, warm_replacements=True)
     try:
         assert nodes[0].ended(timeout=30.0)
         assert len(_forkservers()) == 1
