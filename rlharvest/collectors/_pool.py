@@ -81,7 +81,9 @@ class WorkerPool:
         try:
             self.handles[worker].send(Message(command, request_id, payload))
         except (BrokenPipeError, EOFError, OSError, ConnectionError) as err:
+            self._drain(worker)
             self._dead.add(worker)
+            self._settle_start(worker)
             raise self._death_error(worker, command) from err
         self._outstanding[worker][request_id] = command
         return request_id
@@ -122,6 +124,7 @@ class WorkerPool:
         while True:
             for worker, request_id in requests.items():
                 self._drain(worker)
+                self._settle_start(worker)
                 # A dead worker must be noticed even while the others keep answering.
                 if request_id not in self._stash[worker]:
                     self._check_alive(worker, request_id)
@@ -165,6 +168,16 @@ class WorkerPool:
             reply = self._stash[worker].get(self.READY)
             if reply is not None and reply.failure is not None:
                 self._take(worker, self.READY)
+
+    def _settle_start(self, worker: int) -> None:
+        """Take ``worker``'s READY reply once it arrived, raising the failure it reports: a worker
+        started without waiting for it (``Fleet.start(wait=False)``) is asked for work before it is
+        built, and its start-up failure is the cause to report, not its exit."""
+        reply = self._stash[worker].get(self.READY)
+        if reply is not None:
+            if reply.failure is not None:  # its worker loop ended after reporting it
+                self._dead.add(worker)
+            self._take(worker, self.READY)
 
     def has_reply(self, worker: int, request_id: int) -> bool:
         """Non-blocking: has this reply arrived?"""
@@ -210,6 +223,8 @@ class WorkerPool:
             multiprocessing.connection.wait(handles, timeout=max(0.0, remaining))
         for worker in workers:
             self._drain(worker)
+            if awaited[worker] != self.READY:
+                self._settle_start(worker)
         if any(awaited[w] in self._stash[w] for w in workers):
             return
         # Liveness of every awaited worker, also when others keep answering (async mode).
@@ -225,11 +240,14 @@ class WorkerPool:
             if request_id in self._stash[worker]:
                 return
             self._dead.add(worker)
+            if request_id != self.READY:
+                self._settle_start(worker)
             raise self._death_error(worker, self._outstanding[worker].get(request_id))
 
     def _death_error(self, worker: int, command: Command | None) -> WorkerError:
-        doing = f" while handling {command.value!r}" if command is not None else " while starting"
-        if command is None and self.READY not in self._outstanding[worker]:
+        starting = self.READY in self._outstanding[worker]
+        doing = f" while handling {command.value!r}" if command is not None and not starting else " while starting"
+        if command is None and not starting:
             doing = ""
         err = WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
                           worker_idx=worker)
