@@ -56,6 +56,8 @@ class WorkerPool:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
+        #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
+        self._deadlines: dict[tuple[int, int], _Deadline] = {}
         for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
             self._outstanding[worker][self.READY] = None
 
@@ -116,24 +118,34 @@ class WorkerPool:
         """A reply among ``{worker: request_id}``: of those that arrived, the oldest request's.
 
         Serving the request sent first (not the lowest worker index) keeps a fast worker that is
-        re-launched again and again from starving a slower one whose batch is waiting.
+        re-launched again and again from starving a slower one whose batch is waiting. A request's
+        deadline runs across calls: a worker that makes no progress is reported even while the
+        others keep answering (async iteration calls this once per batch).
         """
         if not requests:
             raise RuntimeError("wait_any() needs at least one outstanding request.")
-        deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
+        seconds = self.timeout if timeout is None else timeout
+        deadlines = {w: self._request_deadline(w, r, seconds) for w, r in requests.items()}
         while True:
             for worker, request_id in requests.items():
                 self._drain(worker)
                 self._settle_start(worker)
-                # A dead worker must be noticed even while the others keep answering.
+                # A dead or stuck worker must be noticed even while the others keep answering.
                 if request_id not in self._stash[worker]:
                     self._check_alive(worker, request_id)
+                    deadlines[worker].check(self, worker)
             ready = [(request_id, worker) for worker, request_id in requests.items()
                      if request_id in self._stash[worker]]
             if ready:
                 request_id, worker = min(ready)
                 return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
+
+    def _request_deadline(self, worker: int, request_id: int, seconds: float) -> _Deadline:
+        key = (worker, request_id)
+        if key not in self._deadlines:
+            self._deadlines[key] = _Deadline(seconds, self.handles[worker])
+        return self._deadlines[key]
 
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
         """The next batch pushed by a worker running free (of ``workers`` if given), or None after
@@ -190,6 +202,7 @@ class WorkerPool:
     def _take(self, worker: int, request_id: int) -> Reply:
         reply = self._stash[worker].pop(request_id)
         command = self._outstanding[worker].pop(request_id, None)
+        self._deadlines.pop((worker, request_id), None)
         if reply.failure is not None:
             name = command.value if command is not None else ("start-up" if request_id == -1 else "command")
             raise reply.failure.to_exception(context=f"{name!r}")
@@ -261,6 +274,7 @@ class WorkerPool:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
         self._outstanding[worker].clear()
         self._stash[worker].clear()
+        self._deadlines = {key: deadline for key, deadline in self._deadlines.items() if key[0] != worker}
 
 
 class _Deadline:
