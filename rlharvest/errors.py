@@ -87,6 +87,18 @@ def _mixed_error_type(remote_cls: type[BaseException]) -> type[WorkerError]:
     return _MIXED_TYPES[remote_cls]
 
 
+def _blank_instance(cls: type[WorkerError]) -> WorkerError:
+    """An instance of ``cls`` made by the constructor of the layout it has: a mix-in of an OSError
+    type (TimeoutError, ConnectionError, ...) is laid out as an OSError, which RuntimeError's refuses."""
+    for base in cls.__mro__:
+        if "__new__" in vars(base):
+            try:
+                return base.__new__(cls)
+            except TypeError:
+                continue
+    return WorkerError.__new__(WorkerError)
+
+
 @dataclass(frozen=True)
 class RemoteFailure:
     """What a worker sends back instead of a result when something raised."""
@@ -114,7 +126,7 @@ class RemoteFailure:
         message = f"{self.type_name}: {self.message}"
         if context:
             message = f"{context} failed with {message}"
-        err = cls.__new__(cls)
+        err = _blank_instance(cls)
         WorkerError.__init__(
             err,
             message,

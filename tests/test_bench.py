@@ -64,3 +64,13 @@ def test_batched_tables_from_a_report():
     parallel = next(line for line in table.splitlines() if line.startswith("Collector(ParallelEnv)"))
     assert "800" in parallel and "80" in parallel and "10.00x" in parallel  # rlharvest over TorchRL 0.12
     assert "scaling, 4-64-64-2 MLP" in table and "Collector(ParallelEnv) 8.00x" in table
+
+
+def test_compile_sources_writes_bytecode_also_when_python_would_not(tmp_path, monkeypatch):
+    from rlharvest.bench import compile_sources
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as with PYTHONDONTWRITEBYTECODE=1
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    compile_sources(tmp_path / "pkg")
+    assert [p.name.split(".")[0] for p in (tmp_path / "pkg" / "__pycache__").glob("*.pyc")] == ["mod"]

@@ -65,7 +65,8 @@ class Fleet:
     def __len__(self) -> int:
         return len(self.specs)
 
-    def start(self, specs: Sequence[WorkerSpec], started: Callable[[], None] | None = None) -> None:
+    def start(self, specs: Sequence[WorkerSpec], started: Callable[[], None] | None = None,
+              wait: bool = True) -> None:
         """Start every worker, deliver the initial weights, and wait until each is built.
 
         Args:
@@ -73,6 +74,8 @@ class Fleet:
             started: called once every worker was started, before waiting for them: a service the
                 workers call while they are built (a policy server) starts then, so that no thread
                 of it runs while worker processes are forked.
+            wait: False returns without waiting until the workers are built: they queue commands
+                meanwhile, and the first wait on a worker that failed to build raises its failure.
 
         Raises:
             WorkerError: naming a worker that died or failed while starting (all are stopped then).
@@ -86,8 +89,9 @@ class Fleet:
                 started()
             self.pool = WorkerPool(handles, timeout=self.timeout, noun=self.backend.noun)
             self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
-            for worker in range(len(handles)):
-                self.pool.wait_for(worker, READY)
+            if wait:
+                for worker in range(len(handles)):
+                    self.pool.wait_for(worker, READY)
         except BaseException:
             self.stop(5.0)
             raise

@@ -56,6 +56,8 @@ class WorkerPool:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
+        #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
+        self._deadlines: dict[tuple[int, int], _Deadline] = {}
         for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
             self._outstanding[worker][self.READY] = None
 
@@ -98,7 +100,9 @@ class WorkerPool:
         try:
             self.handles[worker].send(Message(command, request_id, payload))
         except (BrokenPipeError, EOFError, OSError, ConnectionError) as err:
+            self._drain(worker)
             self._dead.add(worker)
+            self._settle_start(worker)
             raise self._death_error(worker, command) from err
         self._outstanding[worker][request_id] = command
         return request_id
@@ -131,23 +135,34 @@ class WorkerPool:
         """A reply among ``{worker: request_id}``: of those that arrived, the oldest request's.
 
         Serving the request sent first (not the lowest worker index) keeps a fast worker that is
-        re-launched again and again from starving a slower one whose batch is waiting.
+        re-launched again and again from starving a slower one whose batch is waiting. A request's
+        deadline runs across calls: a worker that makes no progress is reported even while the
+        others keep answering (async iteration calls this once per batch).
         """
         if not requests:
             raise RuntimeError("wait_any() needs at least one outstanding request.")
-        deadlines = {w: _Deadline(self.timeout if timeout is None else timeout, self.handles[w]) for w in requests}
+        seconds = self.timeout if timeout is None else timeout
+        deadlines = {w: self._request_deadline(w, r, seconds) for w, r in requests.items()}
         while True:
             for worker, request_id in requests.items():
                 self._drain(worker)
-                # A dead worker must be noticed even while the others keep answering.
+                self._settle_start(worker)
+                # A dead or stuck worker must be noticed even while the others keep answering.
                 if request_id not in self._stash[worker]:
                     self._check_alive(worker, request_id)
+                    deadlines[worker].check(self, worker)
             ready = [(request_id, worker) for worker, request_id in requests.items()
                      if request_id in self._stash[worker]]
             if ready:
                 request_id, worker = min(ready)
                 return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
+
+    def _request_deadline(self, worker: int, request_id: int, seconds: float) -> _Deadline:
+        key = (worker, request_id)
+        if key not in self._deadlines:
+            self._deadlines[key] = _Deadline(seconds, self.handles[worker])
+        return self._deadlines[key]
 
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
         """The next batch pushed by a worker running free (of ``workers`` if given), or None after
@@ -183,6 +198,16 @@ class WorkerPool:
             if reply is not None and reply.failure is not None:
                 self._take(worker, self.READY)
 
+    def _settle_start(self, worker: int) -> None:
+        """Take ``worker``'s READY reply once it arrived, raising the failure it reports: a worker
+        started without waiting for it (``Fleet.start(wait=False)``) is asked for work before it is
+        built, and its start-up failure is the cause to report, not its exit."""
+        reply = self._stash[worker].get(self.READY)
+        if reply is not None:
+            if reply.failure is not None:  # its worker loop ended after reporting it
+                self._dead.add(worker)
+            self._take(worker, self.READY)
+
     def has_reply(self, worker: int, request_id: int) -> bool:
         """Non-blocking: has this reply arrived?"""
         self._drain(worker)
@@ -194,6 +219,7 @@ class WorkerPool:
     def _take(self, worker: int, request_id: int) -> Reply:
         reply = self._stash[worker].pop(request_id)
         command = self._outstanding[worker].pop(request_id, None)
+        self._deadlines.pop((worker, request_id), None)
         if reply.failure is not None:
             name = command.value if command is not None else ("start-up" if request_id == -1 else "command")
             raise reply.failure.to_exception(context=f"{name!r}")
@@ -227,6 +253,8 @@ class WorkerPool:
             multiprocessing.connection.wait(handles, timeout=max(0.0, remaining))
         for worker in workers:
             self._drain(worker)
+            if awaited[worker] != self.READY:
+                self._settle_start(worker)
         if any(awaited[w] in self._stash[w] for w in workers):
             return
         # Liveness of every awaited worker, also when others keep answering (async mode).
@@ -242,11 +270,14 @@ class WorkerPool:
             if request_id in self._stash[worker]:
                 return
             self._dead.add(worker)
+            if request_id != self.READY:
+                self._settle_start(worker)
             raise self._death_error(worker, self._outstanding[worker].get(request_id))
 
     def _death_error(self, worker: int, command: Command | None) -> WorkerError:
-        doing = f" while handling {command.value!r}" if command is not None else " while starting"
-        if command is None and self.READY not in self._outstanding[worker]:
+        starting = self.READY in self._outstanding[worker]
+        doing = f" while handling {command.value!r}" if command is not None and not starting else " while starting"
+        if command is None and not starting:
             doing = ""
         err = WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
                           worker_idx=worker)
@@ -260,6 +291,7 @@ class WorkerPool:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
         self._outstanding[worker].clear()
         self._stash[worker].clear()
+        self._deadlines = {key: deadline for key, deadline in self._deadlines.items() if key[0] != worker}
 
 
 class _Deadline:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from tensordict import TensorDictBase
 
-from ..protocol import WorkerSpec
+from ..protocol import READY, WorkerSpec
 from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
 from .ray_weights import RayWeightLinks, WeightInboxes
 
@@ -246,6 +246,7 @@ class RayWorkerHandle(WorkerHandle):
         self._replies: collections.deque = collections.deque()
         self._doorbell = _Doorbell()
         self._gone: str | None = None
+        self._start_failure: str | None = None
         #: the Ray node the actor runs on, once it answered ``hello`` (weights to it travel by shared
         #: memory when it is the driver's node)
         self.node_id: str | None = None
@@ -271,9 +272,11 @@ class RayWorkerHandle(WorkerHandle):
                 return
             self._progress = progress
             self._replies.extend(replies)
+            self._start_failure = self._start_failure or _start_failure(replies)
             if replies:
                 self._doorbell.ring()
-            if not running:
+            if not running:  # a worker that could not be built says why (whoever notices its end)
+                failure = failure or self._start_failure
                 self._end("its worker loop ended" + (f" with:\n{failure}" if failure else ""))
                 return
 
@@ -359,6 +362,14 @@ class RayWorkerHandle(WorkerHandle):
         if self._gone is None:
             self._gone = "it was stopped"
         self._doorbell.close()
+
+
+def _start_failure(replies: list) -> str | None:
+    """What a READY reply among ``replies`` reports as the reason its worker could not be built."""
+    for reply in replies:
+        if reply.request_id == READY and reply.failure is not None:
+            return f"{reply.failure.type_name}: {reply.failure.message}"
+    return None
 
 
 def _describe_death(err: Exception) -> str:

@@ -188,3 +188,14 @@ def test_unknown_command_lists_valid_ones():
     err = reply.failure.to_exception()
     assert isinstance(err, WorkerError) and isinstance(err, ValueError)
 
+
+
+@pytest.mark.parametrize("remote", [TimeoutError("slow"), ConnectionError("gone"), OSError(5, "io"), KeyError("k")])
+def test_a_remote_exception_keeps_its_type_also_an_os_error(remote):
+    from rlharvest.errors import RemoteFailure
+
+    err = RemoteFailure.capture(remote, 3).to_exception("'collect'")
+    assert isinstance(err, WorkerError) and isinstance(err, type(remote)) and err.worker_idx == 3
+    assert f"worker 3: 'collect' failed with {type(remote).__name__}" in str(err)
+    with pytest.raises(type(remote)):
+        raise err

@@ -151,5 +151,30 @@ def test_the_backend_is_told_before_start_whether_failed_workers_will_be_replace
     fleet.start([WorkerSpec(0, Collector, lambda: CountingEnv(max_steps=4), {"frames_per_batch": 4})])
     try:
         assert backend.expected_at_start is (max_restarts > 0)
+
+
+def _no_env():
+    raise RuntimeError("no env for worker 1")
+
+
+def test_workers_started_without_waiting_queue_commands_and_raise_their_failure_to_build():
+    from rlharvest import WorkerError
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors._fleet import Fleet
+    from rlharvest.protocol import Command, WorkerSpec
+    from rlharvest.transport.inprocess import InProcessBackend
+    from rlharvest.worker import run_worker
+
+    fleet = Fleet(InProcessBackend(2, run_worker), {}, timeout=10.0)
+    specs = [WorkerSpec(0, Collector, lambda: CountingEnv(max_steps=4), {"frames_per_batch": 4}),
+             WorkerSpec(1, Collector, _no_env, {"frames_per_batch": 4})]
+    fleet.start(specs, wait=False)  # does not raise: worker 1's failure comes with the first wait on it
+    try:
+        reply = fleet.pool.wait_for(0, fleet.pool.send(0, Command.COLLECT, (False, 0)))
+        assert reply.frames == 4 and fleet.pool.handles[0].fetch_batch(reply).numel() == 4
+        with pytest.raises(WorkerError, match="no env for worker 1") as info:
+            fleet.pool.request(1, Command.COLLECT, (False, 0))
+        assert info.value.worker_idx == 1 and isinstance(info.value, RuntimeError)  # the cause, not the exit
+        assert fleet.pool.is_dead(1)
     finally:
         fleet.stop(5.0)

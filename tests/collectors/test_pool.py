@@ -132,3 +132,16 @@ def test_wait_any_serves_the_oldest_request_not_the_lowest_index():
     assert served == [1, 0, 1, 0, 1, 0]
     for handle in handles:
         handle.terminate(0.0)
+
+
+def test_wait_any_reports_a_stuck_worker_while_another_keeps_answering(pool_of):
+    stuck = lambda: ConstantObsEnv(delay=1.0)  # noqa: E731  (one step outlasts the pool's timeout)
+    pool, _ = pool_of(spec(0, stuck, frames=1), spec(1), timeout=0.3)
+    requests = {0: pool.send(0, Command.COLLECT, (False, 0)), 1: pool.send(1, Command.COLLECT, (False, 0))}
+    deadline = time.monotonic() + 10.0
+    with pytest.raises(WorkerTimeoutError) as info:
+        while time.monotonic() < deadline:  # worker 1 answers every time it is asked, worker 0 never
+            worker, _ = pool.wait_any(requests)
+            assert worker == 1
+            requests[1] = pool.send(1, Command.COLLECT, (False, 0))
+    assert info.value.worker_idx == 0

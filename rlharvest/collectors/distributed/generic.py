@@ -118,6 +118,8 @@ class DistributedCollector(RemoteCollectorBase):
     _stateless_nodes = True
     #: RPCCollector's trajs_per_batch / trajs_per_write / traj_format (assembled on this process)
     _trajectory_options: dict = {}
+    #: whether the constructor returns only once every node is built
+    _wait_until_built = True
 
     def __init__(
         self,
@@ -308,7 +310,7 @@ class DistributedCollector(RemoteCollectorBase):
         try:
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-            self._fleet.start([self._node_spec(node) for node in range(count)])
+            self._fleet.start([self._node_spec(node) for node in range(count)], wait=self._wait_until_built)
         except BaseException:  # the fleet stopped what it started
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()

@@ -152,6 +152,12 @@ class RayCollector(DistributedCollector):
         return RayBackend(count, run_worker, self._remote_configs, heartbeat_timeout=self._heartbeat_timeout,
                           start_timeout=self._worker_timeout)
 
+    @property
+    def _wait_until_built(self) -> bool:
+        # Async: iteration starts each actor's first rollout as soon as it is built and yields the
+        # first batch ready, so the constructor does not wait for the slowest actor (docs/ray.md).
+        return self._sync
+
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property
     def num_collectors(self) -> int:

@@ -77,6 +77,56 @@ def test_async_batches_first_ready_with_unique_ids_and_state_per_actor():
         collector.shutdown()
 
 
+def gated(path: str, timeout: float = 30.0):
+    """An env constructor that returns only once ``path`` exists (and fails after ``timeout``)."""
+    def make():
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} was never created")
+            time.sleep(0.02)
+        return CountingEnv(max_steps=2)
+    return make
+
+
+def test_async_yields_the_first_actor_built_while_another_still_builds(tmp_path):
+    gate = tmp_path / "release"
+    # the constructor returns while actor 1 cannot build its env (waiting for it would time out)
+    collector = RayCollector([counting(), gated(str(gate))], weight_policy(1.0), frames_per_batch=8,
+                             total_frames=-1, sync=False)
+    try:
+        iterator = iter(collector)
+        early = [next(iterator) for _ in range(3)]
+        assert all(set((b[IDS] % 2).tolist()) == {0} for b in early)  # actor 0's: actor 1 is not built
+        gate.touch()
+        actors = set()
+        for _ in range(200):
+            actors.add(int(next(iterator)[IDS][0]) % 2)
+            if actors == {0, 1}:
+                break
+        assert actors == {0, 1}  # once built, actor 1 serves too
+    finally:
+        collector.shutdown()
+
+
+def test_async_raises_an_actor_failure_to_build_at_the_first_batch():
+    def broken():
+        raise RuntimeError("no env for actor 1")
+
+    collector = RayCollector([counting(), broken], weight_policy(1.0), frames_per_batch=8, total_frames=-1,
+                             sync=False)
+    try:
+        iterator = iter(collector)
+        with pytest.raises(WorkerError, match="no env for actor 1") as info:
+            for _ in range(200):  # actor 0 may deliver batches before actor 1's failure arrives
+                next(iterator)
+        assert info.value.worker_idx == 1 and isinstance(info.value, RuntimeError)
+    finally:
+        collector.shutdown()
+
+
 def test_weight_update_is_visible_in_the_next_batch_and_learner_tensors_stay_private():
     policy = weight_policy(1.0)
     collector = make(policy=policy, sync=True, total_frames=-1)
