@@ -151,6 +151,8 @@ def test_the_backend_is_told_before_start_whether_failed_workers_will_be_replace
     fleet.start([WorkerSpec(0, Collector, lambda: CountingEnv(max_steps=4), {"frames_per_batch": 4})])
     try:
         assert backend.expected_at_start is (max_restarts > 0)
+    finally:
+        fleet.stop(5.0)
 
 
 def _no_env():
