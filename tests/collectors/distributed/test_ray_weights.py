@@ -7,6 +7,7 @@ exactly which weights collected them.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -136,16 +137,28 @@ def test_every_frame_observed_after_an_update_returned_uses_the_new_weights():
         collector.shutdown()
 
 
-def slow_clock():
-    return ClockEnv(delay=5.0)  # an actor that looks for updates only every 5 s (between env steps)
+class MarkedSlowClock(ClockEnv):
+    """Looks for updates only every 5 s (between env steps), and says when it is inside a step."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(delay=5.0)
+        self.marker = marker
+
+    def _step_arrays(self, actions):
+        with open(self.marker, "w"):
+            pass
+        return super()._step_arrays(actions)
 
 
-def test_an_actor_killed_while_an_update_waits_for_it_raises_worker_error_naming_it(ray_cluster):
-    collector = RayCollector([ClockEnv, slow_clock], weight_policy(1.0), frames_per_batch=2, sync=False,
+def test_an_actor_killed_while_an_update_waits_for_it_raises_worker_error_naming_it(ray_cluster, tmp_path):
+    marker = tmp_path / "stepping"
+    collector = RayCollector([ClockEnv, functools.partial(MarkedSlowClock, str(marker))], weight_policy(1.0),
+                             frames_per_batch=2, sync=False,
                              weight_sync_schemes={"policy": RayWeightSyncScheme(timeout=600.0)})
     try:
         iterator = iter(collector)
-        next(iterator)  # actor 0's batch: actor 1 is inside a 5 s env step
+        next(iterator)  # actor 0's batch; actor 1 may still be building (async does not wait for it)
+        wait_until(marker.exists, timeout=60.0, what="actor 1 entering its 5 s env step")
         killer = threading.Timer(0.3, ray_cluster.kill, args=(collector.remote_collectors[1],))
         killer.start()
         try:
