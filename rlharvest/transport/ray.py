@@ -250,6 +250,7 @@ class RayWorkerHandle(WorkerHandle):
         #: the Ray node the actor runs on, once it answered ``hello`` (weights to it travel by shared
         #: memory when it is the driver's node)
         self.node_id: str | None = None
+        self._actor_pid: int | None = None
         self._greeted = threading.Event()
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll_forever, name=f"rlharvest-ray-poll-{worker_idx}",
@@ -284,7 +285,7 @@ class RayWorkerHandle(WorkerHandle):
         """Wait (up to ``start_timeout``) until Ray created the actor; learn its node. False if it never was."""
         ray = require_ray()
         try:
-            _, self.node_id = ray.get(self.actor.hello.remote(), timeout=self.start_timeout)
+            self._actor_pid, self.node_id = ray.get(self.actor.hello.remote(), timeout=self.start_timeout)
             return True
         except ray.exceptions.GetTimeoutError:
             self._end(f"Ray did not create it within {self.start_timeout:g} s (can the cluster give it "
@@ -359,9 +360,30 @@ class RayWorkerHandle(WorkerHandle):
             ray.kill(self.actor, no_restart=True)
         self._poller.join(5.0)
         self._stopping.set()
+        self._wait_process_gone(time.monotonic() + 5.0)
         if self._gone is None:
             self._gone = "it was stopped"
         self._doorbell.close()
+
+    def _wait_process_gone(self, deadline: float) -> None:
+        """Ray reports a killed actor dead before its process has exited: on the driver's node, wait
+        (until ``deadline``) for the process itself, so that it does not outlive the shutdown."""
+        if self._actor_pid is None or self.node_id is None:
+            return
+        with contextlib.suppress(Exception):
+            if require_ray().get_runtime_context().get_node_id() != self.node_id:
+                return
+        while _process_running(self._actor_pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _process_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, waiting to be reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # gone (or no /proc: nothing to wait for)
+        return False
 
 
 def _start_failure(replies: list) -> str | None:
