@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -122,7 +124,77 @@ def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> No
     if not sources:  # a parameter-free model (e.g. a random policy): nothing to move
         return
     with torch.no_grad():
-        torch._foreach_copy_(generation.leaves, sources)
+        parallel_copy(generation.leaves, sources)
+
+
+#: below this many bytes one thread copies: a helper thread's wake-up would cost more than it saves
+PARALLEL_COPY_BYTES = 16 * 1024**2
+_copy_threads: ThreadPoolExecutor | None = None
+_copy_threads_lock = threading.Lock()
+
+
+def _copy_lanes() -> int:
+    """Threads a big copy is split over: one per core this process may run on, at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (not Linux)
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def parallel_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``destination.copy_(source)`` for each pair, a big copy split over the cores.
+
+    An update of tens of MB is one pass at the speed one core can move memory (and walk the page
+    tables of 4 KB shared-memory pages), whatever ``torch.get_num_threads()`` says: users set one
+    intra-op thread to leave the cores to their workers, which are the very processes waiting for
+    this update. Split in contiguous byte ranges over a few threads (torch releases the GIL while
+    it copies), it takes about half the time on 2 cores (docs/weights.md).
+    """
+    lanes = _copy_lanes()
+    total = sum(d.numel() * d.element_size() for d in destinations)
+    splittable = all(d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.shape == s.shape
+                     and d.device.type == "cpu" and s.device.type == "cpu" for d, s in zip(destinations, sources))
+    if lanes == 1 or total < PARALLEL_COPY_BYTES or not splittable:
+        torch._foreach_copy_(destinations, sources)
+        return
+    chunks = _byte_ranges(destinations, sources, lanes)
+    pool = _copy_pool(lanes - 1)
+    pending = [pool.submit(_copy_chunk, chunk) for chunk in chunks[1:]]
+    _copy_chunk(chunks[0])
+    for future in pending:
+        future.result()
+
+
+def _byte_ranges(destinations, sources, lanes: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The pairs cut into ``lanes`` lists of about the same number of bytes (flat slices of them)."""
+    flat = [(d.reshape(-1), s.reshape(-1)) for d, s in zip(destinations, sources)]
+    share = -(-sum(d.numel() * d.element_size() for d, _ in flat) // lanes)
+    chunks: list[list] = [[]]
+    room = share
+    for d, s in flat:
+        start, size = 0, d.element_size()
+        while start < d.numel():
+            take = min(d.numel() - start, max(1, room // size))
+            chunks[-1].append((d[start:start + take], s[start:start + take]))
+            start, room = start + take, room - take * size
+            if room <= 0 and len(chunks) < lanes:
+                chunks.append([])
+                room = share
+    return [chunk for chunk in chunks if chunk]
+
+
+def _copy_chunk(pairs) -> None:
+    with torch.no_grad():
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    global _copy_threads
+    with _copy_threads_lock:
+        if _copy_threads is None or _copy_threads._max_workers < workers:
+            _copy_threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rlharvest-copy")
+        return _copy_threads
 
 
 class GenerationPool:
