@@ -11,6 +11,10 @@
   rings a pipe the worker pool waits on. A dead actor fails that call: the handle knows within
   moments, and the pool raises ``WorkerError`` naming it.
 * A batch travels inside its reply (a private copy: the loop reuses its buffer for the next rollout).
+* Running free, batches are pushed unasked, so both ends bound them: an actor starts its next rollout
+  only while fewer than ``_FREE_WINDOW`` of its batches wait to be pulled, and the parent pulls no
+  more while that many wait to be taken. Without the bound, a parent slower than its actors pulled
+  ever larger lists, each taking longer to serialise, until a poll went unanswered.
 * Weights: ``ray_weights.py`` (shared memory and a direct channel on the driver's node, ``ray.put`` elsewhere).
 * Actors die with their driver (Ray's ownership), and are killed (``ray.kill``) when stopped.
 
@@ -25,11 +29,11 @@ import os
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tensordict import TensorDictBase
 
-from ..protocol import READY, WorkerSpec
+from ..protocol import FREE_BATCH, READY, WorkerSpec
 from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
 from .ray_weights import RayWeightLinks, WeightInboxes
 
@@ -42,6 +46,15 @@ DEFAULT_REMOTE_CONFIG = {"num_cpus": 1}
 _ACTOR_CONCURRENCY = 8
 #: seconds a long poll waits for replies before it returns the worker's progress anyway
 _POLL_SECONDS = 1.0
+#: batches of a worker running free that may wait to be pulled, and (again) to be taken by the parent
+_FREE_WINDOW = 4
+#: seconds between weight checks of a worker waiting for room to push its next batch
+_ROOM_POLL_SECONDS = 0.005
+
+
+def _pushed(reply: Any) -> bool:
+    """Whether ``reply`` is a batch pushed by a worker running free (not an answer to a command)."""
+    return reply is not None and reply.request_id <= FREE_BATCH
 
 
 def require_ray():
@@ -103,6 +116,7 @@ class RayWorkerEndpoint(WorkerEndpoint):
         self._doorbell = _Doorbell()
         self._replies: collections.deque = collections.deque()
         self._replies_ready = threading.Condition()
+        self._pushed_waiting = 0  # pushed batches among _replies
         self.interrupts = 0
         self._seen = 0
         self.steps = 0
@@ -115,11 +129,23 @@ class RayWorkerEndpoint(WorkerEndpoint):
             self._lock.notify_all()
         self._doorbell.ring()
 
-    def take_replies(self, timeout: float) -> list:
+    def take_replies(self, timeout: float, pushed_limit: int) -> list:
+        """The replies in order, as soon as there are any (``timeout`` s at most), with at most
+        ``pushed_limit`` pushed batches: the first one beyond it ends the list."""
+        def ready() -> bool:
+            return bool(self._replies) and (pushed_limit > 0 or not _pushed(self._replies[0]))
+
+        replies = []
         with self._replies_ready:
-            self._replies_ready.wait_for(lambda: bool(self._replies), timeout)
-            replies = list(self._replies)
-            self._replies.clear()
+            self._replies_ready.wait_for(ready, timeout)
+            while self._replies:
+                if _pushed(self._replies[0]):
+                    if pushed_limit <= 0:
+                        break
+                    pushed_limit -= 1
+                    self._pushed_waiting -= 1
+                replies.append(self._replies.popleft())
+            self._replies_ready.notify_all()  # room for the loop's next batch
         return replies
 
     # ---- the worker loop's side
@@ -137,7 +163,22 @@ class RayWorkerEndpoint(WorkerEndpoint):
     def send(self, message: Any) -> None:
         with self._replies_ready:
             self._replies.append(message)
+            self._pushed_waiting += _pushed(message)
             self._replies_ready.notify_all()
+
+    def has_replies(self) -> bool:
+        return bool(self._replies)
+
+    def before_rollout(self, idle: Callable[[], None] | None = None) -> None:
+        """Running free: wait while ``_FREE_WINDOW`` batches are still to be pulled, applying weight
+        updates (``idle``) meanwhile; a command that arrives ends the wait (the loop answers it)."""
+        while True:
+            with self._replies_ready:
+                if self._pushed_waiting < _FREE_WINDOW or self._next in self._commands:
+                    return
+                self._replies_ready.wait(_ROOM_POLL_SECONDS)
+            if idle is not None:
+                idle()
 
     def publish_batch(self, batch: TensorDictBase) -> TensorDictBase:
         return batch.clone()  # serialised when the reply leaves, after the next rollout may have begun
@@ -189,11 +230,13 @@ class RayWorkerActor:
     def push(self, seq: int, message: Any) -> None:
         self.endpoint.put_command(seq, message)
 
-    def pull(self, timeout: float) -> tuple[list, int, bool, str | None]:
-        """``(replies, progress, loop running, failure of the loop)``, as soon as there are replies."""
+    def pull(self, timeout: float, pushed_limit: int) -> tuple[list, int, bool, str | None]:
+        """``(replies, progress, loop running, failure of the loop)``, as soon as there are replies
+        (with at most ``pushed_limit`` batches pushed by the loop running free)."""
         running = self._thread.is_alive()
-        replies = self.endpoint.take_replies(timeout if running else 0.0)
-        return replies, self.endpoint.steps, running or bool(replies), self._outcome.get("failure")
+        replies = self.endpoint.take_replies(timeout if running else 0.0, pushed_limit)
+        more = running or bool(replies) or self.endpoint.has_replies()  # what an ended loop left is pulled too
+        return replies, self.endpoint.steps, more, self._outcome.get("failure")
 
     def interrupt(self, count: int) -> None:
         self.endpoint.interrupts = max(self.endpoint.interrupts, count)
@@ -244,6 +287,8 @@ class RayWorkerHandle(WorkerHandle):
         self._interrupts = 0
         self._progress = -1
         self._replies: collections.deque = collections.deque()
+        self._pushed_held = 0  # pushed batches among _replies (guarded by _taken)
+        self._taken = threading.Condition()
         self._doorbell = _Doorbell()
         self._gone: str | None = None
         self._start_failure: str | None = None
@@ -262,9 +307,11 @@ class RayWorkerHandle(WorkerHandle):
             return
         ray = require_ray()
         while not self._stopping.is_set():
-            bound = _POLL_SECONDS + self.heartbeat_timeout
+            room = self._room_for_pushed()
+            wait = _POLL_SECONDS if room else 0.0  # no room: only a heartbeat (and answers to commands)
+            bound = wait + self.heartbeat_timeout
             try:
-                replies, progress, running, failure = ray.get(self.actor.pull.remote(_POLL_SECONDS), timeout=bound)
+                replies, progress, running, failure = ray.get(self.actor.pull.remote(wait, room), timeout=bound)
             except ray.exceptions.GetTimeoutError:
                 self._end(f"it did not answer for {bound:g} s (node unreachable?)")
                 return
@@ -272,7 +319,9 @@ class RayWorkerHandle(WorkerHandle):
                 self._end(_describe_death(err))
                 return
             self._progress = progress
-            self._replies.extend(replies)
+            with self._taken:
+                self._replies.extend(replies)
+                self._pushed_held += sum(map(_pushed, replies))
             self._start_failure = self._start_failure or _start_failure(replies)
             if replies:
                 self._doorbell.ring()
@@ -280,6 +329,14 @@ class RayWorkerHandle(WorkerHandle):
                 failure = failure or self._start_failure
                 self._end("its worker loop ended" + (f" with:\n{failure}" if failure else ""))
                 return
+
+    def _room_for_pushed(self) -> int:
+        """How many pushed batches the next pull may bring: waits (a poll interval at most) while
+        ``_FREE_WINDOW`` of them are still to be taken by the worker pool."""
+        with self._taken:
+            self._taken.wait_for(lambda: self._pushed_held < _FREE_WINDOW or self._stopping.is_set(),
+                                 _POLL_SECONDS)
+            return max(0, _FREE_WINDOW - self._pushed_held)
 
     def _greet(self) -> bool:
         """Wait (up to ``start_timeout``) until Ray created the actor; learn its node. False if it never was."""
@@ -320,7 +377,11 @@ class RayWorkerHandle(WorkerHandle):
         return bool(self._replies)
 
     def recv(self) -> Any:
-        reply = self._replies.popleft()
+        with self._taken:
+            reply = self._replies.popleft()
+            if _pushed(reply):
+                self._pushed_held -= 1
+                self._taken.notify_all()
         if not self._replies:
             self._doorbell.clear()
             if self._replies:  # arrived between the two lines: keep the bell ringing

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rlharvest.collectors import Collector
 from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme, RayWeightUpdater
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
+from rlharvest.transport.ray import _FREE_WINDOW
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(60), pytest.mark.usefixtures("ray_session")]
 
@@ -255,6 +257,40 @@ def test_start_writes_into_a_replay_buffer_until_async_shutdown():
     collector.async_shutdown()
     data = buffer.sample(len(buffer)) if hasattr(buffer, "sample") else None
     assert len(buffer) >= 64 and set(data["observation"].unique().tolist()) <= {0, 1, 2}
+    assert collector.remote_collectors == []
+
+
+class SlowBuffer(ReplayBuffer):
+    """A replay buffer that takes 20 ms per write: far slower than actors stepping CountingEnv."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.writes = 0
+
+    def extend(self, data):
+        time.sleep(0.02)
+        self.writes += 1
+        return super().extend(data)
+
+
+def test_actors_running_free_wait_for_a_slower_replay_buffer():
+    # Unbounded, the actors pushed ~1000 batches/s at a buffer taking 50: pause() then had to write
+    # everything queued meanwhile, and the parent's polls grew until one went unanswered.
+    buffer = SlowBuffer(capacity=100_000)
+    collector = make(frames_per_batch=4, sync=False, replay_buffer=buffer)
+    collector.start()
+    try:
+        time.sleep(3.0)
+        before = buffer.writes
+        with collector.pause():  # writes what was pushed before the pause, then stops the actors
+            queued = buffer.writes - before
+        # per actor: a window taken by the worker pool, one pulled, one waiting in the actor, the
+        # rollout under way and the one the pause cuts short; unbounded, it is hundreds
+        assert queued <= 2 * (3 * _FREE_WINDOW + 2), queued
+        written = buffer.writes
+        wait_until(lambda: buffer.writes > written, timeout=30.0, what="collection resumed")
+    finally:
+        collector.async_shutdown()
     assert collector.remote_collectors == []
 
 
