@@ -154,6 +154,10 @@ class RayWeightReceiver(WeightReceiver):
             self._channel = ChannelClient(invite, timeout)
             self._wakeup.add(self._channel.conn)
             self._taken = version
+            for gen_id, handle in invite["generations"]:  # mapped and read now, not at the first updates
+                self._segments[gen_id] = attach_named(handle)
+                for leaf in self._segments[gen_id][1].values(True, True):
+                    leaf.sum()
         return self._open(payload)
 
     def pending(self) -> bool:
@@ -278,6 +282,8 @@ class RayWeightSender(WeightSender):
         self._current: dict[int, int] = {}
         self._pending: dict[int, int] = {}
         self._seen: dict[int, set] = {}
+        #: the generations handed to each actor with its invitation, until it is first sent one
+        self._premapped: dict[int, set] = {}
         #: ``(version, staged)`` of the last update or of the initial weights: what a replacement
         #: gets; ``staged`` is an object-store reference (or None) or a Generation
         self._latest: tuple[int, Any] = (0, None)
@@ -286,10 +292,10 @@ class RayWeightSender(WeightSender):
     def num_workers(self) -> int:
         return len(self.handles)
 
-    def _send(self, worker: int, version: int, body: Any, initial: bool):
+    def _send(self, worker: int, version: int, body: Any, initial: bool, generations: list | None = None):
         payload = [body]
         if initial and self._server is not None:
-            payload.append(self._server.invite(worker, self._driver_node))
+            payload.append({**self._server.invite(worker, self._driver_node), "generations": generations or []})
         return self.handles[worker].actor.deliver_weights.remote(self.model_id, version, payload, initial, self.timeout)
 
     def _is_local(self, worker: int) -> bool:
@@ -307,10 +313,27 @@ class RayWeightSender(WeightSender):
         with its invitation to the direct channel: the actors need not exist yet."""
         ref = stage_weights(initial) if initial is not None else None
         self._latest = (0, ref)
+        ready = []
         if self._driver_node is not None and channel_supported():
             self._server = ChannelServer(self.num_workers)
+            ready = self._ready_generations(initial)
         for worker in range(self.num_workers):
-            self._send(worker, 0, None if ref is None else ("ref", ref), initial=True)
+            self._send(worker, 0, None if ref is None else ("ref", ref), initial=True, generations=ready)
+            self._premapped[worker] = {gen_id for gen_id, _ in ready}
+
+    def _ready_generations(self, initial) -> list[tuple[int, Any]]:
+        """The two generations updates alternate between, allocated and written now (with the
+        initial weights), so that the first updates do not pay for creating them: ``[(id, handle)]``,
+        handed to the actors with their invitations (they map them while they are built)."""
+        if initial is None or not is_dense(initial):
+            return []
+        self._pool = GenerationPool(FlatLayout.of(initial), NamedShmAllocator())
+        generations = []
+        for _ in range(2):
+            generation, _ = self._pool.acquire({g.gen_id for g in generations})
+            copy_into(generation, self._pool.keys, initial)
+            generations.append(generation)
+        return [(generation.gen_id, generation.handle) for generation in generations]
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
         if isinstance(payload, dict):
@@ -357,7 +380,7 @@ class RayWeightSender(WeightSender):
         return generation
 
     def _shm_body(self, worker: int, generation: Generation) -> tuple:
-        seen = self._seen.setdefault(worker, set())
+        seen = self._seen.setdefault(worker, self._premapped.pop(worker, set()))
         handle = None if generation.gen_id in seen else generation.handle
         seen.add(generation.gen_id)
         return "shm", generation.gen_id, handle
@@ -438,7 +461,7 @@ class RayWeightSender(WeightSender):
             self._current[worker] = delivered
 
     def replace(self, worker: int) -> None:
-        for state in (self._acks, self._channel_unacked, self._current, self._pending, self._seen):
+        for state in (self._acks, self._channel_unacked, self._current, self._pending, self._seen, self._premapped):
             state.pop(worker, None)
         if self._server is not None:
             self._server.drop(worker)
