@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/batched_cpu.py [--size big] [--rounds 3] [--seconds 3]
 
 For 8 CartPole-v1 envs and the ``--size`` MLP (README "Many envs, one batched policy"):
-``Collector(ParallelEnv(8))``, ``AsyncBatchedCollector`` and ``MultiSyncCollector`` (per-worker
-inference), run one after the other ``--rounds`` times. Each line gives frames/s, the CPU time per
+``Collector(ParallelEnv(8))``, ``AsyncBatchedCollector`` (one env per worker, and four), and
+``MultiSyncCollector`` (per-worker inference), run one after the other ``--rounds`` times. Each line gives frames/s, the CPU time per
 frame of the collector's process and of its child processes (from ``/proc``: user + system), the
 cores used, and the load average. On a machine other work shares, CPU per frame moves much less
 than frames/s, and ``cores`` shows how much of the machine a layout could use (a layout whose
@@ -37,6 +37,9 @@ LAYOUTS = {
                                                            envs.batched_policy(size), **kw),
     "AsyncBatchedCollector": lambda size, **kw: AsyncBatchedCollector(
         [envs.make_cartpole_env] * NUM_ENVS, policy=envs.batched_policy(size), env_backend="multiprocessing", **kw),
+    "AsyncBatched, 4/worker": lambda size, **kw: AsyncBatchedCollector(
+        [envs.make_cartpole_env] * NUM_ENVS, policy=envs.batched_policy(size), envs_per_worker=4,
+        env_backend="multiprocessing", **kw),
     "MultiSync, per-worker": lambda size, **kw: MultiSyncCollector([envs.make_cartpole_env] * NUM_ENVS,
                                                                    envs.batched_policy(size), **kw),
 }

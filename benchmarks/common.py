@@ -174,12 +174,14 @@ BATCHED_MAIN_ENVS = 8
 #:   * ``serial``: ``Collector(SerialEnv(n, GymEnv))`` (every env in the collector's process);
 #:   * ``asyncbatched``: ``AsyncBatchedCollector([GymEnv] * n)``; ``asyncbatched_auto``: the same with
 #:     TorchRL's ``transport="auto"`` and a ``policy_factory`` (TorchRL 0.14's fastest set-up);
+#:   * ``asyncbatched_epw4``: the same with ``envs_per_worker=4`` (n / 4 workers of 4 envs each: on 2
+#:     cores, one group steps while the policy serves the other);
 #:   * ``multisync``: ``MultiSyncCollector`` with n workers of one env each (per-worker inference);
 #:   * ``vectorenv``: rlharvest's ``Collector(GymEnv(AsyncVectorEnv(n)))``;
 #:   * ``parallel_transformed``: ``Collector(ParallelEnv(n, TransformedEnv(GymEnv, StepCounter +
 #:     RewardSum)))``, TorchRL env factories (the rlharvest side runs it in the TorchRL 0.14 venv).
-BATCHED_KINDS = ("raw_vector", "parallel", "serial", "asyncbatched", "asyncbatched_auto", "multisync", "vectorenv",
-                 "parallel_transformed")
+BATCHED_KINDS = ("raw_vector", "parallel", "serial", "asyncbatched", "asyncbatched_auto", "asyncbatched_epw4",
+                 "multisync", "vectorenv", "parallel_transformed")
 #: kinds whose env factories are TorchRL's: rlharvest runs them with a Python that has torchrl
 NEEDS_TORCHRL_ENVS = ("parallel_transformed",)
 

@@ -94,6 +94,9 @@ class RLHarvestSide:
         if kind == "asyncbatched":
             return AsyncBatchedCollector([make] * num_envs, policy=envs.batched_policy(size),
                                          env_backend="multiprocessing", **kwargs)
+        if kind == "asyncbatched_epw4":
+            return AsyncBatchedCollector([make] * num_envs, policy=envs.batched_policy(size), envs_per_worker=4,
+                                         env_backend="multiprocessing", **kwargs)
         if kind == "asyncbatched_auto":
             return AsyncBatchedCollector([make] * num_envs, policy_factory=functools.partial(envs.batched_policy, size),
                                          transport="auto", env_backend="multiprocessing", **kwargs)

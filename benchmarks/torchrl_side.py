@@ -118,7 +118,7 @@ class TorchRLSide:
             return Collector(batched(num_envs, env_fn), envs.batched_policy(size), **kwargs)
         if kind == "multisync":
             return MultiSyncCollector([make] * num_envs, envs.batched_policy(size), **kwargs)
-        if kind in ("asyncbatched", "asyncbatched_auto"):
+        if kind in ("asyncbatched", "asyncbatched_auto", "asyncbatched_epw4"):
             import torchrl
 
             if tuple(int(part) for part in torchrl.__version__.split(".")[:2]) < (0, 14):
@@ -129,6 +129,8 @@ class TorchRLSide:
 
             if kind == "asyncbatched":  # the default policy transport, named to avoid its FutureWarning
                 policy = {"policy": envs.batched_policy(size), "transport": "driver"}
+            elif kind == "asyncbatched_epw4":  # grouped workers take the driver transport
+                policy = {"policy": envs.batched_policy(size), "transport": "driver", "envs_per_worker": 4}
             else:  # TorchRL's fastest set-up: a policy process the env workers reach directly
                 policy = {"policy_factory": functools.partial(envs.batched_policy, size), "transport": "auto"}
             return AsyncBatchedCollector([make] * num_envs, env_backend="multiprocessing", **policy, **kwargs)

@@ -12,6 +12,7 @@ _KIND_LABELS = {
     "serial": "Collector(SerialEnv)",
     "asyncbatched": "AsyncBatchedCollector",
     "asyncbatched_auto": "AsyncBatched, transport=auto",
+    "asyncbatched_epw4": "AsyncBatched, envs_per_worker=4",
     "multisync": "MultiSync, per-worker inference",
     "vectorenv": "Collector(GymEnv(AsyncVectorEnv))",
     "parallel_transformed": "Collector(ParallelEnv(TransformedEnv))",
@@ -66,7 +67,8 @@ def batched_tables(report: dict[str, Any]) -> list[str]:
             multisync = _rate(report, "rlharvest", "multisync", count, size)
             if multisync:
                 batched = [f"{_KIND_LABELS[k]} {_ratio(_rate(report, 'rlharvest', k, count, size), multisync)}"
-                           for k in ("parallel", "asyncbatched")]
+                           for k in ("parallel", "asyncbatched", "asyncbatched_epw4")
+                           if _rate(report, "rlharvest", k, count, size)]
                 lines.append(f"rlharvest's batched inference over its MultiSync: {', '.join(batched)}")
     counts = sorted({count for kind, count, size in parsed if size == "small" and kind == "parallel"})
     if len(counts) > 1:
