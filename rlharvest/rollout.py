@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
-from tensordict import is_non_tensor, is_tensor_collection
 
+from ._batching import STRUCTURED, or_flag, owner_of, stack_into, stack_structured, truncate_inside, value_meta
 from ._utils import NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
 from .envs.checks import check_step_specs, raise_if_changed
@@ -33,7 +33,6 @@ from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 __all__ = ["Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
 
 _TRAJ_IDS = ("collector", "traj_ids")
-_PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float32}
 
 
 @dataclass
@@ -112,94 +111,6 @@ class RolloutSettings:
     compact_obs: bool = False
     #: stack steps lazily (envs with dynamic specs, whose shapes change between steps)
     lazy_stack: bool = False
-
-
-#: layout "dtype" of values kept whole (non-tensor data, heterogeneous or extra-batch-dim sub-TensorDicts)
-STRUCTURED = "structured"
-
-
-def _value_meta(value: Any) -> tuple[tuple, Any]:
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype
-    if is_tensor_collection(value):  # sub-TensorDicts kept whole, non-tensor data
-        return tuple(value.shape), STRUCTURED
-    if isinstance(value, np.ndarray):
-        return value.shape, torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
-    if isinstance(value, np.generic):
-        return (1,), torch.from_numpy(np.zeros((), dtype=value.dtype)).dtype
-    return (1,), _PY_DTYPES[type(value)]
-
-
-def _stack_structured(values: list, dim: int) -> TensorDictBase:
-    """Stack values kept whole: dense when their shapes agree, lazily (heterogeneous) otherwise."""
-    if len({getattr(v, "device", None) for v in values}) > 1:
-        # the same entry built with and without a device (reset vs step): stack them device-less
-        values = [v.copy().clear_device_() for v in values]
-    if is_non_tensor(values[0]):
-        return torch.stack(values, dim)
-    return LazyStackedTensorDict.maybe_dense_stack(values, dim)
-
-
-def _stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, dtype) -> torch.Tensor:
-    """Stack per-step values along ``dim``; into ``out`` when given."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        stackable = out is not None and out.device == first.device and out.dtype == first.dtype == values[-1].dtype
-        if stackable and tuple(out.shape) == (*first.shape[:dim], len(values), *first.shape[dim:]):
-            try:
-                return torch.stack(values, dim, out=out)
-            except RuntimeError:  # non-contiguous out on some torch versions
-                pass
-        stacked = torch.stack(values, dim)
-    elif isinstance(first, np.ndarray):
-        stacked = torch.from_numpy(np.stack(values, dim))
-    else:  # Python or numpy scalars of an unbatched env: one value per step
-        stacked = torch.tensor(values, dtype=dtype).reshape(shape)
-    if stacked.dtype != dtype:  # only on this slow path: the env's dtype changed since the first step
-        raise TypeError(f"dtype {stacked.dtype} instead of {dtype}")
-    if out is None:
-        return stacked.to(dtype)
-    out.copy_(stacked.reshape(out.shape))
-    return out
-
-
-def _or_flag(previous: Any, hit: Any, like: Any, batch_size: torch.Size) -> Any:
-    """``previous | hit`` in the form of ``like`` (a Python bool for unbatched array envs, else a
-    tensor), ``hit`` being one flag per sub-env broadcast over the flag's trailing dims."""
-    if not isinstance(like, torch.Tensor) and not isinstance(previous, torch.Tensor):
-        return bool(previous) or bool(hit)
-    shape = (previous if isinstance(previous, torch.Tensor) else torch.as_tensor(like)).shape
-    if isinstance(hit, torch.Tensor):
-        flags = hit.reshape(*batch_size, *([1] * (len(shape) - len(batch_size)))).expand(shape)
-    else:
-        flags = torch.full(shape, bool(hit), dtype=torch.bool)
-    if previous is None:
-        return flags.clone()
-    return torch.as_tensor(previous).bool() | flags
-
-
-def _owner(values: dict, key: NestedKey) -> NestedKey | None:
-    """The entry kept whole (a sub-TensorDict) that holds ``key``, when ``key`` is not a value itself."""
-    if key in values:
-        return None
-    path = as_tuple_key(key)
-    for depth in range(len(path) - 1, 0, -1):
-        prefix = path[0] if depth == 1 else path[:depth]
-        if prefix in values:
-            return prefix
-    raise KeyError(f"the env's step has no entry {key!r} (its done keys name it)")
-
-
-def _truncate_inside(sub: TensorDictBase, owner: NestedKey, truncated_key, done_key, hit, batch_size):
-    """``_truncate`` for flags inside a sub-TensorDict: a shallow copy with the flags set."""
-    sub = sub.copy()
-    depth = len(as_tuple_key(owner))
-    inner_done, inner_truncated = as_tuple_key(done_key)[depth:], as_tuple_key(truncated_key)[depth:]
-    like = sub.get(inner_done)
-    previous = sub.get(inner_truncated, None)
-    sub.set(inner_truncated, _or_flag(previous, hit, like, batch_size))
-    sub.set(inner_done, _or_flag(like, hit, like, batch_size))
-    return sub
 
 
 class Rollout:
@@ -353,13 +264,13 @@ class Rollout:
             return nxt, done
         nxt = dict(nxt)
         for truncated_key, done_key in self.adapter.truncation_keys:
-            owner = _owner(nxt, done_key)
+            owner = owner_of(nxt, done_key)
             if owner is not None:  # the flags live inside an entry kept whole (e.g. per agent)
-                nxt[owner] = _truncate_inside(nxt[owner], owner, truncated_key, done_key, hit, self.batch_size)
+                nxt[owner] = truncate_inside(nxt[owner], owner, truncated_key, done_key, hit, self.batch_size)
                 continue
             like = nxt[done_key]
-            nxt[truncated_key] = _or_flag(nxt.get(truncated_key), hit, like, self.batch_size)
-            nxt[done_key] = _or_flag(like, hit, like, self.batch_size)
+            nxt[truncated_key] = or_flag(nxt.get(truncated_key), hit, like, self.batch_size)
+            nxt[done_key] = or_flag(like, hit, like, self.batch_size)
         return nxt, (done or hit) if not self.batch_size else done | hit
 
     def _restart(self, nxt, root, next_root, done, env_done, traj, count):
@@ -396,14 +307,14 @@ class Rollout:
         layout: dict[NestedKey, tuple[tuple, torch.dtype]] = {}
         flag_shape = (*self.batch_size, 1)
         for key, value in root.items():
-            layout[key] = _value_meta(value)
+            layout[key] = value_meta(value)
         for key in self.adapter.implicit_root_flags + (["truncated"] if self._add_truncated else []):
             layout.setdefault(unravel_key(key), (flag_shape, torch.bool))
         for key, value in actions.items():
-            layout[key] = _value_meta(value)
+            layout[key] = value_meta(value)
         for key, value in nxt.items():
             if key not in self._compacted(root, nxt):
-                layout[unravel_key(("next", key))] = _value_meta(value)
+                layout[unravel_key(("next", key))] = value_meta(value)
         if self._add_truncated:
             layout[("next", "truncated")] = (flag_shape, torch.bool)
         if self._limit:
@@ -497,12 +408,12 @@ class Rollout:
         for key, values in columns.items():
             shape, dtype = layout[key]
             if dtype is STRUCTURED:
-                leaves[key] = _stack_structured(values, dim)
+                leaves[key] = stack_structured(values, dim)
                 continue
             stacked_shape = (*shape[:dim], n, *shape[dim:])
             target = out.get(key).narrow(dim, 0, n) if out is not None else None
             try:
-                leaves[key] = _stack_into(values, target, dim, stacked_shape, dtype)
+                leaves[key] = stack_into(values, target, dim, stacked_shape, dtype)
             except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
                 raise_if_changed(key, values, shape, dtype, err)
                 raise
