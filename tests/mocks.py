@@ -190,6 +190,18 @@ class PrivateKeysPolicy(torch.nn.Module):
         return tensordict
 
 
+class SlowCountingEnv(CountingEnv):
+    """CountingEnv sleeping ``delay`` seconds per step: a worker slower than the others."""
+
+    def __init__(self, max_steps: int = 2, delay: float = 0.02, batch_size=()) -> None:
+        super().__init__(max_steps=max_steps, batch_size=batch_size)
+        self.delay = delay
+
+    def _step_arrays(self, actions):
+        time.sleep(self.delay)
+        return super()._step_arrays(actions)
+
+
 class ClockEnv(CountingEnv):
     """Observes the wall clock (``time.monotonic()``, system-wide on Linux) at every step."""
 

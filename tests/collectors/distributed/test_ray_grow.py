@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from mocks import wait_until, weight_policy
+from mocks import SlowCountingEnv, wait_until, weight_policy
 from ray_check import live_actors
 
 from rlharvest import WorkerError
@@ -91,8 +91,10 @@ def test_sync_growth_adds_a_row_with_the_current_weights_and_unique_ids(ray_clus
 
 
 def test_async_growth_serves_the_new_actor_with_the_current_weights_and_exact_total():
+    # the first actor takes 80 ms a batch: the added one collects some of the 11 batches left even on
+    # a loaded machine (with two fast actors, the first could collect them all before the second ran)
     policy = weight_policy(1.0)
-    collector = RayCollector([counting()], policy, frames_per_batch=4, total_frames=48, sync=False)
+    collector = RayCollector([SlowCountingEnv], policy, frames_per_batch=4, total_frames=48, sync=False)
     try:
         iterator = iter(collector)
         batches = [next(iterator)]
