@@ -30,12 +30,18 @@ class WorkerCallsMixin:
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
         self._drain_async()
-        for worker in range(self.num_workers):
-            self._fleet.remember(worker, seed=seed, static_seed=static_seed)  # a replacement is seeded the same
-            seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
-        self._seed_chain = (seed, static_seed)  # workers added later continue the chain
+        seed = self._seed_workers(range(self.num_workers), seed, static_seed)
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
+        return seed
+
+    def _seed_workers(self, workers, seed: int, static_seed: bool) -> int:
+        """Seed ``workers`` in order, each with what the one before returned; a replacement is seeded
+        the same, and workers added later continue the chain. Returns the last seed."""
+        for worker in workers:
+            self._fleet.remember(worker, seed=seed, static_seed=static_seed)
+            seed = self._pool.request(worker, Command.SEED, (seed, static_seed))
+        self._seed_chain = (seed, static_seed)
         return seed
 
     def state_dict(self) -> dict:

@@ -397,15 +397,11 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         chain = getattr(self, "_seed_chain", None)
         if chain is None:
             return
-        seed, static_seed = chain
         try:
-            for spec in specs:
-                self._fleet.remember(spec.worker_idx, seed=seed, static_seed=static_seed)
-                seed = self._pool.request(spec.worker_idx, Command.SEED, (seed, static_seed))
+            self._seed_workers([spec.worker_idx for spec in specs], *chain)
         except BaseException:  # a new worker failed at once: as if it had failed to start
             self._fleet.shrink(first)
             raise
-        self._seed_chain = (seed, static_seed)
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

@@ -151,11 +151,13 @@ def parallel_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor])
     this update. Split in contiguous byte ranges over a few threads (torch releases the GIL while
     it copies), it takes about half the time on 2 cores (docs/weights.md).
     """
+    if sum(d.numel() * d.element_size() for d in destinations) < PARALLEL_COPY_BYTES:
+        torch._foreach_copy_(destinations, sources)  # the usual update: nothing more to check
+        return
     lanes = _copy_lanes()
-    total = sum(d.numel() * d.element_size() for d in destinations)
     splittable = all(d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.shape == s.shape
                      and d.device.type == "cpu" and s.device.type == "cpu" for d, s in zip(destinations, sources))
-    if lanes == 1 or total < PARALLEL_COPY_BYTES or not splittable:
+    if lanes == 1 or not splittable:
         torch._foreach_copy_(destinations, sources)
         return
     chunks = _byte_ranges(destinations, sources, lanes)

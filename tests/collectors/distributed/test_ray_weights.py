@@ -31,9 +31,10 @@ def set_weight(policy, value: float) -> None:
         policy.module.weight.fill_(value)
 
 
-def spy_on_calls(collector: RayCollector) -> tuple:
-    """The sender of the policy's weights, and the list its actor calls are recorded in
-    (``(actor, initial)`` per ``deliver_weights`` call)."""
+def spy_and_start(collector: RayCollector) -> tuple:
+    """``(sender, calls, iterator)``: the sender of the policy's weights, the list its actor calls
+    are recorded in (``(actor, initial)`` per ``deliver_weights`` call), and the collector's iterator
+    once the first batch is taken."""
     sender = collector._sender_schemes["policy"]._sender
     calls, send = [], sender._send
 
@@ -42,7 +43,9 @@ def spy_on_calls(collector: RayCollector) -> tuple:
         return send(worker, version, body, initial)
 
     sender._send = recorded
-    return sender, calls
+    iterator = iter(collector)
+    next(iterator)
+    return sender, calls, iterator
 
 
 def actions(batch) -> list:
@@ -53,9 +56,7 @@ def test_updates_of_actors_on_this_node_take_the_direct_channel_not_actor_calls(
     policy = weight_policy(1.0)
     collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
     try:
-        sender, calls = spy_on_calls(collector)
-        iterator = iter(collector)
-        next(iterator)
+        sender, calls, iterator = spy_and_start(collector)
         set_weight(policy, 2.0)
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[2.0], [2.0]]
@@ -72,9 +73,7 @@ def test_a_replacement_on_this_node_opens_a_channel_of_its_own(ray_cluster):
     policy = weight_policy(1.0)
     collector = RayCollector([counting], policy, frames_per_batch=4, sync=True)
     try:
-        sender, calls = spy_on_calls(collector)
-        iterator = iter(collector)
-        next(iterator)
+        sender, calls, iterator = spy_and_start(collector)
         ray_cluster.kill(collector.remote_collectors[0])
         wait_until(lambda: not collector._pool.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         collector._replace_worker(0)
@@ -91,9 +90,7 @@ def test_weights_cascade_through_the_channel_into_a_multisync_collector_inside_a
     collector = RayCollector([counting], policy, frames_per_batch=8, sync=True, collector_class="sync",
                              num_workers_per_collector=2)
     try:
-        sender, calls = spy_on_calls(collector)
-        iterator = iter(collector)
-        next(iterator)
+        sender, calls, iterator = spy_and_start(collector)
         set_weight(policy, 7.0)
         collector.update_policy_weights_()  # the actor's MultiSyncCollector forwards it to its workers
         assert next(iterator)["action"].unique().tolist() == [7.0] and calls == []
@@ -106,9 +103,7 @@ def test_use_shared_memory_false_takes_an_actor_call_per_update():
     collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True,
                              weight_sync_schemes={"policy": RayWeightSyncScheme(use_shared_memory=False)})
     try:
-        sender, calls = spy_on_calls(collector)
-        iterator = iter(collector)
-        next(iterator)
+        sender, calls, iterator = spy_and_start(collector)
         set_weight(policy, 9.0)
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[9.0], [9.0]]
@@ -179,9 +174,7 @@ def test_without_epoll_actors_on_this_node_are_told_by_actor_calls(monkeypatch):
     policy = weight_policy(1.0)
     collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
     try:
-        sender, calls = spy_on_calls(collector)
-        iterator = iter(collector)
-        next(iterator)
+        sender, calls, iterator = spy_and_start(collector)
         set_weight(policy, 4.0)
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[4.0], [4.0]]
