@@ -122,3 +122,18 @@ def test_one_generation_swapped_into_two_modules_gives_each_its_own_parameters()
     swap_weights(second, generation)
     assert first[0].weight is not second[0].weight
     assert first[0].weight.data_ptr() == second[0].weight.data_ptr()
+
+
+@pytest.mark.parametrize("allocator", ["torch", "named"])
+def test_every_tensor_of_a_generation_starts_on_a_cache_line(allocator):
+    from rlharvest.transport.weight_pool import GenerationPool, NamedShmAllocator, TorchShmAllocator
+
+    # odd sizes (996 floats is not a multiple of 64 bytes) and mixed dtypes
+    weights = TensorDict({"a": torch.zeros(996), "b": torch.zeros(3, dtype=torch.uint8),
+                          "c": torch.zeros(5, 7, dtype=torch.float64), "d": torch.zeros(996, 4)}, [])
+    pool = GenerationPool(FlatLayout.of(weights), TorchShmAllocator() if allocator == "torch" else NamedShmAllocator())
+    try:
+        generation, _ = pool.acquire(set())
+        assert [leaf.data_ptr() % 64 for leaf in generation.leaves] == [0, 0, 0, 0]
+    finally:
+        pool.close()
