@@ -25,6 +25,13 @@ def is_dense(td: TensorDictBase) -> bool:
     """Whether every entry of ``td`` is a tensor of fixed shape (in plain TensorDicts): what a flat
     buffer or a shared-memory batch buffer can hold. Non-tensor data and lazily stacked
     (heterogeneous, or dynamic-shape) TensorDicts are not."""
+    entry = _FROZEN.get(id(td))
+    if entry is not None and entry[0]() is td:
+        return entry[3]
+    return _is_dense(td)
+
+
+def _is_dense(td: TensorDictBase) -> bool:
     from tensordict import is_tensor_collection
 
     if type(td) is not TensorDict:
@@ -37,21 +44,22 @@ def _sorted_leaves(td: TensorDictBase) -> list:
     return sorted(keys, key=lambda k: (k,) if isinstance(k, str) else tuple(k))
 
 
-#: sorted leaves of frozen TensorDicts: id -> (weak reference, keys, leaves)
-_FROZEN: dict[int, tuple[weakref.ref, list, list[torch.Tensor]]] = {}
+#: what is known of frozen TensorDicts: id -> (weak reference, sorted keys, their leaves, is_dense)
+_FROZEN: dict[int, tuple[weakref.ref, list, list[torch.Tensor], bool]] = {}
 
 
 def freeze(td: TensorDictBase) -> TensorDictBase:
     """Lock ``td`` (its keys can no longer change) and remember its sorted leaves.
 
     For TensorDicts that weight updates pass again and again (weight generations, module snapshots):
-    :func:`flat_leaves` of a frozen TensorDict is a dict lookup instead of ~40 us of sorting keys.
+    :func:`flat_leaves` and :func:`is_dense` of a frozen TensorDict are a dict lookup instead of
+    walking its entries (~10 us each in a tight loop, 40 us between two updates).
     """
     td.lock_()
     keys = _sorted_leaves(td)
     leaves = [td.get(k) for k in keys]
     key = id(td)
-    _FROZEN[key] = (weakref.ref(td, lambda _, key=key: _FROZEN.pop(key, None)), keys, leaves)
+    _FROZEN[key] = (weakref.ref(td, lambda _, key=key: _FROZEN.pop(key, None)), keys, leaves, _is_dense(td))
     return td
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlharvest.data.flat import FlatLayout, flat_leaves, freeze, is_frozen
+from rlharvest.data.flat import FlatLayout, flat_leaves, freeze, is_dense, is_frozen
 from rlharvest.weight_update.strategy import module_weights, swap_weights, weights_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -137,3 +137,12 @@ def test_every_tensor_of_a_generation_starts_on_a_cache_line(allocator):
         assert [leaf.data_ptr() % 64 for leaf in generation.leaves] == [0, 0, 0, 0]
     finally:
         pool.close()
+
+
+def test_a_frozen_tensordict_keeps_whether_it_is_dense():
+    from tensordict import NonTensorData
+
+    dense = freeze(TensorDict({"a": torch.zeros(2), "b": {"c": torch.ones(1)}}, []))
+    mixed = freeze(TensorDict({"a": torch.zeros(2), "note": NonTensorData("x")}, []))
+    assert is_dense(dense) and not is_dense(mixed)
+    assert is_dense(TensorDict({"a": torch.zeros(2)}, [])) and not is_dense(TensorDict({"n": NonTensorData(1)}, []))
