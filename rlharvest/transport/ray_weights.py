@@ -327,11 +327,11 @@ class RayWeightSender(WeightSender):
         handed to the actors with their invitations (they map them while they are built)."""
         if initial is None or not is_dense(initial):
             return []
-        self._pool = GenerationPool(FlatLayout.of(initial), NamedShmAllocator())
+        pool = self._generations(initial)
         generations = []
         for _ in range(2):
-            generation, _ = self._pool.acquire({g.gen_id for g in generations})
-            copy_into(generation, self._pool.keys, initial)
+            generation, _ = pool.acquire({g.gen_id for g in generations})
+            copy_into(generation, pool.keys, initial)
             generations.append(generation)
         return [(generation.gen_id, generation.handle) for generation in generations]
 
@@ -369,14 +369,19 @@ class RayWeightSender(WeightSender):
             raise self._died(worker, type(err).__name__) from err
         self._channel_unacked[worker] = version
 
-    def _stage_shared(self, weights: TensorDictBase) -> Generation:
+    def _generations(self, weights: TensorDictBase) -> GenerationPool:
+        """The pool of shared-memory generations, created for the layout of the first weights."""
         if self._pool is None:
             self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
+        return self._pool
+
+    def _stage_shared(self, weights: TensorDictBase) -> Generation:
+        pool = self._generations(weights)
         busy = set(self._current.values()) | set(self._pending.values())
         if isinstance(self._latest[1], Generation):  # what a replacement would be handed
             busy.add(self._latest[1].gen_id)
-        generation, _ = self._pool.acquire(busy)
-        copy_into(generation, self._pool.keys, weights)
+        generation, _ = pool.acquire(busy)
+        copy_into(generation, pool.keys, weights)
         return generation
 
     def _shm_body(self, worker: int, generation: Generation) -> tuple:

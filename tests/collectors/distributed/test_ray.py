@@ -260,6 +260,40 @@ def test_start_writes_into_a_replay_buffer_until_async_shutdown():
     assert collector.remote_collectors == []
 
 
+class FrameCounter:
+    """A replay buffer living in a Ray actor of its own: keeps each batch's observations."""
+
+    def __init__(self) -> None:
+        self.observations: list = []
+
+    def extend(self, data) -> int:
+        self.observations.extend(data["observation"].reshape(-1).tolist())
+        return len(self.observations)
+
+    def frames(self) -> list:
+        return self.observations
+
+
+def test_start_writes_into_a_replay_buffer_that_is_a_ray_actor():
+    import ray
+
+    buffer = ray.remote(num_cpus=0)(FrameCounter).remote()  # no CPU: the two collector actors hold both
+    collector = make(sync=False, replay_buffer=buffer)
+    try:
+        collector.start()
+        wait_until(lambda: len(ray.get(buffer.frames.remote())) >= 64, timeout=30.0, what="64 frames in the actor")
+        with collector.pause():
+            frozen = len(ray.get(buffer.frames.remote()))
+            time.sleep(0.3)
+            assert len(ray.get(buffer.frames.remote())) == frozen  # paused: nothing more is written
+    finally:
+        collector.async_shutdown()
+    frames = ray.get(buffer.frames.remote())
+    assert len(frames) >= 64 and set(frames) <= {0, 1, 2}
+    assert collector.remote_collectors == []
+    ray.kill(buffer)
+
+
 class SlowBuffer(ReplayBuffer):
     """A replay buffer that takes 20 ms per write: far slower than actors stepping CountingEnv."""
 
