@@ -227,6 +227,19 @@ class RayCollector(DistributedCollector):
         configs = _remote_configs(remote_configs, count, _NEW)
         factory = self._new_policy(policy, count)
         self._check_new_count(first + count)
+        specs = self._register_new(env_fns, kwargs, factory, sub_workers)
+        try:
+            self._add_workers(specs, configs)
+        except BaseException:
+            for per_actor in (self.env_constructors, self.collector_kwargs, self.policy_factory or []):
+                del per_actor[first:]
+            raise
+        self._grown(count)
+
+    def _register_new(self, env_fns: list, kwargs: list[dict], factory: Callable | None, sub_workers: int) -> list:
+        """Append the new actors' per-actor arguments (undone by the caller if they fail to start);
+        returns their worker specs."""
+        first, count = self.num_workers, len(env_fns)
         self.env_constructors.extend(env_fns)
         self.collector_kwargs.extend({**entry, **self.config.for_worker(
             first + k, init_random_frames=self.config.init_random_frames // (first + count))}
@@ -237,13 +250,7 @@ class RayCollector(DistributedCollector):
         if self.collector_class is not Collector:
             specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
                      for spec, env_fn in zip(specs, env_fns)]
-        try:
-            self._add_workers(specs, configs)
-        except BaseException:
-            for per_actor in (self.env_constructors, self.collector_kwargs, self.policy_factory or []):
-                del per_actor[first:]
-            raise
-        self._grown(count)
+        return specs
 
     def _new_num_envs(self, num_envs: int | None) -> int:
         if num_envs is None:
