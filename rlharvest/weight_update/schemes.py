@@ -336,8 +336,10 @@ class WeightSyncScheme:
             context.forward_initial_weights(self._model_id, weights)
 
     # ------------------------------------------------------------------ sending
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        """Send weights to all (or the listed) workers; waits for acknowledgements when ``sync``.
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *,
+             wait: bool | None = None) -> None:
+        """Send weights to all (or the listed) workers; waits for acknowledgements when ``wait``
+        (default: the scheme's ``sync``), for this send only.
 
         Raises:
             RuntimeError: when not a connected sender, or when the scheme has no transport.
@@ -353,7 +355,7 @@ class WeightSyncScheme:
         targets = self._resolve_worker_ids(worker_ids, payload)
         self._version += 1
         self._sender.deliver(payload, self._version, targets)
-        if self.sync:
+        if self.sync if wait is None else wait:
             self._sender.wait_acks(self._version, targets, self.timeout)
 
     def replace(self, worker_id: int) -> None:
@@ -510,7 +512,7 @@ class WeightSyncScheme:
 class NoWeightSyncScheme(WeightSyncScheme):
     """No transport: ``connect`` only sets its flag, ``send`` does nothing, ``receive`` returns None."""
 
-    def send(self, weights: Any = None, worker_ids=None) -> None:
+    def send(self, weights: Any = None, worker_ids=None, *, wait: bool | None = None) -> None:
         if not self.initialized_on_sender:
             raise RuntimeError("send() needs init_on_sender() first.")
         if not self.synchronized_on_sender:

@@ -107,10 +107,10 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         model = self.model
         return weights_of(model) if model is not None else None
 
-    def send(self, weights: Any = None, worker_ids=None) -> None:
+    def send(self, weights: Any = None, worker_ids=None, *, wait: bool | None = None) -> None:
         """Send as every scheme does; weights given as ``params_map`` buffers at ``init_on_sender``
         are kept up to date too (the caller may read them)."""
-        super().send(weights, worker_ids)
+        super().send(weights, worker_ids, wait=wait)
         if self._params_map and self._last_payload is not None and not isinstance(self._last_payload, dict):
             with torch.no_grad():
                 for buffer in {id(b): b for b in self._params_map.values()}.values():

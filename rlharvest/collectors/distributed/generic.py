@@ -399,12 +399,11 @@ class DistributedCollector(RemoteCollectorBase):
 
     def push_legacy_weights(self, worker: int, weights, wait: bool = True) -> None:
         """Send ``weights`` to node ``worker`` for the legacy ``DistributedWeightUpdater`` (waits for the
-        acknowledgement when ``wait``)."""
+        acknowledgement when ``wait``; the scheme's own ``sync`` stays as it was for later sends)."""
         scheme = self._sender_schemes.get("policy")
         if scheme is None:
             return
-        scheme.sync = wait
-        scheme.send(weights=weights, worker_ids=[worker])
+        scheme.send(weights=weights, worker_ids=[worker], wait=wait)
 
     def get_model(self, model_id: str):
         if model_id == "policy":

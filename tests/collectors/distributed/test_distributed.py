@@ -426,3 +426,20 @@ def test_distributed_sync_collector_validation_and_endless():
             if i == 4:
                 break
         assert i == 4
+
+
+def test_a_legacy_push_that_does_not_wait_leaves_the_scheme_waiting_for_later_sends():
+    """``DistributedWeightUpdater(sync=False)`` pushes without waiting for that push only: the scheme
+    the collector sends everything else through keeps waiting for acknowledgements."""
+
+    class RecordingScheme:
+        sync = True
+
+        def send(self, weights=None, worker_ids=None, *, wait=None):
+            self.call = (weights, worker_ids, wait)
+
+    scheme = RecordingScheme()
+    holder = type("Holder", (), {"_sender_schemes": {"policy": scheme}})()
+    DistributedCollector.push_legacy_weights(holder, 1, "weights", wait=False)
+    assert scheme.call == ("weights", [1], False)
+    assert scheme.sync is True
