@@ -25,6 +25,8 @@ from tensordict.nn import (
 )
 
 from ._utils import NestedKey, as_tuple_key, unravel_key
+from .envs.adapters import env_attr
+from .envs.adapters import step_leaves as _step_leaves
 
 __all__ = [
     "ExplorationType",
@@ -174,8 +176,6 @@ def _has_static_member(obj: Any, name: str) -> bool:
 
 
 def _observation_keys(env) -> list[NestedKey]:
-    from .envs.adapters import env_attr
-
     spec = env_attr(env, "observation_spec")
     if spec is None:
         return []
@@ -237,9 +237,7 @@ class TensorModuleStep(PolicyStep):
 
 
 def step_leaves(td: TensorDictBase) -> dict:
-    from .envs.adapters import step_leaves as leaves
-
-    return leaves(td)
+    return _step_leaves(td)
 
 
 class TensorDictStep(PolicyStep):

@@ -1,6 +1,7 @@
 """Environments: the duck-typed env protocol, minimal specs, rlharvest's own envs, and batched envs."""
 
-from ..policies import ExplorationType
+from tensordict.nn import InteractionType as ExplorationType
+
 from .adapters import is_env
 from .base import EnvBase
 from .batched import SerialEnv

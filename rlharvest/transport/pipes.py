@@ -7,13 +7,15 @@ its worker lives and dies and how batches are published.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import numpy as np
 
 from .base import WorkerEndpoint, WorkerHandle
 
-__all__ = ["PipeHandle", "PipeEndpoint", "INTERRUPT", "PROGRESS"]
+__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "INTERRUPT", "PROGRESS"]
 
 #: the columns of a worker's signal row
 INTERRUPT, PROGRESS = 0, 1
@@ -111,3 +113,29 @@ class PipeEndpoint(WorkerEndpoint):
             self.conn.close()
         except OSError:
             pass
+
+
+class Doorbell:
+    """A pipe rung when something arrives: what ``multiprocessing.connection.wait`` waits on."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ring(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._write, b"x")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._read, 4096):
+                pass
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)

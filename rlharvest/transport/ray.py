@@ -35,6 +35,7 @@ from tensordict import TensorDictBase
 
 from ..protocol import FREE_BATCH, READY, WorkerSpec
 from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
+from .pipes import Doorbell
 from .ray_weights import RayWeightLinks, WeightInboxes
 
 __all__ = ["RayBackend", "RayWorkerActor", "RayWorkerEndpoint", "RayWorkerHandle", "require_ray", "ensure_ray",
@@ -78,32 +79,6 @@ def ensure_ray(init_config: dict | None = None):
     return ray
 
 
-class _Doorbell:
-    """A pipe rung when something arrives: what ``multiprocessing.connection.wait`` waits on."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-
-    def fileno(self) -> int:
-        return self._read
-
-    def ring(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._write, b"x")
-
-    def clear(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._read, 4096):
-                pass
-
-    def close(self) -> None:
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------- actor side
 class RayWorkerEndpoint(WorkerEndpoint):
     """The worker loop's end inside an actor: numbered commands in, replies out, interrupts, progress."""
@@ -113,7 +88,7 @@ class RayWorkerEndpoint(WorkerEndpoint):
         self._commands: dict[int, Any] = {}
         self._next = 0
         self._lock = threading.Condition()
-        self._doorbell = _Doorbell()
+        self._doorbell = Doorbell()
         self._replies: collections.deque = collections.deque()
         self._replies_ready = threading.Condition()
         self._pushed_waiting = 0  # pushed batches among _replies
@@ -183,7 +158,7 @@ class RayWorkerEndpoint(WorkerEndpoint):
     def publish_batch(self, batch: TensorDictBase) -> TensorDictBase:
         return batch.clone()  # serialised when the reply leaves, after the next rollout may have begun
 
-    def wait_handle(self) -> _Doorbell:
+    def wait_handle(self) -> Doorbell:
         return self._doorbell
 
     def receiver_links(self) -> WeightInboxes:
@@ -289,7 +264,7 @@ class RayWorkerHandle(WorkerHandle):
         self._replies: collections.deque = collections.deque()
         self._pushed_held = 0  # pushed batches among _replies (guarded by _taken)
         self._taken = threading.Condition()
-        self._doorbell = _Doorbell()
+        self._doorbell = Doorbell()
         self._gone: str | None = None
         self._start_failure: str | None = None
         #: the Ray node the actor runs on, once it answered ``hello`` (weights to it travel by shared

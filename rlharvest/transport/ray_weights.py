@@ -35,6 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from ..data.flat import FlatLayout, flat_leaves, is_dense
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightReceiver, WeightSender
+from .pipes import Doorbell
 from .ray_channel import ChannelClient, ChannelServer, Wakeup, channel_supported
 from .weight_pool import Generation, GenerationPool, NamedShmAllocator, attach_named, copy_into
 
@@ -79,14 +80,12 @@ class _Inbox:
     """One model's weights waiting in an actor: the initial ones, the latest update, its acknowledgement."""
 
     def __init__(self) -> None:
-        from .ray import _Doorbell
-
         self.cond = threading.Condition()
         self.initial: tuple | None = None
         self.update: tuple | None = None
         self.acked = 0
         self.failure: RemoteFailure | None = None
-        self.doorbell = _Doorbell()
+        self.doorbell = Doorbell()
 
 
 class WeightInboxes:
