@@ -84,7 +84,7 @@ def run(args, kills: bool) -> dict:
         if checker.frames % args.kill_every < args.frames_per_batch:
             progress(collector.stats())
         if kills and checker.frames >= (killed + 1) * args.kill_every and checker.frames < args.frames:
-            os.kill(collector._pool.handles[killed % 2].process.pid, signal.SIGKILL)
+            os.kill(collector._requests.handles[killed % 2].process.pid, signal.SIGKILL)
             killed += 1
     elapsed = time.perf_counter() - start
     restarts = collector.stats()["restarts"]

@@ -12,6 +12,8 @@ import torch
 from tensordict.utils import NestedKey, unravel_key
 
 __all__ = [
+    "TRAJ_IDS",
+    "MASK",
     "NestedKey",
     "unravel_key",
     "as_tuple_key",
@@ -21,6 +23,12 @@ __all__ = [
     "deprecated_alias",
     "cpu_count",
 ]
+
+
+#: the batch entry holding each step's trajectory id (-1: a step that was not collected)
+TRAJ_IDS = ("collector", "traj_ids")
+#: the batch entry marking the valid steps of padded trajectories
+MASK = ("collector", "mask")
 
 
 def as_tuple_key(key: NestedKey) -> tuple[str, ...]:

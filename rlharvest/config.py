@@ -326,6 +326,17 @@ class CollectorConfig:
         value = self.frames_per_batch
         return sum(value) if isinstance(value, tuple) else value
 
+    def in_random_phase(self, frames: int) -> bool:
+        """Whether the next batch takes random actions (``init_random_frames``): counted in the replay
+        buffer's writes when it counts them, else in ``frames``, the collector's."""
+        target = self.init_random_frames
+        if not target:
+            return False
+        buffer = self.replay_buffer
+        if buffer is not None and hasattr(buffer, "write_count"):
+            return buffer.write_count < target
+        return frames < target
+
     def num_batches(self, frames_per_batch: int) -> int:
         """``len(collector)``."""
         if self.endless:

@@ -24,7 +24,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
 from ._batching import STRUCTURED, or_flag, owner_of, stack_into, stack_structured, truncate_inside, value_meta
-from ._utils import NestedKey, as_tuple_key, unravel_key
+from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
 from .envs.checks import check_step_specs, raise_if_changed
 from .envs.base import to_tensor
@@ -32,7 +32,6 @@ from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
 __all__ = ["Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
 
-_TRAJ_IDS = ("collector", "traj_ids")
 
 
 @dataclass
@@ -322,7 +321,7 @@ class Rollout:
         if self.settings.track_policy_version:
             layout["policy_version"] = layout[("next", "policy_version")] = (tuple(self.batch_size), torch.int64)
         if self.settings.track_traj_ids:
-            layout[_TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
+            layout[TRAJ_IDS] = (tuple(self.batch_size), torch.int64)
         return layout
 
     def _compacted(self, root: dict, nxt: dict) -> frozenset:
@@ -431,7 +430,7 @@ class Rollout:
             td.refine_names(*([None] * dim), "time")
             return td
         if n < full and self.settings.track_traj_ids:
-            out.get(_TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
+            out.get(TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
         return out
 
     def _assemble_lazily(self, steps: list) -> TensorDictBase:
@@ -467,7 +466,7 @@ class Rollout:
             if key not in dropped:
                 columns[unravel_key(("next", key))] = [x[key] for x in nexts]
         if self.settings.track_traj_ids:
-            columns[_TRAJ_IDS] = list(trajs)
+            columns[TRAJ_IDS] = list(trajs)
         if self._limit:
             if self.batch_size:
                 counts = [c.unsqueeze(-1) for c in counts]

@@ -1,4 +1,4 @@
-"""The workers of one collector: their specs, the backend running them, the pool talking to them and
+"""The workers of one collector: their specs, the backend running them, the requests sent to them and
 the weight schemes feeding them, with one way to start them, replace one, and stop them.
 
 Every collector with workers (worker processes, nodes, RPC nodes) holds one :class:`Fleet`; the
@@ -9,27 +9,53 @@ worker (docs/backends.md, "Replacing a worker"):
 2. every weight scheme forgets its receiver and opens a channel for the new one (``replace``);
 3. the worker's spec, with the changes the collector asks for (a fresh trajectory-id range, the
    current policy version, the seed), starts a new worker at the same index (``start_one``);
-4. the pool talks to the new handle; every scheme connects the new receiver and hands it the current
+4. the requests go to the new handle; every scheme connects the new receiver and hands it the current
    weights (``attach``); the new worker answers READY once built, before it ever collects.
 
 Adding workers (:meth:`Fleet.grow`, docs/backends.md, "Adding workers") takes steps 2-4 at new
 indices, after the backend made room for them (``Backend.grow``); it needs a backend and weight
 senders that are ``growable``.
+
+A failed worker met anywhere is handed to :meth:`Fleet.recover`: the restart policy admits it (or
+raises), and the worker is renewed (:meth:`Fleet.renew`): the collector's :class:`Replacement` hooks
+drop what it had in flight and say what its replacement starts with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import WorkerError
 from ..protocol import READY, Command, WorkerSpec
 from ..transport.base import Backend, WorkerHandle
-from ._pool import WorkerPool
+from ._requests import WorkerRequests
 from ._restarts import RestartPolicy
 
-__all__ = ["Fleet"]
+__all__ = ["Fleet", "Replacement"]
+
+
+def _nothing(worker: int) -> None:
+    return None
+
+
+def _no_changes(worker: int) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """What a collector does around the replacement of one of its workers (all optional)."""
+
+    before: Callable[[int], None] = _nothing
+    """Drop what the worker had in flight (its request, its unfinished trajectories)."""
+    changes: Callable[[int], dict[str, Any]] = _no_changes
+    """What the replacement starts with besides its spec (the current policy version, a fresh
+    trajectory-id range)."""
+    after: Callable[[int], None] = _nothing
+    """Bring the replacement to where the others are (running free, new remote references)."""
 
 
 class Fleet:
@@ -40,6 +66,7 @@ class Fleet:
         schemes: the sender weight schemes (``{model_id: scheme}``), initialised on the sender side.
         timeout: seconds a worker may take to answer while making no progress.
         restarts: which failed workers are replaced (default: none, failures raise).
+        replacement: the collector's hooks around a replacement.
 
     Example:
         >>> from rlharvest.collectors import Collector
@@ -48,19 +75,20 @@ class Fleet:
         >>> from rlharvest.worker import WorkerSpec, run_worker
         >>> fleet = Fleet(InProcessBackend(1, run_worker), {}, timeout=10.0)
         >>> fleet.start([WorkerSpec(0, Collector, CountingEnv, {"frames_per_batch": 4})])
-        >>> fleet.pool.request(0, Command.COLLECT, (False, 0)) is None
+        >>> fleet.requests.request(0, Command.COLLECT, (False, 0)) is None
         True
         >>> fleet.stop(5.0)
     """
 
     def __init__(self, backend: Backend, schemes: dict[str, Any], timeout: float,
-                 restarts: RestartPolicy | None = None) -> None:
+                 restarts: RestartPolicy | None = None, replacement: Replacement | None = None) -> None:
         self.backend = backend
         self.restarts = restarts if restarts is not None else RestartPolicy(0, 0.0, backend.noun)
+        self.replacement = replacement if replacement is not None else Replacement()
         self.schemes = schemes
         self.timeout = float(timeout)
         self.specs: list[WorkerSpec] = []
-        self.pool: WorkerPool | None = None
+        self.requests: WorkerRequests | None = None
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -87,11 +115,11 @@ class Fleet:
             handles = self.backend.start_all(self.specs)
             if started is not None:
                 started()
-            self.pool = WorkerPool(handles, timeout=self.timeout, noun=self.backend.noun)
+            self.requests = WorkerRequests(handles, timeout=self.timeout, noun=self.backend.noun)
             self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
             if wait:
                 for worker in range(len(handles)):
-                    self.pool.wait_for(worker, READY)
+                    self.requests.wait_for(worker, READY)
         except BaseException:
             self.stop(5.0)
             raise
@@ -115,10 +143,38 @@ class Fleet:
             scheme.replace(index)
         spec = self.specs[index] = self.specs[index].replacement(**changes)
         handle = self.backend.start_one(index, spec)
-        self.pool.replace(index, handle)
+        self.requests.replace(index, handle)
         self._reporting_start_failures(lambda: [scheme.attach(index) for scheme in self.schemes.values()])
-        self.pool.wait_for(index, READY)
+        self.requests.wait_for(index, READY)
         return handle
+
+    def renew(self, index: int, **changes: Any) -> WorkerHandle:
+        """Replace worker ``index`` as the collector wants it (its :class:`Replacement` hooks around
+        :meth:`replace`), with ``changes`` to its spec on top of the hooks' own."""
+        hooks = self.replacement
+        hooks.before(index)
+        handle = self.replace(index, **{**hooks.changes(index), **changes})
+        hooks.after(index)
+        return handle
+
+    def recover(self, err: WorkerError, **changes: Any) -> int:
+        """Replace the worker ``err`` names, as the restart policy allows, and return its index; a
+        replacement that fails while starting counts as one more failure.
+
+        Raises:
+            WorkerError: ``err`` itself with ``max_worker_restarts=0``, or when this backend cannot
+                replace a worker (nodes started elsewhere); past the limit, a ``RestartLimitError``
+                listing every cause.
+        """
+        worker = self.restarts.admit(err)
+        while True:
+            try:
+                self.renew(worker, restart=self.restarts.restarts_of(worker), **changes)
+                return worker
+            except WorkerError as again:
+                worker = self.restarts.admit(again)
+            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
+                raise err from cannot
 
     def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
         """Start more workers after the others, each running the current weights before it collects.
@@ -136,7 +192,7 @@ class Fleet:
             NotImplementedError: when the backend or a weight scheme cannot serve more workers.
             WorkerError: naming a new worker that died or failed while starting.
         """
-        if self.pool is None:
+        if self.requests is None:
             raise RuntimeError("Fleet.grow() needs the fleet started first.")
         first, specs = len(self.specs), list(specs)
         indices = [spec.worker_idx for spec in specs]
@@ -149,12 +205,12 @@ class Fleet:
                 for scheme in self.schemes.values():
                     scheme.replace(spec.worker_idx)  # a channel for it, before its spec travels
                 self.specs.append(spec)
-                self.pool.add(self.backend.start_one(spec.worker_idx, spec))
+                self.requests.add(self.backend.start_one(spec.worker_idx, spec))
             for spec in specs:
                 self._reporting_start_failures(lambda: [scheme.attach(spec.worker_idx)
                                                         for scheme in self.schemes.values()])
             for spec in specs:
-                self.pool.wait_for(spec.worker_idx, READY)
+                self.requests.wait_for(spec.worker_idx, READY)
         except BaseException:
             self.shrink(first)
             raise
@@ -178,7 +234,7 @@ class Fleet:
                 with contextlib.suppress(Exception):
                     scheme.replace(index)  # forgets its receiver
         self.backend.truncate(count)
-        self.pool.truncate(count)
+        self.requests.truncate(count)
         del self.specs[count:]
 
     def _reporting_start_failures(self, connect) -> None:
@@ -187,27 +243,27 @@ class Fleet:
         try:
             connect()
         except WorkerError:
-            self.pool.raise_start_failure()
+            self.requests.raise_start_failure()
             raise
 
     def stop(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline (idempotent)."""
         deadline = time.monotonic() + timeout
         closing: set[int] = set()
-        pool = self.pool
-        if pool is not None:
-            requests = {}
-            for worker, handle in enumerate(pool.handles):
-                if pool.is_dead(worker):
+        requests = self.requests
+        if requests is not None:
+            close_ids = {}
+            for worker, handle in enumerate(requests.handles):
+                if requests.is_dead(worker):
                     continue
                 handle.interrupt()
                 with contextlib.suppress(WorkerError):
-                    request_id = pool.send(worker, Command.CLOSE)
-                    if worker not in pool.unresponsive:  # a hung worker will not answer: terminate it
-                        requests[worker] = request_id
-            for worker, request_id in requests.items():
+                    request_id = requests.send(worker, Command.CLOSE)
+                    if worker not in requests.unresponsive:  # a hung worker will not answer: terminate it
+                        close_ids[worker] = request_id
+            for worker, request_id in close_ids.items():
                 with contextlib.suppress(Exception):
-                    pool.wait_for(worker, request_id, timeout=max(0.05, deadline - time.monotonic()))
+                    requests.wait_for(worker, request_id, timeout=max(0.05, deadline - time.monotonic()))
                     closing.add(worker)
         # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
         self.backend.stop_all(deadline, closing)

@@ -13,9 +13,9 @@ its host stopped sending heartbeats, it made no progress for ``worker_timeout``)
 The limit counts the restarts of the whole collector, not of each worker: a flaky worker and a
 flaky fleet use up the same budget.
 
-:class:`WorkerReplacementMixin` is the collector's side: wherever it meets a failed worker (sending a
-request, waiting for a reply, fetching a batch, delivering weights) it calls ``_restart_after``,
-which drops what the worker had in flight and starts its replacement through the fleet.
+The collector's side: wherever it meets a failed worker (sending a request, waiting for a reply,
+fetching a batch, delivering weights) it calls :meth:`~._fleet.Fleet.recover`, which admits the
+failure here, drops what the worker had in flight and starts its replacement.
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from ..config import check_restart_arguments
+from ..config import CollectorConfig
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import BaseCollector
 
-__all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "WorkerReplacementMixin", "check_restart_arguments",
-           "failure_kind"]
+__all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "failure_kind"]
 
 logger = logging.getLogger("rlharvest.restarts")
 
@@ -95,7 +92,8 @@ class RestartPolicy:
     """Decides whether a failed worker is replaced, and keeps the causes.
 
     Args:
-        max_restarts: replacements allowed over the collector's life (0: none, failures raise).
+        max_restarts: replacements allowed over the collector's life (0: none, failures raise);
+            a count validated by :class:`~rlharvest.config.CollectorConfig` (see :meth:`of`).
         delay: seconds to wait before each replacement starts.
         noun: how messages name a worker ("worker", "node").
 
@@ -108,9 +106,14 @@ class RestartPolicy:
     """
 
     def __init__(self, max_restarts: int = 0, delay: float = 0.0, noun: str = "worker") -> None:
-        self.max_restarts, self.delay = check_restart_arguments(max_restarts, delay)
+        self.max_restarts, self.delay = max_restarts, delay
         self.noun = noun
         self.causes: list[RestartCause] = []
+
+    @classmethod
+    def of(cls, config: CollectorConfig, noun: str) -> RestartPolicy:
+        """The policy of a collector's ``max_worker_restarts`` and ``restart_delay`` (validated there)."""
+        return cls(config.max_worker_restarts, config.restart_delay, noun)
 
     @property
     def enabled(self) -> bool:
@@ -151,80 +154,3 @@ class RestartPolicy:
             stats[f"worker_{worker}/restarts"] = len(causes)
             stats[f"worker_{worker}/restart_causes"] = "; ".join(f"{c.kind}: {c.message}" for c in causes)
         return stats
-
-
-class WorkerReplacementMixin:
-    """How a collector with workers replaces the failed ones (a base of ``RemoteCollectorBase``).
-
-    It uses the collector's ``_fleet`` (which holds the :class:`RestartPolicy`), its in-flight async
-    requests (``_async_requests``), its trajectory assembler and its policy version.
-    """
-
-    def _restart_after(self, err: WorkerError, **changes: Any) -> int:
-        """Replace the worker ``err`` names, as the restart policy allows, and return its index.
-
-        What it had in flight is dropped (its pending request, the steps of its unfinished
-        trajectories); a replacement that fails while starting counts as one more failure.
-
-        Raises:
-            WorkerError: ``err`` itself with ``max_worker_restarts=0``; past the limit, a
-                ``RestartLimitError`` listing every cause.
-        """
-        restarts = self._fleet.restarts
-        worker = restarts.admit(err)
-        while True:
-            self._forget_in_flight(worker)
-            try:
-                self._replace_worker(worker, restart=restarts.restarts_of(worker), **changes)
-                return worker
-            except WorkerError as again:
-                worker = restarts.admit(again)
-            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
-                raise err from cannot
-
-    def update_policy_weights_(self, *args, **kwargs) -> None:
-        """As :meth:`BaseCollector.update_policy_weights_`; with restarts on, a worker found failed
-        while the weights are delivered is replaced, and starts with them (docs/restarts.md)."""
-        self._updating_weights(lambda: super(WorkerReplacementMixin, self).update_policy_weights_(*args, **kwargs))
-
-    def _forget_in_flight(self, worker: int) -> None:
-        """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
-        back for complete-trajectory batches (they will never end)."""
-        self._async_requests.pop(worker, None)
-        running = self._running_trajs.pop(worker, None)
-        if running and self._trajectories is not None:
-            self._trajectories.drop_in_flight(running)
-
-    @property
-    def _running_trajs(self) -> dict[int, list[int]]:
-        if not hasattr(self, "_running_traj_ids"):
-            self._running_traj_ids: dict[int, list[int]] = {}
-        return self._running_traj_ids
-
-    def _updating_weights(self, update, counted: bool = True) -> None:
-        """Run an automatic weight update; a worker it finds failed is replaced.
-
-        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
-        have the new weights; the replacement starts with them (and, when the update ``counted`` a
-        version, with the version it makes) too.
-        """
-        try:
-            update()
-        except WorkerError as err:
-            restarts = self._fleet.restarts if self._fleet is not None else None
-            if restarts is None or not restarts.enabled:
-                raise
-            step = 1 if counted else 0
-            self._restart_after(err, policy_version=self._policy_version + step)
-            if counted:
-                BaseCollector.increment_version(self)
-
-    def _replacement_changes(self, worker: int) -> dict:
-        """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
-        return {"policy_version": self._policy_version}
-
-    def _replace_worker(self, worker: int, **changes: Any) -> None:
-        """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
-        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
-        with ``changes`` to its spec on top."""
-        self._fleet.replace(worker, **{**self._replacement_changes(worker), **changes})

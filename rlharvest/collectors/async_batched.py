@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from tensordict import TensorDictBase
 
+from .._utils import TRAJ_IDS
 from ..config import CollectorConfig, positive_seconds
 from ..errors import WorkerError
 from ..policies import ExplorationType
@@ -35,9 +36,8 @@ from ..transport.inprocess import InProcessBackend
 from ..transport.mp import MPBackend, mp_context
 from ..weight_update.strategy import copy_weights_, weights_of
 from ..worker import run_worker
-from . import _worker_args as setup
+from ._specs import has_weights, wrap_callable
 from ._async_batched_setup import AsyncBatchedConfig, async_batched_config, worker_env_factories
-from ._fleet import Fleet
 from .base import BaseCollector
 from .multi import DEFAULT_WORKER_TIMEOUT
 from .remote import RemoteCollectorBase
@@ -46,7 +46,6 @@ from .single import Collector
 __all__ = ["AsyncBatchedCollector"]
 
 _ENV_INDEX = "env_index"
-_TRAJ_IDS = ("collector", "traj_ids")
 
 
 class _ServedCollector(Collector):
@@ -114,6 +113,8 @@ class AsyncBatchedCollector(RemoteCollectorBase):
 
     _sync = False
     _supports_run_free = False
+    _traj_counter = None
+    _hooks_run_in_workers = False  # batches are assembled here, so hooks run here
 
     def __init__(
         self,
@@ -144,6 +145,7 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         mp_start_method: str | None = None,
         **torchrl_options,
     ) -> None:
+        super().__init__()
         self._closed = True
         self._server = self._channels = None
         if policy is not None and policy_factory is not None:
@@ -182,23 +184,24 @@ class AsyncBatchedCollector(RemoteCollectorBase):
             min_batch_size=options.min_batch_size, timeout=options.server_timeout, device=options.device,
             exploration_type=config.exploration_type, trust_policy=config.trust_policy, version=options.policy_version)
         specs = self._worker_specs(worker_env_factories(list(create_env_fn), create_env_kwargs, options.envs_per_worker))
-        self._fleet = Fleet(backend, {}, self._worker_timeout)
-        self._register_live()
         try:
             # The server answers the workers' first messages while they are built.
-            self._fleet.start(specs, started=self._server.start)
+            self._start_fleet(specs, self._worker_timeout, schemes={}, started=self._server.start)
         except BaseException as err:
             self._stop(5.0)
             if isinstance(err, WorkerError) and self._server.setup_error is not None:
                 raise self._server.setup_error from err  # the policy's or the env's own error
             raise
 
+    def _trajectory_counter(self):
+        return self._traj_counter
+
     def _worker_specs(self, env_fns: list) -> list[WorkerSpec]:
         options = self.options
         counter = self._traj_counter = self._backend.trajectory_counter()
         return [WorkerSpec(
-            worker_idx=worker, collector_class=setup.wrap_callable(_ServedCollector),
-            create_env_fn=setup.wrap_callable(env_fns[worker]),
+            worker_idx=worker, collector_class=wrap_callable(_ServedCollector),
+            create_env_fn=wrap_callable(env_fns[worker]),
             collector_kwargs=self.config.for_worker(
                 worker, frames_per_batch=options.chunk_steps * options.envs_per_worker, total_frames=-1,
                 traj_pool=counter,
@@ -222,10 +225,6 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     def getattr_policy(self, name: str) -> Any:
         """An attribute of the policy (it lives in this process)."""
         return getattr(self.policy, name)
-
-    def _set_hook(self, name: str, hook) -> None:
-        # Batches are assembled here, so hooks run here (RemoteCollectorBase forwards them to workers).
-        BaseCollector._set_hook(self, name, hook)
 
     def server_stats(self) -> dict:
         """Counters of the policy server: ``requests``, ``batches``, ``frames``, ``max_batch_frames``."""
@@ -286,17 +285,17 @@ class AsyncBatchedCollector(RemoteCollectorBase):
 
     def _next_chunk(self) -> TensorDictBase:
         """The frames of the first worker ready (as a flat private copy); that worker goes on at once."""
-        running = self._async_requests
-        for worker in range(len(self._pool)):
+        running = self._in_flight
+        for worker in range(len(self._requests)):
             if worker not in running:
                 running[worker] = self._request_batch(worker, False)
         try:
-            worker, reply = self._pool.wait_any(running)
+            worker, reply = self._requests.wait_any(running)
         except WorkerError as err:
             self._raise_server_error(err)
             raise
         del running[worker]
-        chunk = _flat_chunk(self._pool.handles[worker].fetch_batch(reply), worker)
+        chunk = _flat_chunk(self._requests.handles[worker].fetch_batch(reply), worker)
         running[worker] = self._request_batch(worker, False)
         return chunk
 
@@ -347,12 +346,6 @@ class AsyncBatchedCollector(RemoteCollectorBase):
     def _copy_into_local_policy(self, weights: TensorDictBase) -> None:
         self._server.update_policy(_copy_in(weights))
 
-    # ------------------------------------------------------------------ workers
-    def _replace_worker(self, worker: int, **changes: Any) -> None:
-        # A replacement would reuse the worker's pipes to the server, where an answer to the old
-        # worker's last request may still wait: until the server clears them, a failure is raised.
-        raise NotImplementedError("AsyncBatchedCollector does not replace failed workers.")
-
     # ------------------------------------------------------------------ shutdown
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._stop(self._shutdown_timeout if timeout is None else timeout)
@@ -378,7 +371,7 @@ def _make_backend(options: AsyncBatchedConfig, mp_start_method: str | None) -> B
 
 def _private_copy(policy: Any, device: torch.device | None) -> Any:
     """The policy the server runs: a copy when it has weights (only updates change it), on ``device``."""
-    if not isinstance(policy, torch.nn.Module) or not setup.has_weights(policy):
+    if not isinstance(policy, torch.nn.Module) or not has_weights(policy):
         return policy
     served = copy.deepcopy(policy)
     return served.to(device) if device is not None else served
@@ -405,7 +398,7 @@ def _flat_chunk(batch: TensorDictBase, worker: int) -> TensorDictBase:
     flat = flat.reshape(-1)
     first = worker * envs
     flat.set(_ENV_INDEX, torch.arange(first, first + envs, dtype=torch.int64).repeat_interleave(steps))
-    ids = flat.get(_TRAJ_IDS)
+    ids = flat.get(TRAJ_IDS)
     if bool((ids == -1).any()):  # an interrupted rollout (shutdown): only the collected steps are frames
         flat = flat[ids != -1]
     return flat

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import cpu_count
+from .._utils import MASK, TRAJ_IDS, cpu_count
 from ..config import CollectorConfig, positive_seconds
 from ..data import ReplayBuffer
 from ..errors import WorkerError
@@ -25,9 +25,7 @@ from ..transport.base import Backend
 from ..transport.mp import MPBackend, mp_context
 from ..weight_update.strategy import weights_of
 from ..worker import run_worker
-from . import _worker_args as setup
-from ._fleet import Fleet
-from ._restarts import RestartPolicy
+from ._specs import check_policy_args, default_schemes, env_functions, per_worker, stateless_copy, validate_cat_results, validate_preemptive_threshold, wrap_callable
 from ._signatures import bind_arguments, derived_signature, method_signature
 from .remote import RemoteCollectorBase
 from .single import Collector
@@ -77,6 +75,11 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     _supports_run_free = True
     _sync = True
     _started = False
+    _traj_counter = None
+    #: legacy updaters' ``{device: weights}`` staging area (made on first use)
+    _legacy_staging: dict | None = None
+    #: whether the workers were given the replay buffer's storage to write into
+    _buffer_attached = False
 
     def __init__(
         self,
@@ -134,6 +137,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         auto_register_policy_transforms: bool | None = None,
     ) -> None:
         arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
+        super().__init__()
         self._closed = True
         self._setup(arguments)
         self._closed = False
@@ -144,11 +148,11 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     def _setup(self, arguments: dict) -> None:
         if not arguments["reset_when_done"]:
             raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        env_fns = setup.env_functions(arguments["create_env_fn"], arguments["num_workers"])
+        env_fns = env_functions(arguments["create_env_fn"], arguments["num_workers"])
         count = len(env_fns)
         policy, factories = arguments["policy"], arguments["policy_factory"]
-        factories = setup.per_worker(factories, count, "policy_factory") if factories is not None else None
-        setup.check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
+        factories = per_worker(factories, count, "policy_factory") if factories is not None else None
+        check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
         self.config = config = CollectorConfig.from_arguments(arguments)
         init_fn = arguments["init_fn"]
         if init_fn is not None and not callable(init_fn):
@@ -162,10 +166,10 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
         # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
         self._relaunch_after_yield = config.worker_idx is not None
-        self._cat_results = setup.validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
+        self._cat_results = validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
         self._check_uniform_stack()
         self.update_at_each_batch = bool(arguments["update_at_each_batch"])
-        self.preemptive_threshold = setup.validate_preemptive_threshold(arguments["preemptive_threshold"])
+        self.preemptive_threshold = validate_preemptive_threshold(arguments["preemptive_threshold"])
         self._version_tracker = config.track_policy_version or None
         self._worker_timeout = positive_seconds("worker_timeout", arguments["worker_timeout"])
         config.check_workers(count)
@@ -193,10 +197,10 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     def _setup_weights(self, policy, factories, weight_updater, schemes) -> None:
         default_name = self._backend.default_scheme()
         if weight_updater is None and schemes is None:
-            schemes = setup.default_schemes(default_name, policy, factories)
+            schemes = default_schemes(default_name, policy, factories)
         self._legacy = weight_updater is not None
         if self._legacy:
-            schemes = setup.default_schemes(default_name, policy, factories)  # the legacy updater's transport
+            schemes = default_schemes(default_name, policy, factories)  # the legacy updater's transport
             self._legacy_schemes = schemes
             self._weight_sync_schemes = None
         else:
@@ -206,7 +210,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         for model_id, scheme in self._sender_schemes.items():
             scheme.init_on_sender(model_id=model_id, context=self, num_workers=len(self._frames_per_worker))
         if self._sender_schemes and "policy" in self._sender_schemes and policy is not None:
-            self._worker_policy = setup.stateless_copy(policy) if factories is None else None
+            self._worker_policy = stateless_copy(policy) if factories is None else None
         else:
             self._worker_policy = policy if factories is None else None
 
@@ -225,32 +229,29 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     def _worker_specs(self, env_fns, collector_class, num_sub_threads) -> list[WorkerSpec]:
         config = self.config
-        counter = self._traj_counter = self._backend.trajectory_counter()
+        counter = self._traj_counter = self._backend.trajectory_counter()  # shared: ids are fresh after a restart
         # Workers that write the replay buffer themselves post-process what they write.
         written = dict(postproc=config.postproc, split_trajs=config.split_trajs) if self._workers_write else {}
         if self._workers_write and config.trajs_per_batch is not None:  # each worker writes its own trajectories
             written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
         return [WorkerSpec(
             worker_idx=worker,
-            collector_class=setup.wrap_callable(collector_class or Collector),
-            create_env_fn=setup.wrap_callable(env_fns[worker]),
+            collector_class=wrap_callable(collector_class or Collector),
+            create_env_fn=wrap_callable(env_fns[worker]),
             collector_kwargs=config.for_worker(worker, frames_per_batch=self._frames_per_worker[worker],
                                                traj_pool=counter, **written),
-            policy=setup.wrap_callable(self._worker_policy),
-            policy_factory=setup.wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
+            policy=wrap_callable(self._worker_policy),
+            policy_factory=wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
             weight_recv_schemes=self._sender_schemes or None,
             replay_buffer=config.replay_buffer if self._workers_write else None,
             num_threads=num_sub_threads,
             init_random_frames=config.init_random_frames,
-            init_fn=setup.wrap_callable(self._init_fn),
+            init_fn=wrap_callable(self._init_fn),
         ) for worker in range(len(env_fns))]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
-        restarts = RestartPolicy(self.config.max_worker_restarts, self.config.restart_delay, self.noun)
-        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout, restarts)
-        self._register_live()
         try:
-            self._fleet.start(specs)
+            self._start_fleet(specs, self._worker_timeout)
             self._started = True
         except BaseException:
             for scheme in self._sender_schemes.values():
@@ -258,6 +259,9 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             raise
         if self._legacy:
             self.weight_updater = self._pending_updater
+
+    def _trajectory_counter(self):
+        return self._traj_counter
 
     # ------------------------------------------------------------------ properties
     @property
@@ -314,7 +318,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     @property
     def policy_weights(self) -> dict:
         """``{device: weights}`` staging area of legacy updaters (private copies; pushed on write)."""
-        if getattr(self, "_legacy_staging", None) is None:
+        if self._legacy_staging is None:
             source = self.get_model("policy")
             if source is None:
                 return {}
@@ -336,17 +340,17 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
                 buffer.init_storage(self._postprocess(batch))
         else:
             super()._write_to_buffer(batch)
-        if self._workers_write and buffer.storage is not None and not getattr(self, "_buffer_attached", False):
+        if self._workers_write and buffer.storage is not None and not self._buffer_attached:
             self._buffer_attached = True
             self._drain_async()
-            self._pool.broadcast(Command.ATTACH_BUFFER, buffer.storage)
+            self._requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)
 
     def _workers_can_write(self) -> bool:
         return self._workers_write
 
     def _prepare_run_free(self) -> None:
         if self.config.replay_buffer.storage is None:
-            reply = self._pool.wait_for(0, self._request_batch(0, self._random_phase()))
+            reply = self._requests.wait_for(0, self._request_batch(0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))
 
 
@@ -372,7 +376,7 @@ class MultiSyncCollector(MultiCollector):
     def _gather_sync(self, random: bool) -> list:
         if self.preemptive_threshold is None:
             return super()._gather_sync(random)
-        pool = self._pool
+        pool = self._requests
         needed = int(len(pool) * self.preemptive_threshold)
         ids = {w: self._launch(w, random) for w in range(len(pool))}
         replies: dict[int, Any] = {}
@@ -396,7 +400,7 @@ class MultiSyncCollector(MultiCollector):
         if self._cat_results == "stack":
             out = torch.stack(batches, 0)
             if self.preemptive_threshold is not None:
-                out.set(("collector", "mask"), out.get(("collector", "traj_ids")) != -1)
+                out.set(MASK, out.get(TRAJ_IDS) != -1)
             out.names = [None] * (out.batch_dims - 1) + ["time"]
             return out
         dim = self._cat_results
@@ -410,7 +414,7 @@ class MultiSyncCollector(MultiCollector):
 
 def _valid_steps(batch: TensorDictBase) -> TensorDictBase:
     """Drop the trailing time steps a preempted worker did not collect."""
-    valid = (batch.get(("collector", "traj_ids")) != -1).reshape(-1, batch.shape[-1]).any(0)
+    valid = (batch.get(TRAJ_IDS) != -1).reshape(-1, batch.shape[-1]).any(0)
     return batch[..., : int(valid.sum())]
 
 

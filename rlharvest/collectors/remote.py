@@ -1,18 +1,20 @@
 """RemoteCollectorBase: what every collector with workers shares, whatever the transport.
 
-Workers run the worker loop (``rlharvest.worker``); this class drives them through a
-:class:`~rlharvest.collectors._pool.WorkerPool`:
+A collector with workers is a composition of parts (docs/architecture.md):
 
-* **sync** iteration: every batch holds one rollout of every worker, ordered by worker index;
-* **async** iteration: first ready, re-launched before the batch is yielded;
-* weights through sender schemes, running free, bounded shutdown;
-* seeds chained across workers, state dicts per worker, profiling and ``cascade_execute`` forwarded
-  to workers (``_worker_calls.py``);
-* failed workers replaced as the restart policy allows (``_restarts.py``).
+* a :class:`~rlharvest.collectors._fleet.Fleet` starts, replaces, adds and stops the workers, and
+  decides with its :class:`~._restarts.RestartPolicy` whether a failed one is replaced
+  (:meth:`Fleet.recover`); its :class:`~rlharvest.collectors._requests.WorkerRequests` sends the
+  commands and matches the replies;
+* a :class:`~rlharvest.collectors.broadcast.WorkerBroadcast` asks every worker what the collector
+  API answers per worker (seeds, state dicts, hooks, ``map_fn``, profiling);
+* weights go out through the sender schemes (``weight_update/``).
 
-Subclasses (``multi.py``, ``distributed/``) pick a backend, build one spec per worker and start them
-through a :class:`~rlharvest.collectors._fleet.Fleet`; they say how a worker's trajectory ids map to
-batch ids and how batches are assembled.
+This class drives them: **sync** iteration (every batch holds one rollout of every worker, ordered
+by worker index), **async** iteration (first ready, re-launched before the batch is yielded),
+running free, bounded shutdown. The public classes (``multi.py``, ``distributed/``) pick a backend,
+build one spec per worker, and say how a worker's trajectory ids map to batch ids and how batches
+are assembled.
 """
 
 from __future__ import annotations
@@ -22,23 +24,25 @@ import contextlib
 import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
 import time
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
+from .._utils import TRAJ_IDS
 from ..errors import WorkerError
+from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
-from ._fleet import Fleet
-from ._pool import WorkerPool
-from ._restarts import WorkerReplacementMixin
-from ._worker_calls import WorkerCallsMixin
-from .base import BaseCollector
+from ._fleet import Fleet, Replacement
+from ._requests import WorkerRequests
+from ._restarts import RestartPolicy
+from .base import BaseCollector, _argument_sets
+from ._specs import wrap_callable
+from .broadcast import WorkerBroadcast
 
 __all__ = ["RemoteCollectorBase", "valid_part"]
 
-_TRAJ_IDS = ("collector", "traj_ids")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -53,22 +57,22 @@ def _close_live_collectors() -> None:
 def valid_part(batch: TensorDictBase) -> TensorDictBase:
     """The steps of a batch that were collected: the batch itself, or (when a rollout was cut short,
     its remaining steps having trajectory id -1) those steps, flattened."""
-    ids = batch.get(_TRAJ_IDS, None)
+    ids = batch.get(TRAJ_IDS, None)
     if ids is None or not (ids == -1).any():
         return batch
     return batch[ids != -1]
 
 
-class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollector):
-    """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers).
+class RemoteCollectorBase(BaseCollector):
+    """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers, actors).
 
-    What is answered by asking every worker (seeds, state dicts, ``map_fn``, ...) lives in
-    :class:`~._worker_calls.WorkerCallsMixin`; a failed worker met anywhere is replaced, or the
-    failure raised, by :class:`~._restarts.WorkerReplacementMixin` (docs/restarts.md).
+    Subclass constructors call ``super().__init__()`` first (the state every such collector has),
+    build their backend and worker specs, then :meth:`_start_fleet`.
     """
 
     _backend: Backend | None = None
     _fleet: Fleet | None = None
+    _broadcast: WorkerBroadcast | None = None
     _sync: bool = True
     _supports_run_free = False
     _running_free = False
@@ -76,18 +80,38 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
     #: follow a yield reach it before it collects again)
     _relaunch_after_yield = False
     _shutdown_timeout = 10.0
+    #: whether the pre/post-collect hooks run in the workers (False: where batches are assembled, here)
+    _hooks_run_in_workers = True
     noun = "worker"
+
+    def __init__(self) -> None:
+        #: async requests in flight: ``{worker: request id}``
+        self._in_flight: dict[int, int] = {}
+        #: with restarts and ``trajs_per_batch``: the episodes each worker had running at its last batch
+        self._running_trajs: dict[int, list[int]] = {}
+
+    def _start_fleet(self, specs: Sequence, timeout: float, schemes: dict | None = None, **start: Any) -> None:
+        """Start ``specs`` as this collector's workers: the fleet (with the restart policy of this
+        collector's arguments and its replacement hooks), and the broadcast that talks to them.
+        ``schemes``: the weight schemes feeding them (default: the sender schemes); ``start``: as
+        :meth:`Fleet.start`."""
+        self._fleet = Fleet(self._backend, self._sender_schemes if schemes is None else schemes, timeout,
+                            RestartPolicy.of(self.config, self.noun),
+                            Replacement(self._before_replacement, self._replacement_changes, self._after_replacement))
+        self._broadcast = WorkerBroadcast(self._fleet, self._drain_async, self.noun)
+        self._register_live()
+        self._fleet.start(specs, **start)
 
     def _register_live(self) -> None:
         _LIVE.add(self)
 
     @property
-    def _pool(self) -> WorkerPool | None:
-        return self._fleet.pool if self._fleet is not None else None
+    def _requests(self) -> WorkerRequests | None:
+        return self._fleet.requests if self._fleet is not None else None
 
     @property
     def num_workers(self) -> int:
-        return len(self._pool) if self._pool is not None else 0
+        return len(self._requests) if self._requests is not None else 0
 
     def weight_links(self) -> WeightLinks:
         return self._backend.weight_links()
@@ -110,13 +134,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         """Called once per yielded batch with the worker it came from (None in sync mode)."""
 
     def _random_phase(self) -> bool:
-        target = self.config.init_random_frames
-        if not target:
-            return False
-        buffer = self.config.replay_buffer
-        if buffer is not None and hasattr(buffer, "write_count"):
-            return buffer.write_count < target
-        return self._frames < target
+        return self.config.in_random_phase(self._frames)
 
     def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:
         out = torch.stack(batches, 0)
@@ -130,7 +148,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             return None
         batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
         if self._trajectories is not None and self._fleet.restarts.enabled:
-            ids = batch.get(_TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
+            ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
             self._running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
         return batch
 
@@ -138,7 +156,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         """The batch ``reply`` announces (the time it takes counts as transport), for ``stats()``
         with the env and policy seconds the worker spent on it."""
         start = time.perf_counter()
-        batch = self._pool.handles[worker].fetch_batch(reply)
+        batch = self._requests.handles[worker].fetch_batch(reply)
         self._progress.add_seconds("transport", time.perf_counter() - start)
         self._record_times(reply)
         return batch
@@ -170,11 +188,11 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
 
     def _request_batch(self, worker: int, random: bool) -> int:
         """Send COLLECT to ``worker``; interrupts issued from now on stop that rollout."""
-        mark = self._pool.handles[worker].interrupt_mark()
-        return self._pool.send(worker, Command.COLLECT, (bool(random), mark))
+        mark = self._requests.handles[worker].interrupt_mark()
+        return self._requests.send(worker, Command.COLLECT, (bool(random), mark))
 
     def _gather_sync(self, random: bool) -> list:
-        pool = self._pool
+        pool = self._requests
         ids = {w: self._launch(w, random) for w in range(len(pool))}
         replies: dict[int, Any] = {}
         waiting = time.perf_counter()
@@ -183,7 +201,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
                 try:
                     replies[worker] = pool.wait_for(worker, ids[worker])
                 except WorkerError as err:  # its batch is dropped and asked again of its replacement
-                    failed = self._restart_after(err)
+                    failed = self._fleet.recover(err)
                     replies.pop(failed, None)
                     ids[failed] = self._launch(failed, random)
         self._progress.add_seconds("waiting", time.perf_counter() - waiting)
@@ -195,10 +213,10 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         while True:
             try:
                 if reply is None:
-                    reply = self._pool.wait_for(worker, self._launch(worker, random))
+                    reply = self._requests.wait_for(worker, self._launch(worker, random))
                 return self._handle_worker_batch(worker, reply), reply
             except WorkerError as err:
-                self._restart_after(err)
+                self._fleet.recover(err)
                 reply = None
 
     def _launch(self, worker: int, random: bool) -> int:
@@ -207,11 +225,11 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             try:
                 return self._request_batch(worker, random)
             except WorkerError as err:
-                self._restart_after(err)
+                self._fleet.recover(err)
 
     def _iterate_async(self) -> Iterator[TensorDictBase | None]:
-        pool = self._pool
-        running = self._async_requests
+        pool = self._requests
+        running = self._in_flight
         while not self._reached_total():
             for worker in range(len(pool)):
                 if worker not in running:
@@ -220,14 +238,14 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             try:
                 worker, reply = pool.wait_any(running)
             except WorkerError as err:  # its batch is dropped; the loop asks its replacement again
-                self._restart_after(err)
+                self._fleet.recover(err)
                 continue
             self._progress.add_seconds("waiting", time.perf_counter() - waiting)
             del running[worker]
             try:
                 batch = self._handle_worker_batch(worker, reply)
             except WorkerError as err:  # it failed while sending the batch: asked again of its replacement
-                self._restart_after(err)
+                self._fleet.recover(err)
                 continue
             self._iter += 1
             copying = time.perf_counter()
@@ -243,23 +261,18 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
     def _relaunch(self, worker: int) -> None:
         """Async: weights for ``worker`` if due, then its next request (replacing it if found failed)."""
         self._updating_weights(lambda: self._before_relaunch(worker))
-        self._async_requests[worker] = self._launch(worker, self._random_phase())
+        self._in_flight[worker] = self._launch(worker, self._random_phase())
 
     def _drain_async(self) -> None:
         """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
         for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
         a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
-        for worker, request_id in list(self._async_requests.items()):
+        for worker, request_id in list(self._in_flight.items()):
             try:
-                self._pool.wait_arrived(worker, request_id)
+                self._requests.wait_arrived(worker, request_id)
             except WorkerError as err:
-                self._restart_after(err)
+                self._fleet.recover(err)
 
-    @property
-    def _async_requests(self) -> dict[int, int]:
-        if not hasattr(self, "_async_running"):
-            self._async_running: dict[int, int] = {}
-        return self._async_running
 
     def _count_frames(self, replies: list) -> int:
         if self.config.replay_buffer is not None:
@@ -310,6 +323,181 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             batch = self.config.postproc(batch)
         return self._drop_private_keys(batch)
 
+    # ------------------------------------------------------------------ failed workers (docs/restarts.md)
+    def _before_replacement(self, worker: int) -> None:
+        """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
+        back for complete-trajectory batches (they will never end)."""
+        self._in_flight.pop(worker, None)
+        running = self._running_trajs.pop(worker, None)
+        if running and self._trajectories is not None:
+            self._trajectories.drop_in_flight(running)
+
+    def _replacement_changes(self, worker: int) -> dict:
+        """What a worker replacing ``worker`` starts with besides its spec: the current policy version."""
+        return {"policy_version": self._policy_version}
+
+    def _after_replacement(self, worker: int) -> None:
+        """Hook: bring the replacement of ``worker`` to where the others are."""
+
+    def _replace_worker(self, worker: int, **changes: Any) -> None:
+        """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
+        current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
+        with ``changes`` to its spec on top."""
+        self._fleet.renew(worker, **changes)
+
+    def update_policy_weights_(self, *args, **kwargs) -> None:
+        """As :meth:`BaseCollector.update_policy_weights_`; with restarts on, a worker found failed
+        while the weights are delivered is replaced, and starts with them (docs/restarts.md)."""
+        self._updating_weights(lambda: super(RemoteCollectorBase, self).update_policy_weights_(*args, **kwargs))
+
+    def _updating_weights(self, update, counted: bool = True) -> None:
+        """Run an automatic weight update; a worker it finds failed is replaced.
+
+        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
+        have the new weights; the replacement starts with them (and, when the update ``counted`` a
+        version, with the version it makes) too.
+        """
+        try:
+            update()
+        except WorkerError as err:
+            if self._fleet is None or not self._fleet.restarts.enabled:
+                raise
+            step = 1 if counted else 0
+            self._fleet.recover(err, policy_version=self._policy_version + step)
+            if counted:
+                BaseCollector.increment_version(self)
+
+    # ------------------------------------------------------------------ asked of every worker (broadcast.py)
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
+        self._drain_async()
+        seed = self._broadcast.seed(range(self.num_workers), seed, static_seed)
+        if self._trajectories is not None:
+            self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
+        return seed
+
+    def state_dict(self) -> dict:
+        state = self._broadcast.state_dicts()
+        state.update(frames=self._frames, iter=self._iter)
+        counter = self._trajectory_counter()
+        if counter is not None:
+            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}  # TorchRL's key for this counter
+        if self._version_tracker:
+            state["policy_version"] = self._policy_version
+        return state
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        self._broadcast.load_state_dicts(state_dict)
+        self._frames = state_dict["frames"]
+        self._iter = state_dict["iter"]
+        if "policy_version" in state_dict:
+            self._policy_version = int(state_dict["policy_version"])
+        counter = self._trajectory_counter()
+        if counter is not None and "traj_pool" in state_dict:
+            counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self._broadcast.reset()  # episodes restart, with ids after the saved ones
+
+    def _trajectory_counter(self):
+        """The trajectory-id counter the workers share, or None when each counts its own."""
+        return None
+
+    def reset(self, reset_idx: Sequence[bool] | None = None) -> None:
+        """Reset every worker's envs, or those whose entry of ``reset_idx`` is True.
+
+        With ``trajs_per_batch``, the trajectories held back (running, or complete but not yielded yet)
+        are dropped, so later batches hold only steps collected after the reset.
+        """
+        if self._trajectories is not None:
+            self._trajectories.flush()
+        self._broadcast.reset([w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]])
+
+    def get_distant_attr(self, attr: str) -> list[Any]:
+        """The attribute at ``attr`` in every worker's collector, in worker order."""
+        return self._broadcast.get_attr(attr)
+
+    def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
+               list_of_kwargs: list[dict] | None = None) -> list[Any]:
+        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
+
+        Raises:
+            ValueError: when the number of argument sets is not the number of workers.
+        """
+        return self._broadcast.call_each(method_name, _argument_sets(list_of_args, list_of_kwargs, self.num_workers))
+
+    def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
+        """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
+        each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both (``"both"``).
+
+        Always there: ``workers``, ``workers_alive``, ``restarts`` (failed workers replaced, over the
+        collector's life) and per worker ``worker_<i>/restarts`` and ``worker_<i>/restart_causes``
+        (``"<kind>: <message>"`` of each, ``"; "``-separated). docs/restarts.md.
+
+        Raises:
+            ValueError: for another ``workers`` value.
+        """
+        if workers not in ("aggregate", "per_worker", "both"):
+            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
+        stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
+        requests = self._requests
+        stats["workers"] = self.num_workers
+        stats["workers_alive"] = sum(not requests.is_dead(w) for w in range(self.num_workers)) if requests else 0
+        if self._fleet is not None:  # kept here, no worker is asked
+            stats.update(self._fleet.restarts.stats(self.num_workers))
+        if workers != "aggregate":
+            for worker, worker_stats in enumerate(self._broadcast.worker_stats()):
+                stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
+        return stats
+
+    def _set_hook(self, name: str, hook) -> None:
+        """Hooks run where batches are collected: in the workers."""
+        super()._set_hook(name, hook)
+        if self._hooks_run_in_workers and self._broadcast is not None:
+            self._broadcast.set_hook(name.strip("_"), hook)
+
+    def getattr_policy(self, name: str) -> Any:
+        return self._broadcast.getattr_policy(name)
+
+    def getattr_env(self, name: str) -> Any:
+        return self._broadcast.getattr_env(name)
+
+    def getattr_rb(self, name: str) -> Any:
+        return getattr(self.config.replay_buffer, name)
+
+    def cascade_execute(self, attr_path: str, *args, **kwargs) -> Any:
+        """Like :meth:`BaseCollector.cascade_execute`; ``workers[i].<path>`` runs inside worker i's
+        collector, and ``workers.<path>`` inside every worker (a list of results)."""
+        head, _, rest = attr_path.partition(".")
+        if head == "workers" or head.startswith("workers["):
+            if not rest:
+                raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
+            workers = range(self.num_workers) if head == "workers" else [int(head[len("workers["):-1])]
+            results = self._broadcast.call(rest, args, kwargs, workers)
+            return results if head == "workers" else results[0]
+        return super().cascade_execute(attr_path, *args, **kwargs)
+
+    def increment_version(self) -> None:
+        super().increment_version()
+        if self._broadcast is not None:
+            self._broadcast.increment_version()
+
+    def _after_weights_sent(self, work: dict) -> None:
+        # Workers bumped their own versions when they applied the update: only ours moves here.
+        if "policy" in work:
+            BaseCollector.increment_version(self)
+
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+        """Initial weights received from a parent continue down to our own workers (no version bump)."""
+        scheme = (self._weight_sync_schemes or {}).get(model_id)
+        if scheme is not None and self._requests is not None:
+            scheme.send(weights=weights)
+
+    def _apply_profile_config(self, config: ProfileConfig) -> None:
+        self._broadcast.enable_profile(config)
+
+    def _stop_profiling(self) -> None:
+        if self._broadcast is not None:
+            self._broadcast.disable_profile()
+
     # ------------------------------------------------------------------ running free
     def start(self) -> None:
         """Collect in the background into the replay buffer until :meth:`async_shutdown`.
@@ -329,7 +517,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             return
         self._iteration_started = True
         self._prepare_run_free()
-        self._pool.broadcast(Command.RUN_FREE)
+        self._requests.broadcast(Command.RUN_FREE)
         self._running_free = True
 
     def _workers_can_write(self) -> bool:
@@ -343,8 +531,8 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         return self._running_free or super().is_running()
 
     def _interrupt_background(self) -> None:
-        if self._pool is not None:
-            for handle in self._pool.handles:
+        if self._requests is not None:
+            for handle in self._requests.handles:
                 handle.interrupt()
 
     def _pause_impl(self):
@@ -355,7 +543,7 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             return
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
-        pool = self._pool
+        pool = self._requests
         for handle in pool.handles:
             handle.interrupt()
         for worker, reply in enumerate(pool.broadcast(Command.PAUSE, timeout=30.0)):
@@ -382,23 +570,22 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
         Raises:
             RuntimeError: after shutdown, or while running free.
         """
-        if self._closed or self._fleet is None or self._pool is None:
+        if self._closed or self._fleet is None or self._requests is None:
             raise RuntimeError(f"{type(self).__name__} is shut down: it cannot add {self.noun}s.")
         if self.is_running():
             raise RuntimeError(f"{type(self).__name__} is running free (start()): add {self.noun}s before start().")
-        from ._worker_args import wrap_callable
-
-        hooks = {name.strip("_"): wrap_callable(getattr(self, name)) for name in ("_pre_collect_hook",
-                 "_post_collect_hook") if getattr(self, name, None) is not None}
+        hooks = {name: wrap_callable(hook) for name, hook in (("pre_collect_hook", self._pre_collect_hook),
+                                                               ("post_collect_hook", self._post_collect_hook))
+                 if hook is not None}
         specs = [spec.replacement(policy_version=self._policy_version,
                                   collector_kwargs={**spec.collector_kwargs, **hooks}) for spec in specs]
         first = len(self._fleet)
         self._fleet.grow(specs, options)  # the others' rollouts in flight go on meanwhile
-        chain = getattr(self, "_seed_chain", None)
+        chain = self._broadcast.seed_chain
         if chain is None:
             return
         try:
-            self._seed_workers([spec.worker_idx for spec in specs], *chain)
+            self._broadcast.seed([spec.worker_idx for spec in specs], *chain)
         except BaseException:  # a new worker failed at once: as if it had failed to start
             self._fleet.shrink(first)
             raise

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import as_tuple_key, unwrap
+from .._utils import TRAJ_IDS, as_tuple_key, unwrap
 from ..config import CollectorConfig, resolve_devices
 from ..envs.adapters import env_attr
 from ..envs.factory import close_env as _close_env  # shutdown() takes an argument named close_env
@@ -347,13 +347,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         return self._rollout.policy_lock
 
     def _random_phase(self) -> bool:
-        target = self.config.init_random_frames
-        if not target:
-            return False
-        buffer = self.config.replay_buffer
-        if buffer is not None and hasattr(buffer, "write_count"):
-            return buffer.write_count < target
-        return self._frames < target
+        return self.config.in_random_phase(self._frames)
 
     def _between_steps_hook(self):
         checks = []
@@ -378,7 +372,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def _batch_frames(self, batch: TensorDictBase) -> int:
         if self.config.replay_buffer is not None:
             return self._frames_per_batch
-        traj_ids = batch.get(("collector", "traj_ids"), None)
+        traj_ids = batch.get(TRAJ_IDS, None)
         if self.config.interruptor is None or traj_ids is None:
             return batch.numel()
         return int((traj_ids != -1).sum())

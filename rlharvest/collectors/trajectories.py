@@ -15,11 +15,11 @@ from typing import Any, Iterable, Iterator
 import torch
 from tensordict import TensorDictBase
 
+from .._utils import MASK, TRAJ_IDS
+
 __all__ = ["TrajectoryAssembler", "TRAJ_FORMATS"]
 
 TRAJ_FORMATS = ("padded", "cat")
-_TRAJ_IDS = ("collector", "traj_ids")
-_MASK = ("collector", "mask")
 #: a trajectory is complete when one of these is set at its last step (root-level done flags)
 _END_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 
@@ -97,7 +97,7 @@ class TrajectoryAssembler:
             KeyError: when ``batch`` has no ``("collector", "traj_ids")`` entry.
         """
         flat = batch.reshape(-1)
-        ids = flat.get(_TRAJ_IDS, None)
+        ids = flat.get(TRAJ_IDS, None)
         if ids is None:
             raise KeyError("trajs_per_batch needs ('collector', 'traj_ids') in every batch (keep track_traj_ids=True "
                            "and do not remove that entry in postproc).")
@@ -110,8 +110,8 @@ class TrajectoryAssembler:
         if not order.numel():
             return
         flat, ids = flat[order], ids[order]
-        if _MASK in flat.keys(True, True):  # another layer's mask (preemption) means nothing once -1 steps are gone
-            flat = flat.exclude(_MASK)
+        if MASK in flat.keys(True, True):  # another layer's mask (preemption) means nothing once -1 steps are gone
+            flat = flat.exclude(MASK)
         traj_ids, counts = torch.unique_consecutive(ids, return_counts=True)
         stops = counts.cumsum(0)
         ends = _ended(flat)[stops - 1]
@@ -175,8 +175,8 @@ def _padded(trajectories: list[TensorDictBase]) -> TensorDictBase:
     rows = [t if t.shape[0] == max_len else torch.cat([t, _zero_steps(t, max_len - t.shape[0])], 0)
             for t in trajectories]
     out = torch.stack(rows, 0)
-    device = out.device if out.device is not None else out.get(_TRAJ_IDS).device
-    out.set(_MASK, (torch.arange(max_len) < lengths.unsqueeze(-1)).to(device))
+    device = out.device if out.device is not None else out.get(TRAJ_IDS).device
+    out.set(MASK, (torch.arange(max_len) < lengths.unsqueeze(-1)).to(device))
     out.names = [None, "time"]
     return out
 

@@ -9,9 +9,6 @@ from .._utils import NestedKey
 
 __all__ = ["split_trajectories"]
 
-_TRAJ_IDS = ("collector", "traj_ids")
-_MASK = ("collector", "mask")
-
 
 def split_trajectories(
     rollout_tensordict: TensorDictBase,

@@ -23,14 +23,13 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import unwrap
+from .._utils import TRAJ_IDS, unwrap
 from ..errors import RemoteFailure
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
 
 __all__ = ["Worker", "WorkerCollector", "run_worker"]
 
-_TRAJ_IDS = ("collector", "traj_ids")
 
 
 class WorkerCollector(Protocol):
@@ -227,7 +226,7 @@ class Worker:
         """One batch of this worker's collector, with this worker's trajectory ids, and its valid frames."""
         batch = self.collector.collect_for_parent(random)
         offset = self.spec.traj_offset
-        ids = batch.get(_TRAJ_IDS, None)
+        ids = batch.get(TRAJ_IDS, None)
         if offset and ids is not None:
             ids.copy_(torch.where(ids == -1, ids, ids + offset))
         frames = batch.numel() if ids is None else int((ids != -1).sum())
@@ -242,7 +241,7 @@ class Worker:
     def _write(self, batch: TensorDictBase, frames: int) -> None:
         """Write a batch into the shared replay buffer: only its collected steps, if it was cut short."""
         if frames < batch.numel():
-            batch = batch[batch.get(_TRAJ_IDS) != -1]
+            batch = batch[batch.get(TRAJ_IDS) != -1]
         if batch.numel():
             self.collector.write_to_replay_buffer(self.spec.replay_buffer, batch)
 

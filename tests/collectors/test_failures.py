@@ -53,7 +53,7 @@ def test_sigkilled_worker_is_detected_within_five_seconds(collector_class):
     collector = collector_class([lambda: CountingEnv(max_steps=100)] * 2, frames_per_batch=8, total_frames=-1)
     try:
         collector.next()
-        victim = collector._pool.handles[1].process.pid
+        victim = collector._requests.handles[1].process.pid
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerError, match="SIGKILL") as info:
@@ -108,7 +108,7 @@ def test_construction_failure_names_worker_and_keeps_type():
 def test_shutdown_is_idempotent_bounded_and_works_with_dead_workers():
     collector = MultiAsyncCollector([lambda: CountingEnv()] * 2, weight_policy(), frames_per_batch=8, total_frames=-1)
     collector.next()
-    pids = [h.process.pid for h in collector._pool.handles]
+    pids = [h.process.pid for h in collector._requests.handles]
     os.kill(pids[0], signal.SIGKILL)
     time.sleep(0.2)
     start = time.monotonic()
@@ -124,7 +124,7 @@ def test_weight_update_to_dead_worker_raises_instead_of_hanging():
     collector = MultiSyncCollector([lambda: CountingEnv()] * 2, policy, frames_per_batch=8, total_frames=-1)
     try:
         collector.next()
-        os.kill(collector._pool.handles[0].process.pid, signal.SIGKILL)
+        os.kill(collector._requests.handles[0].process.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerError, match="worker 0"):
             collector.update_policy_weights_()
@@ -154,7 +154,7 @@ _PARENT = textwrap.dedent(
     from rlharvest.envs import CountingEnv
     collector = MultiSyncCollector([lambda: CountingEnv()] * 2, frames_per_batch=8, total_frames=-1)
     collector.next()
-    print(" ".join(str(h.process.pid) for h in collector._pool.handles), flush=True)
+    print(" ".join(str(h.process.pid) for h in collector._requests.handles), flush=True)
     time.sleep(60)
     """
 )

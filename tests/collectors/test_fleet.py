@@ -60,8 +60,8 @@ def _grow_fleet(backend_class):
 def _collect(fleet, worker: int):
     from rlharvest.protocol import Command
 
-    reply = fleet.pool.wait_for(worker, fleet.pool.send(worker, Command.COLLECT, (False, 0)))
-    return fleet.pool.handles[worker].fetch_batch(reply)
+    reply = fleet.requests.wait_for(worker, fleet.requests.send(worker, Command.COLLECT, (False, 0)))
+    return fleet.requests.handles[worker].fetch_batch(reply)
 
 
 def test_a_backend_that_cannot_grow_refuses_before_starting_anything():
@@ -92,7 +92,7 @@ def test_a_growable_backend_adds_workers_and_undoes_a_failed_growth():
         with pytest.raises(ValueError, match="indices 1..1"):
             fleet.grow([dataclasses.replace(spec, worker_idx=2)])
         fleet.grow([dataclasses.replace(spec, worker_idx=1)])
-        assert len(fleet) == len(fleet.pool) == fleet.backend.num_workers == 2
+        assert len(fleet) == len(fleet.requests) == fleet.backend.num_workers == 2
         assert _collect(fleet, 1).numel() == 4  # the new worker collects
 
         def broken():
@@ -100,8 +100,8 @@ def test_a_growable_backend_adds_workers_and_undoes_a_failed_growth():
 
         with pytest.raises(WorkerError, match="cannot be built"):
             fleet.grow([dataclasses.replace(spec, worker_idx=2, create_env_fn=broken)])
-        assert len(fleet) == len(fleet.pool) == fleet.backend.num_workers == 2  # as it was
-        assert _collect(fleet, 0).numel() == 4 and fleet.pool.handles[1].is_alive()  # the others go on
+        assert len(fleet) == len(fleet.requests) == fleet.backend.num_workers == 2  # as it was
+        assert _collect(fleet, 0).numel() == 4 and fleet.requests.handles[1].is_alive()  # the others go on
     finally:
         fleet.stop(5.0)
 
@@ -172,11 +172,11 @@ def test_workers_started_without_waiting_queue_commands_and_raise_their_failure_
              WorkerSpec(1, Collector, _no_env, {"frames_per_batch": 4})]
     fleet.start(specs, wait=False)  # does not raise: worker 1's failure comes with the first wait on it
     try:
-        reply = fleet.pool.wait_for(0, fleet.pool.send(0, Command.COLLECT, (False, 0)))
-        assert reply.frames == 4 and fleet.pool.handles[0].fetch_batch(reply).numel() == 4
+        reply = fleet.requests.wait_for(0, fleet.requests.send(0, Command.COLLECT, (False, 0)))
+        assert reply.frames == 4 and fleet.requests.handles[0].fetch_batch(reply).numel() == 4
         with pytest.raises(WorkerError, match="no env for worker 1") as info:
-            fleet.pool.request(1, Command.COLLECT, (False, 0))
+            fleet.requests.request(1, Command.COLLECT, (False, 0))
         assert info.value.worker_idx == 1 and isinstance(info.value, RuntimeError)  # the cause, not the exit
-        assert fleet.pool.is_dead(1)
+        assert fleet.requests.is_dead(1)
     finally:
         fleet.stop(5.0)

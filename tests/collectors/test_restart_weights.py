@@ -45,7 +45,7 @@ def make(case: str, policy):
 def process_of(collector, worker: int):
     if isinstance(collector, DistributedCollector):
         return collector._launched[worker].process
-    return collector._pool.handles[worker].process
+    return collector._requests.handles[worker].process
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -115,7 +115,7 @@ def test_a_worker_killed_from_outside_is_replaced(collector_class):
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 3:
-            victim = collector._pool.handles[0].process.pid
+            victim = collector._requests.handles[0].process.pid
             os.kill(victim, signal.SIGKILL)
     check_counting_batches(batches, 8, 200)
     assert [c.worker for c in collector._fleet.restarts.causes] == [0]
@@ -175,7 +175,7 @@ def test_the_replacement_runs_the_current_weights_and_version(collector_class):
         with torch.no_grad():
             policy.module.weight.fill_(0.0)
         collector.update_policy_weights_()
-        os.kill(collector._pool.handles[1].process.pid, signal.SIGKILL)
+        os.kill(collector._requests.handles[1].process.pid, signal.SIGKILL)
         # An async collector may serve the surviving worker for a while before it meets the death:
         # collect until the restart happened (bounded), then a few batches more.
         # Asynchronous: one batch per worker may have been under way when the weights changed.
@@ -236,7 +236,7 @@ def test_an_update_that_meets_a_dead_worker_replaces_it():
     with MultiAsyncCollector([lambda: CountingEnv(max_steps=50)] * 2, policy, frames_per_batch=8, total_frames=-1,
                              max_worker_restarts=1, track_policy_version=True) as collector:
         collector.next()
-        victim = collector._pool.handles[0].process
+        victim = collector._requests.handles[0].process
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         with torch.no_grad():

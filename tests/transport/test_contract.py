@@ -19,7 +19,7 @@ from mocks import FaultyEnv, weight_policy
 from rlharvest import WorkerError
 from rlharvest.collectors import Collector
 from rlharvest.collectors._fleet import Fleet
-from rlharvest.collectors._worker_args import stateless_copy
+from rlharvest.collectors._specs import stateless_copy
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import Command, WorkerSpec
 from rlharvest.collectors.distributed._network import NetworkConfig
@@ -109,7 +109,7 @@ class Harness:
         self.fleet = Fleet(self.backend, {"policy": self.scheme}, timeout=30.0)
         self.backend.expect_replacements()  # the contract includes replacing workers
         self.fleet.start(specs)
-        self.pool = self.fleet.pool
+        self.requests = self.fleet.requests
         self.count = count
         self.seen_ids: dict[int, set[int]] = {w: set() for w in range(count)}
         self.local_max = [-1] * count
@@ -117,8 +117,8 @@ class Harness:
     def collect(self, worker: int) -> dict:
         """One rollout of ``worker``, as plain lists (the worker reuses its batch buffer); ids are made
         unique across workers as collectors make them (nodes count on their own: ``k * W + i``)."""
-        reply = self.pool.wait_for(worker, self.pool.send(worker, Command.COLLECT, (False, 0)))
-        batch = self.pool.handles[worker].fetch_batch(reply)
+        reply = self.requests.wait_for(worker, self.requests.send(worker, Command.COLLECT, (False, 0)))
+        batch = self.requests.handles[worker].fetch_batch(reply)
         out = {key: batch.get(key).reshape(-1).tolist()
                for key in ("observation", "action", "policy_version", ("collector", "traj_ids"))}
         ids = out[("collector", "traj_ids")]
@@ -168,7 +168,7 @@ def test_start_collect_stop(harness):
     ids = first[("collector", "traj_ids")] + second[("collector", "traj_ids")]
     assert len(set(ids)) == 4  # two trajectories per worker, none shared
     assert fleet.collect(0)["observation"] == [1, 2, 0, 1]  # the env goes on where it was
-    handles = list(fleet.pool.handles)
+    handles = list(fleet.requests.handles)
     fleet.fleet.stop(10.0)
     assert not any(handle.is_alive() for handle in handles)
     fleet.fleet.stop(10.0)  # idempotent
@@ -193,9 +193,9 @@ def test_replace_one_worker(harness):
     fleet.collect(1)
     fleet.set_weight(0.0)
     fleet.set_weight(1.0)
-    old_handle = fleet.pool.handles[1]
+    old_handle = fleet.requests.handles[1]
     fleet.replace(1)
-    assert fleet.pool.handles[1] is not old_handle and not old_handle.is_alive()
+    assert fleet.requests.handles[1] is not old_handle and not old_handle.is_alive()
     used = set().union(*fleet.seen_ids.values())
     fresh = fleet.collect(1)
     assert fresh["action"] == [1.0] * FRAMES  # the current weights, before its first step

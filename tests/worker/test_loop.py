@@ -9,7 +9,7 @@ import pytest
 from mocks import CountingPolicy, FaultyEnv
 
 from rlharvest.collectors import Collector
-from rlharvest.collectors._pool import WorkerPool
+from rlharvest.collectors._requests import WorkerRequests
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import FREE_BATCH, READY, Command, Message, WorkerSpec
 from rlharvest.transport.inprocess import InProcessBackend
@@ -79,10 +79,10 @@ def test_commands_reach_their_handlers():
 def served():
     backends = []
 
-    def start(*specs: WorkerSpec) -> WorkerPool:
+    def start(*specs: WorkerSpec) -> WorkerRequests:
         backend = InProcessBackend(len(specs), run_worker)
         backends.append(backend)
-        return WorkerPool(backend.start_all(list(specs)), timeout=10.0)
+        return WorkerRequests(backend.start_all(list(specs)), timeout=10.0)
 
     yield start
     for backend in backends:

@@ -1,6 +1,6 @@
 """Nodes running free: they push batches, the main process writes them into its replay buffer.
 
-While nodes run free, one receiver thread is the only user of the collector's WorkerPool: it takes
+While nodes run free, one receiver thread is the only user of the collector's WorkerRequests: it takes
 each pushed batch (posting the process-group receive the node waits for), remaps trajectory ids,
 drops steps an interruption left uncollected, and extends the replay buffer; it also replaces a
 node that failed (restarts on), under the collector's lock shared with weight updates. ``pause()`` and the
@@ -48,7 +48,7 @@ class PushedBatchReceiver(threading.Thread):
         node found failed (also while sending a batch, which is then dropped whole) is replaced as the
         restart policy allows, and runs free like the others (docs/restarts.md)."""
         try:
-            item = self.collector._pool.next_pushed(timeout)
+            item = self.collector._requests.next_pushed(timeout)
             if item is None:
                 return False
             worker, reply = item
@@ -62,7 +62,7 @@ class PushedBatchReceiver(threading.Thread):
 
     def _stop_pushing(self) -> None:
         """Ask every node to stop after its current rollout; keep writing what arrives meanwhile."""
-        pool = self.collector._pool
+        pool = self.collector._requests
         for handle in pool.handles:
             handle.interrupt()
         requests = {w: pool.send(w, Command.PAUSE) for w in range(len(pool))}
@@ -85,7 +85,7 @@ class PushedBatchReceiver(threading.Thread):
         self.resume_requested.clear()
         self.paused.clear()
         if not self.stop_requested.is_set():
-            self.collector._pool.broadcast(Command.RESUME)
+            self.collector._requests.broadcast(Command.RESUME)
 
     def _quiesce(self) -> None:
         self._stop_pushing()

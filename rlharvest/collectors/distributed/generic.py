@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tensordict import TensorDictBase
 
+from ..._utils import TRAJ_IDS
 from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...policies import ExplorationType
@@ -26,9 +27,7 @@ from ...transport.rendezvous import check_backend
 from ...transport.torchdist import TorchDistBackend
 from ...weight_update.schemes import WeightSyncScheme
 from ...worker.nodes import node_main
-from .. import _worker_args as setup
-from .._fleet import Fleet
-from .._restarts import RestartPolicy
+from .._specs import has_weights, per_worker, stateless_copy
 from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
 from ..remote import RemoteCollectorBase, valid_part
@@ -41,7 +40,6 @@ __all__ = ["DistributedCollector", "resolve_collector_class"]
 
 _NON_MODULE_POLICY = ("The policy is not an nn.Module and no policy_factory was given: "
                       "update_policy_weights_ will be a no-op.")
-_IDS = ("collector", "traj_ids")
 
 
 def resolve_collector_class(collector_class: Any) -> type:
@@ -120,6 +118,8 @@ class DistributedCollector(RemoteCollectorBase):
     _trajectory_options: dict = {}
     #: whether the constructor returns only once every node is built
     _wait_until_built = True
+    #: running free (:meth:`start`): the thread writing the nodes' pushed batches into the buffer
+    _receiver: PushedBatchReceiver | None = None
 
     def __init__(
         self,
@@ -173,6 +173,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     # ------------------------------------------------------------------ construction
     def _setup(self, arguments: dict) -> None:
+        super().__init__()  # the state of every collector with workers (RayCollector builds through here too)
         create_env_fn = arguments["create_env_fn"]
         if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
@@ -195,7 +196,7 @@ class DistributedCollector(RemoteCollectorBase):
         self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
         self.policy = arguments["policy"]
         factory = arguments["policy_factory"]
-        self.policy_factory = setup.per_worker(factory, count, "policy_factory") if factory else None
+        self.policy_factory = per_worker(factory, count, "policy_factory") if factory else None
         self.policy_weights = self._main_weights(self.policy)
         self._batches_since_update = [0] * count
         self._traj_ids = TrajIdMap(count)
@@ -287,9 +288,9 @@ class DistributedCollector(RemoteCollectorBase):
                                 slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
 
     def _default_schemes(self, sync: bool) -> dict:
-        has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
+        weighted = has_weights(self.policy) or self.policy_factory is not None
         scheme_class = WeightSyncScheme.class_for(self._backend.default_scheme())
-        return {"policy": scheme_class(backend=self.backend, sync=sync)} if has_weights else {}
+        return {"policy": scheme_class(backend=self.backend, sync=sync)} if weighted else {}
 
     def _setup_schemes(self, weight_updater, schemes) -> None:
         if weight_updater is None and schemes is None:
@@ -304,13 +305,11 @@ class DistributedCollector(RemoteCollectorBase):
             self._weight_sync_schemes = self._sender_schemes
 
     def _start_nodes(self, count: int) -> None:
-        restarts = RestartPolicy(self.config.max_worker_restarts, self.config.restart_delay, self.noun)
-        self._fleet = Fleet(self._backend, self._sender_schemes, self._worker_timeout, restarts)
-        self._register_live()
         try:
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
-            self._fleet.start([self._node_spec(node) for node in range(count)], wait=self._wait_until_built)
+            self._start_fleet([self._node_spec(node) for node in range(count)], self._worker_timeout,
+                              wait=self._wait_until_built)
         except BaseException:  # the fleet stopped what it started
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
@@ -327,7 +326,7 @@ class DistributedCollector(RemoteCollectorBase):
         policy = None
         if factory is None and self.policy is not None:
             stateless = self._sender_schemes and self._stateless_nodes
-            policy = setup.stateless_copy(self.policy) if stateless else self.policy
+            policy = stateless_copy(self.policy) if stateless else self.policy
         return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
                           collector_kwargs=kwargs, policy=policy, policy_factory=factory,
                           weight_recv_schemes=self._sender_schemes or None, num_threads=1,
@@ -355,7 +354,7 @@ class DistributedCollector(RemoteCollectorBase):
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
         """Node i's local id k becomes k * W + i (segments after growth: ``_traj_ids.py``); -1 stays -1
         (docs/collection.md, "Trajectory ids")."""
-        ids = batch.get(_IDS, None)
+        ids = batch.get(TRAJ_IDS, None)
         if ids is not None:
             self._traj_ids.map_(ids, worker)
         return batch
@@ -425,7 +424,7 @@ class DistributedCollector(RemoteCollectorBase):
         self._iteration_started = True
         self._drain_async()
         self._free_lock = threading.RLock()  # a node replaced by the receiver vs. weights sent from here
-        self._pool.broadcast(Command.RUN_FREE)
+        self._requests.broadcast(Command.RUN_FREE)
         self._running_free = True
         self._receiver = PushedBatchReceiver(self)
         self._receiver.start()
@@ -435,9 +434,9 @@ class DistributedCollector(RemoteCollectorBase):
         and set its replacement running free too. Called by the receiver thread."""
         with self._free_lock:
             while True:
-                worker = self._restart_after(err)
+                worker = self._fleet.recover(err)
                 try:
-                    self._pool.request(worker, Command.RUN_FREE)
+                    self._requests.request(worker, Command.RUN_FREE)
                     return
                 except WorkerError as again:  # the replacement failed at once: one more failure
                     err = again
@@ -463,7 +462,7 @@ class DistributedCollector(RemoteCollectorBase):
         self._frames += reply.frames
 
     def _pause_impl(self):
-        receiver = getattr(self, "_receiver", None)
+        receiver = self._receiver
         if not self._running_free or receiver is None:
             raise RuntimeError("Collector cannot be paused.")
         receiver.pause_requested.set()
@@ -475,7 +474,7 @@ class DistributedCollector(RemoteCollectorBase):
             receiver.resume_requested.set()
 
     def _stop_background(self, timeout: float | None) -> None:
-        receiver = getattr(self, "_receiver", None)
+        receiver = self._receiver
         if receiver is not None:
             receiver.stop_requested.set()
             receiver.resume_requested.set()

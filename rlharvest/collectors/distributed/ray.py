@@ -166,7 +166,7 @@ class RayCollector(DistributedCollector):
     @property
     def remote_collectors(self) -> list:
         """The Ray actor handles of the workers, in worker order (each runs one collector)."""
-        pool = self._pool
+        pool = self._requests
         return [handle.actor for handle in pool.handles] if pool is not None and not self._closed else []
 
     def local_policy(self):
@@ -214,7 +214,7 @@ class RayCollector(DistributedCollector):
             >>> collector.num_collectors, collector.requested_frames_per_batch          # doctest: +SKIP
             (2, 8)
         """
-        if getattr(self, "_collecting", False):
+        if self._collecting:
             raise RuntimeError("add_collectors cannot run while a batch is being collected (from a postproc, a "
                                "hook or another thread): call it between two batches.")
         env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
@@ -314,7 +314,7 @@ class RayCollector(DistributedCollector):
         return self._frames_per_node * self.num_workers if self._sync else self.config.frames_per_batch
 
     def __len__(self) -> int:
-        point = getattr(self, "_growth_point", None)
+        point = self._growth_point
         if point is None or self.config.endless:
             return super().__len__()
         batches, frames = point  # batches of the former size so far, then of the current one
@@ -322,6 +322,9 @@ class RayCollector(DistributedCollector):
 
     # ------------------------------------------------------------------ iteration
     _collecting = False
+    #: ``(batches, frames)`` when actors were added to a sync collection: ``len()`` counts batches of
+    #: the former size up to there
+    _growth_point: tuple[int, int] | None = None
     #: between a batch's yield and the iteration resuming (when add_collectors may run)
     _suspended = False
 
@@ -343,7 +346,7 @@ class RayCollector(DistributedCollector):
     def state_dict(self) -> list[OrderedDict]:
         """One state dict per actor, in actor order."""
         self._drain_async()
-        return [self._pool.request(worker, Command.STATE_DICT) for worker in range(self.num_workers)]
+        return [self._requests.request(worker, Command.STATE_DICT) for worker in range(self.num_workers)]
 
     def load_state_dict(self, state_dict: dict | list[dict], **kwargs) -> None:
         """Load one state dict into every actor, or the ``i``-th of a list into actor ``i``.
@@ -357,7 +360,7 @@ class RayCollector(DistributedCollector):
                              f"got {len(states)}.")
         self._drain_async()
         for worker, state in enumerate(states):
-            self._pool.request(worker, Command.LOAD_STATE_DICT, state)
+            self._requests.request(worker, Command.LOAD_STATE_DICT, state)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False, close_env: bool = True,

@@ -12,7 +12,7 @@ from ...transport.base import Backend
 from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
 from ...worker.nodes import RPC_CALLS, node_main
-from .. import _worker_args as setup
+from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ._network import NetworkConfig
 from .generic import DistributedCollector
@@ -87,9 +87,9 @@ class RPCCollector(DistributedCollector):
                           slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
 
     def _setup_schemes(self, weight_updater, schemes) -> None:
-        has_weights = setup.has_weights(self.policy) or self.policy_factory is not None
+        weighted = has_weights(self.policy) or self.policy_factory is not None
         if weight_updater is None and schemes is None:
-            schemes = {"policy": RPCWeightSyncScheme()} if has_weights else {}
+            schemes = {"policy": RPCWeightSyncScheme()} if weighted else {}
         self._legacy = weight_updater is not None
         self._pending_updater = weight_updater
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
@@ -97,16 +97,18 @@ class RPCCollector(DistributedCollector):
 
     def _start_nodes(self, count: int) -> None:
         super()._start_nodes(count)
-        handles = self._pool.handles
+        handles = self._requests.handles
         self.collector_infos = [h.info for h in handles]
         self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
 
-    def _replace_worker(self, worker: int, **changes) -> None:
+    def _before_replacement(self, worker: int) -> None:
+        super()._before_replacement(worker)
         # The old node's RRef is deleted only once the agent is gone: deleting it now would message
         # an owner that left the group.
         self._retired_rrefs.append(self.collector_rrefs[worker])
-        super()._replace_worker(worker, **changes)
-        handle = self._pool.handles[worker]  # a new RPC name: what users see follows it
+
+    def _after_replacement(self, worker: int) -> None:
+        handle = self._requests.handles[worker]  # a new RPC name: what users see follows it
         self.collector_infos[worker] = handle.info
         self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
 

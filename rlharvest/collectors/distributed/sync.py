@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 from ...errors import WorkerError, WorkerTimeoutError
 from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
-from .. import _worker_args as setup
+from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, method_signature
 from ..base import BaseCollector
 from ..remote import valid_part
@@ -58,7 +58,7 @@ class DistributedSyncCollector(DistributedCollector):
                                "(or -1 for endless collection).")
         update_interval = arguments.pop("update_interval")
         schemes = {"policy": DistributedWeightSyncScheme(backend=arguments["backend"], sync=False)} if (
-            setup.has_weights(arguments["policy"]) or arguments["policy_factory"] is not None) else {}
+            has_weights(arguments["policy"]) or arguments["policy_factory"] is not None) else {}
         super().__init__(**arguments, sync=True, update_interval=None, weight_sync_schemes=schemes)
         self.update_interval = int(update_interval) if update_interval else 1
         self._pushing = False
@@ -67,7 +67,7 @@ class DistributedSyncCollector(DistributedCollector):
 
     # ------------------------------------------------------------------ iteration
     def _iterate(self) -> Iterator[TensorDictBase | None]:
-        pool = self._pool
+        pool = self._requests
         if not self._pushing:
             pool.broadcast(Command.RUN_FREE)
             self._pushing = True
@@ -91,7 +91,7 @@ class DistributedSyncCollector(DistributedCollector):
         while True:
             try:
                 waiting = time.perf_counter()
-                got = self._pool.next_pushed(self._worker_timeout, [node])
+                got = self._requests.next_pushed(self._worker_timeout, [node])
                 self._progress.add_seconds("waiting", time.perf_counter() - waiting)
                 if got is not None:
                     return got[1], self._remap_traj_ids(self._fetch(node, got[1]), node)
@@ -99,12 +99,11 @@ class DistributedSyncCollector(DistributedCollector):
                     raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
                 raise WorkerTimeoutError(f"pushed no batch within {self._worker_timeout:g} s.", worker_idx=node)
             except WorkerError as err:
-                self._restart_after(err)
+                self._fleet.recover(err)
 
-    def _replace_worker(self, worker: int, **changes) -> None:
-        super()._replace_worker(worker, **changes)
+    def _after_replacement(self, worker: int) -> None:
         if self._pushing:  # the replacement runs free like the others
-            self._pool.request(worker, Command.RUN_FREE)
+            self._requests.request(worker, Command.RUN_FREE)
 
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")
@@ -135,4 +134,4 @@ class DistributedSyncCollector(DistributedCollector):
 
     def _write_pushed(self, worker: int, reply) -> None:
         """While stopping: batches pushed after the last yield are dropped (nobody will consume them)."""
-        self._pool.handles[worker].fetch_batch(reply)
+        self._requests.handles[worker].fetch_batch(reply)

@@ -11,7 +11,7 @@ from mocks import ConstantObsEnv
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import Collector
-from rlharvest.collectors._pool import WorkerPool
+from rlharvest.collectors._requests import WorkerRequests
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import READY, Command, Reply, WorkerSpec
 from rlharvest.transport.base import WorkerHandle
@@ -29,10 +29,10 @@ def spec(worker: int, env=CountingEnv, frames: int = 4) -> WorkerSpec:
 def pool_of():
     backends = []
 
-    def start(*specs: WorkerSpec, timeout: float = 10.0) -> tuple[WorkerPool, InProcessBackend]:
+    def start(*specs: WorkerSpec, timeout: float = 10.0) -> tuple[WorkerRequests, InProcessBackend]:
         backend = InProcessBackend(len(specs), run_worker)
         backends.append(backend)
-        pool = WorkerPool(backend.start_all(list(specs)), timeout=timeout)
+        pool = WorkerRequests(backend.start_all(list(specs)), timeout=timeout)
         for worker in range(len(specs)):
             pool.wait_for(worker, READY)
         return pool, backend
@@ -120,7 +120,7 @@ class AnsweringHandle(WorkerHandle):
 def test_wait_any_serves_the_oldest_request_not_the_lowest_index():
     """A fast worker re-launched after every batch must not starve one whose batch is waiting."""
     handles = [AnsweringHandle(0), AnsweringHandle(1)]
-    pool = WorkerPool(handles, timeout=5.0)
+    pool = WorkerRequests(handles, timeout=5.0)
     for worker in (0, 1):
         pool.wait_for(worker, READY)
     requests = {1: pool.send(1, Command.COLLECT), 0: pool.send(0, Command.COLLECT)}

@@ -1,5 +1,6 @@
-"""The arguments only collectors with workers take: one env constructor per worker, per-worker
-policies, the policy a worker is given, and the default weight-sync scheme of a backend.
+"""What the worker specs of a collector are built from: the arguments only collectors with workers
+take (one env constructor per worker, per-worker policies), the policy a worker is given, and the
+default weight-sync scheme of a backend.
 
 The arguments every collector shares are checked once, in :class:`rlharvest.config.CollectorConfig`.
 """

@@ -1,6 +1,6 @@
 """The parent's side of the worker loop: send commands, match replies, never wait unboundedly.
 
-:class:`WorkerPool` works with any :class:`~rlharvest.transport.base.WorkerHandle` (processes,
+:class:`WorkerRequests` works with any :class:`~rlharvest.transport.base.WorkerHandle` (processes,
 torch.distributed nodes, RPC nodes). Every wait
 
 * multiplexes the workers' descriptors (``multiprocessing.connection.wait``),
@@ -9,8 +9,8 @@ torch.distributed nodes, RPC nodes). Every wait
 * is bounded: no reply and no progress for ``timeout`` seconds raises :class:`WorkerTimeoutError`.
 
 Replies are matched to requests by id; a reply that arrives while another is awaited (an async
-BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker the pool saw
-die stays dead until :meth:`WorkerPool.replace` swaps a new handle in for it.
+BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker it saw
+die stays dead until :meth:`WorkerRequests.replace` swaps a new handle in for it.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply
 
-__all__ = ["WorkerPool"]
+__all__ = ["WorkerRequests"]
 
 
-class WorkerPool:
+class WorkerRequests:
     """Commands and replies for a set of workers (one can be replaced, and more added).
 
     Args:
@@ -312,7 +312,7 @@ class _Deadline:
     def remaining(self) -> float:
         return max(0.0, self.last_progress + self.seconds - time.monotonic())
 
-    def check(self, pool: WorkerPool, worker: int) -> None:
+    def check(self, requests: WorkerRequests, worker: int) -> None:
         now = time.monotonic()
         progress = self.handle.progress()
         if progress != self.progress and progress >= 0:
@@ -320,11 +320,11 @@ class _Deadline:
             return
         if now < self.last_progress + self.seconds:
             return
-        pending = next(iter(pool._outstanding[worker].values()), None)
+        pending = next(iter(requests._outstanding[worker].values()), None)
         doing = f" to {pending.value!r}" if pending is not None else ""
-        pool.unresponsive.add(worker)
+        requests.unresponsive.add(worker)
         raise WorkerTimeoutError(
             f"no answer{doing} after {now - self.started:.1f} s, and no progress for {now - self.last_progress:.1f} s "
-            f"(worker_timeout={self.seconds:g} s: raise it if this {pool.noun} is legitimately slow).",
+            f"(worker_timeout={self.seconds:g} s: raise it if this {requests.noun} is legitimately slow).",
             worker_idx=worker,
         )

@@ -1,0 +1,130 @@
+"""What a collector with workers answers by asking its workers: one command per worker.
+
+Seeds (chained across workers), state dicts (one per worker), resets, ``map_fn``, attributes,
+``cascade_execute`` into workers, per-worker ``stats``, hooks, version bumps and profiling. Before
+each, the collector's in-flight asynchronous rollouts are drained (``drain``: nothing is lost, their
+batches are kept for the iterator); what a replacement must start with (its seed, its hooks) is
+recorded in the worker's spec on the fleet (docs/backends.md, "Replacing a worker").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from ..profiling import ProfileConfig
+from ..protocol import Command
+from ._fleet import Fleet
+from ._specs import wrap_callable
+
+__all__ = ["WorkerBroadcast"]
+
+
+class WorkerBroadcast:
+    """Commands a collector sends to every worker (or a chosen few), through its fleet.
+
+    Args:
+        fleet: the collector's workers.
+        drain: called before each call, to let in-flight rollouts answer first.
+        noun: how errors name a worker ("worker", "node", "actor").
+
+    Example:
+        >>> broadcast = WorkerBroadcast(fleet, drain=lambda: None)         # doctest: +SKIP
+        >>> broadcast.seed(range(2), 7, static_seed=False)                 # doctest: +SKIP
+        9
+    """
+
+    def __init__(self, fleet: Fleet, drain: Callable[[], None], noun: str = "worker") -> None:
+        self.fleet = fleet
+        self.drain = drain
+        self.noun = noun
+        #: what the last :meth:`seed` returned, and its ``static_seed``: workers added later continue there
+        self.seed_chain: tuple[int, bool] | None = None
+
+    @property
+    def _requests(self):
+        return self.fleet.requests
+
+    def _all(self) -> range:
+        return range(len(self.fleet))
+
+    # ------------------------------------------------------------------ seeds and state
+    def seed(self, workers: Iterable[int], seed: int, static_seed: bool) -> int:
+        """Seed ``workers`` in order, each with what the one before returned; a replacement is seeded
+        the same. Returns the last seed."""
+        for worker in workers:
+            self.fleet.remember(worker, seed=seed, static_seed=static_seed)
+            seed = self._requests.request(worker, Command.SEED, (seed, static_seed))
+        self.seed_chain = (seed, static_seed)
+        return seed
+
+    def state_dicts(self) -> dict[str, Any]:
+        """``{"worker<i>": state of worker i}``."""
+        self.drain()
+        return {f"worker{w}": self._requests.request(w, Command.STATE_DICT) for w in self._all()}
+
+    def load_state_dicts(self, state_dict: dict) -> None:
+        """Give worker i the entry ``"worker<i>"`` of ``state_dict`` (workers without one keep theirs)."""
+        self.drain()
+        for worker in self._all():
+            key = f"worker{worker}"
+            if key in state_dict:
+                self._requests.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
+
+    def reset(self, workers: Sequence[int] | None = None) -> None:
+        """Reset the envs of ``workers`` (default: every worker)."""
+        self.drain()
+        self._requests.broadcast(Command.RESET, None, list(workers) if workers is not None else None)
+
+    # ------------------------------------------------------------------ calls into the workers' collectors
+    def call_each(self, method_name: str, calls: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        """Call ``method_name`` on worker ``i``'s collector with ``calls[i]`` (one per worker)."""
+        self.drain()
+        ids = {w: self._requests.send(w, Command.CASCADE, (method_name, *calls[w])) for w in self._all()}
+        return [self._requests.wait_for(w, ids[w]).value for w in self._all()]
+
+    def call(self, path: str, args: tuple = (), kwargs: dict | None = None,
+             workers: Iterable[int] | None = None) -> list[Any]:
+        """``path`` resolved (and called with the arguments) in each worker's collector."""
+        workers = self._all() if workers is None else workers
+        return [self._requests.request(w, Command.CASCADE, (path, args, kwargs or {})) for w in workers]
+
+    def get_attr(self, attr: str) -> list[Any]:
+        """The attribute at ``attr`` in every worker's collector, in worker order."""
+        return self._requests.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
+
+    def getattr_policy(self, name: str) -> Any:
+        return self._requests.request(0, Command.GETATTR_POLICY, name)
+
+    def getattr_env(self, name: str) -> Any:
+        return self._requests.request(0, Command.GETATTR_ENV, name)
+
+    def worker_stats(self) -> list[dict]:
+        """Each worker's own ``stats()``."""
+        return self.call_each("stats", [((), {})] * len(self.fleet))
+
+    # ------------------------------------------------------------------ hooks and versions
+    def set_hook(self, name: str, hook: Callable | None) -> None:
+        """Set the hook ``name`` (``"pre_collect_hook"``, ``"post_collect_hook"``) in every worker, and
+        in every spec so that a replacement or an added worker gets it too."""
+        self.drain()
+        wrapped = wrap_callable(hook)
+        self._requests.broadcast(Command.CASCADE, (f"set_{name}", (wrapped,), {}))
+        for worker, spec in enumerate(self.fleet.specs):
+            if spec is not None:
+                self.fleet.remember(worker, collector_kwargs={**spec.collector_kwargs, name: wrapped})
+
+    def increment_version(self) -> None:
+        self.drain()
+        self._requests.broadcast(Command.CASCADE, ("increment_version", (), {}))
+
+    # ------------------------------------------------------------------ profiling
+    def enable_profile(self, config: ProfileConfig) -> None:
+        workers = [w for w in config.workers if 0 <= w < len(self.fleet)]
+        replies = self._requests.broadcast(Command.ENABLE_PROFILE, config, workers, timeout=30.0)
+        for worker, reply in zip(workers, replies):
+            if reply != "profiling":
+                raise RuntimeError(f"{self.noun} {worker} answered {reply!r} to enable_profile.")
+
+    def disable_profile(self) -> None:
+        self.drain()
+        self._requests.broadcast(Command.CASCADE, ("disable_profile", (), {}))
