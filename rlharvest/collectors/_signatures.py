@@ -55,3 +55,9 @@ def method_signature(signature: inspect.Signature) -> inspect.Signature:
     tests and users compare constructors that way, not only through the class)."""
     this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return signature.replace(parameters=[this, *signature.parameters.values()])
+
+
+def constructor_arguments(frame_locals: Mapping[str, Any]) -> dict[str, Any]:
+    """A constructor's arguments from its ``locals()`` taken first thing (``self`` left out), to be
+    parsed at once into the collector's typed options."""
+    return {name: value for name, value in frame_locals.items() if name not in ("self", "__class__")}

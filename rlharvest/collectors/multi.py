@@ -9,32 +9,23 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import MASK, TRAJ_IDS, cpu_count
-from ..config import CollectorConfig, positive_seconds
-from ..data import ReplayBuffer
+from .._utils import MASK, TRAJ_IDS
 from ..errors import WorkerError
 from ..policies import ExplorationType
-from ..protocol import Command, WorkerSpec
-from ..transport.base import Backend
-from ..transport.mp import MPBackend, mp_context
+from ..protocol import Command
 from ..weight_update.strategy import weights_of
-from ..worker import run_worker
-from ._specs import check_policy_args, default_schemes, env_functions, per_worker, stateless_copy, validate_cat_results, validate_preemptive_threshold, wrap_callable
-from ._signatures import bind_arguments, derived_signature, method_signature
+from ._signatures import bind_arguments, constructor_arguments, derived_signature, method_signature
+from ._specs import default_schemes, stateless_copy
+from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
 from .remote import RemoteCollectorBase
 from .single import Collector
 
 __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
-
-#: seconds a worker may go without answering or making progress before TimeoutError
-DEFAULT_WORKER_TIMEOUT = 120.0
-
 
 class _DispatchOnSync(type(RemoteCollectorBase)):
     """``MultiCollector(..., sync=...)`` builds a MultiSyncCollector (default) or a MultiAsyncCollector."""
@@ -136,132 +127,77 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         init_fn: Callable[[], None] | None = None,
         auto_register_policy_transforms: bool | None = None,
     ) -> None:
-        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
+        arguments = constructor_arguments(locals())  # first thing: parsed at once into typed options
         super().__init__()
         self._closed = True
-        self._setup(arguments)
+        self._build(WorkerProcessOptions.parse(type(self).__name__, sync=self._sync, **arguments))
         self._closed = False
         if weight_recv_schemes is not None:
             self.register_scheme_receiver(weight_recv_schemes)
 
     # ------------------------------------------------------------------ construction
-    def _setup(self, arguments: dict) -> None:
-        if not arguments["reset_when_done"]:
-            raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-        env_fns = env_functions(arguments["create_env_fn"], arguments["num_workers"])
-        count = len(env_fns)
-        policy, factories = arguments["policy"], arguments["policy_factory"]
-        factories = per_worker(factories, count, "policy_factory") if factories is not None else None
-        check_policy_args(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
-        self.config = config = CollectorConfig.from_arguments(arguments)
-        init_fn = arguments["init_fn"]
-        if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
-        self._init_fn = init_fn
-        self._frames_per_worker = config.split_frames(count, "share" if self._sync else "whole")
-        if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
-            warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
-                          "storage).", FutureWarning, stacklevel=4)
-        self._worker_idx = config.worker_idx
+    def _build(self, options: WorkerProcessOptions) -> None:
+        self._options = options
+        self.config = options.config
+        self._worker_idx = options.config.worker_idx
         # Serving a parent (inside a node): collect on demand, like a Collector, so that weights the
         # parent pushes after taking a batch are in the next one (no batch prefetched with old ones).
-        self._relaunch_after_yield = config.worker_idx is not None
-        self._cat_results = validate_cat_results(arguments["cat_results"], self._sync, config.use_buffers)
-        self._check_uniform_stack()
-        self.update_at_each_batch = bool(arguments["update_at_each_batch"])
-        self.preemptive_threshold = validate_preemptive_threshold(arguments["preemptive_threshold"])
-        self._version_tracker = config.track_policy_version or None
-        self._worker_timeout = positive_seconds("worker_timeout", arguments["worker_timeout"])
-        config.check_workers(count)
-        self._backend = self._make_backend(count, arguments["mp_start_method"])
-        self.policy, self.policy_factory = policy, factories
+        self._relaunch_after_yield = options.config.worker_idx is not None
+        self._version_tracker = options.config.track_policy_version or None
+        self._backend = options.backend()
+        self.policy, self.policy_factory = options.policy, options.policy_factories
         self._fallback_policy = None
-        self._setup_weights(policy, factories, arguments["weight_updater"], arguments["weight_sync_schemes"])
-        self._setup_buffer()
-        self._set_threads(arguments["num_threads"], count)
-        specs = self._worker_specs(env_fns, arguments["collector_class"], arguments["num_sub_threads"])
-        self._start_workers(specs)
-
-    def _make_backend(self, count: int, start_method: str | None) -> Backend:
-        """Worker processes (the backend is the one thing that differs for the in-process tests)."""
-        devices = [self.config.policy_device_of(worker) for worker in range(count)]
-        return MPBackend(count, run_worker, mp_context(start_method), policy_devices=devices)
-
-    def _check_uniform_stack(self) -> None:
-        if self._sync and self._cat_results == "stack" and len(set(self._frames_per_worker)) > 1:
-            raise ValueError(
-                f"Per-worker frames {self._frames_per_worker} differ, so batches cannot be stacked: pass "
-                "cat_results=-1 to concatenate them along time."
-            )
-
-    def _setup_weights(self, policy, factories, weight_updater, schemes) -> None:
-        default_name = self._backend.default_scheme()
-        if weight_updater is None and schemes is None:
-            schemes = default_schemes(default_name, policy, factories)
-        self._legacy = weight_updater is not None
-        if self._legacy:
-            schemes = default_schemes(default_name, policy, factories)  # the legacy updater's transport
-            self._legacy_schemes = schemes
-            self._weight_sync_schemes = None
-        else:
-            self._weight_sync_schemes = dict(schemes or {})
-        self._pending_updater = weight_updater
-        self._sender_schemes = dict(schemes or {})
-        for model_id, scheme in self._sender_schemes.items():
-            scheme.init_on_sender(model_id=model_id, context=self, num_workers=len(self._frames_per_worker))
-        if self._sender_schemes and "policy" in self._sender_schemes and policy is not None:
-            self._worker_policy = stateless_copy(policy) if factories is None else None
-        else:
-            self._worker_policy = policy if factories is None else None
-
-    def _setup_buffer(self) -> None:
-        buffer = self.config.replay_buffer
-        # With restarts, only this process writes the buffer, and only whole batches: a worker killed
-        # while writing would leave a partial write (and the buffer's lock held). docs/restarts.md.
-        self._workers_write = isinstance(buffer, ReplayBuffer) and not self.config.max_worker_restarts
-        if self._workers_write:
-            buffer.make_process_safe(self._backend.ctx)
-
-    def _set_threads(self, num_threads: int | None, count: int) -> None:
-        if num_threads is None:
-            num_threads = max(1, cpu_count() - count)
-        torch.set_num_threads(max(1, int(num_threads)))
-
-    def _worker_specs(self, env_fns, collector_class, num_sub_threads) -> list[WorkerSpec]:
-        config = self.config
-        counter = self._traj_counter = self._backend.trajectory_counter()  # shared: ids are fresh after a restart
-        # Workers that write the replay buffer themselves post-process what they write.
-        written = dict(postproc=config.postproc, split_trajs=config.split_trajs) if self._workers_write else {}
-        if self._workers_write and config.trajs_per_batch is not None:  # each worker writes its own trajectories
-            written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
-        return [WorkerSpec(
-            worker_idx=worker,
-            collector_class=wrap_callable(collector_class or Collector),
-            create_env_fn=wrap_callable(env_fns[worker]),
-            collector_kwargs=config.for_worker(worker, frames_per_batch=self._frames_per_worker[worker],
-                                               traj_pool=counter, **written),
-            policy=wrap_callable(self._worker_policy),
-            policy_factory=wrap_callable(self.policy_factory[worker] if self.policy_factory else None),
-            weight_recv_schemes=self._sender_schemes or None,
-            replay_buffer=config.replay_buffer if self._workers_write else None,
-            num_threads=num_sub_threads,
-            init_random_frames=config.init_random_frames,
-            init_fn=wrap_callable(self._init_fn),
-        ) for worker in range(len(env_fns))]
-
-    def _start_workers(self, specs: list[WorkerSpec]) -> None:
+        self._setup_weights()
+        if options.workers_write_buffer:
+            options.config.replay_buffer.make_process_safe(self._backend.ctx)
+        torch.set_num_threads(options.torch_threads())
+        self._traj_counter = self._backend.trajectory_counter()  # shared: ids are fresh after a restart
+        specs = options.worker_specs(default_collector=Collector, policy=self._worker_policy,
+                                     schemes=self._sender_schemes, traj_counter=self._traj_counter)
         try:
-            self._start_fleet(specs, self._worker_timeout)
+            self._start_fleet(specs, options.worker_timeout)
             self._started = True
         except BaseException:
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
             raise
         if self._legacy:
-            self.weight_updater = self._pending_updater
+            self.weight_updater = options.weight_updater
+
+    def _setup_weights(self) -> None:
+        options = self._options
+        policy, factories = options.policy, options.policy_factories
+        default_name = self._backend.default_scheme()
+        self._legacy = options.weight_updater is not None
+        if self._legacy:  # the legacy updater's transport
+            schemes = default_schemes(default_name, policy, factories)
+            self._legacy_schemes = schemes
+            self._weight_sync_schemes = None
+        else:
+            schemes = options.weight_sync_schemes
+            if schemes is None:
+                schemes = default_schemes(default_name, policy, factories)
+            self._weight_sync_schemes = dict(schemes)
+        self._sender_schemes = dict(schemes or {})
+        for model_id, scheme in self._sender_schemes.items():
+            scheme.init_on_sender(model_id=model_id, context=self, num_workers=options.num_workers)
+        if factories is not None:
+            self._worker_policy = None
+        elif self._sender_schemes and "policy" in self._sender_schemes and policy is not None:
+            self._worker_policy = stateless_copy(policy)  # its weights arrive through the scheme
+        else:
+            self._worker_policy = policy
 
     def _trajectory_counter(self):
         return self._traj_counter
+
+    @property
+    def update_at_each_batch(self) -> bool:
+        return self._options.update_at_each_batch
+
+    @property
+    def preemptive_threshold(self) -> float | None:
+        return self._options.preemptive_threshold
 
     # ------------------------------------------------------------------ properties
     @property
@@ -270,7 +206,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     @property
     def frames_per_batch_worker(self) -> list[int]:
-        return list(self._frames_per_worker)
+        return list(self._options.frames_per_worker)
 
     def get_model(self, model_id: str):
         if model_id != "policy":
@@ -329,24 +265,24 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     # ------------------------------------------------------------------ replay buffer
     def _assembles_trajectories(self) -> bool:
-        return not self._workers_write
+        return not self._options.workers_write_buffer
 
     def _write_to_buffer(self, batch: TensorDictBase) -> None:
         buffer = self.config.replay_buffer
-        if self._workers_write and self.config.trajs_per_batch is not None:
+        if self._options.workers_write_buffer and self.config.trajs_per_batch is not None:
             # The worker that sent this batch keeps its trajectories and writes them once the storage
             # is attached: here the batch only gives the storage its layout.
             if batch.numel():
                 buffer.init_storage(self._postprocess(batch))
         else:
             super()._write_to_buffer(batch)
-        if self._workers_write and buffer.storage is not None and not self._buffer_attached:
+        if self._options.workers_write_buffer and buffer.storage is not None and not self._buffer_attached:
             self._buffer_attached = True
             self._drain_async()
             self._requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)
 
     def _workers_can_write(self) -> bool:
-        return self._workers_write
+        return self._options.workers_write_buffer
 
     def _prepare_run_free(self) -> None:
         if self.config.replay_buffer.storage is None:
@@ -397,13 +333,13 @@ class MultiSyncCollector(MultiCollector):
         return [replies[w] for w in range(len(pool))]
 
     def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:
-        if self._cat_results == "stack":
+        if self._options.cat_results == "stack":
             out = torch.stack(batches, 0)
             if self.preemptive_threshold is not None:
                 out.set(MASK, out.get(TRAJ_IDS) != -1)
             out.names = [None] * (out.batch_dims - 1) + ["time"]
             return out
-        dim = self._cat_results
+        dim = self._options.cat_results
         if self.preemptive_threshold is not None:
             batches = [_valid_steps(b) for b in batches]
         out = torch.cat(batches, dim)
@@ -463,7 +399,7 @@ class AsyncCollector(MultiAsyncCollector):
             raise TypeError("AsyncCollector takes one env constructor, not a list (use MultiAsyncCollector).")
         if arguments.pop("num_workers") != 1:
             raise ValueError("AsyncCollector runs exactly one worker.")
-        arguments["create_env_kwargs"] = [arguments["create_env_kwargs"] or {}]
-        super().__init__([create_env_fn], **arguments)
+        create_env_kwargs = arguments.pop("create_env_kwargs")
+        super().__init__([create_env_fn], create_env_kwargs=[create_env_kwargs or {}], **arguments)
 
     __init__.__signature__ = method_signature(__signature__)

@@ -38,7 +38,7 @@ from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
 from .pipes import Doorbell
 from .ray_weights import RayWeightLinks, WeightInboxes
 
-__all__ = ["RayBackend", "RayWorkerActor", "RayWorkerEndpoint", "RayWorkerHandle", "require_ray", "ensure_ray",
+__all__ = ["ActorReplayBuffer", "as_replay_buffer", "RayBackend", "RayWorkerActor", "RayWorkerEndpoint", "RayWorkerHandle", "require_ray", "ensure_ray",
            "DEFAULT_REMOTE_CONFIG"]
 
 #: what each actor reserves unless ``remote_configs`` says otherwise: one CPU, no GPU
@@ -77,6 +77,26 @@ def ensure_ray(init_config: dict | None = None):
     if not ray.is_initialized():
         ray.init(**(init_config or {}))
     return ray
+
+
+class ActorReplayBuffer:
+    """A replay buffer that is itself a Ray actor, written through its ``extend`` method."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def extend(self, data: TensorDictBase) -> Any:
+        return require_ray().get(self.actor.extend.remote(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return require_ray().get(getattr(self.actor, name).remote())
+
+
+def as_replay_buffer(buffer: Any) -> Any:
+    """``buffer``, or an :class:`ActorReplayBuffer` writing into it when it is a Ray actor."""
+    if buffer is not None and isinstance(buffer, require_ray().actor.ActorHandle):
+        return ActorReplayBuffer(buffer)
+    return buffer
 
 
 # ---------------------------------------------------------------------------------------------- actor side

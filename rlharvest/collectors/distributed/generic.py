@@ -11,53 +11,26 @@ profiling, shutdown) is the one of :class:`~rlharvest.collectors.remote.RemoteCo
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
 from ..._utils import TRAJ_IDS
-from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...policies import ExplorationType
 from ...protocol import Command, WorkerSpec
-from ...transport.base import Backend
-from ...transport.rendezvous import check_backend
-from ...transport.torchdist import TorchDistBackend
 from ...weight_update.schemes import WeightSyncScheme
-from ...worker.nodes import node_main
-from .._specs import has_weights, per_worker, stateless_copy
+from .._signatures import constructor_arguments
+from .._specs import has_weights
 from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
+from ..options.nodes import NodeOptions, TorchDistOptions, resolve_collector_class
 from ..remote import RemoteCollectorBase, valid_part
 from ..single import Collector
-from ._network import NetworkConfig
 from ._pushed_batches import PushedBatchReceiver
-from .launchers import DEFAULT_SLURM_CONF, LAUNCHERS
 
 __all__ = ["DistributedCollector", "resolve_collector_class"]
-
-_NON_MODULE_POLICY = ("The policy is not an nn.Module and no policy_factory was given: "
-                      "update_policy_weights_ will be a no-op.")
-
-
-def resolve_collector_class(collector_class: Any) -> type:
-    """``"single"``, ``"sync"``, ``"async"`` or a class (an unknown string raises ValueError)."""
-    from ..multi import MultiAsyncCollector, MultiSyncCollector
-
-    names = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
-    if isinstance(collector_class, str):
-        if collector_class not in names:
-            raise ValueError(f"collector_class must be one of {sorted(names)} or a collector class, "
-                             f"got {collector_class!r}")
-        return names[collector_class]
-    if collector_class is None:
-        return Collector
-    if not callable(collector_class):
-        raise ValueError(f"collector_class must be a class or one of {sorted(names)}, got {collector_class!r}")
-    return collector_class
-
 
 class DistributedCollector(RemoteCollectorBase):
     """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
@@ -114,8 +87,6 @@ class DistributedCollector(RemoteCollectorBase):
     noun = "node"
     #: nodes get a stateless policy and receive its weights from the scheme's initial sync
     _stateless_nodes = True
-    #: RPCCollector's trajs_per_batch / trajs_per_write / traj_format (assembled on this process)
-    _trajectory_options: dict = {}
     #: whether the constructor returns only once every node is built
     _wait_until_built = True
     #: running free (:meth:`start`): the thread writing the nodes' pushed batches into the buffer
@@ -164,128 +135,100 @@ class DistributedCollector(RemoteCollectorBase):
         authkey: bytes | str | None = None,
         handshake_timeout: float = 5.0,
     ) -> None:
-        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
+        self._construct(constructor_arguments(locals()))  # first thing: parsed at once into typed options
+
+    def _construct(self, arguments: dict[str, Any]) -> None:
+        """Build from the constructor's arguments (faces with a signature of their own come here too)."""
         self._closed = True
-        self._setup(arguments)
+        self._build(self._parse(arguments))
         self._closed = False
-        if weight_recv_schemes is not None:
-            self.register_scheme_receiver(weight_recv_schemes)
+        if self._options.weight_recv_schemes is not None:
+            self.register_scheme_receiver(self._options.weight_recv_schemes)
+
+    def _parse(self, arguments: dict[str, Any]) -> NodeOptions:
+        """This face's typed options from its constructor's arguments."""
+        return TorchDistOptions.parse(type(self).__name__, **arguments)
 
     # ------------------------------------------------------------------ construction
-    def _setup(self, arguments: dict) -> None:
-        super().__init__()  # the state of every collector with workers (RayCollector builds through here too)
-        create_env_fn = arguments["create_env_fn"]
-        if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
-            raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
-        self.env_constructors = list(create_env_fn)
-        count = len(self.env_constructors)
-        self._sync = bool(arguments["sync"])
-        self.config = config = CollectorConfig.from_arguments({**arguments, **self._trajectory_options})
-        self._check_arguments(count, arguments)
-        self._frames_per_node = config.split_frames(count, "exact" if self._sync else "whole")[0]
-        config.check_workers(count)
-        self.collector_class = resolve_collector_class(arguments["collector_class"])
-        self.num_workers_per_collector = self._check_sub_workers(arguments["num_workers_per_collector"])
-        self.update_after_each_batch = bool(arguments["update_after_each_batch"])
-        self.max_weight_update_interval = int(arguments["max_weight_update_interval"])
-        self.update_interval = arguments["update_interval"]
+    def _build(self, options: NodeOptions) -> None:
+        """Build this collector from its validated options: the backend, the weight schemes, the nodes."""
+        super().__init__()
+        self._options = options
+        self.config = options.config
+        self._sync = options.sync
+        self._worker_idx = None
         # Take a node's batch, yield it, (update), then re-launch that node: weights the caller
         # changed before the next batch reach the node before it collects again (docs/weights.md).
         self._relaunch_after_yield = True
-        self._setup_transport(arguments)
-        self.collector_kwargs = self._node_kwargs(arguments["collector_kwargs"], count)
-        self.policy = arguments["policy"]
-        factory = arguments["policy_factory"]
-        self.policy_factory = per_worker(factory, count, "policy_factory") if factory else None
+        # Per-node arguments, grown by RayCollector.add_collectors.
+        self.env_constructors = list(options.env_fns)
+        self.collector_kwargs = list(options.collector_kwargs)
+        self.policy_factory = list(options.policy_factories) if options.policy_factories else None
+        self.policy = options.policy
+        self.update_interval = options.update_interval
+        count = options.num_nodes
         self.policy_weights = self._main_weights(self.policy)
         self._batches_since_update = [0] * count
         self._traj_ids = TrajIdMap(count)
         self._yielded = 0
-        self._worker_idx = None
-        self._version_tracker = self._track_versions(arguments["collector_kwargs"])
-        self._backend = self._make_backend(count)
-        self._setup_schemes(arguments["weight_updater"], arguments["weight_sync_schemes"])
+        self._version_tracker = options.track_versions
+        self._backend = options.build_backend(count)
+        self._setup_schemes(options.weight_updater, options.weight_sync_schemes)
         self._start_nodes(count)
 
-    def _setup_transport(self, arguments: dict) -> None:
-        """Where nodes run and how they are reached (launcher, process-group backend, network)."""
-        self.backend, self.launcher = arguments["backend"], arguments["launcher"]
-        self._net = net = self._network(arguments)
-        self.tcp_port = str(net.tcp_port)
-        self._worker_timeout, self._heartbeat_timeout = net.worker_timeout, net.heartbeat_timeout
-        self.slurm_kwargs = {**DEFAULT_SLURM_CONF, **(arguments["slurm_kwargs"] or {})}
-        self._mp_start_method = arguments["mp_start_method"]
+    # ------------------------------------------------------------------ what the options hold
+    @property
+    def collector_class(self) -> type:
+        return self._options.collector_class
 
-    def _check_transport_arguments(self, arguments: dict) -> None:
-        launcher = arguments["launcher"]
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
-        check_backend(arguments["backend"])
-        if launcher in ("submitit", "submitit_delayed"):
-            try:
-                import submitit  # noqa: F401  (only whether it is there)
-            except ImportError as err:
-                raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+    @property
+    def num_workers_per_collector(self) -> int:
+        return self._options.num_workers_per_collector
 
-    def _check_arguments(self, count: int, arguments: dict) -> None:
-        self._check_transport_arguments(arguments)
-        if isinstance(self.config.frames_per_batch, tuple):
-            raise TypeError(f"frames_per_batch must be an int for {type(self).__name__} (nodes collect equal "
-                            "shares), got a list.")
-        if arguments["update_after_each_batch"] and arguments["max_weight_update_interval"] > -1:
-            raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
-        interval = arguments["update_interval"]
-        if interval is not None and (not isinstance(interval, int) or interval < 1):
-            raise ValueError(f"update_interval must be an int >= 1 (or None), got {interval!r}")
-        if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"] is not None:
-            raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
+    @property
+    def update_after_each_batch(self) -> bool:
+        return self._options.update_after_each_batch
 
-    def _track_versions(self, collector_kwargs) -> Any:
-        """The version tracker: ``track_policy_version``, or the nodes' when given in ``collector_kwargs``."""
-        entries = collector_kwargs if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs or {}]
-        return self.config.track_policy_version or any(e.get("track_policy_version") for e in entries) or None
+    @property
+    def max_weight_update_interval(self) -> int:
+        return self._options.max_weight_update_interval
 
-    def _network(self, arguments: dict) -> NetworkConfig:
-        return NetworkConfig.parse(
-            launcher=arguments["launcher"], tcp_port=arguments["tcp_port"], bind_address=arguments["bind_address"],
-            authkey=arguments["authkey"], worker_timeout=arguments["worker_timeout"],
-            heartbeat_timeout=arguments["heartbeat_timeout"], handshake_timeout=arguments["handshake_timeout"])
+    @property
+    def _frames_per_node(self) -> int:
+        return self._options.frames_per_node
 
-    def _check_sub_workers(self, num_workers_per_collector: int) -> int:
-        if self.collector_class is Collector and num_workers_per_collector != 1:
-            raise RuntimeError("num_workers_per_collector must be 1 when the nodes run a single Collector; use "
-                               "collector_class='sync' or 'async' for several sub-workers per node.")
-        return int(num_workers_per_collector)
+    @property
+    def _worker_timeout(self) -> float:
+        return self._options.worker_timeout
 
-    def _node_kwargs(self, collector_kwargs, count: int) -> list[dict]:
-        """The node collectors' keyword arguments: the user's ``collector_kwargs``, then this
-        collector's own arguments for its nodes (``CollectorConfig.for_worker``)."""
-        if isinstance(collector_kwargs, (list, tuple)):
-            if len(collector_kwargs) != count:
-                raise ValueError(f"collector_kwargs must hold exactly one dict per node ({count}), "
-                                 f"got {len(collector_kwargs)}.")
-            kwargs = [dict(k) for k in collector_kwargs]
-        else:
-            kwargs = [dict(collector_kwargs or {}) for _ in range(count)]
-        config = self.config
-        if not self._sync and config.init_random_frames:
-            warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
-                          "policy batches may interleave.", stacklevel=4)
-        share = config.init_random_frames // count  # a node running free decides alone: its share
-        return [{**entry, **config.for_worker(node, init_random_frames=share)} for node, entry in enumerate(kwargs)]
+    @property
+    def backend(self) -> str | None:
+        """The process groups' backend (``"gloo"``, ...); None where there are none (Ray)."""
+        return getattr(self._options, "backend", None)
+
+    @property
+    def launcher(self) -> str | None:
+        """How nodes are started (``"mp"``, ``"submitit"``, ...); None where a cluster places them (Ray)."""
+        return getattr(self._options, "launcher", None)
+
+    @property
+    def slurm_kwargs(self) -> dict | None:
+        return getattr(self._options, "slurm_kwargs", None)
+
+    @property
+    def _net(self):
+        return getattr(self._options, "network", None)
+
+    @property
+    def tcp_port(self) -> str | None:
+        return str(self._net.tcp_port) if self._net is not None else None
 
     def _main_weights(self, policy) -> TensorDictBase | None:
         if isinstance(policy, torch.nn.Module):
             from tensordict import TensorDict
 
             return TensorDict.from_module(policy).data
-        if not self.policy_factory and policy is not None:
-            warnings.warn(_NON_MODULE_POLICY, stacklevel=4)
         return None
-
-    def _make_backend(self, count: int) -> Backend:
-        return TorchDistBackend(count, node_main, self._net, launcher=self.launcher, backend=self.backend,
-                                slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
 
     def _default_schemes(self, sync: bool) -> dict:
         weighted = has_weights(self.policy) or self.policy_factory is not None
@@ -296,7 +239,6 @@ class DistributedCollector(RemoteCollectorBase):
         if weight_updater is None and schemes is None:
             schemes = self._default_schemes(sync=True)
         self._legacy = weight_updater is not None
-        self._pending_updater = weight_updater
         self._sender_schemes = dict(schemes or {})
         if self._legacy:
             self._sender_schemes = self._default_schemes(sync=True)  # the legacy updater's transport
@@ -315,23 +257,13 @@ class DistributedCollector(RemoteCollectorBase):
                 scheme.shutdown()
             raise
         if self._legacy:
-            self.weight_updater = self._pending_updater
+            self.weight_updater = self._options.weight_updater
 
     def _node_spec(self, node: int) -> WorkerSpec:
-        kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node)
-        env_fn = self.env_constructors[node]
-        if self.collector_class is not Collector:
-            env_fn = [env_fn] * self.num_workers_per_collector
-        factory = self.policy_factory[node] if self.policy_factory else None
-        policy = None
-        if factory is None and self.policy is not None:
-            stateless = self._sender_schemes and self._stateless_nodes
-            policy = stateless_copy(self.policy) if stateless else self.policy
-        return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
-                          collector_kwargs=kwargs, policy=policy, policy_factory=factory,
-                          weight_recv_schemes=self._sender_schemes or None, num_threads=1,
-                          # a node running free decides alone: its share of the random warm-up
-                          init_random_frames=self.config.init_random_frames // self.num_workers)
+        return self._options.node_spec(
+            node, env_fn=self.env_constructors[node], collector_kwargs=self.collector_kwargs[node],
+            factory=self.policy_factory[node] if self.policy_factory else None, schemes=self._sender_schemes,
+            stateless=self._stateless_nodes, num_nodes=self.num_workers)
 
     @property
     def num_workers(self) -> int:

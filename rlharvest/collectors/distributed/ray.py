@@ -18,12 +18,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tensordict import TensorDictBase
 
-from ...config import positive_seconds
 from ...protocol import Command
-from ...transport.base import Backend
-from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, ensure_ray, require_ray
-from ...worker import run_worker
+from ...transport.ray import ensure_ray, require_ray
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
+from ..options.nodes import RayOptions, remote_configs_of, replicated
 from ..single import Collector
 from .generic import DistributedCollector
 
@@ -35,37 +33,6 @@ _NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port"
 
 #: how argument errors of add_collectors name one entry
 _NEW = "new actor (one per entry of create_env_fn)"
-
-
-def _replicated(value: Any, name: str, count: int, per: str = "collector") -> list:
-    """``value`` for each of ``count`` collectors: a list of that length, or one value repeated."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(f"{name} must hold one entry per {per} ({count}), got {len(value)}.")
-        return list(value)
-    return [value] * count
-
-
-def _remote_configs(value: Any, count: int, per: str = "collector") -> list[dict]:
-    configs = _replicated(DEFAULT_REMOTE_CONFIG if value is None else value, "remote_configs", count, per)
-    for config in configs:
-        if not isinstance(config, dict):
-            raise TypeError(f"remote_configs must be a dict or a list of dicts (ray.remote options), got "
-                            f"{type(config).__name__}.")
-    return [dict(config) for config in configs]
-
-
-class _ActorBuffer:
-    """A replay buffer that is itself a Ray actor, written through its ``extend`` method."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def extend(self, data: TensorDictBase) -> Any:
-        return require_ray().get(self.actor.extend.remote(data))
-
-    def __getattr__(self, name: str) -> Any:
-        return require_ray().get(getattr(self.actor, name).remote())
 
 
 class RayCollector(DistributedCollector):
@@ -112,45 +79,15 @@ class RayCollector(DistributedCollector):
 
     def __init__(self, *args, **kwargs) -> None:
         arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
-        count = arguments.pop("num_collectors")
-        env_fns = arguments["create_env_fn"]
-        if count is None:
-            count = len(env_fns) if isinstance(env_fns, (list, tuple)) else 1
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"num_collectors must be a positive int, got {count!r}")
-        arguments["create_env_fn"] = _replicated(env_fns, "create_env_fn", count)
-        if not isinstance(arguments["collector_kwargs"], (list, tuple)):
-            arguments["collector_kwargs"] = [dict(arguments["collector_kwargs"] or {}) for _ in range(count)]
-        self._remote_configs = _remote_configs(arguments.pop("remote_configs"), count)
-        self._ray_init_config = arguments.pop("ray_init_config")
-        arguments.pop("use_env_creator")
-        if arguments["no_cuda_sync"] is None:
-            arguments["no_cuda_sync"] = False
-        arguments["update_interval"] = None
-        ray = require_ray()
-        if isinstance(arguments["replay_buffer"], ray.actor.ActorHandle):
-            arguments["replay_buffer"] = _ActorBuffer(arguments["replay_buffer"])
-        self._closed = True
-        self._setup(arguments)
-        self._closed = False
-        if arguments["weight_recv_schemes"] is not None:
-            self.register_scheme_receiver(arguments["weight_recv_schemes"])
+        self._construct(arguments)
 
     __init__.__signature__ = method_signature(__signature__)
 
     # ------------------------------------------------------------------ construction
-    def _setup_transport(self, arguments: dict) -> None:
-        self.backend = self.launcher = None
-        self._worker_timeout = positive_seconds("worker_timeout", arguments["worker_timeout"])
-        self._heartbeat_timeout = positive_seconds("heartbeat_timeout", arguments["heartbeat_timeout"])
-        ensure_ray(self._ray_init_config)
-
-    def _check_transport_arguments(self, arguments: dict) -> None:
-        """Ray places the actors: there is no launcher to check."""
-
-    def _make_backend(self, count: int) -> Backend:
-        return RayBackend(count, run_worker, self._remote_configs, heartbeat_timeout=self._heartbeat_timeout,
-                          start_timeout=self._worker_timeout)
+    def _parse(self, arguments: dict[str, Any]) -> RayOptions:
+        options = RayOptions.parse(type(self).__name__, **arguments)
+        ensure_ray(options.ray_init_config)
+        return options
 
     @property
     def _wait_until_built(self) -> bool:
@@ -224,7 +161,7 @@ class RayCollector(DistributedCollector):
         count, first = len(env_fns), self.num_workers
         sub_workers = self._new_num_envs(num_envs)
         kwargs = self._new_collector_kwargs(collector_kwargs, count)
-        configs = _remote_configs(remote_configs, count, _NEW)
+        configs = remote_configs_of(remote_configs, count, _NEW)
         factory = self._new_policy(policy, count)
         self._check_new_count(first + count)
         specs = self._register_new(env_fns, kwargs, factory, sub_workers)
@@ -263,7 +200,7 @@ class RayCollector(DistributedCollector):
         return num_envs
 
     def _new_collector_kwargs(self, collector_kwargs: Any, count: int) -> list[dict]:
-        entries = _replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
+        entries = replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
                               _NEW)
         for index, entry in enumerate(entries):
             if not isinstance(entry, dict):
@@ -277,7 +214,7 @@ class RayCollector(DistributedCollector):
 
     def _new_policy(self, policy: Any, count: int) -> Callable | None:
         """The policy factory of the new actors (None: they run this collector's policy)."""
-        policies = _replicated(policy, "policy", count, _NEW) if isinstance(policy, (list, tuple)) else [policy]
+        policies = replicated(policy, "policy", count, _NEW) if isinstance(policy, (list, tuple)) else [policy]
         if any(entry is not None and entry is not self.policy for entry in policies):
             raise ValueError("policy must be None or this collector's policy (local_policy()), or a list of those: "
                              "every actor runs the weights this collector sends.")

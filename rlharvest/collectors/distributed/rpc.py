@@ -8,13 +8,10 @@ mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
 
 from __future__ import annotations
 
-from ...transport.base import Backend
-from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
-from ...worker.nodes import RPC_CALLS, node_main
 from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
-from ._network import NetworkConfig
+from ..options.nodes import RPCOptions
 from .generic import DistributedCollector
 
 __all__ = ["RPCCollector"]
@@ -56,42 +53,32 @@ class RPCCollector(DistributedCollector):
 
     def __init__(self, *args, **kwargs) -> None:
         arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
-        self._trajectory_options = {name: arguments.pop(name) for name in ("trajs_per_batch", "trajs_per_write",
-                                                                           "traj_format")}
-        visible_devices = arguments.pop("visible_devices")
-        if visible_devices is not None and len(visible_devices) != len(arguments["create_env_fn"]):
-            raise ValueError(f"visible_devices must hold one device per node ({len(arguments['create_env_fn'])}).")
-        self.visible_devices = visible_devices
-        self.tensorpipe_options = dict(arguments.pop("tensorpipe_options") or {})
         self.collector_rrefs: list = []
         self.collector_infos: list = []
         self._retired_rrefs: list = []
-        super().__init__(**arguments, update_interval=None)
+        self._construct(arguments)
 
     __init__.__signature__ = method_signature(__signature__)
 
     _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
 
-    def _network(self, arguments: dict) -> NetworkConfig:
-        return NetworkConfig.parse(launcher=arguments["launcher"], tcp_port=arguments["tcp_port"],
-                                   bind_address=arguments["bind_address"], authkey=None,
-                                   worker_timeout=arguments["worker_timeout"],
-                                   heartbeat_timeout=arguments["heartbeat_timeout"], needs_key=False)
+    def _parse(self, arguments: dict) -> RPCOptions:
+        # No automatic pushes every update_interval batches; torch RPC authenticates nobody (docs/security.md).
+        return RPCOptions.parse(type(self).__name__, update_interval=None, **arguments)
 
-    def _make_backend(self, count: int) -> Backend:
-        device_maps = None
-        if self.visible_devices is not None:
-            device_maps = {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
-        return RPCBackend(count, node_main, RPC_CALLS, self._net, launcher=self.launcher,
-                          tensorpipe_options=self.tensorpipe_options, device_maps=device_maps,
-                          slurm_kwargs=self.slurm_kwargs, start_method=self._mp_start_method)
+    @property
+    def visible_devices(self):
+        return self._options.visible_devices
+
+    @property
+    def tensorpipe_options(self) -> dict:
+        return self._options.tensorpipe_options
 
     def _setup_schemes(self, weight_updater, schemes) -> None:
         weighted = has_weights(self.policy) or self.policy_factory is not None
         if weight_updater is None and schemes is None:
             schemes = {"policy": RPCWeightSyncScheme()} if weighted else {}
         self._legacy = weight_updater is not None
-        self._pending_updater = weight_updater
         self._sender_schemes = {} if self._legacy else dict(schemes or {})
         self._weight_sync_schemes = None if self._legacy else self._sender_schemes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from tensordict import TensorDictBase
 
@@ -21,6 +21,7 @@ from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, method_signature
 from ..base import BaseCollector
 from ..remote import valid_part
+from ..options.nodes import TorchDistOptions
 from .generic import DistributedCollector
 
 __all__ = ["DistributedSyncCollector"]
@@ -50,18 +51,25 @@ class DistributedSyncCollector(DistributedCollector):
               "replay_buffer"))
 
     def __init__(self, *args, **kwargs) -> None:
-        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
-        count = len(arguments["create_env_fn"]) if isinstance(arguments["create_env_fn"], (list, tuple)) else 0
-        total_frames = arguments["total_frames"]
+        self._construct(bind_arguments(type(self).__name__, self.__signature__, args, kwargs))
+
+    def _parse(self, arguments: dict[str, Any]) -> TorchDistOptions:
+        return self._parse_sync(**arguments)
+
+    def _parse_sync(self, *, create_env_fn: Any, total_frames: int, update_interval: int | None, policy: Any,
+                    policy_factory: Any, backend: str, **others: Any) -> TorchDistOptions:
+        count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 0
         if count and total_frames is not None and total_frames > 0 and total_frames % count:
             raise RuntimeError(f"total_frames={total_frames} must be divisible by the {count} nodes "
                                "(or -1 for endless collection).")
-        update_interval = arguments.pop("update_interval")
-        schemes = {"policy": DistributedWeightSyncScheme(backend=arguments["backend"], sync=False)} if (
-            has_weights(arguments["policy"]) or arguments["policy_factory"] is not None) else {}
-        super().__init__(**arguments, sync=True, update_interval=None, weight_sync_schemes=schemes)
-        self.update_interval = int(update_interval) if update_interval else 1
-        self._pushing = False
+        # sync=False: nodes pick weights up between two env steps, without acknowledging
+        schemes = {"policy": DistributedWeightSyncScheme(backend=backend, sync=False)} if (
+            has_weights(policy) or policy_factory is not None) else {}
+        return TorchDistOptions.parse(
+            type(self).__name__, create_env_fn=create_env_fn, total_frames=total_frames, policy=policy,
+            policy_factory=policy_factory, backend=backend, sync=True, update_after_each_batch=False,
+            update_interval=int(update_interval) if update_interval else 1, weight_updater=None,
+            weight_sync_schemes=schemes, weight_recv_schemes=None, replay_buffer=None, **others)
 
     __init__.__signature__ = method_signature(__signature__)
 
