@@ -22,7 +22,7 @@ def wait_until(condition, timeout: float = 30.0, what: str = "the condition") ->
 
 
 class CountingPolicy(torch.nn.Module):
-    """SPEC §1.6: one scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast."""
+    """One scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast: actions show the weights."""
 
     def __init__(self, weight: float = 1.0, action_key="action") -> None:
         super().__init__()
@@ -53,7 +53,7 @@ def bias_policy(bias: float = 0.0) -> TensorDictModule:
 class TorchRLStyleCountingEnv:
     """A CountingEnv written against the TensorDict protocol only (no rlharvest base class).
 
-    Has exactly the members of SPEC §1.1, like a TorchRL ``EnvBase`` would, so it goes through the
+    Has exactly the members of the env protocol (docs/envs.md), like a TorchRL ``EnvBase`` would, so it goes through the
     collectors' general TensorDict path. ``with_step_and_maybe_reset=False`` removes that method.
     """
 
