@@ -329,11 +329,10 @@ def test_start_multi(collector_class, total_frames):
     collector = collector_class(envs(2), frames_per_batch=16, total_frames=total_frames, replay_buffer=rb,
                                 local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 1.0
-    while len(rb) < 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(rb) >= 16
-    collector.async_shutdown(timeout=10)
+    try:
+        wait_until(lambda: len(rb) >= 16, timeout=30, what="16 frames in the buffer")
+    finally:
+        collector.async_shutdown(timeout=10)
 
 
 def test_pause():
@@ -344,10 +343,9 @@ def test_pause():
         wait_until(lambda: rb.write_count >= 32, what="32 frames written")
         with collector.pause():
             count = rb.write_count
-            time.sleep(1.0)
+            time.sleep(1.0)  # the behaviour under test: nothing is written during a pause
             assert rb.write_count == count
-        time.sleep(0.5)
-        assert rb.write_count > count
+        wait_until(lambda: rb.write_count > count, timeout=30, what="writes after the pause")
     finally:
         collector.async_shutdown(timeout=10)
     with MultiSyncCollector(envs(2), frames_per_batch=8) as idle:
@@ -367,10 +365,7 @@ def test_start_update_policy():
         weights = TensorDict.from_module(policy).detach().clone()
         weights["module", "bias"] += 1
         collector.update_policy_weights_(weights)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and not (rb.latest(16)["action"] == 1).all():
-            time.sleep(0.01)
-        assert (rb.latest(16)["action"] == 1).all()
+        wait_until(lambda: (rb.latest(16)["action"] == 1).all(), timeout=30, what="frames acted with the new weights")
     finally:
         collector.async_shutdown(timeout=10)
 
@@ -380,11 +375,10 @@ def test_init_random_frames_with_start():
     collector = MultiSyncCollector([lambda: ContinuousMockEnv()] * 2, bias_policy(5.0), frames_per_batch=32,
                                    init_random_frames=64, replay_buffer=rb, local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 20
-    while rb.write_count < 256 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    collector.async_shutdown(timeout=10)
-    assert rb.write_count >= 256
+    try:
+        wait_until(lambda: rb.write_count >= 256, timeout=30, what="256 frames written")
+    finally:
+        collector.async_shutdown(timeout=10)
 
 
 # ------------------------------------------------------------------------------------- profiling, queries

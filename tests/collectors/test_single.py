@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from mocks import (ConstantObsEnv, CountingPolicy, PrivateKeysPolicy, StepCountEnv, TorchRLStyleCountingEnv, bias_policy,
@@ -216,12 +214,11 @@ def test_start_fills_buffer(total_frames):
     collector = Collector(ContinuousMockEnv(), frames_per_batch=16, total_frames=total_frames, replay_buffer=rb,
                           local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 1.0
-    while len(rb) < 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(rb) >= 16
-    assert collector.is_running()
-    collector.async_shutdown(timeout=10)
+    try:
+        wait_until(lambda: len(rb) >= 16, timeout=30, what="16 frames in the buffer")
+        assert collector.is_running()
+    finally:
+        collector.async_shutdown(timeout=10)
     assert not collector.is_running()
 
 
@@ -248,10 +245,7 @@ def test_start_update_policy():
         new_weights = TensorDict.from_module(policy).detach().clone()
         new_weights["module", "bias"] += 1
         collector.update_policy_weights_(new_weights)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and not (rb.latest(16)["action"] == 1).all():
-            time.sleep(0.01)
-        assert (rb.latest(16)["action"] == 1).all()
+        wait_until(lambda: (rb.latest(16)["action"] == 1).all(), timeout=30, what="frames acted with the new weights")
     finally:
         collector.async_shutdown(timeout=10)
 
@@ -261,11 +255,10 @@ def test_init_random_frames_with_start():
     collector = Collector(ContinuousMockEnv(), bias_policy(5.0), frames_per_batch=32, init_random_frames=64,
                           replay_buffer=rb, local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 10
-    while rb.write_count < 256 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    collector.async_shutdown(timeout=10)
-    assert rb.write_count >= 256
+    try:
+        wait_until(lambda: rb.write_count >= 256, timeout=30, what="256 frames written")
+    finally:
+        collector.async_shutdown(timeout=10)
     data = rb[:256]
     assert (data["action"][:64].abs() <= 1).all()   # random actions live in [-1, 1]
     assert (data["action"][64:] == 5).all()         # then the policy's
