@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -13,11 +14,16 @@ from rlharvest.envs import Composite, ContinuousMockEnv, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
-    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang)."""
+def wait_until(condition, timeout: float = 30.0, what: str | Callable[[], str] = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang).
+
+    ``what`` names what is awaited in the failure message; a callable is asked at the time of failure
+    (e.g. to list the processes still alive).
+    """
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what() if callable(what) else what} did not happen within {timeout:g} s")
         time.sleep(0.01)
 
 
