@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/batched_cpu.py [--size big] [--rounds 3] [--seconds 3]
 
-For 8 CartPole-v1 envs and the ``--size`` MLP (README "Many envs, one batched policy"):
+For 8 CartPole-v1 envs and the ``--size`` MLP (docs/performance.md, "Many envs, one batched policy"):
 ``Collector(ParallelEnv(8))``, ``AsyncBatchedCollector`` (one env per worker, and four), and
 ``MultiSyncCollector`` (per-worker inference), run one after the other ``--rounds`` times. Each line gives frames/s, the CPU time per
 frame of the collector's process and of its child processes (from ``/proc``: user + system), the

@@ -99,7 +99,7 @@ def measure_throughput(side: Side, kind: str, family: str, budget: common.Budget
 
 
 def measure_batched(side: Side, kind: str, num_envs: int, size: str, budget: common.Budget) -> dict[str, Any]:
-    """Frames/s of ``num_envs`` CartPole envs and the ``size`` MLP (README "Many envs, one batched policy")."""
+    """Frames/s of ``num_envs`` CartPole envs and the ``size`` MLP (docs/performance.md, "Many envs, one batched policy")."""
     info = {"collector_kind": kind, "num_envs": num_envs, "policy": size}
     if kind == "raw_vector":
         monitor = harness.CpuMonitor().start()

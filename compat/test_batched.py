@@ -1,5 +1,5 @@
 """rlharvest's SerialEnv / ParallelEnv of TorchRL envs, and AsyncBatchedCollector with TorchRL's envs and
-policies (README, "Many envs, one batched policy")."""
+policies (docs/envs.md, "Batched envs")."""
 
 from __future__ import annotations
 

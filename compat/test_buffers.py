@@ -6,6 +6,7 @@ import time
 
 import pytest
 from collector_kinds import KINDS, make_collector
+from mocks import wait_until
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl_objects import gym_env, q_value_actor
 
@@ -26,13 +27,6 @@ def test_iteration_writes_every_frame(kind, free_port):
     assert {"observation", "action", "action_value", ("next", "reward")} <= set(sample.keys(True, True))
 
 
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("kind", ["collector", "multisync", "multiasync", "distributed", "distributed_async"])
 def test_start_fills_the_buffer_and_pause_stops_writes(kind, free_port):
     buffer = ReplayBuffer(storage=LazyTensorStorage(100_000))
@@ -40,13 +34,13 @@ def test_start_fills_the_buffer_and_pause_stops_writes(kind, free_port):
                                total_frames=-1, replay_buffer=buffer)
     try:
         collector.start()
-        _wait_for(lambda: buffer.write_count >= 200)
+        wait_until(lambda: buffer.write_count >= 200, timeout=30, what="200 frames written")
         if kind != "collector":  # the in-process Collector has no pause() (as in TorchRL)
             with collector.pause():
                 frozen = buffer.write_count
-                time.sleep(0.3)
+                time.sleep(0.3)  # the behaviour under test: nothing is written during a pause
                 assert buffer.write_count == frozen
-            _wait_for(lambda: buffer.write_count > frozen)
+            wait_until(lambda: buffer.write_count > frozen, timeout=30, what="writes after the pause")
     finally:
         collector.async_shutdown(timeout=20)
     assert buffer.write_count >= 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -13,16 +14,21 @@ from rlharvest.envs import Composite, ContinuousMockEnv, CountingEnv, Unbounded
 from rlharvest.envs.specs import Binary
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
-    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang)."""
+def wait_until(condition, timeout: float = 30.0, what: str | Callable[[], str] = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds (never hang).
+
+    ``what`` names what is awaited in the failure message; a callable is asked at the time of failure
+    (e.g. to list the processes still alive).
+    """
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what() if callable(what) else what} did not happen within {timeout:g} s")
         time.sleep(0.01)
 
 
 class CountingPolicy(torch.nn.Module):
-    """SPEC §1.6: one scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast."""
+    """One scalar parameter ``weight`` (init 1.0); writes ``action = weight`` broadcast: actions show the weights."""
 
     def __init__(self, weight: float = 1.0, action_key="action") -> None:
         super().__init__()
@@ -53,7 +59,7 @@ def bias_policy(bias: float = 0.0) -> TensorDictModule:
 class TorchRLStyleCountingEnv:
     """A CountingEnv written against the TensorDict protocol only (no rlharvest base class).
 
-    Has exactly the members of SPEC §1.1, like a TorchRL ``EnvBase`` would, so it goes through the
+    Has exactly the members of the env protocol (docs/envs.md), like a TorchRL ``EnvBase`` would, so it goes through the
     collectors' general TensorDict path. ``with_step_and_maybe_reset=False`` removes that method.
     """
 

@@ -41,6 +41,14 @@ def children() -> set[int]:
     return alive
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for its parent to reap it counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def assert_no_children(before: set[int] | None = None, timeout: float = 5.0) -> None:
     """Fail if a child process (other than those in ``before``) is still alive after ``timeout``."""
     before = before or set()

@@ -10,14 +10,15 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 try:  # works whether or not tests/ becomes a package
     from . import netns  # type: ignore
+    from .mocks import wait_until  # type: ignore
 except ImportError:
     import netns  # type: ignore
+    from mocks import wait_until  # type: ignore
 
 
 def _require_netns():
@@ -342,10 +343,8 @@ def test_cleanup_kills_processes_and_deletes_namespaces(tmp_path):
             p2 = net.host_b.popen(["sh", "-c", "sleep 300 & sleep 301 & wait"])
             net.host_b.popen(["sh", "-c", f"setsid sleep 302 & echo $! > {pidfile}; wait"])
             net.cut()
-            deadline = time.monotonic() + 5
-            while not (pidfile.exists() and pidfile.read_text().strip()):
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=5,
+                       what="the daemonised grandchild's pid file")
             daemon_pid = int(pidfile.read_text())
             assert _alive(daemon_pid)
             raise RuntimeError("boom")           # cleanup must also happen on errors
@@ -356,10 +355,8 @@ def test_cleanup_kills_processes_and_deletes_namespaces(tmp_path):
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
     assert p1.returncode is not None and p2.returncode is not None
     assert not _alive(p1.pid) and not _alive(p2.pid)
-    deadline = time.monotonic() + 5
-    while _alive(daemon_pid):                    # reparented: reaped by init asynchronously
-        assert time.monotonic() < deadline, f"daemonised pid {daemon_pid} survived"
-        time.sleep(0.02)
+    # reparented: reaped by init asynchronously
+    wait_until(lambda: not _alive(daemon_pid), timeout=5, what=f"the exit of daemonised pid {daemon_pid}")
     assert set(_children(os.getpid())) - before == set()
     net.close()                                  # idempotent
 

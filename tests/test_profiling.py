@@ -1,4 +1,4 @@
-"""ProfileConfig and enable_profile on a Collector (SPEC §5; behaviours 34-36)."""
+"""ProfileConfig and enable_profile on a Collector (docs/collection.md, "Running free, profiling, seeds")."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.parametrize("warmup", [2, 3])
-def test_profile_config_validation(warmup):  # 34
+def test_profile_config_validation(warmup):
     with pytest.raises(ValueError, match="num_rollouts .* must be greater than warmup_rollouts"):
         ProfileConfig(num_rollouts=2, warmup_rollouts=warmup)
     with pytest.raises(ValueError, match="warmup_rollouts must be >= 0"):
         ProfileConfig(warmup_rollouts=-1)
 
 
-def test_profile_config_paths_and_workers():  # 34
+def test_profile_config_paths_and_workers():
     config = ProfileConfig()
     assert config.get_save_path(0) == Path("./collector_profile_0.json")
     assert ProfileConfig(save_path="/tmp/t_{worker_idx}.json").get_save_path(3) == Path("/tmp/t_3.json")
@@ -32,7 +32,7 @@ def test_profile_config_paths_and_workers():  # 34
         assert ProfileConfig(activities=["tpu"]).get_activities() == []
 
 
-def test_enable_profile_single_collector(tmp_path):  # 35
+def test_enable_profile_single_collector(tmp_path):
     collector = Collector(CountingEnv(), frames_per_batch=8, total_frames=40)
     save_path = tmp_path / "traces" / "trace_{worker_idx}.json"
     collector.enable_profile(workers=[0], num_rollouts=3, warmup_rollouts=1, save_path=save_path)
@@ -52,7 +52,7 @@ def test_enable_profile_on_trace_ready(tmp_path):
     assert len(seen) == 1
 
 
-def test_enable_profile_cannot_call_after_iteration():  # 36
+def test_enable_profile_cannot_call_after_iteration():
     collector = Collector(CountingEnv(), frames_per_batch=8, total_frames=24)
     next(iter(collector))
     with pytest.raises(RuntimeError, match="Cannot enable profiling after iteration"):

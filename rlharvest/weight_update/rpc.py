@@ -1,4 +1,4 @@
-"""Weight sync to RPC nodes: the RPCWeightSyncScheme (default of RPCCollector) and the seed page's
+"""Weight sync to RPC nodes: the RPCWeightSyncScheme (default of RPCCollector) and TorchRL's
 legacy RPCWeightUpdater, both over ``transport.rpc``."""
 
 from __future__ import annotations

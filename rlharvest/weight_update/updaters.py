@@ -1,4 +1,4 @@
-"""The legacy weight-updater interface (seed page ``RPCWeightUpdater`` / ``WeightUpdaterBase``).
+"""The legacy weight-updater interface: ``WeightUpdaterBase`` and its classes (docs/weights.md).
 
 A collector is in *legacy mode* when it has a weight updater: ``update_policy_weights_`` then calls
 ``updater(policy_or_weights=..., worker_ids=...)``, i.e. :meth:`WeightUpdaterBase.push_weights`:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy, FaultyEnv
+from mocks import CountingPolicy, FaultyEnv, wait_until
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import AsyncBatchedCollector
@@ -207,11 +207,11 @@ def test_start_collects_into_the_replay_buffer_in_the_background():
     collector.start()
     with pytest.raises(RuntimeError, match="already running"):
         collector.start()
-    deadline = time.monotonic() + 30
-    while len(buffer) < 100 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert collector.is_running() and len(buffer) >= 100
-    collector.async_shutdown()
+    try:
+        wait_until(lambda: len(buffer) >= 100, timeout=30, what="100 frames in the buffer")
+        assert collector.is_running()
+    finally:
+        collector.async_shutdown()
     assert not collector.is_running()
 
 

@@ -11,7 +11,8 @@ import time
 
 import psutil
 import pytest
-from mocks import faulty_env_factory, weight_policy
+from mocks import faulty_env_factory, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
@@ -110,7 +111,7 @@ def test_shutdown_is_idempotent_bounded_and_works_with_dead_workers():
     collector.next()
     pids = [h.process.pid for h in collector._requests.handles]
     os.kill(pids[0], signal.SIGKILL)
-    time.sleep(0.2)
+    wait_until(lambda: process_gone(pids[0]), timeout=5, what="the killed worker's exit")
     start = time.monotonic()
     collector.shutdown(timeout=3.0)
     collector.shutdown()
@@ -169,10 +170,8 @@ def test_workers_exit_when_the_parent_is_sigkilled(tmp_path):
         assert len(pids) == 2
         parent.kill()
         parent.wait(5)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-            time.sleep(0.05)
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        wait_until(lambda: all(process_gone(p) for p in pids), timeout=5,
+                   what=f"the exit of workers {pids} after their parent was SIGKILLed")
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from mocks import CountingPolicy, ItemBuffer
+from mocks import CountingPolicy, ItemBuffer, wait_until
 
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import CountingEnv
@@ -28,13 +28,6 @@ def test_multisync_writes_each_workers_batch_like_its_own_collector(batch_size, 
     collector.shutdown()
 
 
-def _wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
 def test_start_pause_and_shutdown_with_a_foreign_buffer(collector_class):
     buffer = ItemBuffer()
@@ -42,12 +35,12 @@ def test_start_pause_and_shutdown_with_a_foreign_buffer(collector_class):
                                 replay_buffer=buffer, local_init_rb=True)
     collector.start()
     assert collector.is_running()
-    _wait_for(lambda: buffer.write_count >= 16)
+    wait_until(lambda: buffer.write_count >= 16, timeout=20, what="16 frames written")
     with collector.pause():
         frozen = buffer.write_count
-        time.sleep(0.3)
+        time.sleep(0.3)  # the behaviour under test: nothing is written during a pause
         assert buffer.write_count == frozen
-    _wait_for(lambda: buffer.write_count > frozen)
+    wait_until(lambda: buffer.write_count > frozen, timeout=20, what="writes after the pause")
     collector.async_shutdown(timeout=10)
     assert not collector.is_running()
     observations = [int(item["observation"]) for item in buffer.items[:8]]

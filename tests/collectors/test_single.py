@@ -1,8 +1,6 @@
-"""Collector: SPEC §2, §3.1 and the §7 behaviours that apply to it (8, 12-17, 27, 29-38)."""
+"""Collector: the rollout loop in the calling process, its arguments and methods (docs/collection.md)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -82,8 +80,8 @@ def test_deprecated_alias_warns_and_isinstance_both_ways():
     assert isinstance(new, SyncDataCollector)
 
 
-# ---------------------------------------------------------------------------------- §7 behaviours
-def test_next_method_without_iter():  # 8
+# ----------------------------------------------------------------- TorchRL's documented behaviours
+def test_next_method_without_iter():
     collector = Collector(ContinuousMockEnv(), frames_per_batch=50, total_frames=300)
     assert collector.next().numel() == 50
     assert collector.next().numel() == 50
@@ -93,7 +91,7 @@ def test_next_method_without_iter():  # 8
     collector.shutdown()
 
 
-def test_no_stopiteration_with_rounding():  # 12
+def test_no_stopiteration_with_rounding():
     with pytest.warns(UserWarning, match="multiple"):
         collector = Collector(CountingEnv(batch_size=(16,)), frames_per_batch=173, total_frames=300)
     assert len(collector) == 2
@@ -102,12 +100,12 @@ def test_no_stopiteration_with_rounding():  # 12
     assert batches[0].numel() == 176
 
 
-def test_max_frames_per_traj_refuses_existing_step_counter():  # 13
+def test_max_frames_per_traj_refuses_existing_step_counter():
     with pytest.raises(ValueError, match="step_count"):
         Collector(StepCountEnv(), frames_per_batch=10, max_frames_per_traj=3)
 
 
-def test_split_trajs():  # 14
+def test_split_trajs():
     collector = Collector(CountingEnv(max_steps=100, batch_size=(2,)), frames_per_batch=40, total_frames=80,
                           max_frames_per_traj=7, split_trajs=True)
     for batch in collector:
@@ -132,7 +130,7 @@ def test_max_frames_per_traj_truncates_and_counts():
 
 
 @pytest.mark.parametrize("use_buffers", [True, False])
-def test_traj_len_consistency(use_buffers):  # 15
+def test_traj_len_consistency(use_buffers):
     def run(frames_per_batch):
         torch.manual_seed(0)
         collector = Collector(ContinuousMockEnv(episode_length=7), frames_per_batch=frames_per_batch,
@@ -149,7 +147,7 @@ def test_traj_len_consistency(use_buffers):  # 15
             assert torch.equal(reference[key], other[key]), (frames_per_batch, key)
 
 
-def test_set_truncated():  # 16
+def test_set_truncated():
     collector = Collector(ContinuousMockEnv(episode_length=100), frames_per_batch=8, total_frames=24,
                           set_truncated=True)
     ids_seen = []
@@ -166,7 +164,7 @@ def test_set_truncated_requires_truncated_key():
 
 
 @pytest.mark.parametrize("use_buffers", [True, False])
-def test_unbatched_env_traj_ids_shape(use_buffers):  # 17
+def test_unbatched_env_traj_ids_shape(use_buffers):
     collector = Collector(ConstantObsEnv(episode=6), frames_per_batch=30, total_frames=60, use_buffers=use_buffers)
     for batch in collector:
         assert batch.shape == (30,)
@@ -175,7 +173,7 @@ def test_unbatched_env_traj_ids_shape(use_buffers):  # 17
         assert ids.unique().numel() == 5
 
 
-def test_replay_buffer_matches_manual_extend():  # 27
+def test_replay_buffer_matches_manual_extend():
     def run(with_buffer: bool):
         torch.manual_seed(0)
         rb = ReplayBuffer(capacity=1000)
@@ -194,7 +192,7 @@ def test_replay_buffer_matches_manual_extend():  # 27
     assert torch.equal(auto[:]["collector", "traj_ids"], manual[:]["collector", "traj_ids"])
 
 
-def test_postproc_zeros():  # 29
+def test_postproc_zeros():
     def zero(td):
         return td.apply(torch.zeros_like)
 
@@ -211,21 +209,20 @@ def test_postproc_zeros():  # 29
 
 
 @pytest.mark.parametrize("total_frames", [-1, int(1e9)])
-def test_start_fills_buffer(total_frames):  # 30
+def test_start_fills_buffer(total_frames):
     rb = ReplayBuffer(capacity=10_000)
     collector = Collector(ContinuousMockEnv(), frames_per_batch=16, total_frames=total_frames, replay_buffer=rb,
                           local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 1.0
-    while len(rb) < 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(rb) >= 16
-    assert collector.is_running()
-    collector.async_shutdown(timeout=10)
+    try:
+        wait_until(lambda: len(rb) >= 16, timeout=30, what="16 frames in the buffer")
+        assert collector.is_running()
+    finally:
+        collector.async_shutdown(timeout=10)
     assert not collector.is_running()
 
 
-def test_start_requires_buffer_and_pause_unsupported():  # 31 (Collector column)
+def test_start_requires_buffer_and_pause_unsupported():
     collector = Collector(CountingEnv(), frames_per_batch=4)
     with pytest.raises(RuntimeError, match="replay_buffer"):
         collector.start()
@@ -236,7 +233,7 @@ def test_start_requires_buffer_and_pause_unsupported():  # 31 (Collector column)
     collector.shutdown()
 
 
-def test_start_update_policy():  # 32
+def test_start_update_policy():
     rb = ReplayBuffer(capacity=100_000)
     policy = bias_policy(0.0)
     collector = Collector(ContinuousMockEnv(obs_dim=1, action_dim=1), policy, frames_per_batch=16,
@@ -248,30 +245,26 @@ def test_start_update_policy():  # 32
         new_weights = TensorDict.from_module(policy).detach().clone()
         new_weights["module", "bias"] += 1
         collector.update_policy_weights_(new_weights)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and not (rb.latest(16)["action"] == 1).all():
-            time.sleep(0.01)
-        assert (rb.latest(16)["action"] == 1).all()
+        wait_until(lambda: (rb.latest(16)["action"] == 1).all(), timeout=30, what="frames acted with the new weights")
     finally:
         collector.async_shutdown(timeout=10)
 
 
-def test_init_random_frames_with_start():  # 33
+def test_init_random_frames_with_start():
     rb = ReplayBuffer(capacity=10_000)
     collector = Collector(ContinuousMockEnv(), bias_policy(5.0), frames_per_batch=32, init_random_frames=64,
                           replay_buffer=rb, local_init_rb=True)
     collector.start()
-    deadline = time.monotonic() + 10
-    while rb.write_count < 256 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    collector.async_shutdown(timeout=10)
-    assert rb.write_count >= 256
+    try:
+        wait_until(lambda: rb.write_count >= 256, timeout=30, what="256 frames written")
+    finally:
+        collector.async_shutdown(timeout=10)
     data = rb[:256]
     assert (data["action"][:64].abs() <= 1).all()   # random actions live in [-1, 1]
     assert (data["action"][64:] == 5).all()         # then the policy's
 
 
-def test_excluded_keys():  # 37
+def test_excluded_keys():
     collector = Collector(CountingEnv(), PrivateKeysPolicy(), frames_per_batch=4, total_frames=8)
     for batch in collector:
         keys = set(batch.keys(True, True))
@@ -279,7 +272,7 @@ def test_excluded_keys():  # 37
         assert "_out" not in batch.keys()
 
 
-def test_collector_reloading():  # 38
+def test_collector_reloading():
     collector = Collector(CountingEnv(), frames_per_batch=10, total_frames=90)
     for i, _ in enumerate(collector):
         if i == 3:
@@ -327,7 +320,7 @@ def test_collector_closes_env_at_the_end():
     collector.shutdown()  # closing twice is fine
 
 
-def test_reset_at_each_iter_gives_fresh_traj_ids():  # D8
+def test_reset_at_each_iter_gives_fresh_traj_ids():  # docs/torchrl-compatibility.md, "ids after a reset"
     collector = Collector(CountingEnv(max_steps=100), frames_per_batch=3, total_frames=9, reset_at_each_iter=True)
     batches = list(collector)
     assert [b["collector", "traj_ids"].tolist() for b in batches] == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
@@ -348,7 +341,7 @@ def test_reset_with_index():
     single.shutdown()
 
 
-def test_interruptor_stops_after_first_step():  # 19
+def test_interruptor_stops_after_first_step():
     class Stopped:
         def collection_stopped(self):
             return True
@@ -504,7 +497,7 @@ def test_local_init_rb_warns_only_when_passed_false():
         Collector(CountingEnv(), frames_per_batch=4, replay_buffer=ReplayBuffer(10), local_init_rb=False)
 
 
-def test_worker_idx_defaults_to_none():  # D6
+def test_worker_idx_defaults_to_none():  # docs/torchrl-compatibility.md, "worker_idx"
     assert Collector(CountingEnv(), frames_per_batch=4).worker_idx is None
     assert Collector(CountingEnv(), frames_per_batch=4, worker_idx=3).worker_idx == 3
 

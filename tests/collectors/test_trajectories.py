@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
 import torch
-from mocks import EpisodeLengthEnv
+from mocks import EpisodeLengthEnv, wait_until
 from tensordict import NonTensorStack, TensorDict
 
 from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
@@ -140,11 +139,11 @@ def test_rlharvest_replay_buffer_and_start():
     collector = Collector(EpisodeLengthEnv(3), frames_per_batch=4, total_frames=-1, trajs_per_batch=2,
                           replay_buffer=buffer)
     collector.start()
-    deadline = time.monotonic() + 30
-    while len(buffer) < 30 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    collector.async_shutdown()
-    assert len(buffer) >= 30 and len(buffer) % 3 == 0
+    try:
+        wait_until(lambda: len(buffer) >= 30, timeout=30, what="30 frames in the buffer")
+    finally:
+        collector.async_shutdown()
+    assert len(buffer) % 3 == 0
     for observations in trajectories_of(buffer[:]).values():
         assert_whole(observations, (3,))
 
@@ -274,12 +273,9 @@ def test_workers_running_free_write_complete_trajectories():
                                     replay_buffer=buffer)
     try:
         collector.start()
-        deadline = time.monotonic() + 30
-        while len(buffer) < 60 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(buffer) >= 60, timeout=30, what="60 frames in the buffer")
     finally:
         collector.async_shutdown()
-    assert len(buffer) >= 60
     for observations in trajectories_of(buffer[:]).values():
         assert_whole(observations, (2, 3))
 

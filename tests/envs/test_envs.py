@@ -1,4 +1,4 @@
-"""The env protocol, specs and rlharvest's envs (SPEC §1)."""
+"""The env protocol, specs and rlharvest's envs (docs/envs.md)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
 import torch
-from mocks import CountingPolicy, FaultyEnv, TorchRLStyleCountingEnv
+from mocks import CountingPolicy, FaultyEnv, TorchRLStyleCountingEnv, wait_until
+from process_check import process_gone
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import Collector, MultiSyncCollector
@@ -191,12 +191,8 @@ def test_sub_envs_exit_when_the_parent_is_killed():
     finally:
         parent.kill()
         parent.wait(10)
-    deadline = time.monotonic() + 5.0
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.05)
-    assert not alive, f"sub-env processes {alive} outlived their parent"
+    wait_until(lambda: all(process_gone(p) for p in pids), timeout=5.0,
+               what=f"the exit of sub-env processes {pids} after their parent was killed")
 
 
 def test_parallel_env_in_worker_processes():

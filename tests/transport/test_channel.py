@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from mocks import wait_until
 
 from rlharvest.transport.channel import (AuthenticationFailed, ChannelListener, listen, new_authkey, open_channel,
                                          parse_authkey)
@@ -108,10 +109,8 @@ def test_strangers_are_dropped_and_logged_while_real_peers_get_in(listener, atta
     assert closed_by_peer(stranger, 5.0)  # ... and the stranger is closed after handshake_timeout
     if attack == "slow-drip":
         drip.set()
-    deadline = time.monotonic() + 5
-    while not caplog.records and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert any("dropped a connection" in r.getMessage() and "test port" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: any("dropped a connection" in r.getMessage() and "test port" in r.getMessage()
+                           for r in caplog.records), timeout=5, what="the log line of the dropped stranger")
     # the listener still works after all that
     other = connect(listener, hello=("hello", 2))
     assert listener.next(5.0)[1] == ("hello", 2)

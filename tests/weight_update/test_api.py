@@ -1,4 +1,4 @@
-"""The weight-update API on a Collector and the legacy updater interface (SPEC §5, §6.2-6.4, §6.11)."""
+"""The weight-update API on a Collector and the legacy updater interface (docs/weights.md)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_attribute_path_as_weights():
 
 
 # ------------------------------------------------------------------------- versions
-def test_policy_version_bumped_on_every_update_and_stamped():  # 6.11, D16
+def test_policy_version_bumped_on_every_update_and_stamped():  # docs/torchrl-compatibility.md, "policy versions"
     collector = make_collector(track_policy_version=True)
     assert collector.policy_version == 0
     batch = collector.next()
@@ -202,7 +202,7 @@ def test_sender_schemes_on_collector_for_env_side_models():
         collector.update_policy_weights_(weights_dict={"critic": {}})
 
 
-def test_weight_updater_and_schemes_are_exclusive():  # D19
+def test_weight_updater_and_schemes_are_exclusive():  # TorchRL ignores one (docs/torchrl-compatibility.md)
     with pytest.raises(TypeError, match="weight_updater"):
         make_collector(weight_updater=VanillaWeightUpdater(policy_weights=TensorDict()),
                        weight_sync_schemes={"policy": NoWeightSyncScheme()})
@@ -275,7 +275,7 @@ def test_weight_updater_base_members():
     assert Recorder.from_policy(CountingPolicy()) is None
     assert updater.collector is None and updater.collectors is None
     assert updater.init(1, 2) is None
-    updater.increment_version()  # no collector: no-op (D9)
+    updater.increment_version()  # no collector: no-op
     assert updater.post_hooks == []
     updater.register_post_hook(lambda: hooks.append("hook"))
     weights = TensorDict({"w": torch.ones(1)}, [])
@@ -287,7 +287,7 @@ def test_weight_updater_base_members():
         updater.push_weights(None)  # _get_server_weights() -> None cannot be mapped
     with pytest.raises(TypeError):
         updater.push_weights(torch.nn.Linear(1, 1))  # plain module: not mappable by the base
-    # register_collector: once only (D9), the same one again is fine
+    # register_collector: once only, as documented (TorchRL appends), the same one again is fine
     first, second = make_collector(), make_collector()
     updater.register_collector(first)
     updater.register_collector(first)

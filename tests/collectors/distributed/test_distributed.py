@@ -1,4 +1,5 @@
-"""DistributedCollector with launcher="mp" and 2 nodes: SPEC §4 and §7 behaviours 1-9, 39."""
+"""DistributedCollector with launcher="mp" and 2 nodes: batches, trajectory ids, weights, seeds, running
+free; DistributedSyncCollector (docs/collection.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def make(envs=None, **kwargs):
 
 
 @pytest.mark.parametrize("frames_per_batch", [50, 100])
-def test_basic(frames_per_batch):  # 1
+def test_basic(frames_per_batch):
     with make(frames_per_batch=frames_per_batch, total_frames=1000) as collector:
         total = 0
         for batch in collector:
@@ -38,7 +39,7 @@ def test_basic(frames_per_batch):  # 1
         assert total == 1000
 
 
-def test_total_is_next_multiple():  # 2
+def test_total_is_next_multiple():
     with make(frames_per_batch=200, total_frames=1000) as collector:
         assert sum(b.numel() for b in collector) == 1000
     with make(frames_per_batch=300, total_frames=1000) as collector:
@@ -46,7 +47,7 @@ def test_total_is_next_multiple():  # 2
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_sync_and_async_traj_ids_never_collide(sync):  # 3, D4
+def test_sync_and_async_traj_ids_never_collide(sync):  # docs/torchrl-compatibility.md, "trajectory ids across nodes"
     with make(frames_per_batch=50, total_frames=200, sync=sync) as collector:
         per_node: dict[int, set] = {0: set(), 1: set()}
         total = 0
@@ -67,7 +68,7 @@ def test_sync_and_async_traj_ids_never_collide(sync):  # 3, D4
 
 
 @pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector, MultiAsyncCollector, "sync"])
-def test_node_collector_classes(collector_class):  # 4
+def test_node_collector_classes(collector_class):
     with make(frames_per_batch=50, total_frames=200, collector_class=collector_class) as collector:
         sizes = [b.numel() for b in collector]
         assert all(size == 50 for size in sizes) and sum(sizes) == 200
@@ -76,7 +77,7 @@ def test_node_collector_classes(collector_class):  # 4
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("collector_class", ["single", "sync", "async"])
 @pytest.mark.parametrize("source", ["policy", "factory"])
-def test_update_policy(sync, collector_class, source):  # 5
+def test_update_policy(sync, collector_class, source):
     envs = [lambda: CountingEnv(max_steps=100)] * 2
     if source == "policy":
         policy = CountingPolicy(1.0)
@@ -101,7 +102,7 @@ def test_update_policy(sync, collector_class, source):  # 5
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_update_interval_pushes_in_place_changes(sync):  # 6
+def test_update_interval_pushes_in_place_changes(sync):
     policy = CountingPolicy(1.0)
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=120,
               sync=sync, update_interval=1) as collector:
@@ -124,7 +125,7 @@ def test_update_after_each_batch_and_max_interval():
                     policy.weight.fill_(3.0)
             if i >= 4:
                 assert (batch["action"] == 3).all()
-                # every update resets the served node's counter (D7)
+                # every update resets the served node's counter (TorchRL's never does)
                 assert max(collector._batches_since_update) <= 1
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=80,
               sync=True, update_after_each_batch=True) as collector:
@@ -133,7 +134,7 @@ def test_update_after_each_batch_and_max_interval():
         assert all((b["action"] == 4).all() for b in collector)
 
 
-def test_next_without_iter():  # 8
+def test_next_without_iter():
     with make(frames_per_batch=50, total_frames=500) as collector:
         assert collector.next().numel() == 50
         assert collector.next().numel() == 50
@@ -143,7 +144,7 @@ def test_next_without_iter():  # 8
                 break
 
 
-def test_endless():  # 9, D1
+def test_endless():  # docs/torchrl-compatibility.md, "endless collection"
     with make(frames_per_batch=20, total_frames=-1) as collector:
         with pytest.raises(RuntimeError, match="Non-terminating"):
             len(collector)
@@ -153,7 +154,7 @@ def test_endless():  # 9, D1
         assert i == 15
 
 
-def test_seed_api_and_errors():  # 39, D2, D5
+def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on distributed collectors", "async_shutdown"
     policy = CountingPolicy()
     collector = make([lambda: CountingEnv(max_steps=100, batch_size=(2,))] * 2, policy=policy, frames_per_batch=20,
                      total_frames=100)
@@ -167,7 +168,7 @@ def test_seed_api_and_errors():  # 39, D2, D5
             collector.update_policy_weights_(weights_dict={"critic": TensorDict.from_module(policy)})
         with pytest.raises(NotImplementedError):
             collector.state_dict()
-        # 39: pause() outside start() raises when entered (start/pause themselves work: issue 4 item 2)
+        # pause() outside start() raises when entered (start/pause themselves work: "running free" below)
         pause = collector.pause()
         with pytest.raises(RuntimeError, match="cannot be paused"):
             with pause:
@@ -177,13 +178,13 @@ def test_seed_api_and_errors():  # 39, D2, D5
             collector.cascade_execute("num_workers", 1)
         assert collector.cascade_execute("workers[1].env.max_steps") == 100
         collector.init_updater()  # no legacy updater: no-op
-        assert collector.worker_idx is None  # D6
+        assert collector.worker_idx is None  # None at the top level, as TorchRL documents
     finally:
         collector.async_shutdown()
     assert collector._closed
 
 
-def test_enable_profile_on_nodes(tmp_path):  # D12
+def test_enable_profile_on_nodes(tmp_path):  # docs/torchrl-compatibility.md, "enable_profile on distributed collectors"
     with make(frames_per_batch=20, total_frames=100, sync=True) as collector:
         collector.enable_profile(workers=[1], num_rollouts=2, warmup_rollouts=1,
                                  save_path=str(tmp_path / "node_{worker_idx}.json"))
@@ -292,26 +293,20 @@ def test_start_pause_and_async_shutdown():
             pass
     collector.start()
     try:
-        deadline = time.monotonic() + 10
-        while rb.write_count < 100 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rb.write_count >= 100
+        wait_until(lambda: rb.write_count >= 100, timeout=30, what="100 frames written")
         with pytest.raises(RuntimeError, match="already running"):
             collector.start()
         with collector.pause():
             count = rb.write_count
-            time.sleep(0.5)
+            time.sleep(0.5)  # the behaviour under test: nothing is written during a pause
             assert rb.write_count == count  # writes stop inside the block
-        deadline = time.monotonic() + 10
-        while rb.write_count <= count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rb.write_count > count  # and resume after it
+        wait_until(lambda: rb.write_count > count, timeout=30, what="writes after the pause")  # and resume after it
     finally:
         start = time.monotonic()
         collector.async_shutdown(timeout=10)
         assert time.monotonic() - start < 5
     ids = rb[:]["collector", "traj_ids"]
-    assert set((ids % 2).tolist()) == {0, 1}  # both nodes wrote, ids remapped per node (D4)
+    assert set((ids % 2).tolist()) == {0, 1}  # both nodes wrote, ids remapped (docs/collection.md)
     assert (ids >= 0).all()
 
 
@@ -334,15 +329,13 @@ def test_start_with_weight_updates_while_running():
             policy.weight.fill_(0.0)
         collector.update_policy_weights_()
         marker = rb.write_count
-        deadline = time.monotonic() + 10
-        while rb.write_count < marker + 200 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: rb.write_count >= marker + 200, timeout=30, what="200 frames written after the update")
         assert (rb.latest(40)["action"] == 0).all()
     finally:
         collector.async_shutdown(timeout=10)
 
 
-# ------------------------------------------------------------------------- DistributedSyncCollector (§4.7)
+# ---------------------------------------------------------------------- DistributedSyncCollector
 def test_distributed_sync_collector():
     from rlharvest.collectors.distributed import DistributedSyncCollector
 
@@ -421,7 +414,7 @@ def test_distributed_sync_collector_validation_and_endless():
     with pytest.raises(RuntimeError, match="divisible"):
         DistributedSyncCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=15, launcher="mp")
     with DistributedSyncCollector([ContinuousMockEnv] * 2, frames_per_batch=10, total_frames=-1, launcher="mp",
-                                  tcp_port=free_port_block(3)) as collector:  # D14
+                                  tcp_port=free_port_block(3)) as collector:  # endless, several nodes
         for i, batch in enumerate(collector):
             if i == 4:
                 break

@@ -1,4 +1,4 @@
-"""RPCCollector and RPCWeightUpdater (SPEC §4.8, §6.5; behaviours 1-5, 7-9 and 40)."""
+"""RPCCollector and RPCWeightUpdater: batches, ids, weights, seeds and errors over torch RPC."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def make(envs=None, **kwargs):
     return RPCCollector(envs or [ContinuousMockEnv] * 2, kwargs.pop("policy", None), **kwargs)
 
 
-# ------------------------------------------------------------------------- behaviour 40 with fakes
+# ------------------------------------------------------------ RPCWeightUpdater with fake remotes
 class FakeFuture:
     def __init__(self, log, index):
         self.log, self.index = log, index
@@ -47,7 +47,7 @@ class FakeRemote:
         return FakeFuture(self.log, self.index)
 
 
-def test_push_weights_targets_one_remote_waits_and_runs_hook_once():  # 40
+def test_push_weights_targets_one_remote_waits_and_runs_hook_once():
     log, hooks = [], []
     refs = [FakeRemote(log, i) for i in range(3)]
     weights = TensorDict({"w": torch.ones(1)}, [])
@@ -58,7 +58,7 @@ def test_push_weights_targets_one_remote_waits_and_runs_hook_once():  # 40
     assert log[0][2] is weights and hooks == [1]
 
 
-def test_push_weights_forms_and_alias():  # D9
+def test_push_weights_forms_and_alias():  # docs/torchrl-compatibility.md, "RPCWeightUpdater"
     log = []
     refs = [FakeRemote(log, i) for i in range(3)]
     default = TensorDict({"w": torch.zeros(1)}, [])
@@ -88,7 +88,7 @@ def test_push_weights_forms_and_alias():  # D9
 
 
 # ------------------------------------------------------------------------- real remote references
-def test_rpc_weight_updater_on_real_nodes():  # 40 with real RRefs
+def test_rpc_weight_updater_on_real_nodes():  # the same with real RRefs
     policy = CountingPolicy(1.0)
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=-1,
               sync=True) as collector:
@@ -111,7 +111,7 @@ def test_rpc_weight_updater_on_real_nodes():  # 40 with real RRefs
 
 # ------------------------------------------------------------------------- core behaviours
 @pytest.mark.parametrize("sync", [True, False])
-def test_basic_batches_and_ids(sync):  # 1, 2, 3
+def test_basic_batches_and_ids(sync):
     with make(frames_per_batch=50, total_frames=200, sync=sync) as collector:
         total, per_node = 0, {0: set(), 1: set()}
         for batch in collector:
@@ -128,7 +128,7 @@ def test_basic_batches_and_ids(sync):  # 1, 2, 3
 
 
 @pytest.mark.parametrize("collector_class", ["single", "sync", "async"])
-def test_node_classes_and_update(collector_class):  # 4, 5
+def test_node_classes_and_update(collector_class):
     policy = CountingPolicy(1.0)
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=50, total_frames=300,
               collector_class=collector_class) as collector:
@@ -143,7 +143,7 @@ def test_node_classes_and_update(collector_class):  # 4, 5
         assert (batches[0]["action"] == 1).all() and (batches[-1]["action"] == 2).all()
 
 
-def test_update_with_factory_and_explicit_weights():  # 5 (factory variant)
+def test_update_with_factory_and_explicit_weights():
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy_factory=lambda: CountingPolicy(1.0),
               frames_per_batch=20, total_frames=-1, sync=True) as collector:
         assert (collector.next()["action"] == 1).all()
@@ -152,7 +152,7 @@ def test_update_with_factory_and_explicit_weights():  # 5 (factory variant)
         assert (batch["action"][0] == 2).all() and (batch["action"][1] == 1).all()
 
 
-def test_next_endless_seed_and_errors():  # 8, 9, D18
+def test_next_endless_seed_and_errors():  # docs/torchrl-compatibility.md, "endless collection", "tensorpipe_options"
     with make([lambda: CountingEnv(batch_size=(2,))] * 2, frames_per_batch=20, total_frames=-1) as collector:
         assert collector.next().numel() == 20 and collector.next().numel() == 20
         with pytest.raises(RuntimeError, match="Non-terminating"):
@@ -166,7 +166,7 @@ def test_next_endless_seed_and_errors():  # 8, 9, D18
         assert collector.cascade_execute("num_workers") == 2
 
 
-def test_tensorpipe_options_are_merged():  # D18
+def test_tensorpipe_options_are_merged():  # docs/torchrl-compatibility.md, "tensorpipe_options"
     with make(frames_per_batch=20, total_frames=20, tensorpipe_options={"num_worker_threads": 4}) as collector:
         assert collector.tensorpipe_options == {"num_worker_threads": 4}
         assert len(list(collector)) == 1

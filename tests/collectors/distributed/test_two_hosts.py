@@ -25,6 +25,7 @@ import time
 import pytest
 
 import netns
+from mocks import wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -326,10 +327,8 @@ def test_two_hosts_link_cut_node_is_replaced_on_the_main_host(require_netns, tmp
         lines.until("shutdown", timeout=30)
         assert wait_exit(main, 30, "the main process") == 0, str(lines.logs)
         # no node left, in either host (the main process's forkserver leaves once the main process has)
-        deadline = time.monotonic() + 10
-        while (ns_pids(a) or ns_pids(b)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ns_pids(a) == [] and ns_pids(b) == [], [_cmdline(pid) for pid in ns_pids(a) + ns_pids(b)]
+        wait_until(lambda: not ns_pids(a) and not ns_pids(b), timeout=10,
+                   what=lambda: f"the exit of {[_cmdline(pid) for pid in ns_pids(a) + ns_pids(b)]} (both hosts)")
     assert stats["restarts"] == 1 and [c[:2] for c in stats["causes"]] == [[1, "heartbeat"]], stats
     assert stats["pids"][0] == started["pids"][0] and stats["pids"][1] != started["pids"][1]
     batches = [e for e in lines.events if e["event"] == "batch"]
