@@ -285,18 +285,16 @@ class AsyncBatchedCollector(RemoteCollectorBase):
 
     def _next_chunk(self) -> TensorDictBase:
         """The frames of the first worker ready (as a flat private copy); that worker goes on at once."""
-        running = self._in_flight
-        for worker in range(len(self._requests)):
-            if worker not in running:
-                running[worker] = self._request_batch(worker, False)
+        gather = self._gather
+        for worker in gather.idle():
+            gather.launch(worker, False)
         try:
-            worker, reply = self._requests.wait_any(running)
+            worker, reply = gather.next()  # restarts are off: a failure raises
         except WorkerError as err:
             self._raise_server_error(err)
             raise
-        del running[worker]
         chunk = _flat_chunk(self._requests.handles[worker].fetch_batch(reply), worker)
-        running[worker] = self._request_batch(worker, False)
+        gather.launch(worker, False)
         return chunk
 
     def _raise_server_error(self, err: WorkerError) -> None:

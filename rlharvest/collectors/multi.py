@@ -8,19 +8,19 @@ schemes, and every wait is bounded and checks that workers are alive.
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
 from .._utils import MASK, TRAJ_IDS
-from ..errors import WorkerError
 from ..policies import ExplorationType
 from ..protocol import Command
 from ..weight_update.strategy import weights_of
 from ._signatures import bind_arguments, constructor_arguments, derived_signature, method_signature
 from ._specs import default_schemes, stateless_copy
+from ._fleet import Fleet
+from .gather import SyncStack, request_batch
 from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
 from .remote import RemoteCollectorBase
 from .single import Collector
@@ -286,7 +286,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
 
     def _prepare_run_free(self) -> None:
         if self.config.replay_buffer.storage is None:
-            reply = self._requests.wait_for(0, self._request_batch(0, self._random_phase()))
+            reply = self._requests.wait_for(0, request_batch(self._fleet, 0, self._random_phase()))
             self._write_to_buffer(self._handle_worker_batch(0, reply))
 
 
@@ -309,28 +309,8 @@ class MultiSyncCollector(MultiCollector):
         if self.update_at_each_batch:
             self.update_policy_weights_()
 
-    def _gather_sync(self, random: bool) -> list:
-        if self.preemptive_threshold is None:
-            return super()._gather_sync(random)
-        pool = self._requests
-        needed = int(len(pool) * self.preemptive_threshold)
-        ids = {w: self._launch(w, random) for w in range(len(pool))}
-        replies: dict[int, Any] = {}
-        waiting = time.perf_counter()
-        while len(replies) < len(pool):
-            if len(replies) >= needed:
-                for worker in ids:
-                    if worker not in replies:
-                        pool.handles[worker].interrupt()
-            try:
-                worker, reply = pool.wait_any({w: r for w, r in ids.items() if w not in replies})
-            except WorkerError as err:  # asked again of its replacement
-                failed = self._restart_after(err)
-                ids[failed] = self._launch(failed, random)
-                continue
-            replies[worker] = reply
-        self._progress.add_seconds("waiting", time.perf_counter() - waiting)
-        return [replies[w] for w in range(len(pool))]
+    def _gather_strategy(self, fleet: Fleet) -> SyncStack:
+        return SyncStack(fleet, self._meter, self._options.preemptive_threshold)
 
     def _assemble_sync(self, batches: list[TensorDictBase], replies: list) -> TensorDictBase:
         if self._options.cat_results == "stack":

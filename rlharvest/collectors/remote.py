@@ -39,7 +39,9 @@ from ._requests import WorkerRequests
 from ._restarts import RestartPolicy
 from .base import BaseCollector, _argument_sets
 from ._specs import wrap_callable
+from ._progress import ProgressMeter
 from .broadcast import WorkerBroadcast
+from .gather import FirstReady, Pushed, SyncStack, request_batch
 
 __all__ = ["RemoteCollectorBase", "valid_part"]
 
@@ -52,6 +54,17 @@ def _close_live_collectors() -> None:
     for collector in list(_LIVE):
         with contextlib.suppress(Exception):
             collector.shutdown(timeout=5.0, raise_on_error=False)
+
+
+def _weakly(method, default: Any = None):
+    """``method`` (bound) called through a weak reference to its object: ``default`` once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return bound(*args) if bound is not None else default
+
+    return call
 
 
 def valid_part(batch: TensorDictBase) -> TensorDictBase:
@@ -85,8 +98,9 @@ class RemoteCollectorBase(BaseCollector):
     noun = "worker"
 
     def __init__(self) -> None:
-        #: async requests in flight: ``{worker: request id}``
-        self._in_flight: dict[int, int] = {}
+        self._meter = ProgressMeter()
+        #: how batches come back (``gather.py``), chosen once the workers are started
+        self._gather: SyncStack | FirstReady | Pushed | None = None
         #: with restarts and ``trajs_per_batch``: the episodes each worker had running at its last batch
         self._running_trajs: dict[int, list[int]] = {}
 
@@ -95,12 +109,20 @@ class RemoteCollectorBase(BaseCollector):
         collector's arguments and its replacement hooks), and the broadcast that talks to them.
         ``schemes``: the weight schemes feeding them (default: the sender schemes); ``start``: as
         :meth:`Fleet.start`."""
+        # The parts call back into this collector weakly: a collector the user drops is collected (and
+        # its workers stopped, ``__del__``) at once, not at the next cycle collection.
+        hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
+                            _weakly(self._after_replacement))
         self._fleet = Fleet(self._backend, self._sender_schemes if schemes is None else schemes, timeout,
-                            RestartPolicy.of(self.config, self.noun),
-                            Replacement(self._before_replacement, self._replacement_changes, self._after_replacement))
-        self._broadcast = WorkerBroadcast(self._fleet, self._drain_async, self.noun)
+                            RestartPolicy.of(self.config, self.noun), hooks)
+        self._gather = self._gather_strategy(self._fleet)
+        self._broadcast = WorkerBroadcast(self._fleet, _weakly(self._drain_async), self.noun)
         self._register_live()
         self._fleet.start(specs, **start)
+
+    def _gather_strategy(self, fleet: Fleet) -> SyncStack | FirstReady | Pushed:
+        """How this collector's batches come back: one rollout of every worker (sync), or the first ready."""
+        return SyncStack(fleet, self._meter) if self._sync else FirstReady(fleet, self._meter)
 
     def _register_live(self) -> None:
         _LIVE.add(self)
@@ -178,7 +200,7 @@ class RemoteCollectorBase(BaseCollector):
             self._updating_weights(self._before_sync_batch)
             self._iter += 1
             random = self._random_phase()
-            replies = self._gather_sync(random)
+            replies = self._gather.gather(random)
             batches = []
             for worker in range(len(replies)):
                 batch, replies[worker] = self._fetched(worker, replies[worker], random)
@@ -186,62 +208,27 @@ class RemoteCollectorBase(BaseCollector):
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
-    def _request_batch(self, worker: int, random: bool) -> int:
-        """Send COLLECT to ``worker``; interrupts issued from now on stop that rollout."""
-        mark = self._requests.handles[worker].interrupt_mark()
-        return self._requests.send(worker, Command.COLLECT, (bool(random), mark))
-
-    def _gather_sync(self, random: bool) -> list:
-        pool = self._requests
-        ids = {w: self._launch(w, random) for w in range(len(pool))}
-        replies: dict[int, Any] = {}
-        waiting = time.perf_counter()
-        for worker in range(len(pool)):
-            while worker not in replies:
-                try:
-                    replies[worker] = pool.wait_for(worker, ids[worker])
-                except WorkerError as err:  # its batch is dropped and asked again of its replacement
-                    failed = self._fleet.recover(err)
-                    replies.pop(failed, None)
-                    ids[failed] = self._launch(failed, random)
-        self._progress.add_seconds("waiting", time.perf_counter() - waiting)
-        return [replies[w] for w in range(len(pool))]
-
     def _fetched(self, worker: int, reply, random: bool) -> tuple[TensorDictBase | None, Any]:
         """The batch of ``reply`` and the reply; when the worker fails while sending it (nodes send
         batches after replying), its replacement collects the batch again."""
         while True:
             try:
                 if reply is None:
-                    reply = self._requests.wait_for(worker, self._launch(worker, random))
+                    reply = self._requests.wait_for(worker, request_batch(self._fleet, worker, random))
                 return self._handle_worker_batch(worker, reply), reply
             except WorkerError as err:
                 self._fleet.recover(err)
                 reply = None
 
-    def _launch(self, worker: int, random: bool) -> int:
-        """:meth:`_request_batch`, replacing the worker first when it is found failed (restarts on)."""
-        while True:
-            try:
-                return self._request_batch(worker, random)
-            except WorkerError as err:
-                self._fleet.recover(err)
-
     def _iterate_async(self) -> Iterator[TensorDictBase | None]:
-        pool = self._requests
-        running = self._in_flight
+        gather = self._gather
         while not self._reached_total():
-            for worker in range(len(pool)):
-                if worker not in running:
-                    self._relaunch(worker)
-            waiting = time.perf_counter()
-            try:
-                worker, reply = pool.wait_any(running)
-            except WorkerError as err:  # its batch is dropped; the loop asks its replacement again
-                self._fleet.recover(err)
+            for worker in gather.idle():
+                self._relaunch(worker)
+            got = gather.next()
+            if got is None:  # a worker failed: its batch is dropped, the loop asks its replacement again
                 continue
-            self._progress.add_seconds("waiting", time.perf_counter() - waiting)
-            del running[worker]
+            worker, reply = got
             try:
                 batch = self._handle_worker_batch(worker, reply)
             except WorkerError as err:  # it failed while sending the batch: asked again of its replacement
@@ -261,18 +248,12 @@ class RemoteCollectorBase(BaseCollector):
     def _relaunch(self, worker: int) -> None:
         """Async: weights for ``worker`` if due, then its next request (replacing it if found failed)."""
         self._updating_weights(lambda: self._before_relaunch(worker))
-        self._in_flight[worker] = self._launch(worker, self._random_phase())
+        self._gather.launch(worker, self._random_phase())
 
     def _drain_async(self) -> None:
-        """Wait until in-flight async rollouts have answered, so workers are idle. Their batches are kept
-        for the iterator (nothing is lost; the worker's buffer is reused only after they are taken);
-        a worker that failed meanwhile is replaced (restarts on), its rollout asked again later."""
-        for worker, request_id in list(self._in_flight.items()):
-            try:
-                self._requests.wait_arrived(worker, request_id)
-            except WorkerError as err:
-                self._fleet.recover(err)
-
+        """Wait until in-flight rollouts have answered, so workers are idle (their batches are kept)."""
+        if self._gather is not None:
+            self._gather.drain()
 
     def _count_frames(self, replies: list) -> int:
         if self.config.replay_buffer is not None:
@@ -327,7 +308,7 @@ class RemoteCollectorBase(BaseCollector):
     def _before_replacement(self, worker: int) -> None:
         """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
         back for complete-trajectory batches (they will never end)."""
-        self._in_flight.pop(worker, None)
+        self._gather.forget(worker)
         running = self._running_trajs.pop(worker, None)
         if running and self._trajectories is not None:
             self._trajectories.drop_in_flight(running)

@@ -1,6 +1,6 @@
 """RayCollector: one Ray actor per env constructor, each running the worker loop around its own collector.
 
-Everything but where the workers run is DistributedCollector's: arguments, trajectory ids
+Everything but where the workers run is :class:`~.nodes.NodeCollector`'s: trajectory ids
 (``k * W + i``; in segments once actors are added, ``collectors/_traj_ids.py``), automatic weight
 pushes (``update_after_each_batch``, ``max_weight_update_interval``), ``start()``/``pause()`` into a
 replay buffer, and the collector logic of RemoteCollectorBase. The actors are the workers of the
@@ -24,6 +24,7 @@ from .._signatures import bind_arguments, derived_signature, keyword, method_sig
 from ..options.nodes import RayOptions, remote_configs_of, replicated
 from ..single import Collector
 from .generic import DistributedCollector
+from .nodes import NodeCollector
 
 __all__ = ["RayCollector"]
 
@@ -35,7 +36,7 @@ _NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port"
 _NEW = "new actor (one per entry of create_env_fn)"
 
 
-class RayCollector(DistributedCollector):
+class RayCollector(NodeCollector):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
     Takes DistributedCollector's arguments except those saying where nodes run (``launcher``,

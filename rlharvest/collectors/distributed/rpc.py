@@ -1,7 +1,7 @@
 """RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe).
 
-Everything but the wire is DistributedCollector's: arguments, trajectory ids (``k * W + i``),
-automatic weight pushes, launchers and the collector logic of RemoteCollectorBase. Its nodes are
+Everything but the wire is :class:`~.nodes.NodeCollector`'s: trajectory ids (``k * W + i``),
+automatic weight pushes, launchers (DistributedCollector's arguments, ``options/nodes.py``). Its nodes are
 the workers of the ``rpc`` backend (``rlharvest.transport.rpc``): they run the worker loop in pull
 mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
 """
@@ -13,11 +13,12 @@ from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ..options.nodes import RPCOptions
 from .generic import DistributedCollector
+from .nodes import NodeCollector
 
 __all__ = ["RPCCollector"]
 
 
-class RPCCollector(DistributedCollector):
+class RPCCollector(NodeCollector):
     """Collect with one node per env constructor, commanded over torch RPC.
 
     Takes DistributedCollector's arguments except ``update_interval``, plus:

@@ -8,26 +8,26 @@ without waiting before batches 0, k, 2k, ... (k = ``update_interval``).
 
 from __future__ import annotations
 
-import time
-
 from typing import Any, Iterator
 
 from tensordict import TensorDictBase
 
-from ...errors import WorkerError, WorkerTimeoutError
 from ...protocol import Command
 from ...weight_update.distributed import DistributedWeightSyncScheme
 from .._specs import has_weights
+from .._fleet import Fleet
 from .._signatures import bind_arguments, derived_signature, method_signature
 from ..base import BaseCollector
 from ..remote import valid_part
+from ..gather import Pushed
 from ..options.nodes import TorchDistOptions
 from .generic import DistributedCollector
+from .nodes import NodeCollector
 
 __all__ = ["DistributedSyncCollector"]
 
 
-class DistributedSyncCollector(DistributedCollector):
+class DistributedSyncCollector(NodeCollector):
     """Synchronous collection from free-running nodes over a torch.distributed process group.
 
     Takes DistributedCollector's arguments except ``sync``, ``update_after_each_batch`` and the
@@ -44,6 +44,8 @@ class DistributedSyncCollector(DistributedCollector):
 
     #: whether the nodes were told to run free (a class attribute: shutdown after a failed start reads it)
     _pushing = False
+    #: iteration itself runs the nodes free; there is no start() into a replay buffer (as TorchRL)
+    _supports_run_free = False
 
     __signature__ = derived_signature(
         DistributedCollector.__init__, defaults={"update_interval": 1},
@@ -85,29 +87,18 @@ class DistributedSyncCollector(DistributedCollector):
             self._iter += 1
             batches, frames = [], 0
             for node in range(self.num_workers):
-                reply, batch = self._next_batch_of(node)
+                reply, batch = self._gather.next_of(node, self._fetch_pushed)
                 batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
             self._frames += frames
             self._yielded += 1
             yield from self._emit(batches, [], sync=True, counted=True)
 
-    def _next_batch_of(self, node: int):
-        """The next batch ``node`` pushes (its reply, and the batch with collector-wide ids); a node
-        that failed is replaced (restarts on) and its next batch awaited instead, the one it was
-        sending being dropped."""
-        while True:
-            try:
-                waiting = time.perf_counter()
-                got = self._requests.next_pushed(self._worker_timeout, [node])
-                self._progress.add_seconds("waiting", time.perf_counter() - waiting)
-                if got is not None:
-                    return got[1], self._remap_traj_ids(self._fetch(node, got[1]), node)
-                if not self._fleet.restarts.enabled:
-                    raise TimeoutError(f"node {node} pushed no batch within {self._worker_timeout:g} s.")
-                raise WorkerTimeoutError(f"pushed no batch within {self._worker_timeout:g} s.", worker_idx=node)
-            except WorkerError as err:
-                self._fleet.recover(err)
+    def _gather_strategy(self, fleet: Fleet) -> Pushed:
+        return Pushed(fleet, self._meter, self._worker_timeout, self.noun)
+
+    def _fetch_pushed(self, node: int, reply) -> TensorDictBase:
+        return self._remap_traj_ids(self._fetch(node, reply), node)
 
     def _after_replacement(self, worker: int) -> None:
         if self._pushing:  # the replacement runs free like the others
@@ -130,15 +121,13 @@ class DistributedSyncCollector(DistributedCollector):
             self._pushing = False
         super()._close_workers(timeout)
 
-    # ------------------------------------------------------------------ not available: nodes run free
+    # ------------------------------------------------------------------ not available: nodes run free (TorchRL
+    # refuses these too)
     def update_policy_weights_(self, *args, **kwargs) -> None:
         raise NotImplementedError("DistributedSyncCollector pushes weights every update_interval batches by itself.")
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         raise NotImplementedError("DistributedSyncCollector does not support set_seed (nodes run free).")
-
-    def start(self) -> None:
-        raise NotImplementedError("Collector start() is not implemented for DistributedSyncCollector.")
 
     def _write_pushed(self, worker: int, reply) -> None:
         """While stopping: batches pushed after the last yield are dropped (nobody will consume them)."""
