@@ -18,8 +18,9 @@ from .._utils import resolve_attr_path
 from ..weight_update.schemes import WeightSyncScheme
 from ..weight_update.strategy import weights_of
 from ..weight_update.updaters import WeightUpdaterBase
+from ._progress import ProgressMeter
 
-__all__ = ["WeightAPIMixin", "merge_weight_arguments"]
+__all__ = ["WeightAPI", "merge_weight_arguments"]
 
 
 def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kwargs: dict) -> Any:
@@ -43,9 +44,14 @@ def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kw
     return None
 
 
-class WeightAPIMixin:
-    """Mixed into BaseCollector. Subclasses call ``_init_weight_api()`` in their constructor."""
+class WeightAPI:
+    """The weight-facing half of :class:`~rlharvest.collectors.base.BaseCollector` (its base class):
+    what it reads of the collector is declared here."""
 
+    #: the collector's index inside a parent collector (None at the top level)
+    worker_idx: int | None
+    #: where weight-sync seconds are recorded for ``stats()``
+    _progress: ProgressMeter
     _weight_updater: WeightUpdaterBase | None = None
     _weight_sync_schemes: dict[str, WeightSyncScheme] | None = None
     _receiver_schemes: dict[str, WeightSyncScheme] | None = None

@@ -1,4 +1,4 @@
-"""BaseCollector: the iteration protocol and the seed-1 methods, implemented once for every collector.
+"""BaseCollector: the iteration protocol and TorchRL's collector methods, implemented once for every collector.
 
 A concrete collector provides ``_iterate()`` (a generator of batches, or None per batch when writing
 to a replay buffer), ``_shutdown_impl()``, and optionally ``_start_impl()`` / ``_pause_impl()``.
@@ -19,13 +19,13 @@ from .._utils import is_private_key, resolve_attr_path
 from ..config import CollectorConfig
 from ..profiling import ProfileConfig
 from ._progress import ProgressMeter
-from ._weight_api import WeightAPIMixin
+from ._weight_api import WeightAPI
 from .trajectories import TrajectoryAssembler
 
 __all__ = ["BaseCollector"]
 
 
-class BaseCollector(WeightAPIMixin):
+class BaseCollector(WeightAPI):
     """Base class of every rlharvest collector.
 
     Iterating yields batches (TensorDicts whose last dim is named ``"time"``) until ``total_frames``
@@ -57,6 +57,10 @@ class BaseCollector(WeightAPIMixin):
     _extra_step_checks: tuple = ()
     #: the device the policy runs on, where known (receiver schemes materialise weights there)
     policy_device = None
+    #: the user's policy, where this collector keeps one (the main-side source of weights)
+    policy: Any = None
+    #: the module weights are read from, when it is not ``policy`` itself (a wrapped callable's)
+    _weight_source: Any = None
     _pre_collect_hook: Callable[[], None] | None = None
     _post_collect_hook: Callable[[TensorDictBase], None] | None = None
     _assembler: TrajectoryAssembler | None = None
@@ -532,7 +536,7 @@ class BaseCollector(WeightAPIMixin):
     def get_model(self, model_id: str):
         """The main-side weight source for ``model_id`` (``"policy"`` = the user's policy)."""
         if model_id == "policy":
-            return getattr(self, "_weight_source", None) or getattr(self, "policy", None)
+            return self._weight_source or self.policy
         return resolve_attr_path(self, model_id)
 
     def __repr__(self) -> str:

@@ -198,6 +198,8 @@ class BatchedEnvBase(EnvBase):
     """
 
     _pool_owner = "BatchedEnv"
+    #: the shared step buffers, made once the sub-envs have started
+    _buffers: Any = None
 
     def __init__(
         self,
@@ -357,7 +359,7 @@ class BatchedEnvBase(EnvBase):
     # ------------------------------------------------------------------ the rest of the protocol
     @property
     def reward_spec(self) -> TensorSpec:
-        reward = self._buffers.reward if hasattr(self, "_buffers") else None
+        reward = self._buffers.reward if self._buffers is not None else None
         if reward is None:
             return super().reward_spec
         return Unbounded(tuple(reward.shape), dtype=reward.dtype)
@@ -382,7 +384,7 @@ class BatchedEnvBase(EnvBase):
 
     def close(self, *, raise_if_closed: bool = True) -> None:
         """Close every sub-env (and stop its process); idempotent with ``raise_if_closed=False``."""
-        if self.is_closed and raise_if_closed and hasattr(self, "_buffers"):
+        if self.is_closed and raise_if_closed and self._buffers is not None:
             raise RuntimeError(f"{type(self).__name__} is already closed.")
         if not self.is_closed:
             self.is_closed = True

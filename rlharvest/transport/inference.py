@@ -120,6 +120,8 @@ class InferenceClient(PolicyStep):
         self.timeout = float(timeout)
         self.out_keys: list = []
         self._requests: dict | None = None
+        #: the process that started this worker, once connected (a different parent means it died)
+        self._parent: int | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_requests": None}
@@ -169,7 +171,7 @@ class InferenceClient(PolicyStep):
                 ready = bool(self._poller.poll(250))
             if ready:
                 return True
-            if int(self.state[0]) == _STOPPED or os.getppid() != getattr(self, "_parent", os.getppid()):
+            if int(self.state[0]) == _STOPPED or (self._parent is not None and os.getppid() != self._parent):
                 return False
             if time.monotonic() > deadline:
                 raise WorkerTimeoutError(f"no answer from the policy server within {self.timeout:g} s ({what}).",

@@ -1,10 +1,10 @@
 """Weight sync: schemes (sender/receiver pairs) and the legacy updaters, over the transports."""
 
-from .distributed import DistributedWeightSyncScheme
+from .torchdist import DistributedWeightSyncScheme
 from .ray import RayWeightSyncScheme, RayWeightUpdater
 from .rpc import RPCWeightSyncScheme
 from .schemes import NoWeightSyncScheme, WeightSyncScheme
-from .shared_mem import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
+from .shared_memory import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from .strategy import WeightStrategy
 from .updaters import MultiProcessedWeightUpdater, RemoteModuleWeightUpdater, VanillaWeightUpdater, WeightUpdaterBase
 

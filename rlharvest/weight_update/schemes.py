@@ -80,6 +80,8 @@ class WeightSyncScheme:
     needs_workers = False
     #: receiver side: what the worker's transport offers (``use_receiver_links``)
     _receiver_links: Any = None
+    #: how a receiver reaches this scheme's sender (set in the copy a worker is given)
+    _connection_info: Any = None
 
     def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
@@ -94,9 +96,9 @@ class WeightSyncScheme:
     #: ``from_backend`` names: the scheme of each deployment backend (aliases in ``_BACKEND_ALIASES``)
     _BACKENDS = {
         "none": "rlharvest.weight_update.schemes:NoWeightSyncScheme",
-        "shared": "rlharvest.weight_update.shared_mem:SharedMemWeightSyncScheme",
-        "process": "rlharvest.weight_update.shared_mem:MultiProcessWeightSyncScheme",
-        "distributed": "rlharvest.weight_update.distributed:DistributedWeightSyncScheme",
+        "shared": "rlharvest.weight_update.shared_memory:SharedMemWeightSyncScheme",
+        "process": "rlharvest.weight_update.shared_memory:MultiProcessWeightSyncScheme",
+        "distributed": "rlharvest.weight_update.torchdist:DistributedWeightSyncScheme",
         "rpc": "rlharvest.weight_update.rpc:RPCWeightSyncScheme",
         "ray": "rlharvest.weight_update.ray:RayWeightSyncScheme",
     }

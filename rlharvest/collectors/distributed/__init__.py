@@ -2,14 +2,14 @@
 RayCollector (Ray actors; Ray itself is the optional extra ``rlharvest[ray]``)."""
 
 from ..._utils import deprecated_alias
-from ...weight_update.distributed import DistributedWeightUpdater
+from ...weight_update.torchdist import DistributedWeightUpdater
 from ...weight_update.ray import RayWeightSyncScheme, RayWeightUpdater
 from ...weight_update.rpc import RPCWeightUpdater
-from .generic import DistributedCollector
+from .torchdist import DistributedCollector
 from .ray import RayCollector
 from .rpc import RPCCollector
 from .sync import DistributedSyncCollector
-from .launchers import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
+from .slurm import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
 
 DistributedDataCollector = deprecated_alias(DistributedCollector, "DistributedDataCollector")
 RPCDataCollector = deprecated_alias(RPCCollector, "RPCDataCollector")

@@ -14,7 +14,7 @@ from ...config import positive_seconds
 from ...transport.channel import AUTHKEY_ENV, new_authkey, parse_authkey
 from ...transport.ports import free_port_block
 from ...transport.launchers import main_host_ip
-from .launchers import TCP_PORT
+from .slurm import TCP_PORT
 
 __all__ = ["NetworkConfig", "parse_tcp_port"]
 

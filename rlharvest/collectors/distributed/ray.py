@@ -23,7 +23,7 @@ from ...transport.ray import ensure_ray, require_ray
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ..options.nodes import RayOptions, remote_configs_of, replicated
 from ..single import Collector
-from .generic import DistributedCollector
+from .torchdist import DistributedCollector
 from .nodes import NodeCollector
 
 __all__ = ["RayCollector"]

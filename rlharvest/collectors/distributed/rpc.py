@@ -12,7 +12,7 @@ from ...weight_update.rpc import RPCWeightSyncScheme
 from .._specs import has_weights
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ..options.nodes import RPCOptions
-from .generic import DistributedCollector
+from .torchdist import DistributedCollector
 from .nodes import NodeCollector
 
 __all__ = ["RPCCollector"]

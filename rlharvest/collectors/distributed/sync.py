@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from tensordict import TensorDictBase
 
 from ...protocol import Command
-from ...weight_update.distributed import DistributedWeightSyncScheme
+from ...weight_update.torchdist import DistributedWeightSyncScheme
 from .._specs import has_weights
 from .._fleet import Fleet
 from .._signatures import bind_arguments, derived_signature, method_signature
@@ -21,7 +21,7 @@ from ..base import BaseCollector
 from ..remote import valid_part
 from ..gather import Pushed
 from ..options.nodes import TorchDistOptions
-from .generic import DistributedCollector
+from .torchdist import DistributedCollector
 from .nodes import NodeCollector
 
 __all__ = ["DistributedSyncCollector"]

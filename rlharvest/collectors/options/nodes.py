@@ -196,7 +196,7 @@ class TorchDistOptions(NodeOptions):
             TypeError, ValueError, RuntimeError, ImportError: naming the argument that does not fit.
         """
         from ..distributed._network import NetworkConfig
-        from ..distributed.launchers import DEFAULT_SLURM_CONF
+        from ..distributed.slurm import DEFAULT_SLURM_CONF
 
         _check_launcher(launcher)
         check_backend(backend)
@@ -240,7 +240,7 @@ class RPCOptions(NodeOptions):
             TypeError, ValueError, RuntimeError, ImportError: naming the argument that does not fit.
         """
         from ..distributed._network import NetworkConfig
-        from ..distributed.launchers import DEFAULT_SLURM_CONF
+        from ..distributed.slurm import DEFAULT_SLURM_CONF
 
         _check_launcher(launcher)
         check_backend(backend)
@@ -330,7 +330,7 @@ class RayOptions(NodeOptions):
 
 
 def _check_launcher(launcher: str) -> None:
-    from ..distributed.launchers import LAUNCHERS
+    from ..distributed.slurm import LAUNCHERS
 
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")

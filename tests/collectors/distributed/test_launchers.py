@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from rlharvest.collectors.distributed.launchers import LaunchedNode, LocalNode
+from rlharvest.transport.launchers import LaunchedNode, LocalNode
 from rlharvest.transport.launchers import launch_nodes
 
 

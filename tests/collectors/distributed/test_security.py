@@ -26,7 +26,7 @@ from mocks import CountingPolicy
 
 import netns
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector, node
-from rlharvest.collectors.distributed.launchers import private_job_folder
+from rlharvest.transport.launchers import private_job_folder
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
 from rlharvest.transport.ports import free_port_block

@@ -126,7 +126,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         return payload
 
     def _make_receiver(self, links=None) -> SharedMemWeightReceiver:
-        info = getattr(self, "_connection_info", None)
+        info = self._connection_info
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: it has no channel to receive on.")
         if self._worker_idx is None:

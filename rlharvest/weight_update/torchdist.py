@@ -80,7 +80,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         super().init_on_receiver(model_id=model_id, context=context, worker_idx=worker_idx, model=model, **kwargs)
 
     def _make_receiver(self, links: NodeGroupLinks | None = None) -> DistWeightReceiver:
-        info = getattr(self, "_connection_info", None)
+        info = self._connection_info
         if info is None:
             raise RuntimeError("This scheme was never initialised as a sender: no weight channel to connect to.")
         if self._worker_idx is None:

@@ -12,23 +12,10 @@ import time
 from typing import Any, Callable
 
 from ...transport.channel import AUTHKEY_ENV, new_authkey
-from ...transport.launchers import (_ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, LaunchedNode, LocalNode, SlurmNode,
-                                    main_host_ip, private_job_folder, submit_jobs)
+from ...transport.launchers import _ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, SlurmNode, main_host_ip, submit_jobs
 from ...worker.nodes import node_main
 
-__all__ = [
-    "DEFAULT_SLURM_CONF",
-    "DEFAULT_SLURM_CONF_MAIN",
-    "TCP_PORT",
-    "LAUNCHERS",
-    "LaunchedNode",
-    "LocalNode",
-    "SlurmNode",
-    "main_host_ip",
-    "private_job_folder",
-    "submitit_delayed_launcher",
-    "node_main",
-]
+__all__ = ["DEFAULT_SLURM_CONF", "DEFAULT_SLURM_CONF_MAIN", "TCP_PORT", "LAUNCHERS", "submitit_delayed_launcher"]
 
 #: SLURM parameters of the main job submitted by :func:`submitit_delayed_launcher`
 DEFAULT_SLURM_CONF_MAIN = {"timeout_min": 10, "slurm_partition": "train", "slurm_cpus_per_task": 32,
