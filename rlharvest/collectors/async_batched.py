@@ -37,7 +37,7 @@ from ..transport.mp import MPBackend, mp_context
 from ..weight_update.strategy import copy_weights_, weights_of
 from ..worker import run_worker
 from ._specs import has_weights, wrap_callable
-from ._async_batched_setup import AsyncBatchedConfig, async_batched_config, worker_env_factories
+from .options.async_batched import AsyncBatchedConfig, async_batched_config, worker_env_factories
 from .base import BaseCollector
 from .multi import DEFAULT_WORKER_TIMEOUT
 from .remote import RemoteCollectorBase

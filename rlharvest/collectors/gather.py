@@ -90,6 +90,12 @@ class SyncStack:
         self.progress.add_seconds("waiting", time.perf_counter() - waiting)
         return [replies[w] for w in range(count)]
 
+    def drain(self) -> None:
+        """Nothing is in flight between two batches."""
+
+    def forget(self, worker: int) -> None:
+        """Nothing is in flight between two batches."""
+
 
 class FirstReady:
     """Every worker keeps one request in flight; batches are served in order of arrival.

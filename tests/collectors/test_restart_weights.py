@@ -43,7 +43,7 @@ def make(case: str, policy):
 
 
 def process_of(collector, worker: int):
-    if isinstance(collector, DistributedCollector):
+    if isinstance(collector, (DistributedCollector, RPCCollector)):  # nodes: how their launcher sees them
         return collector._launched[worker].process
     return collector._requests.handles[worker].process
 

@@ -2,6 +2,8 @@
 validates its collector's constructor arguments once, and builds the backend and the worker specs
 (docs/architecture.md)."""
 
+from .async_batched import AsyncBatchedConfig
 from .mp import WorkerProcessOptions
+from .nodes import NodeOptions, RayOptions, RPCOptions, TorchDistOptions
 
-__all__ = ["WorkerProcessOptions"]
+__all__ = ["AsyncBatchedConfig", "NodeOptions", "RayOptions", "RPCOptions", "TorchDistOptions", "WorkerProcessOptions"]

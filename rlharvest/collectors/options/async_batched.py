@@ -1,4 +1,4 @@
-"""AsyncBatchedCollector's arguments, validated once into a frozen dataclass, and its worker env factories."""
+"""The options of AsyncBatchedCollector, validated once into a frozen dataclass, and its worker env factories."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._utils import NestedKey
-from ..envs import SerialEnv
+from ..._utils import NestedKey
+from ...envs import SerialEnv
 
 __all__ = ["AsyncBatchedConfig", "async_batched_config", "worker_env_factories"]
 
