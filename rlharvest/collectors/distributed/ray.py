@@ -80,8 +80,9 @@ class RayCollector(DistributedCollector):
             default ``{"num_cpus": 1}``, which fits any machine, GPU or not.
         num_collectors: how many actors; a single ``create_env_fn``, ``collector_kwargs`` or
             ``remote_configs`` is then repeated for each.
-        trust_policy, no_cuda_sync, trajs_per_batch, pre_collect_hook, post_collect_hook: forwarded
-            to every actor's collector.
+        trust_policy, no_cuda_sync, trajs_per_batch, traj_format, pre_collect_hook, post_collect_hook:
+            forwarded to every actor's collector (``traj_format`` is rlharvest's addition, as
+            RPCCollector's: without it ``trajs_per_batch`` warns that its default will change).
         use_env_creator: accepted for compatibility (env constructors travel through Ray as they are).
 
     Batches: ``sync=True`` stacks one rollout of every actor, in actor order; ``sync=False`` yields
@@ -105,7 +106,8 @@ class RayCollector(DistributedCollector):
     __signature__ = __signature__.replace(parameters=[
         *__signature__.parameters.values(), keyword("trust_policy", annotation="bool | None"),
         keyword("use_env_creator", False, "bool"), keyword("no_cuda_sync", annotation="bool | None"),
-        keyword("trajs_per_batch", annotation="int | None"), keyword("pre_collect_hook"),
+        keyword("trajs_per_batch", annotation="int | None"), keyword("traj_format", annotation="str | None"),
+        keyword("pre_collect_hook"),
         keyword("post_collect_hook")])
 
     noun = "actor"
