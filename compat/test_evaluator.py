@@ -1,0 +1,50 @@
+"""rlharvest's Evaluator with TorchRL's envs (StepCounter + RewardSum) and actors, beside TorchRL's own."""
+
+from __future__ import annotations
+
+import pytest
+import torchrl.collectors
+from tensordict import TensorDict
+from torchrl_objects import q_value_actor, transformed_env
+
+import rlharvest.collectors
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def greedy_actor(env=None):
+    """The DQN actor without exploration, as a policy factory ``(env) -> policy``."""
+    return q_value_actor(epsilon=None)
+
+
+def check_cartpole(result: dict, count: int) -> None:
+    """CartPole rewards 1 per step: RewardSum's return of an episode is its length (StepCounter's)."""
+    assert result["eval/num_episodes"] == count
+    assert result["eval/reward"] == result["eval/episode_length"]
+    assert 1 <= result["eval/episode_length"] <= 40  # StepCounter(max_steps=40) truncates
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_evaluator_with_torchrl_env_and_reward_sum(backend):
+    env = transformed_env if backend == "process" else transformed_env()
+    policy = dict(policy_factory=greedy_actor) if backend == "process" else dict(policy=greedy_actor())
+    evaluator = rlharvest.collectors.Evaluator(env, num_trajectories=3, max_steps=100, backend=backend, **policy)
+    try:
+        check_cartpole(evaluator.evaluate(greedy_actor(), step=10), 3)
+        assert evaluator.trigger_eval(TensorDict.from_module(greedy_actor()).data)
+        check_cartpole(evaluator.wait(60), 3)
+    finally:
+        evaluator.shutdown()
+
+
+def test_same_result_keys_as_torchrl():
+    ours = rlharvest.collectors.Evaluator(transformed_env(), greedy_actor(), num_trajectories=2, max_steps=100)
+    theirs = torchrl.collectors.Evaluator(transformed_env(), greedy_actor(), num_trajectories=2, max_steps=100)
+    try:
+        mine, reference = ours.evaluate(greedy_actor()), theirs.evaluate(greedy_actor())
+        assert sorted(mine) == sorted(reference)
+        assert mine["eval/step"] == reference["eval/step"] == 0
+        assert ours.state_dict() == theirs.state_dict()
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
