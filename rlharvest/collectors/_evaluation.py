@@ -11,6 +11,7 @@ every trajectory begun with the previous weights, then one batch is collected.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable
@@ -19,13 +20,45 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
+from ..envs.adapters import is_env
 from ..envs.factory import env_keys, make_env
+from .multi import MultiSyncCollector
 from .single import Collector
 
-__all__ = ["EvalCollector", "TrajectoryRun", "episode_metrics", "AfterInit"]
+__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "episode_metrics", "AfterInit", "run_builder"]
 
 #: where TorchRL's RewardSum transform writes the running return of each episode
 EPISODE_REWARD_KEY = ("next", "episode_reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The Evaluator's arguments, checked once (the names are TorchRL's)."""
+
+    backend: str
+    """``"thread"``, ``"process"`` or ``"ray"``."""
+    num_trajectories: int
+    """Complete episodes per evaluation (the collector's ``trajs_per_batch``)."""
+    max_steps: int | None
+    """Episodes are truncated after this many steps (``max_frames_per_traj``); None: never."""
+    frames_per_batch: int
+    """Env steps per poll of the collector: ``frames_per_batch``, else ``max_steps``, else 1000."""
+    collector_kwargs: dict
+    """More arguments of the collector."""
+    log_prefix: str
+    reward_key: Any
+    done_key: Any
+    device: torch.device | None
+    """Where the evaluation policy runs (the collector's ``policy_device``); None: where it is."""
+    exploration_type: Any
+    metrics_fn: Callable | None
+    dump_video: bool
+    on_result: Callable | None
+    busy_policy: str
+    init_fn: Callable | None
+    """Called first in the worker process or actor (process and ray backends)."""
+    num_gpus: int
+    ray_kwargs: dict
 
 
 class EvalCollector(Collector):
@@ -42,8 +75,8 @@ class EvalCollector(Collector):
         >>> from rlharvest.envs import CountingEnv
         >>> collector = EvalCollector(CountingEnv(max_steps=2), policy_factory=lambda env: None,
         ...                           frames_per_batch=6, trajs_per_batch=2, traj_format="padded")
-        >>> next(iter(collector))["collector", "mask"].sum(-1).tolist()
-        [3, 3]
+        >>> next(iter(collector))["collector", "mask"].shape[0]  # two complete episodes
+        2
         >>> collector.shutdown()
     """
 
@@ -100,8 +133,8 @@ class TrajectoryRun:
         >>> from rlharvest.envs import CountingEnv
         >>> run = TrajectoryRun(EvalCollector(CountingEnv(max_steps=2), frames_per_batch=6, trajs_per_batch=2,
         ...                                   traj_format="padded"), ("next", "reward"))
-        >>> run.run(None)["episode_length"]
-        3.0
+        >>> run.run(None)["num_episodes"]
+        2
         >>> run.shutdown()
     """
 
@@ -204,3 +237,78 @@ def episode_metrics(batch: TensorDictBase, reward_key: Any, metrics_fn: Callable
     if metrics_fn is not None:
         metrics.update({f"custom/{name}": value for name, value in metrics_fn(batch).items()})
     return metrics
+
+
+class LocalRun(TrajectoryRun):
+    """The ``"thread"`` run: the policy in eval mode during evaluations, as TorchRL's."""
+
+    def collect(self, weights_dict):
+        policy = self.collector.policy
+        training = isinstance(policy, torch.nn.Module) and policy.training
+        if training:
+            policy.eval()
+        try:
+            return super().collect(weights_dict)
+        finally:
+            if training:
+                policy.train()
+
+    def dump_video(self, step: int) -> None:
+        if isinstance(self.collector, EvalCollector):
+            self.collector.dump_video(step)
+
+
+class WorkerRun(TrajectoryRun):
+    """The ``"process"`` run: the worker's collector dumps its own recorder."""
+
+    def dump_video(self, step: int) -> None:
+        self.collector.map_fn("dump_video", list_of_kwargs=[{"step": step}])
+
+
+def _collector_class(collector_cls: type | str | None) -> type:
+    if collector_cls is None:
+        return EvalCollector
+    if isinstance(collector_cls, str):
+        from .. import collectors
+
+        if not isinstance(getattr(collectors, collector_cls, None), type):
+            raise ValueError(f"collector_cls {collector_cls!r} is not a class of rlharvest.collectors.")
+        return getattr(collectors, collector_cls)
+    return collector_cls
+
+
+def run_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, collector_cls: Any,
+                schemes: dict | None) -> tuple[Callable[[], Any], bool]:
+    """How the backend's run is built, and whether it is built with the evaluator (else by the
+    first evaluation). The collector's arguments are the same for every backend."""
+    collect = dict(frames_per_batch=config.frames_per_batch, total_frames=-1, max_frames_per_traj=config.max_steps,
+                   trajs_per_batch=config.num_trajectories, traj_format="padded",
+                   exploration_type=config.exploration_type, **config.collector_kwargs)
+    if config.backend == "ray":
+        from .distributed.ray_eval import RayEvalWorker, RayEvalRun
+
+        return (lambda: RayEvalRun(RayEvalWorker(
+            config.init_fn, env, policy_factory, num_gpus=config.num_gpus, reward_keys=config.reward_key,
+            num_trajectories=config.num_trajectories, frames_per_batch=config.frames_per_batch,
+            collector_kwargs=config.collector_kwargs, **config.ray_kwargs), config)), True
+    if config.backend == "process" or schemes is not None:
+        def build_worker() -> WorkerRun:
+            collector = MultiSyncCollector(
+                [env], policy_factory=policy_factory, collector_class=EvalCollector, weight_sync_schemes=schemes,
+                init_fn=config.init_fn, policy_device=config.device, **collect)
+            return WorkerRun(collector, config.reward_key, config.metrics_fn)
+        return build_worker, True
+
+    def build_local() -> LocalRun:
+        cls = _collector_class(collector_cls)
+        if cls is EvalCollector:
+            collector = cls(env, policy, policy_factory=policy_factory, policy_device=config.device, **collect)
+        else:  # another collector calls factories without the env: the env and policy are built here
+            built_env = make_env(env, None)
+            built_policy = policy if policy_factory is None else policy_factory(built_env)
+            collector = cls(built_env, built_policy, policy_device=config.device, **collect)
+        return LocalRun(collector, config.reward_key, config.metrics_fn)
+
+    # A constructor and a factory: both are built by whoever evaluates first (the background thread
+    # for trigger_eval), as TorchRL does, so that the env can live on a device of its own.
+    return build_local, not (policy_factory is not None and not is_env(env) and callable(env))

@@ -19,7 +19,6 @@ runs them one at a time, results (or the error that ended one) queue until :meth
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -29,11 +28,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ..envs.adapters import is_env
-from ..envs.factory import make_env
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
-from ._evaluation import EvalCollector, TrajectoryRun
-from .multi import MultiSyncCollector
+from ._evaluation import EvalConfig, run_builder
 
 __all__ = ["Evaluator", "EvaluationPendingError", "EvaluatorClosedError"]
 
@@ -49,36 +46,6 @@ class EvaluationPendingError(RuntimeError):
 
 class EvaluatorClosedError(RuntimeError):
     """An evaluation or a result was asked of an evaluator after :meth:`Evaluator.shutdown`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """The Evaluator's arguments, checked once (the names are TorchRL's)."""
-
-    backend: str
-    """``"thread"``, ``"process"`` or ``"ray"``."""
-    num_trajectories: int
-    """Complete episodes per evaluation (the collector's ``trajs_per_batch``)."""
-    max_steps: int | None
-    """Episodes are truncated after this many steps (``max_frames_per_traj``); None: never."""
-    frames_per_batch: int
-    """Env steps per poll of the collector: ``frames_per_batch``, else ``max_steps``, else 1000."""
-    collector_kwargs: dict
-    """More arguments of the collector."""
-    log_prefix: str
-    reward_key: Any
-    done_key: Any
-    device: torch.device | None
-    """Where the evaluation policy runs (the collector's ``policy_device``); None: where it is."""
-    exploration_type: Any
-    metrics_fn: Callable | None
-    dump_video: bool
-    on_result: Callable | None
-    busy_policy: str
-    init_fn: Callable | None
-    """Called first in the worker process or actor (process and ray backends)."""
-    num_gpus: int
-    ray_kwargs: dict
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -200,8 +167,8 @@ class Evaluator:
         self._running = False
         self._thread: threading.Thread | None = None
         self._run = None  # built below, or lazily by the first evaluation (thread backend, factories)
-        self._build = _runner_builder(self.config, env, policy, policy_factory, collector_cls, weight_sync_schemes)
-        if self._build.eager:
+        self._build, eager = run_builder(self.config, env, policy, policy_factory, collector_cls, weight_sync_schemes)
+        if eager:
             self._run = self._build()
         self._closed = False
 
@@ -439,87 +406,3 @@ class Evaluator:
         run, self._run = self._run, None
         if run is not None:
             run.shutdown(timeout)
-
-
-class _RunnerBuilder:
-    """Builds the run of one backend; ``eager`` when it is built with the evaluator."""
-
-    def __init__(self, build: Callable[[], Any], eager: bool) -> None:
-        self.build, self.eager = build, eager
-
-    def __call__(self) -> Any:
-        return self.build()
-
-
-class _LocalRun(TrajectoryRun):
-    """The ``"thread"`` run: the policy in eval mode during evaluations, as TorchRL's."""
-
-    def collect(self, weights_dict):
-        policy = self.collector.policy
-        training = isinstance(policy, torch.nn.Module) and policy.training
-        if training:
-            policy.eval()
-        try:
-            return super().collect(weights_dict)
-        finally:
-            if training:
-                policy.train()
-
-    def dump_video(self, step: int) -> None:
-        if isinstance(self.collector, EvalCollector):
-            self.collector.dump_video(step)
-
-
-class _WorkerRun(TrajectoryRun):
-    """The ``"process"`` run: the worker's collector dumps its own recorder."""
-
-    def dump_video(self, step: int) -> None:
-        self.collector.map_fn("dump_video", list_of_kwargs=[{"step": step}])
-
-
-def _collector_class(collector_cls: type | str | None) -> type:
-    if collector_cls is None:
-        return EvalCollector
-    if isinstance(collector_cls, str):
-        from .. import collectors
-
-        if not isinstance(getattr(collectors, collector_cls, None), type):
-            raise ValueError(f"collector_cls {collector_cls!r} is not a class of rlharvest.collectors.")
-        return getattr(collectors, collector_cls)
-    return collector_cls
-
-
-def _runner_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, collector_cls: Any,
-                    schemes: dict | None) -> _RunnerBuilder:
-    """How the backend's run is built: collector arguments are the same for every backend."""
-    collect = dict(frames_per_batch=config.frames_per_batch, total_frames=-1, max_frames_per_traj=config.max_steps,
-                   trajs_per_batch=config.num_trajectories, traj_format="padded",
-                   exploration_type=config.exploration_type, **config.collector_kwargs)
-    if config.backend == "ray":
-        from .distributed.ray_eval import RayEvalWorker, RayEvalRun
-
-        return _RunnerBuilder(lambda: RayEvalRun(RayEvalWorker(
-            config.init_fn, env, policy_factory, num_gpus=config.num_gpus, reward_keys=config.reward_key,
-            num_trajectories=config.num_trajectories, frames_per_batch=config.frames_per_batch,
-            collector_kwargs=config.collector_kwargs, **config.ray_kwargs), config), eager=True)
-    if config.backend == "process" or schemes is not None:
-        def build_worker() -> _WorkerRun:
-            collector = MultiSyncCollector(
-                [env], policy_factory=policy_factory, collector_class=EvalCollector, weight_sync_schemes=schemes,
-                init_fn=config.init_fn, policy_device=config.device, **collect)
-            return _WorkerRun(collector, config.reward_key, config.metrics_fn)
-        return _RunnerBuilder(build_worker, eager=True)
-
-    def build_local() -> _LocalRun:
-        cls = _collector_class(collector_cls)
-        if cls is EvalCollector:
-            collector = cls(env, policy, policy_factory=policy_factory, policy_device=config.device, **collect)
-        else:  # another collector calls factories without the env: the env and policy are built here
-            built_env = make_env(env, None)
-            built_policy = policy if policy_factory is None else policy_factory(built_env)
-            collector = cls(built_env, built_policy, policy_device=config.device, **collect)
-        return _LocalRun(collector, config.reward_key, config.metrics_fn)
-
-    # A constructor and a factory: both are built by whoever evaluates first (the background thread
-    # for trigger_eval), as TorchRL does, so that the env can live on a device of its own.
-    return _RunnerBuilder(build_local, eager=not (policy_factory is not None and not is_env(env) and callable(env)))
