@@ -48,3 +48,19 @@ def test_same_result_keys_as_torchrl():
     finally:
         ours.shutdown()
         theirs.shutdown()
+
+
+def vecnorm_env():
+    from torchrl.envs import VecNormV2
+
+    return transformed_env().append_transform(VecNormV2(in_keys=["observation"]))
+
+
+def test_vecnorm_of_the_eval_env_is_frozen():
+    evaluator = rlharvest.collectors.Evaluator(vecnorm_env(), greedy_actor(), num_trajectories=2, max_steps=100)
+    try:
+        check_cartpole(evaluator.evaluate(), 2)
+        vecnorm = evaluator._run.collector.env.transform[-1]
+        assert vecnorm.frozen
+    finally:
+        evaluator.shutdown()

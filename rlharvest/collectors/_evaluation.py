@@ -64,12 +64,14 @@ class EvalConfig:
 class EvalCollector(Collector):
     """A :class:`Collector` for evaluations, built where it runs (in a worker, an actor, a thread).
 
-    Two differences with a Collector, both the Evaluator's contract (docs/evaluation.md):
+    Three differences with a Collector, the Evaluator's contract (docs/evaluation.md):
 
     * ``policy_factory`` is called with the env, ``policy_factory(env)``, as TorchRL's Evaluator
       documents, so that a policy can be sized from the env's specs;
     * ``max_frames_per_traj`` is dropped when the env already counts its steps (a ``StepCounter``
-      transform): its own ``step_count`` then ends the episodes.
+      transform): its own ``step_count`` then ends the episodes;
+    * the ``VecNorm``/``VecNormV2`` transforms of a TorchRL env are frozen: evaluating must not move
+      the running statistics the training env shares (they come with the weights).
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -82,7 +84,7 @@ class EvalCollector(Collector):
 
     def __init__(self, create_env_fn: Any, policy: Callable | None = None, *,
                  policy_factory: Callable[[Any], Callable] | None = None, **kwargs: Any) -> None:
-        env = make_env(create_env_fn, kwargs.pop("create_env_kwargs", None))
+        env = _frozen_normalization(make_env(create_env_fn, kwargs.pop("create_env_kwargs", None)))
         if policy is None and policy_factory is not None:
             policy = unwrap(policy_factory)(env)
         if kwargs.get("max_frames_per_traj") and ("step_count",) in env_keys(env):
@@ -98,6 +100,23 @@ class EvalCollector(Collector):
         transforms = sys.modules.get("torchrl.envs.transforms")
         if transforms is not None and isinstance(self.env, transforms.TransformedEnv):
             self.env.transform.dump(step=step)
+
+
+def _frozen_normalization(env: Any) -> Any:
+    """``env`` with the VecNorm transforms of a TorchRL ``TransformedEnv`` frozen, recognised by their
+    types (only when TorchRL is already imported: the env came from it)."""
+    transforms = sys.modules.get("torchrl.envs.transforms")
+    if transforms is None or not isinstance(env, transforms.TransformedEnv):
+        return env
+    normalizers = tuple(getattr(transforms, name) for name in ("VecNorm", "VecNormV2") if hasattr(transforms, name))
+    stack = [env.transform]
+    while stack:
+        transform = stack.pop()
+        if isinstance(transform, transforms.Compose):
+            stack.extend(transform)
+        elif isinstance(transform, normalizers):
+            transform.freeze()
+    return env
 
 
 class AfterInit:
