@@ -261,7 +261,7 @@ def episode_metrics(batch: TensorDictBase, reward_key: Any, metrics_fn: Callable
 class LocalRun(TrajectoryRun):
     """The ``"thread"`` run: the policy in eval mode during evaluations, as TorchRL's."""
 
-    def collect(self, weights_dict):
+    def collect(self, weights_dict: dict[str, TensorDictBase] | None) -> tuple[TensorDictBase, float]:
         policy = self.collector.policy
         training = isinstance(policy, torch.nn.Module) and policy.training
         if training:

@@ -195,11 +195,16 @@ class Evaluator:
             100
         """
         self._check_open("evaluate")
-        prepared, step = self._prepare(weights, weights_dict), self._next_step(step)
         with self._lock:
             if self._running or self._requests:
                 raise EvaluationPendingError("evaluate() while a background evaluation is pending: wait() first.")
-            self._running = True
+            self._running = True  # trigger_eval meanwhile finds the evaluator busy
+        try:
+            prepared, step = self._prepare(weights, weights_dict), self._next_step(step)
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
         try:
             result = self._evaluate_now(prepared, step)
         finally:
@@ -252,24 +257,46 @@ class Evaluator:
         Raises:
             EvaluatorClosedError: after :meth:`shutdown`.
             Exception: what ended the evaluation whose result this would have been.
+
+        Example:
+            >>> result = evaluator.poll()                                  # doctest: +SKIP
+            >>> if result is not None:                                     # doctest: +SKIP
+            ...     logger.log_metrics(result, step=result["eval/step"])
         """
         return self._take(timeout, "poll")
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Like :meth:`poll`, waiting until a result is there (at most ``timeout`` seconds; None: as
-        long as an evaluation is pending). Returns None when nothing is pending nor ready."""
+        long as an evaluation is pending). Returns None when nothing is pending nor ready.
+
+        Raises:
+            EvaluatorClosedError: after :meth:`shutdown`.
+            Exception: what ended the evaluation whose result this would have been.
+
+        Example:
+            >>> final = evaluator.wait(timeout=600)                        # doctest: +SKIP
+        """
         return self._take(timeout, "wait")
 
     @property
     def pending(self) -> bool:
-        """True while an evaluation runs or is queued."""
+        """True while an evaluation runs or is queued.
+
+        Example:
+            >>> if not evaluator.pending:                                  # doctest: +SKIP
+            ...     evaluator.trigger_eval(policy, step=frames)
+        """
         with self._lock:
             return self._running or bool(self._requests)
 
     # ------------------------------------------------------------------ life cycle
     def shutdown(self, timeout: float = 5.0) -> None:
         """Drop queued evaluations, let a running one end (``timeout`` seconds), stop the backend's
-        worker; idempotent. Results not taken are dropped."""
+        worker (within the same ``timeout``); idempotent. Results not taken are dropped.
+
+        Example:
+            >>> evaluator.shutdown(timeout=10.0)                           # doctest: +SKIP
+        """
         with self._lock:
             if self._closed:
                 return
@@ -291,20 +318,35 @@ class Evaluator:
 
         Raises:
             RuntimeError: while an evaluation is pending, queued, or its result unread.
+
+        Example:
+            >>> evaluator.state_dict()                                     # doctest: +SKIP
+            {'step_counter': 3}
         """
         with self._lock:
             self._check_quiet("checkpointing")
             return {"step_counter": self._step_counter}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same conditions)."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            RuntimeError: while an evaluation is pending, queued, or its result unread.
+
+        Example:
+            >>> evaluator.load_state_dict({"step_counter": 3})             # doctest: +SKIP
+        """
         with self._lock:
             self._check_quiet("restoring its state")
             self._step_counter = int(state_dict.get("step_counter", 0))
 
     @staticmethod
     def extract_weights(policy: torch.nn.Module) -> TensorDictBase:
-        """A detached CPU copy of ``policy``'s weights, safe to hand to another thread."""
+        """A detached CPU copy of ``policy``'s weights, safe to hand to another thread.
+
+        Example:
+            >>> evaluator.evaluate(Evaluator.extract_weights(policy))      # doctest: +SKIP
+        """
         return _weights_snapshot(policy)
 
     def __del__(self) -> None:

@@ -98,6 +98,9 @@ class RayEvalWorker:
             deterministic: DETERMINISTIC exploration (else RANDOM).
             break_when_any_done: accepted for compatibility: an evaluation always ends once it has
                 ``num_trajectories`` complete episodes (1 by default: the first to end).
+
+        Example:
+            >>> worker.submit(TensorDict.from_module(policy).data, max_steps=500)   # doctest: +SKIP
         """
         self._pending = self._submit(self._evaluate, weights, max_steps, deterministic)
 
@@ -110,6 +113,11 @@ class RayEvalWorker:
 
         Raises:
             WorkerError: when the actor failed (with its traceback).
+
+        Example:
+            >>> result = worker.poll()          # doctest: +SKIP
+            >>> if result is not None:          # doctest: +SKIP
+            ...     print(result["reward"])
         """
         pending = self._pending
         if pending is None:
@@ -119,7 +127,7 @@ class RayEvalWorker:
         except concurrent.futures.TimeoutError:
             return None
         finally:
-            if pending.done():
+            if pending.done() and self._pending is pending:
                 self._pending = None
         return result
 
@@ -127,19 +135,27 @@ class RayEvalWorker:
                 exploration_type: Any = ExplorationType.DETERMINISTIC,
                 metrics_fn: Callable | None = None) -> dict[str, Any]:
         """One evaluation, blocking, with weights for several models (rlharvest's addition, for the
-        Evaluator). Returns the raw metrics (``rlharvest.collectors._evaluation.episode_metrics``)."""
+        Evaluator). Returns the raw metrics (``rlharvest.collectors._evaluation.episode_metrics``).
+
+        Example:
+            >>> worker.collect({"policy": weights}, max_steps=500)["reward"]   # doctest: +SKIP
+        """
         return self._submit(self._run_metrics, weights_dict, max_steps, exploration_type, metrics_fn).result()
 
-    def shutdown(self) -> None:
-        """Stop the actor (and the thread driving it); idempotent."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the actor, also in the middle of an evaluation (which then ends with an error nobody
+        reads); idempotent. ``timeout`` (rlharvest's addition) bounds the wait for the actor to close
+        before it is killed (None: the collector's default).
+
+        Example:
+            >>> worker.shutdown()                                        # doctest: +SKIP
+        """
         executor, self._executor = self._executor, None
         if executor is None:
             return
-        if self._pending is not None:
-            self._pending.cancel()
-        executor.submit(self._stop_run)
-        executor.shutdown(wait=True)
+        executor.shutdown(wait=False, cancel_futures=True)
         self._pending = None
+        self._stop_run(timeout)  # from this thread: the driving thread may be waiting for the actor
 
     def __del__(self) -> None:
         try:
@@ -180,13 +196,16 @@ class RayEvalWorker:
             collector_class=EvalCollector, collector_kwargs=kwargs, trajs_per_batch=self._num_trajectories,
             traj_format=kwargs.pop("traj_format", "padded"),
             remote_configs=self._remote_config)
+        if self._executor is None:  # shut down while the actor started: nobody else will stop it
+            collector.shutdown()
+            raise RuntimeError("RayEvalWorker was shut down.")
         self._run, self._run_key = TrajectoryRun(collector, self._reward_keys), key
         return self._run
 
-    def _stop_run(self) -> None:
+    def _stop_run(self, timeout: float | None = None) -> None:
         run, self._run = self._run, None
         if run is not None:
-            run.shutdown()
+            run.shutdown(timeout)
 
 
 class RayEvalRun:
@@ -205,4 +224,4 @@ class RayEvalRun:
             self.worker._submit(run.collector.map_fn, "dump_video", None, [{"step": step}]).result()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        self.worker.shutdown()
+        self.worker.shutdown(timeout)

@@ -7,6 +7,7 @@ of 4; w = 0 never ends them, so they are truncated at ``max_steps`` with a retur
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 from mocks import ActionRewardEnv, FaultyEnv, wait_until, weight_policy, weight_policy_of
@@ -83,3 +84,15 @@ def test_evaluator_ray_backend_errors():
             evaluator.evaluate()
     finally:
         evaluator.shutdown()
+
+
+def test_shutdown_in_the_middle_of_an_evaluation_is_bounded(ray_cluster):
+    slow = functools.partial(ActionRewardEnv, max_steps=3, delay=0.2)  # 2 episodes of 8 steps: 3.2 s
+    evaluator = Evaluator(slow, policy_factory=weight_policy_of, num_trajectories=2, max_steps=8, backend="ray",
+                          num_gpus=0)
+    assert evaluator.trigger_eval(weight_policy(0.0))
+    wait_until(lambda: live_actors(ray_cluster), timeout=30, what="the actor's start")
+    start = time.monotonic()
+    evaluator.shutdown(timeout=2.0)
+    assert time.monotonic() - start < 10.0
+    wait_until(lambda: not live_actors(ray_cluster), timeout=10, what="the actor's end")
