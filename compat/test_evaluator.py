@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torchrl.collectors
 from tensordict import TensorDict
@@ -64,3 +66,26 @@ def test_vecnorm_of_the_eval_env_is_frozen():
         assert vecnorm.frozen
     finally:
         evaluator.shutdown()
+
+
+def _parameters(function) -> dict:
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()}
+
+
+@pytest.mark.parametrize("method", ["__init__", "evaluate", "trigger_eval", "poll", "wait", "shutdown", "state_dict",
+                                    "load_state_dict"])
+def test_evaluator_signature_is_torchrl_s(method):
+    ours = _parameters(getattr(rlharvest.collectors.Evaluator, method))
+    theirs = _parameters(getattr(torchrl.collectors.Evaluator, method))
+    assert list(ours) == list(theirs)
+    assert {k: str(v) for k, v in ours.items()} == {k: str(v) for k, v in theirs.items()}  # defaults too
+
+
+@pytest.mark.parametrize("method", ["__init__", "submit", "poll", "from_name"])
+def test_ray_eval_worker_takes_every_torchrl_argument(method):
+    from torchrl.collectors.distributed import RayEvalWorker as TheirWorker
+
+    from rlharvest.collectors.distributed import RayEvalWorker
+
+    ours, theirs = _parameters(getattr(RayEvalWorker, method)), _parameters(getattr(TheirWorker, method))
+    assert all(name in ours and str(ours[name]) == str(default) for name, default in theirs.items())
