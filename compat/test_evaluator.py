@@ -89,3 +89,13 @@ def test_ray_eval_worker_takes_every_torchrl_argument(method):
 
     ours, theirs = _parameters(getattr(RayEvalWorker, method)), _parameters(getattr(TheirWorker, method))
     assert all(name in ours and str(ours[name]) == str(default) for name, default in theirs.items())
+
+
+def test_every_public_name_of_torchrl_collectors_is_exported():
+    """Evaluator and RayEvalWorker were the last names of TorchRL 0.14.1's __all__ missing here."""
+    import torchrl.collectors.distributed
+
+    import rlharvest.collectors.distributed
+
+    assert set(torchrl.collectors.__all__) <= set(rlharvest.collectors.__all__)
+    assert set(torchrl.collectors.distributed.__all__) <= set(rlharvest.collectors.distributed.__all__)
