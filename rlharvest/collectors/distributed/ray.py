@@ -24,7 +24,6 @@ from ...transport.base import Backend
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, ensure_ray, require_ray
 from ...worker import run_worker
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
-from ..single import Collector
 from .generic import DistributedCollector
 
 __all__ = ["RayCollector"]
@@ -249,7 +248,7 @@ class RayCollector(DistributedCollector):
         if self.policy_factory:
             self.policy_factory.extend([factory] * count)
         specs = [self._node_spec(node) for node in range(first, first + count)]
-        if self.collector_class is not Collector:
+        if not self._runs_one_env:
             specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
                      for spec, env_fn in zip(specs, env_fns)]
         return specs
@@ -259,7 +258,7 @@ class RayCollector(DistributedCollector):
             return self.num_workers_per_collector
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
-        if self.collector_class is Collector and num_envs != 1:
+        if self._runs_one_env and num_envs != 1:
             raise ValueError(f"num_envs must be 1 when the actors run a single Collector, got {num_envs}: build "
                              "the collector with collector_class='sync' or 'async' for several envs per actor.")
         return num_envs
