@@ -11,7 +11,10 @@ runs it wherever the backend puts it:
 * ``"ray"``: a :class:`~rlharvest.collectors.distributed.RayEvalWorker`, a ``RayCollector`` with one
   actor; weights travel through ``RayWeightSyncScheme``.
 
-The background is a small state machine: requests queue (``busy_policy``), the background thread
+Collectors rather than a loop and a process of the evaluator's own: the process and ray backends
+then get what every worker has (bounded start, ``WorkerError`` with the remote traceback, bounded
+shutdown, exit when the parent dies, weights through the schemes), and episodes are measured as
+training collects them. The background is a small state machine: requests queue (``busy_policy``), the background thread
 runs them one at a time, results (or the error that ended one) queue until :meth:`poll` or
 :meth:`wait` takes them.
 """
