@@ -14,9 +14,11 @@ runs it wherever the backend puts it:
 Collectors rather than a loop and a process of the evaluator's own: the process and ray backends
 then get what every worker has (bounded start, ``WorkerError`` with the remote traceback, bounded
 shutdown, exit when the parent dies, weights through the schemes), and episodes are measured as
-training collects them. The background is a small state machine: requests queue (``busy_policy``), the background thread
+training collects them.
+
+The background is a small state machine: requests queue (``busy_policy``), the background thread
 runs them one at a time, results (or the error that ended one) queue until :meth:`poll` or
-:meth:`wait` takes them.
+:meth:`wait` takes them; after :meth:`shutdown` every call raises ``EvaluatorClosedError``.
 """
 
 from __future__ import annotations
