@@ -46,19 +46,29 @@ class EvalConfig:
     collector_kwargs: dict
     """More arguments of the collector."""
     log_prefix: str
+    """Prefix of the result's keys (``"eval"``)."""
     reward_key: Any
+    """The per-step reward, summed over an episode without a ``RewardSum`` transform."""
     done_key: Any
+    """Accepted for TorchRL's signature; episodes end where the collector ends them."""
     device: torch.device | None
     """Where the evaluation policy runs (the collector's ``policy_device``); None: where it is."""
     exploration_type: Any
+    """Ambient exploration mode of the evaluation rollouts (DETERMINISTIC)."""
     metrics_fn: Callable | None
+    """``batch -> {name: value}``: more metrics, reported as ``<prefix>/<name>``."""
     dump_video: bool
+    """After each evaluation, ``dump`` the video a TorchRL ``VideoRecorder`` of the env recorded."""
     on_result: Callable | None
+    """Called with each result as a TensorDict."""
     busy_policy: str
+    """``trigger_eval`` while one is pending: ``"skip"``, ``"error"`` or ``"queue"``."""
     init_fn: Callable | None
     """Called first in the worker process or actor (process and ray backends)."""
     num_gpus: int
+    """GPUs of the Ray actor."""
     ray_kwargs: dict
+    """More ``ray.remote`` options of the Ray actor."""
 
 
 class EvalCollector(Collector):
