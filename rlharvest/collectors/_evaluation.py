@@ -301,7 +301,8 @@ def _collector_class(collector_cls: type | str | None) -> type:
         from .. import collectors
 
         if not isinstance(getattr(collectors, collector_cls, None), type):
-            raise ValueError(f"collector_cls {collector_cls!r} is not a class of rlharvest.collectors.")
+            raise ValueError(f"collector_cls {collector_cls!r} is not a class of rlharvest.collectors (e.g. "
+                             "'Collector').")
         return getattr(collectors, collector_cls)
     return collector_cls
 
@@ -328,8 +329,9 @@ def run_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, 
             return WorkerRun(collector, config.reward_key, config.metrics_fn)
         return build_worker, True
 
+    cls = _collector_class(collector_cls)
+
     def build_local() -> LocalRun:
-        cls = _collector_class(collector_cls)
         if cls is EvalCollector:
             collector = cls(env, policy, policy_factory=policy_factory, policy_device=config.device, **collect)
         else:  # another collector calls factories without the env: the env and policy are built here

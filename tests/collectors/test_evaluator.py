@@ -210,6 +210,7 @@ def test_env_with_its_own_step_counter_and_a_batched_env():
     (dict(env=ActionRewardEnv(), backend="process"), "`env` must be a callable returning an env"),
     (dict(env=ActionRewardEnv(), weight_sync_schemes={}), "with weight_sync_schemes builds the env"),
     (dict(num_trajectories=0), "num_trajectories must be a positive int"),
+    (dict(collector_cls="Colector"), "collector_cls 'Colector' is not a class of rlharvest.collectors"),
 ])
 def test_bad_arguments_name_what_is_allowed(arguments, message):
     arguments = {"env": ActionRewardEnv, "policy_factory": weight_policy_of, **arguments}
@@ -298,3 +299,11 @@ def test_the_worker_exits_when_the_trainer_dies(tmp_path):
             trainer.kill()
             trainer.wait(10)
         trainer.stdout.close()
+
+
+def test_collector_cls_by_name_builds_the_policy_from_the_env():
+    evaluator = Evaluator(ActionRewardEnv(max_steps=3), policy_factory=weight_policy_of, collector_cls="Collector",
+                          num_trajectories=2, max_steps=TRUNCATED)
+    assert type(evaluator._run.collector).__name__ == "Collector"
+    assert evaluator.evaluate()["eval/reward"] == 4.0
+    evaluator.shutdown()
