@@ -17,7 +17,7 @@ from rlharvest import WorkerError
 from rlharvest.collectors import Evaluator
 from rlharvest.collectors.distributed import RayEvalWorker
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(90), pytest.mark.usefixtures("ray_session")]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120), pytest.mark.usefixtures("ray_session")]
 
 ENV = functools.partial(ActionRewardEnv, max_steps=3)
 
