@@ -251,7 +251,7 @@ class DistributedCollector(RemoteCollectorBase):
             heartbeat_timeout=arguments["heartbeat_timeout"], handshake_timeout=arguments["handshake_timeout"])
 
     def _check_sub_workers(self, num_workers_per_collector: int) -> int:
-        if self.collector_class is Collector and num_workers_per_collector != 1:
+        if self._runs_one_env and num_workers_per_collector != 1:
             raise RuntimeError("num_workers_per_collector must be 1 when the nodes run a single Collector; use "
                                "collector_class='sync' or 'async' for several sub-workers per node.")
         return int(num_workers_per_collector)
@@ -321,7 +321,7 @@ class DistributedCollector(RemoteCollectorBase):
     def _node_spec(self, node: int) -> WorkerSpec:
         kwargs = dict(self.collector_kwargs[node], frames_per_batch=self._frames_per_node)
         env_fn = self.env_constructors[node]
-        if self.collector_class is not Collector:
+        if not self._runs_one_env:
             env_fn = [env_fn] * self.num_workers_per_collector
         factory = self.policy_factory[node] if self.policy_factory else None
         policy = None
@@ -337,6 +337,12 @@ class DistributedCollector(RemoteCollectorBase):
     @property
     def num_workers(self) -> int:
         return len(self.env_constructors)
+
+    @property
+    def _runs_one_env(self) -> bool:
+        """Each node's collector is a Collector (a subclass too): one env, not a list of them."""
+        cls = self.collector_class
+        return isinstance(cls, type) and issubclass(cls, Collector)
 
     @property
     def _launched(self) -> list:
