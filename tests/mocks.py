@@ -508,3 +508,24 @@ def check_counting_batches(batches, frames_per_batch: int, total_frames: int, st
         assert len(values) == len(set(values)), f"trajectory {traj} has a frame twice: {values}"
         assert all(b - a == step for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
     return seen
+
+
+class ActionRewardEnv(CountingEnv):
+    """CountingEnv rewarded with its action: an episode's return is how far it counted. With
+    ``weight_policy(w)``, an episode lasts ``ceil((max_steps + 1) / w)`` steps and returns
+    ``max_steps + 1`` (w > 0), or runs until truncated and returns 0 (w = 0). ``delay``: seconds per step."""
+
+    def __init__(self, max_steps: int = 3, delay: float = 0.0, batch_size=()) -> None:
+        super().__init__(max_steps=max_steps, batch_size=batch_size)
+        self.delay = delay
+
+    def _step_arrays(self, actions):
+        if self.delay:
+            time.sleep(self.delay)
+        obs, _, terminated, truncated = super()._step_arrays(actions)
+        return obs, actions["action"].reshape(self.count.shape).to(torch.float32), terminated, truncated
+
+
+def weight_policy_of(env, weight: float = 1.0) -> TensorDictModule:
+    """A policy factory as the Evaluator calls it, ``policy_factory(env)``: ``weight_policy(weight)``."""
+    return weight_policy(weight)

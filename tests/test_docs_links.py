@@ -12,8 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Markdown links and images: [text](target) and ![alt](target); the target ends at a space or ")".
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-# Pages written on another branch at the same time, listed in docs/index.md ahead of their merge.
-PENDING = {ROOT / "docs" / "evaluation.md"}
 
 
 def relative_links(page: Path) -> list[str]:
@@ -27,7 +25,7 @@ def test_relative_links_resolve(page):
     missing = []
     for target in relative_links(page):
         path = (page.parent / target.split("#", 1)[0]).resolve()
-        if not path.exists() and path not in PENDING:
+        if not path.exists():
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)} links to files that do not exist: {missing}"
 

@@ -12,6 +12,7 @@ from ..weight_update.updaters import (
 )
 from .async_batched import AsyncBatchedCollector
 from .base import BaseCollector
+from .evaluator import Evaluator
 from .multi import AsyncCollector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from .single import Collector
 
@@ -42,4 +43,5 @@ __all__ = [
     "MultiaSyncDataCollector",
     "aSyncDataCollector",
     "DataCollectorBase",
+    "Evaluator",
 ]

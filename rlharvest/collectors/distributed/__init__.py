@@ -7,6 +7,7 @@ from ...weight_update.ray import RayWeightSyncScheme, RayWeightUpdater
 from ...weight_update.rpc import RPCWeightUpdater
 from .torchdist import DistributedCollector
 from .ray import RayCollector
+from .ray_eval import RayEvalWorker
 from .rpc import RPCCollector
 from .sync import DistributedSyncCollector
 from .slurm import DEFAULT_SLURM_CONF, DEFAULT_SLURM_CONF_MAIN, submitit_delayed_launcher
@@ -25,6 +26,7 @@ __all__ = [
     "RPCDataCollector",
     "RPCWeightUpdater",
     "RayCollector",
+    "RayEvalWorker",
     "RayWeightSyncScheme",
     "RayWeightUpdater",
     "DEFAULT_SLURM_CONF",

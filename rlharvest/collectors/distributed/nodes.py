@@ -99,6 +99,10 @@ class NodeCollector(RemoteCollectorBase):
         return self._options.num_workers_per_collector
 
     @property
+    def _runs_one_env(self) -> bool:
+        return self._options.runs_one_env
+
+    @property
     def update_after_each_batch(self) -> bool:
         return self._options.update_after_each_batch
 

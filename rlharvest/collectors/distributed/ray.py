@@ -22,7 +22,6 @@ from ...protocol import Command
 from ...transport.ray import ensure_ray, require_ray
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
 from ..options.nodes import RayOptions, remote_configs_of, replicated
-from ..single import Collector
 from .torchdist import DistributedCollector
 from .nodes import NodeCollector
 
@@ -48,8 +47,9 @@ class RayCollector(NodeCollector):
             default ``{"num_cpus": 1}``, which fits any machine, GPU or not.
         num_collectors: how many actors; a single ``create_env_fn``, ``collector_kwargs`` or
             ``remote_configs`` is then repeated for each.
-        trust_policy, no_cuda_sync, trajs_per_batch, pre_collect_hook, post_collect_hook: forwarded
-            to every actor's collector.
+        trust_policy, no_cuda_sync, trajs_per_batch, traj_format, pre_collect_hook, post_collect_hook:
+            forwarded to every actor's collector (``traj_format`` is rlharvest's addition, as
+            RPCCollector's: without it ``trajs_per_batch`` warns that its default will change).
         use_env_creator: accepted for compatibility (env constructors travel through Ray as they are).
 
     Batches: ``sync=True`` stacks one rollout of every actor, in actor order; ``sync=False`` yields
@@ -73,7 +73,8 @@ class RayCollector(NodeCollector):
     __signature__ = __signature__.replace(parameters=[
         *__signature__.parameters.values(), keyword("trust_policy", annotation="bool | None"),
         keyword("use_env_creator", False, "bool"), keyword("no_cuda_sync", annotation="bool | None"),
-        keyword("trajs_per_batch", annotation="int | None"), keyword("pre_collect_hook"),
+        keyword("trajs_per_batch", annotation="int | None"), keyword("traj_format", annotation="str | None"),
+        keyword("pre_collect_hook"),
         keyword("post_collect_hook")])
 
     noun = "actor"
@@ -185,7 +186,7 @@ class RayCollector(NodeCollector):
         if self.policy_factory:
             self.policy_factory.extend([factory] * count)
         specs = [self._node_spec(node) for node in range(first, first + count)]
-        if self.collector_class is not Collector:
+        if not self._runs_one_env:
             specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
                      for spec, env_fn in zip(specs, env_fns)]
         return specs
@@ -195,7 +196,7 @@ class RayCollector(NodeCollector):
             return self.num_workers_per_collector
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
-        if self.collector_class is Collector and num_envs != 1:
+        if self._runs_one_env and num_envs != 1:
             raise ValueError(f"num_envs must be 1 when the actors run a single Collector, got {num_envs}: build "
                              "the collector with collector_class='sync' or 'async' for several envs per actor.")
         return num_envs

@@ -38,6 +38,11 @@ def resolve_collector_class(collector_class: Any) -> type:
     return collector_class
 
 
+def runs_one_env(collector_class: Any) -> bool:
+    """Whether a node's ``collector_class`` takes one env (a ``Collector``, a subclass too), not a list."""
+    return isinstance(collector_class, type) and issubclass(collector_class, Collector)
+
+
 def _per_node_kwargs(collector_kwargs: Any, count: int) -> list[dict]:
     if isinstance(collector_kwargs, (list, tuple)):
         if len(collector_kwargs) != count:
@@ -116,7 +121,7 @@ class NodeOptions:
         frames_per_node = config.split_frames(count, "exact" if sync else "whole")[0]
         config.check_workers(count)
         node_class = resolve_collector_class(collector_class)
-        if node_class is Collector and num_workers_per_collector != 1:
+        if runs_one_env(node_class) and num_workers_per_collector != 1:
             raise RuntimeError("num_workers_per_collector must be 1 when the nodes run a single Collector; use "
                                "collector_class='sync' or 'async' for several sub-workers per node.")
         user_kwargs = _per_node_kwargs(collector_kwargs, count)
@@ -143,6 +148,11 @@ class NodeOptions:
                     weight_recv_schemes=weight_recv_schemes)
 
     @property
+    def runs_one_env(self) -> bool:
+        """Each node's collector is a Collector (a subclass too): one env, not a list of them."""
+        return runs_one_env(self.collector_class)
+
+    @property
     def num_nodes(self) -> int:
         return len(self.env_fns)
 
@@ -154,7 +164,7 @@ class NodeOptions:
         """Node ``node``'s spec: its env constructor (repeated per sub-worker for multi-process node
         classes), its collector's arguments, and its policy (a stateless copy when its weights
         arrive through ``schemes`` and ``stateless``)."""
-        if self.collector_class is not Collector:
+        if not self.runs_one_env:
             env_fn = [env_fn] * self.num_workers_per_collector
         policy = None
         if factory is None and self.policy is not None:

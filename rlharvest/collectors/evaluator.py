@@ -1,0 +1,455 @@
+"""Evaluator: complete episodes with given weights, blocking or in the background (docs/evaluation.md).
+
+TorchRL 0.14's ``Evaluator`` API over rlharvest's collectors. An evaluation is one batch of a
+collector with ``trajs_per_batch=num_trajectories`` (``_evaluation.py``), so the one rollout loop
+runs it wherever the backend puts it:
+
+* ``"thread"``: an ``EvalCollector`` in this process, run by the caller (:meth:`Evaluator.evaluate`)
+  or by the evaluator's one background thread (:meth:`Evaluator.trigger_eval`);
+* ``"process"``: a ``MultiSyncCollector`` with one worker process, started by its ``Fleet`` like any
+  collector's workers; weights travel through its weight scheme (shared memory by default);
+* ``"ray"``: a :class:`~rlharvest.collectors.distributed.RayEvalWorker`, a ``RayCollector`` with one
+  actor; weights travel through ``RayWeightSyncScheme``.
+
+Collectors rather than a loop and a process of the evaluator's own: the process and ray backends
+then get what every worker has (bounded start, ``WorkerError`` with the remote traceback, bounded
+shutdown, exit when the parent dies, weights through the schemes), and episodes are measured as
+training collects them.
+
+The background is a small state machine: requests queue (``busy_policy``), the background thread
+runs them one at a time, results (or the error that ended one) queue until :meth:`poll` or
+:meth:`wait` takes them; after :meth:`shutdown` every call raises ``EvaluatorClosedError``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ..envs.adapters import is_env
+from ..policies import ExplorationType
+from ..weight_update.strategy import weights_of
+from ._evaluation import EvalConfig, run_builder
+
+__all__ = ["Evaluator", "EvaluationPendingError", "EvaluatorClosedError"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("thread", "process", "ray")
+BUSY_POLICIES = ("skip", "error", "queue")
+
+
+class EvaluationPendingError(RuntimeError):
+    """``trigger_eval`` with ``busy_policy="error"`` while an evaluation is pending or queued."""
+
+
+class EvaluatorClosedError(RuntimeError):
+    """An evaluation or a result was asked of an evaluator after :meth:`Evaluator.shutdown`."""
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"Unknown {name} {value!r}: choose one of {', '.join(map(repr, allowed))}.")
+    return value
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}.")
+    return value
+
+
+def _check_sources(backend: str, env: Any, policy: Any, policy_factory: Any, schemes: Any) -> None:
+    """Both or neither of policy/policy_factory, and what a backend building them elsewhere needs."""
+    if policy is not None and policy_factory is not None:
+        raise ValueError("Provide either `policy` or `policy_factory`, not both.")
+    if policy is None and policy_factory is None:
+        raise ValueError("Either `policy` or `policy_factory` must be provided.")
+    if backend == "thread" and schemes is None:
+        return
+    where = f"backend={backend!r}" + (" with weight_sync_schemes" if backend == "thread" else "")
+    if is_env(env) or not callable(env):
+        raise ValueError(f"{where} builds the env in another process: `env` must be a callable returning an env "
+                         f"(got {type(env).__name__}).")
+    if policy_factory is None:
+        raise ValueError(f"{where} builds the policy in another process: it needs `policy_factory` "
+                         "(a callable `(env) -> policy`), not `policy`.")
+
+
+def _weights_snapshot(source: Any) -> TensorDictBase:
+    """A copy of ``source``'s weights on the CPU: training may go on changing the original."""
+    return weights_of(source).detach().clone().cpu()
+
+
+class Evaluator:
+    """Evaluates a policy on complete episodes, blocking (:meth:`evaluate`) or in the background
+    (:meth:`trigger_eval`, then :meth:`poll` / :meth:`wait`).
+
+    Args:
+        env: an env, or a callable returning one (required by the ``"process"`` and ``"ray"``
+            backends, which build it in their worker).
+        policy: the evaluation policy (exclusive with ``policy_factory``).
+
+    Keyword Args:
+        policy_factory: ``(env) -> policy``, called where the env is built.
+        num_trajectories: complete episodes per evaluation (default 10).
+        max_steps: truncate episodes after this many steps (None: run until done).
+        frames_per_batch: env steps per poll of the collector (default ``max_steps``, else 1000).
+        collector_cls: the collector of the ``"thread"`` backend, a class or a name in
+            ``rlharvest.collectors`` (default: a Collector calling ``policy_factory(env)``).
+        collector_kwargs: more arguments of the collector.
+        weight_sync_schemes: ``{model_id: scheme}``; runs the evaluation in a worker process (as
+            TorchRL does), the weights of each model going through its scheme.
+        log_prefix: prefix of the result's keys (default ``"eval"``).
+        reward_keys: the per-step reward (default ``("next", "reward")``); a ``RewardSum``
+            transform's ``("next", "episode_reward")`` is preferred when present.
+        done_keys: accepted for compatibility (episodes end where the collector ends them).
+        device: where the evaluation policy runs (None: where its parameters are).
+        exploration_type: exploration mode of the evaluation (default DETERMINISTIC).
+        metrics_fn: ``batch -> {name: value}``, reported as ``<prefix>/<name>``.
+        dump_video: after each evaluation, ``dump`` what a TorchRL ``VideoRecorder`` of the env recorded.
+        on_result: called with each result as a TensorDict (from the background thread for
+            :meth:`trigger_eval`); its exceptions are logged, not raised.
+        busy_policy: what :meth:`trigger_eval` does while an evaluation is pending: ``"skip"``
+            (return False), ``"error"`` (raise), ``"queue"`` (run it next).
+        backend: ``"thread"`` (default), ``"process"`` or ``"ray"``.
+        init_fn: called first in the worker process or actor.
+        num_gpus: GPUs of the Ray actor (default 1, as TorchRL).
+        ray_kwargs: more ``ray.remote`` options of the actor.
+
+    Raises:
+        ValueError: for an unknown ``backend`` or ``busy_policy``, both or neither of ``policy`` and
+            ``policy_factory``, or a ``"process"``/``"ray"`` backend without an env constructor and
+            a ``policy_factory``.
+
+    Example:
+        >>> from rlharvest.envs import CountingEnv
+        >>> from rlharvest.policies import RandomPolicy
+        >>> env = CountingEnv(max_steps=3)
+        >>> evaluator = Evaluator(env, RandomPolicy(env.full_action_spec), num_trajectories=2, max_steps=4)
+        >>> sorted(evaluator.evaluate(step=0))[:3]
+        ['eval/episode_length', 'eval/fps', 'eval/num_episodes']
+        >>> evaluator.shutdown()
+    """
+
+    def __init__(self, env: Any, policy: Callable | None = None, *, policy_factory: Callable | None = None,
+                 num_trajectories: int = 10, max_steps: int | None = None, frames_per_batch: int | None = None,
+                 collector_cls: type | str | None = None, collector_kwargs: dict | None = None,
+                 weight_sync_schemes: dict[str, Any] | None = None, log_prefix: str = "eval",
+                 reward_keys: Any = ("next", "reward"), done_keys: Any = ("next", "done"),
+                 device: torch.device | str | None = None,
+                 exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
+                 metrics_fn: Callable[[TensorDictBase], dict[str, float]] | None = None, dump_video: bool = True,
+                 on_result: Callable[[TensorDictBase], None] | None = None, busy_policy: str = "skip",
+                 backend: str = "thread", init_fn: Callable[[], None] | None = None, num_gpus: int = 1,
+                 ray_kwargs: dict | None = None) -> None:
+        self._closed = True  # until built
+        _check_choice("backend", backend, BACKENDS)
+        _check_choice("busy_policy", busy_policy, BUSY_POLICIES)
+        _check_sources(backend, env, policy, policy_factory, weight_sync_schemes)
+        max_steps = _positive("max_steps", max_steps, allow_none=True)
+        self.config = EvalConfig(
+            backend=backend, num_trajectories=_positive("num_trajectories", num_trajectories),
+            max_steps=max_steps,
+            frames_per_batch=_positive("frames_per_batch", frames_per_batch or max_steps or 1000),
+            collector_kwargs=dict(collector_kwargs or {}), log_prefix=str(log_prefix), reward_key=reward_keys,
+            done_key=done_keys, device=torch.device(device) if device is not None else None,
+            exploration_type=exploration_type, metrics_fn=metrics_fn, dump_video=bool(dump_video),
+            on_result=on_result, busy_policy=busy_policy, init_fn=init_fn, num_gpus=num_gpus,
+            ray_kwargs=dict(ray_kwargs or {}))
+        self._step_counter = 0
+        self._lock = threading.Condition()
+        self._requests: collections.deque = collections.deque()
+        self._results: collections.deque = collections.deque()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._run = None  # built below, or lazily by the first evaluation (thread backend, factories)
+        self._build, eager = run_builder(self.config, env, policy, policy_factory, collector_cls, weight_sync_schemes)
+        if eager:
+            self._run = self._build()
+        self._closed = False
+
+    # ------------------------------------------------------------------ synchronous
+    def evaluate(self, weights: Any = None, step: int | None = None, *,
+                 weights_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run one evaluation now, in the calling thread, and return its result.
+
+        Args:
+            weights: the policy's weights (a module or a TensorDict); None: the weights it has.
+            step: the result's ``<prefix>/step``; None: an internal counter (0, 1, ...).
+            weights_dict: ``{model_id: weights}`` for several models; ``weights`` is its ``"policy"``.
+
+        Returns:
+            ``{"<prefix>/reward": mean return, "<prefix>/reward_std", "<prefix>/num_episodes",
+            "<prefix>/episode_length", "<prefix>/fps", "<prefix>/step", ...}``.
+
+        Raises:
+            EvaluatorClosedError: after :meth:`shutdown`.
+            WorkerError: when the worker process or actor failed (with its traceback).
+
+        Example:
+            >>> evaluator.evaluate(policy, step=100)["eval/step"]    # doctest: +SKIP
+            100
+        """
+        self._check_open("evaluate")
+        with self._lock:
+            if self._running or self._requests:
+                raise EvaluationPendingError("evaluate() while a background evaluation is pending: wait() first.")
+            self._running = True  # trigger_eval meanwhile finds the evaluator busy
+        try:
+            prepared, step = self._prepare(weights, weights_dict), self._next_step(step)
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
+        try:
+            result = self._evaluate_now(prepared, step)
+        finally:
+            with self._lock:
+                self._running = False
+                self._lock.notify_all()
+        self._call_on_result(result)
+        return result
+
+    # ------------------------------------------------------------------ asynchronous
+    def trigger_eval(self, weights: Any = None, step: int | None = None, *,
+                     weights_dict: dict[str, Any] | None = None) -> bool:
+        """Start an evaluation in the background (the weights are copied now).
+
+        Args: as :meth:`evaluate`.
+
+        Returns:
+            True when the evaluation was scheduled, False when it was skipped (``busy_policy="skip"``
+            and another one pending).
+
+        Raises:
+            EvaluationPendingError: with ``busy_policy="error"`` while another one is pending.
+            EvaluatorClosedError: after :meth:`shutdown`.
+
+        Example:
+            >>> if evaluator.trigger_eval(policy, step=frames):       # doctest: +SKIP
+            ...     pass  # the result comes back through poll() or wait()
+        """
+        self._check_open("trigger_eval")
+        step = self._next_step(step)  # counted also when skipped, as TorchRL's
+        with self._lock:
+            busy = self._running or bool(self._requests)
+            if busy and self.config.busy_policy == "error":
+                raise EvaluationPendingError("Evaluation already pending: wait for it, or use busy_policy='skip' "
+                                             "or busy_policy='queue'.")
+            if busy and self.config.busy_policy == "skip":
+                return False
+        request = (self._prepare(weights, weights_dict), step)
+        with self._lock:
+            self._requests.append(request)
+            self._lock.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="rlharvest-evaluator", daemon=True)
+                self._thread.start()
+        return True
+
+    def poll(self, timeout: float = 0) -> dict[str, Any] | None:
+        """The oldest result not taken yet, waiting up to ``timeout`` seconds for one; else None.
+
+        Raises:
+            EvaluatorClosedError: after :meth:`shutdown`.
+            Exception: what ended the evaluation whose result this would have been.
+
+        Example:
+            >>> result = evaluator.poll()                                  # doctest: +SKIP
+            >>> if result is not None:                                     # doctest: +SKIP
+            ...     logger.log_metrics(result, step=result["eval/step"])
+        """
+        return self._take(timeout, "poll")
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Like :meth:`poll`, waiting until a result is there (at most ``timeout`` seconds; None: as
+        long as an evaluation is pending). Returns None when nothing is pending nor ready.
+
+        Raises:
+            EvaluatorClosedError: after :meth:`shutdown`.
+            Exception: what ended the evaluation whose result this would have been.
+
+        Example:
+            >>> final = evaluator.wait(timeout=600)                        # doctest: +SKIP
+        """
+        return self._take(timeout, "wait")
+
+    @property
+    def pending(self) -> bool:
+        """True while an evaluation runs or is queued.
+
+        Example:
+            >>> if not evaluator.pending:                                  # doctest: +SKIP
+            ...     evaluator.trigger_eval(policy, step=frames)
+        """
+        with self._lock:
+            return self._running or bool(self._requests)
+
+    # ------------------------------------------------------------------ life cycle
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Drop queued evaluations, let a running one end (``timeout`` seconds), stop the backend's
+        worker (within the same ``timeout``); idempotent. Results not taken are dropped.
+
+        Example:
+            >>> evaluator.shutdown(timeout=10.0)                           # doctest: +SKIP
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._requests.clear()
+            self._results.clear()
+            self._lock.notify_all()
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive() and self.config.backend == "thread":
+                # The thread owns the in-process collector: it shuts it down once its evaluation ends.
+                logger.warning("Evaluator.shutdown(): the running evaluation did not end within %.1f s", timeout)
+                return
+        self._shutdown_run(max(0.1, deadline - time.monotonic()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluator's progress (its step counter), when nothing is pending, queued or unread.
+
+        Raises:
+            RuntimeError: while an evaluation is pending, queued, or its result unread.
+
+        Example:
+            >>> evaluator.state_dict()                                     # doctest: +SKIP
+            {'step_counter': 3}
+        """
+        with self._lock:
+            self._check_quiet("checkpointing")
+            return {"step_counter": self._step_counter}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            RuntimeError: while an evaluation is pending, queued, or its result unread.
+
+        Example:
+            >>> evaluator.load_state_dict({"step_counter": 3})             # doctest: +SKIP
+        """
+        with self._lock:
+            self._check_quiet("restoring its state")
+            self._step_counter = int(state_dict.get("step_counter", 0))
+
+    @staticmethod
+    def extract_weights(policy: torch.nn.Module) -> TensorDictBase:
+        """A detached CPU copy of ``policy``'s weights, safe to hand to another thread.
+
+        Example:
+            >>> evaluator.evaluate(Evaluator.extract_weights(policy))      # doctest: +SKIP
+        """
+        return _weights_snapshot(policy)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown(timeout=2.0)
+        except Exception:  # interpreter shutdown: nothing left to report to
+            pass
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise EvaluatorClosedError(f"Evaluator.{what}() after shutdown(): build a new Evaluator.")
+
+    def _check_quiet(self, what: str) -> None:
+        if self._running or self._requests or self._results:
+            raise RuntimeError(f"Evaluator {what} requires no pending, queued, or unread evaluation results.")
+
+    def _prepare(self, weights: Any, weights_dict: dict[str, Any] | None) -> dict[str, TensorDictBase] | None:
+        prepared = {model_id: _weights_snapshot(source) for model_id, source in (weights_dict or {}).items()}
+        if weights is not None and "policy" not in prepared:
+            prepared["policy"] = _weights_snapshot(weights)
+        return prepared or None
+
+    def _next_step(self, step: int | None) -> int:
+        if step is not None:
+            return step
+        with self._lock:
+            step, self._step_counter = self._step_counter, self._step_counter + 1
+        return step
+
+    def _evaluate_now(self, weights_dict: dict[str, TensorDictBase] | None, step: int) -> dict[str, Any]:
+        if self._run is None:
+            self._run = self._build()
+        raw = self._run.run(weights_dict)
+        if self.config.dump_video:
+            self._run.dump_video(step)
+        return self._format(raw, step)
+
+    def _format(self, raw: dict[str, Any], step: int) -> dict[str, Any]:
+        prefix = self.config.log_prefix
+        result = {f"{prefix}/{key}": raw[key] for key in ("reward", "reward_std", "num_episodes", "episode_length",
+                                                           "fps") if key in raw}
+        result[f"{prefix}/step"] = step
+        result.update({f"{prefix}/{key[len('custom/'):]}": value for key, value in raw.items()
+                       if key.startswith("custom/")})
+        return result
+
+    def _call_on_result(self, result: dict[str, Any]) -> None:
+        if self.config.on_result is None:
+            return
+        try:
+            data = {key: torch.as_tensor(value) for key, value in result.items() if value is not None}
+            self.config.on_result(TensorDict(data, batch_size=[]))
+        except Exception:
+            logger.warning("Evaluator on_result callback failed", exc_info=True)
+
+    def _serve(self) -> None:
+        """The background thread: run the queued requests one at a time until shutdown."""
+        while True:
+            with self._lock:
+                while not self._requests and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    break
+                weights_dict, step = self._requests.popleft()
+                self._running = True
+            try:
+                outcome: Any = self._evaluate_now(weights_dict, step)
+            except BaseException as error:  # carried to poll()/wait(), which raise it
+                outcome = error
+            if not isinstance(outcome, BaseException):
+                self._call_on_result(outcome)
+            with self._lock:
+                self._running = False
+                if not self._closed:
+                    self._results.append(outcome)
+                self._lock.notify_all()
+        if self.config.backend == "thread":
+            self._shutdown_run(5.0)
+
+    def _take(self, timeout: float | None, what: str) -> dict[str, Any] | None:
+        self._check_open(what)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._results and not self._closed and (self._running or self._requests):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._lock.wait(remaining)
+            self._check_open(what)
+            if not self._results:
+                return None
+            outcome = self._results.popleft()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _shutdown_run(self, timeout: float) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.shutdown(timeout)
