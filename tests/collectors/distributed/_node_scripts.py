@@ -333,7 +333,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     collector = _veth_collector_class(node_in_hosts)(
         [_make_env] * args.nodes, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
-        worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0)
+        worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True)
     pids = [node.process.pid for node in collector._launched]
     _emit(event="started", pids=pids, weight_bytes=4 * args.params)
     try:
@@ -352,7 +352,9 @@ def host_copies_main(argv: list[str] | None = None) -> int:
             ran = [next(batches), next(batches)]
             _emit(event="update", k=k, seconds=seconds, tx_bytes=sent, restarts=collector.stats()["restarts"],
                   weight_min=[b["weight_min"].reshape(args.nodes, -1).tolist() for b in ran],
-                  weight_max=[b["weight_max"].reshape(args.nodes, -1).tolist() for b in ran])
+                  weight_max=[b["weight_max"].reshape(args.nodes, -1).tolist() for b in ran],
+                  versions=[b["policy_version"].reshape(args.nodes, -1).tolist() for b in ran],
+                  policy_version=collector.policy_version)
             if args.kill == "between" and k == 2:
                 os.kill(pids[0], 9)
                 while collector.stats()["restarts"] == 0:  # the next batches notice it and replace it
