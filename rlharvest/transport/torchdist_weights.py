@@ -12,7 +12,8 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
 
-The node's receiver reads its channel in a thread, so the per-step check is a flag read. A node that
+The node's receiver (:mod:`.torchdist_receiver`) reads its channel in a thread, so the per-step check
+is a flag read. A node that
 replaces another connects a channel of its own after start-up (``replace`` reopens the listener,
 ``attach`` takes the new node and hands it the weights of the last update with that version).
 """
@@ -21,9 +22,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing.connection as mpc
-import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,12 +31,13 @@ from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import WeightLinks, WeightReceiver, WeightSender
-from .channel import ChannelListener, listen, new_authkey, open_channel, shutdown_connection
-from .ports import boot_id, is_loopback
+from .base import WeightLinks, WeightSender
+from .channel import ChannelListener, listen, new_authkey
+from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
-from .torchdist_hosts import RemoteHost, RemoteHosts, shm_identity, valid_segment_name
-from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into, create_named, unlink_named
+from .torchdist_hosts import RemoteHost, RemoteHosts, valid_segment_name
+from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
+from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
 
@@ -64,15 +63,6 @@ class NodeWeightLinks(WeightLinks):
     peer: Peer | None = None
     user_timeout: float = 10.0
     handshake_timeout: float = 5.0
-
-
-@dataclass
-class NodeGroupLinks:
-    """What a node's weight receiver needs from its transport: the node's group with the main
-    process (and the main process's rank in it)."""
-
-    group: Any
-    parent_rank: int = 0
 
 
 class DistWeightSender(WeightSender):
@@ -392,141 +382,6 @@ class DistWeightSender(WeightSender):
             self._pool.close()
 
 
-class DistWeightReceiver(WeightReceiver):
-    """Node end: a reader thread on the weight channel; payloads mapped or received, then swapped in."""
-
-    zero_copy = True
-
-    def __init__(self, info: dict, worker_idx: int, links: NodeGroupLinks | None = None,
-                 user_timeout: float = 10.0) -> None:
-        self.info = info
-        self.worker_idx = worker_idx
-        self.links = links
-        self.user_timeout = user_timeout
-        self.conn = None
-        self._inbox: queue.Queue = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
-        self._segments: dict[Any, tuple] = {}  # generation or slot id -> (mapping, view)
-        self._owned: dict[Any, tuple] = {}  # slot id -> (name, flat) of the slots this node created as carrier
-        self._gen_id: Any = None
-        self._layout: FlatLayout | None = None
-        self._buffers: list | None = None  # two (flat, view) pairs received over the process group
-        self._in_use = 1
-        self._thread: threading.Thread | None = None
-
-    def fileno(self) -> int:
-        return self._wake_r
-
-    def wait_handle(self):
-        return self
-
-    def connect(self, timeout: float) -> TensorDictBase | None:
-        info = self.info
-        self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
-                                 self.user_timeout, info.get("handshake_timeout", 5.0))
-        self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity()))
-        kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
-        if kind != "init":
-            raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
-        # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
-        # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
-        # interpreter finalizes can abort the process).
-        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_w),
-                                        name="rlharvest-weights-reader", daemon=True)
-        self._thread.start()
-        return None if body is None else self._payload(version, body, timeout)
-
-    def _payload(self, version: int, body, timeout: float) -> TensorDictBase:
-        if body[0] == "shm":
-            _, gen_id, handle = body
-            if handle is not None:
-                self._segments[gen_id] = attach_named(handle)
-            self._gen_id = gen_id
-            return self._segments[gen_id][1]
-        if body[0] == "pg-host":
-            return self._carry(version, *body[1:], timeout=timeout)
-        _, layout = body
-        if layout is not None:
-            self._layout = layout
-        if self._buffers is None:
-            self._buffers = [self._layout.allocate(), self._layout.allocate()]
-        self._in_use = 1 - self._in_use  # receive into the buffer the model does not run on
-        flat, view = self._buffers[self._in_use]
-        self._recv_flat(flat, timeout)
-        self._gen_id = None
-        return view
-
-    def _carry(self, version: int, slot_id, layout: FlatLayout | None, unlink: list[str],
-               timeout: float) -> TensorDictBase:
-        """As its host's carrier: receive the update into slot ``slot_id`` (created the first time),
-        tell the main process it is there (the host's other nodes then map it), and run on it.
-
-        The slot is one no node of this host runs on or waits for (the main process chose it), so
-        nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
-        """
-        if layout is not None:
-            self._layout = layout
-        for name in unlink:
-            unlink_named(name)
-        if slot_id not in self._owned:
-            mapping, flat, view, handle = create_named(f"rlh-w{self.worker_idx}", self._layout)
-            self._segments[slot_id] = (mapping, view)
-            self._owned[slot_id] = (handle, flat)
-        handle, flat = self._owned[slot_id]
-        self._recv_flat(flat, timeout)
-        self.conn.send(("staged", version, slot_id, handle))
-        self._gen_id = slot_id
-        return self._segments[slot_id][1]
-
-    def _recv_flat(self, flat: torch.Tensor, timeout: float) -> None:
-        if self.links is None:
-            raise RuntimeError("weights over a process group need the node's group: this receiver has none.")
-        self.links.group.recv([flat], self.links.parent_rank, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
-
-    def pending(self) -> bool:
-        return not self._inbox.empty()
-
-    def receive(self, timeout: float):
-        try:
-            message = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-        os.read(self._wake_r, 1)
-        kind, version, body = message
-        if kind != "update":
-            return None
-        return version, self._payload(version, body, 120.0)
-
-    def ack(self, version: int) -> None:
-        self.conn.send(("ack", version, self._gen_id))
-
-    def nack(self, failure) -> None:
-        self.conn.send(("error", failure))
-
-    def close(self) -> None:
-        if self.conn is not None:
-            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
-            shutdown_connection(self.conn)
-            try:
-                self.conn.close()
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-        for (name, _), _ in self._owned.values():
-            unlink_named(name)  # nodes still mapping a slot keep it; nobody maps it anew after its carrier left
-        for segment, _ in self._segments.values():
-            try:
-                segment.close()
-            except (BufferError, OSError):
-                pass  # views of the segment may still be alive in the model: the OS frees it at exit
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def _hello_worker(hello: Any, num_workers: int) -> int | None:
     """The worker index in a node's ``("hello", worker, local, boot_id, shm_identity)`` if it is a valid one
     (a node of an earlier release says no ``shm_identity``: it gets its own copy of each update)."""
@@ -534,17 +389,3 @@ def _hello_worker(hello: Any, num_workers: int) -> int | None:
             and 0 <= hello[1] < num_workers):
         return hello[1]
     return None
-
-
-def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
-    """Move weight-channel messages to ``inbox`` and wake the worker loop, until the channel closes."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        inbox.put(message)
-        try:
-            os.write(wake_w, b"x")
-        except OSError:  # the receiver closed meanwhile
-            return
