@@ -1,8 +1,8 @@
 """One copy of each weight update per remote host (docs/weights.md, "One copy per host"), in network
-namespaces (tests/netns.py).
+namespaces (tests/netns.py, ``Hosts``: host A and one or two others behind a switch).
 
 The main process (``_node_scripts.py host-copies-main``) runs in host A with ``"mp"`` nodes, which
-``node_in_hosts`` moves into host B when first launched (their replacements start in host A). Every
+``node_in_hosts`` moves into the other hosts when first launched (their replacements start in host A). Every
 update fills the whole policy weight with one value ``k`` (update ``k`` is policy version ``k``), and
 every frame says the smallest and largest value of the weight that produced it: a node running a
 partial update would show two different values. The bytes are host A's veth counter: what left the
@@ -51,22 +51,24 @@ def _ns_pids(host) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def run_main(nodes: int, kill: str, updates: int = 5) -> list[dict]:
-    """Run the main script with ``nodes`` nodes in host B; its events, and checks nothing is left behind."""
+def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5) -> list[dict]:
+    """Run the main script in host A with ``nodes`` nodes on each of ``hosts`` other hosts; its events,
+    and checks nothing is left behind."""
     before = _segments()
-    with netns.TwoHosts() as net:
-        a, b = net.host_a, net.host_b
+    with netns.Hosts(hosts + 1) as net:
+        a, remotes = net.hosts[0], net.hosts[1:]
         path = [TESTS, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        placement = [f"{i + 1}=/var/run/netns/{remotes[i // nodes].ns}@{remotes[i // nodes].ifname}"
+                     for i in range(hosts * nodes)]
         env = {"PYTHONPATH": os.pathsep.join(path), "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1",
-               "RLH_TEST_NODE_HOSTS": ",".join(f"{rank}=/var/run/netns/{b.ns}@{b.ifname}"
-                                               for rank in range(1, nodes + 1))}
+               "RLH_TEST_NODE_HOSTS": ",".join(placement)}
         result = a.run([sys.executable, SCRIPT, "host-copies-main", "--port", str(PORT), "--host-ip", a.ip,
-                        "--ifname", a.ifname, "--nodes", str(nodes), "--kill", kill, "--params", str(PARAMS),
+                        "--ifname", a.ifname, "--nodes", str(hosts * nodes), "--kill", kill, "--params", str(PARAMS),
                         "--updates", str(updates)], timeout=150, env=env)
         events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
-        wait_until(lambda: not _ns_pids(a) and not _ns_pids(b), timeout=10,
-                   what=lambda: f"the exit of {_ns_pids(a) + _ns_pids(b)} (both hosts)")
+        wait_until(lambda: not any(_ns_pids(h) for h in net.hosts), timeout=10,
+                   what=lambda: f"the exit of {[_ns_pids(h) for h in net.hosts]} (every host)")
     assert _segments() <= before, f"slots left in /dev/shm: {_segments() - before}"
     return events
 
@@ -89,13 +91,15 @@ def check_updates(events: list[dict], nodes: int) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_nodes_of_one_host_share_one_copy(require_netns):
-    """2 nodes in host B: each update leaves host A once (<= 1.2x the weights, not 2x)."""
-    events = run_main(nodes=2, kill="none")
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_nodes_of_one_host_share_one_copy(require_netns, hosts):
+    """2 nodes on each of 1 or 2 other hosts: each update leaves host A once per host (<= 1.2x the
+    weights per host, not once per node)."""
+    events = run_main(nodes=2, kill="none", hosts=hosts)
     weight_bytes = events[0]["weight_bytes"]
-    for update in check_updates(events, nodes=2):
-        assert update["tx_bytes"] <= 1.2 * weight_bytes, (update["tx_bytes"], weight_bytes)
-        assert update["tx_bytes"] >= weight_bytes  # it did cross the link, once
+    for update in check_updates(events, nodes=2 * hosts):
+        assert update["tx_bytes"] <= 1.2 * hosts * weight_bytes, (update["tx_bytes"], weight_bytes)
+        assert update["tx_bytes"] >= hosts * weight_bytes  # it did cross the link, once per host
     assert events[-2]["event"] == "stats" and events[-2]["restarts"] == 0
 
 
