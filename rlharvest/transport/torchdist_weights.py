@@ -310,7 +310,7 @@ class DistWeightSender(WeightSender):
             _, version, slot_id, handle = message
             if not (isinstance(handle, tuple) and len(handle) == 2 and valid_segment_name(handle[0])):
                 raise WorkerError(f"reported a malformed shared-memory slot {handle!r:.80}.", worker_idx=worker)
-            self._staged[worker] = (version, slot_id, handle)
+            self._staged[worker] = (version, slot_id, (handle[0], self._layout))  # the layout we sent
 
     def _stage_shared(self, weights: TensorDictBase, workers: list[int]):
         if self._pool is None:
