@@ -6,7 +6,7 @@ simulated by network namespaces (tests/netns.py; needs root and iproute2).
 
 For each rlharvest tree given with ``--code`` (default: this one; give an older checkout to measure
 "before") and each layout (``2``: 2 nodes on one remote host; ``2x2``: 2 remote hosts of 2 nodes,
-behind a switch), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
+behind a switch; ``--rate 1gbit`` limits the learner's uplink to a network's speed), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
 learner's namespace: a ``DistributedCollector`` with ``"mp"`` nodes moved into the remote hosts, a
 policy of ``--params`` float32 weights, ``--updates`` synchronous updates (each followed by two
 batches). Per update: the bytes the learner's veth sent while ``update_policy_weights_()`` ran (its
@@ -33,10 +33,13 @@ SCRIPT = ROOT / "tests" / "collectors" / "distributed" / "_node_scripts.py"
 PORT = 29500
 
 
-def run(code: Path, layout: str, params: int, updates: int) -> dict:
+def run(code: Path, layout: str, params: int, updates: int, rate: str | None = None) -> dict:
     hosts, per_host = (int(part) for part in layout.split("x")) if "x" in layout else (1, int(layout))
     with netns.Hosts(hosts + 1) as net:
         learner, remotes = net.hosts[0], net.hosts[1:]
+        if rate is not None:  # the learner's uplink at a network's speed (a veth alone moves memory)
+            learner.run(["tc", "qdisc", "add", "dev", learner.ifname, "root", "tbf", "rate", rate, "burst", "1mb",
+                         "latency", "200ms"], timeout=10, check=True)
         placement = []
         for index in range(hosts * per_host):
             host = remotes[index // per_host]
@@ -53,7 +56,7 @@ def run(code: Path, layout: str, params: int, updates: int) -> dict:
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     steady = [e for e in events if e["event"] == "update"][1:]  # the first update also allocates buffers
     weight_bytes = events[0]["weight_bytes"]
-    return {"code": str(code), "layout": layout, "weight_bytes": weight_bytes,
+    return {"code": str(code), "layout": layout, "rate": rate, "weight_bytes": weight_bytes,
             "bytes_per_update": statistics.median(e["tx_bytes"] for e in steady),
             "copies": statistics.median(e["tx_bytes"] for e in steady) / weight_bytes,
             "seconds_median": statistics.median(e["seconds"] for e in steady),
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--updates", type=int, default=11)
     parser.add_argument("--output", type=Path, help="write every row as JSON there too")
+    parser.add_argument("--rate", help="limit the learner's uplink (tc tbf), e.g. 1gbit; default: none")
     args = parser.parse_args()
     netns.require()
     print("| code | remote nodes | weights (MB) | MB out of the learner per update | copies | update s, median (min-max) | load 1 min |")
@@ -75,7 +79,7 @@ def main() -> None:
     rows = []
     for layout in args.layouts:
         for code in args.code:
-            row = run(code.resolve(), layout, args.params, args.updates)
+            row = run(code.resolve(), layout, args.params, args.updates, args.rate)
             rows.append(row)
             if args.output is not None:
                 args.output.write_text(json.dumps({"params": args.params, "rows": rows}, indent=1) + "\n")
