@@ -322,18 +322,22 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--kill", choices=["none", "between", "during"], default="none")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    parser.add_argument("--no-wait", action="store_true",
+                        help="DistributedWeightSyncScheme(sync=False): updates return before the acknowledgements")
     args = parser.parse_args(argv)
 
     import torch
 
     from _node_scripts import _veth_collector_class, node_in_hosts
+    from rlharvest.weight_update import DistributedWeightSyncScheme
 
     torch.set_num_threads(1)
     policy = _wide_policy(args.params)
     collector = _veth_collector_class(node_in_hosts)(
         [_make_env] * args.nodes, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
-        worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True)
+        worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True,
+        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait)})
     pids = [node.process.pid for node in collector._launched]
     _emit(event="started", pids=pids, weight_bytes=4 * args.params)
     try:
@@ -359,6 +363,13 @@ def host_copies_main(argv: list[str] | None = None) -> int:
                 os.kill(pids[0], 9)
                 while collector.stats()["restarts"] == 0:  # the next batches notice it and replace it
                     next(batches)
+        if args.no_wait:  # the nodes take the last update by themselves: a few batches later, all run it
+            for i in range(50):
+                ran = next(batches)
+                if set(ran["weight_min"].flatten().tolist()) == {float(args.updates)}:
+                    break
+            _emit(event="settled", batches=i + 1, weight_min=ran["weight_min"].reshape(args.nodes, -1).tolist(),
+                  weight_max=ran["weight_max"].reshape(args.nodes, -1).tolist())
         _emit(event="stats", restarts=collector.stats()["restarts"],
               pids=[node.process.pid for node in collector._launched])
     finally:

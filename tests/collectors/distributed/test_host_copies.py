@@ -51,7 +51,7 @@ def _ns_pids(host) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5) -> list[dict]:
+def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5, *extra: str) -> list[dict]:
     """Run the main script in host A with ``nodes`` nodes on each of ``hosts`` other hosts; its events,
     and checks nothing is left behind."""
     before = _segments()
@@ -64,7 +64,7 @@ def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5) -> list[di
                "RLH_TEST_NODE_HOSTS": ",".join(placement)}
         result = a.run([sys.executable, SCRIPT, "host-copies-main", "--port", str(PORT), "--host-ip", a.ip,
                         "--ifname", a.ifname, "--nodes", str(hosts * nodes), "--kill", kill, "--params", str(PARAMS),
-                        "--updates", str(updates)], timeout=150, env=env)
+                        "--updates", str(updates), *extra], timeout=150, env=env)
         events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
         wait_until(lambda: not any(_ns_pids(h) for h in net.hosts), timeout=10,
@@ -120,3 +120,27 @@ def test_carrier_killed(require_netns, kill):
         assert update["tx_bytes"] <= bound * weight_bytes, (update["k"], update["tx_bytes"], weight_bytes)
     started, stats = events[0], events[-2]
     assert stats["pids"][0] != started["pids"][0] and stats["pids"][1:] == started["pids"][1:], (started, stats)
+
+
+@pytest.mark.timeout(180)
+def test_updates_that_do_not_wait_for_acknowledgements(require_netns):
+    """``DistributedWeightSyncScheme(sync=False)``: ``send`` returns before the acknowledgements (it
+    still waits until the host's carrier holds the update); every node still ends up running each
+    update whole, the bytes stay one copy per host, and the next update waits for the previous
+    one's acknowledgements before it writes a slot."""
+    events = run_main(2, "none", 1, 5, "--no-wait")
+    weight_bytes = events[0]["weight_bytes"]
+    updates = [e for e in events if e["event"] == "update"]
+    assert [e["k"] for e in updates] == [1, 2, 3, 4, 5]
+    seen = {0: 0.0, 1: 0.0}
+    for event in updates:
+        assert event["tx_bytes"] <= 1.2 * weight_bytes, (event["tx_bytes"], weight_bytes)
+        for lows, highs, versions in zip(event["weight_min"], event["weight_max"], event["versions"]):
+            assert lows == highs, f"a node ran a partial update: {event}"
+            assert [[float(v) for v in row] for row in versions] == lows, f"weights and version differ: {event}"
+            for node, row in enumerate(lows):
+                assert all(event["k"] - 1.0 <= value <= event["k"] for value in row), event
+                assert min(row) >= seen[node], f"node {node} went back to older weights: {event}"
+                seen[node] = max(row)
+    settled = next(e for e in events if e["event"] == "settled")
+    assert settled["weight_min"] == settled["weight_max"] == [[5.0, 5.0], [5.0, 5.0]], settled
