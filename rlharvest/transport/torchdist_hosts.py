@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -38,8 +39,8 @@ def shm_identity() -> str:
 
 
 def valid_segment_name(name: Any) -> bool:
-    """Whether ``name`` is a slot name a carrier makes (``create_named`` with prefix ``rlh-w<idx>``):
-    a name relayed to other nodes must not point anywhere else under ``/dev/shm``."""
+    """Whether ``name`` is a slot name as :meth:`RemoteHost.choose_slot` makes them
+    (``rlh-w<carrier>-<16 hex digits>``): a node creates or maps nothing else under ``/dev/shm``."""
     return isinstance(name, str) and bool(_SEGMENT_NAME.match(name))
 
 
@@ -51,32 +52,33 @@ class RemoteHost:
         index: a number naming the host (slot ids are ``(index, n)``).
         members: the nodes connected from it.
         carrier: the node whose slots the host's nodes map, None before the first update.
-        slots: ``slot id -> handle`` of the carrier's slots, filled as the carrier reports them.
+        slots: ``slot id -> name`` of the carrier's slots (named here, created by the carrier).
         orphans: slot names of carriers that are gone, for the next carrier to remove.
     """
 
     index: int
     members: set[int] = field(default_factory=set)
     carrier: int | None = None
-    slots: dict[tuple, Any] = field(default_factory=dict)
+    slots: dict[tuple, str] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
     _ids: Any = field(default_factory=itertools.count)
 
     def retire_carrier(self) -> None:
         """The carrier is gone (or replaced): its slots can no longer be written; the nodes that run
         on them keep their mappings, the names are removed by the next carrier."""
-        self.orphans.extend(handle[0] for handle in self.slots.values() if handle is not None)
+        self.orphans.extend(self.slots.values())  # also a slot it may have died creating
         self.slots.clear()
         self.carrier = None
 
     def choose_slot(self, busy: Iterable) -> tuple[tuple, bool]:
-        """A slot of the carrier no node of the host runs on or waits for; ``(slot id, new)``."""
+        """A slot of the carrier no node of the host runs on or waits for; ``(slot id, new)``. A new
+        slot is named here, so that its name is known even if the carrier dies creating it."""
         busy = set(busy)
         for slot_id in self.slots:
             if slot_id not in busy:
                 return slot_id, False
         slot_id = (self.index, next(self._ids))
-        self.slots[slot_id] = None  # its handle arrives with the carrier's "staged" message
+        self.slots[slot_id] = f"rlh-w{self.carrier}-{secrets.token_hex(8)}"
         return slot_id, True
 
 

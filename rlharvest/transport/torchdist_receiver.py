@@ -21,7 +21,7 @@ from .base import WeightReceiver
 from .channel import open_channel, shutdown_connection
 from .ports import boot_id, is_loopback
 from .rendezvous import WEIGHTS_TAG
-from .torchdist_hosts import shm_identity
+from .torchdist_hosts import shm_identity, valid_segment_name
 from .weight_pool import attach_named, create_named, unlink_named
 
 __all__ = ["NodeGroupLinks", "DistWeightReceiver"]
@@ -100,25 +100,29 @@ class DistWeightReceiver(WeightReceiver):
         self._gen_id = None
         return view
 
-    def _carry(self, version: int, slot_id, layout: FlatLayout | None, unlink: list[str],
+    def _carry(self, version: int, slot_id, name: str, layout: FlatLayout | None, unlink: list[str],
                timeout: float) -> TensorDictBase:
-        """As its host's carrier: receive the update into slot ``slot_id`` (created the first time),
-        tell the main process it is there (the host's other nodes then map it), and run on it.
+        """As its host's carrier: receive the update into slot ``slot_id`` (created as ``name`` the
+        first time), tell the main process it is there (the host's other nodes then map it), and run
+        on it.
 
         The slot is one no node of this host runs on or waits for (the main process chose it), so
         nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
         """
         if layout is not None:
             self._layout = layout
-        for name in unlink:
-            unlink_named(name)
+        for old in unlink:
+            if valid_segment_name(old):
+                unlink_named(old)
         if slot_id not in self._owned:
-            mapping, flat, view, handle = create_named(f"rlh-w{self.worker_idx}", self._layout)
+            if not valid_segment_name(name):
+                raise ValueError(f"not a weight slot name: {name!r:.80}")
+            mapping, flat, view, handle = create_named(name, self._layout)
             self._segments[slot_id] = (mapping, view)
             self._owned[slot_id] = (handle, flat)
-        handle, flat = self._owned[slot_id]
+        _, flat = self._owned[slot_id]
         self._recv_flat(flat, timeout)
-        self.conn.send(("staged", version, slot_id, handle))
+        self.conn.send(("staged", version, slot_id))
         self._gen_id = slot_id
         return self._segments[slot_id][1]
 

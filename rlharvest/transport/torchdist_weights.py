@@ -35,7 +35,7 @@ from .base import WeightLinks, WeightSender
 from .channel import ChannelListener, listen, new_authkey
 from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
-from .torchdist_hosts import RemoteHost, RemoteHosts, valid_segment_name
+from .torchdist_hosts import RemoteHost, RemoteHosts
 from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
 from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
 
@@ -93,7 +93,7 @@ class DistWeightSender(WeightSender):
         self._works: list[tuple[int, Any]] = []
         self._unacked: dict[int, int] = {}
         self._hosts = RemoteHosts()
-        #: ``worker -> (version, slot id, handle)``: what a carrier last reported it holds
+        #: ``worker -> (version, slot id)``: what a carrier last reported it holds
         self._staged: dict[int, tuple] = {}
         #: failures a node reported while the sender was busy elsewhere, raised by ``wait_acks``
         self._failures: dict[int, Any] = {}
@@ -221,8 +221,9 @@ class DistWeightSender(WeightSender):
         slot_id, _ = host.choose_slot(busy)
         unlink, host.orphans = host.orphans, []
         self._pending[carrier] = slot_id
+        body = ("pg-host", slot_id, host.slots[slot_id], self._layout_for(carrier), unlink)
         try:
-            self._send_flat(carrier, (kind, version, ("pg-host", slot_id, self._layout_for(carrier), unlink)))
+            self._send_flat(carrier, (kind, version, body))
         except OSError:  # its channel broke: _relay finds it lost and picks another carrier
             pass
         return [carrier] + [w for w in alive if w != carrier]
@@ -242,8 +243,8 @@ class DistWeightSender(WeightSender):
                 if state == "waiting":
                     continue
                 if state == "staged":
-                    _, slot_id, handle = self._staged[carrier]
-                    host.slots[slot_id] = handle
+                    _, slot_id = self._staged[carrier]
+                    handle = (host.slots[slot_id], self._layout)
                     for worker in others:
                         self._map_slot(worker, kind, version, slot_id, handle)
                     del waiting[host]
@@ -307,10 +308,8 @@ class DistWeightSender(WeightSender):
             self._pending.pop(worker, None)
             self._failures[worker] = message[1]
         elif message[0] == "staged":
-            _, version, slot_id, handle = message
-            if not (isinstance(handle, tuple) and len(handle) == 2 and valid_segment_name(handle[0])):
-                raise WorkerError(f"reported a malformed shared-memory slot {handle!r:.80}.", worker_idx=worker)
-            self._staged[worker] = (version, slot_id, (handle[0], self._layout))  # the layout we sent
+            _, version, slot_id = message
+            self._staged[worker] = (version, slot_id)
 
     def _stage_shared(self, weights: TensorDictBase, workers: list[int]):
         if self._pool is None:

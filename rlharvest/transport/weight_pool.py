@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,16 +112,15 @@ def attach_named(handle) -> tuple[Any, TensorDictBase]:
     return mapping, freeze(layout.view(flat))
 
 
-def create_named(prefix: str, layout: FlatLayout) -> tuple[_Mapping, torch.Tensor, TensorDictBase, tuple]:
-    """A new named segment of ``layout``'s size that other processes of this host attach by name
-    (``attach_named`` of the returned handle); returns the mapping, the flat tensor, its view and the
-    handle ``(name, layout)``.
+def create_named(name: str, layout: FlatLayout) -> tuple[_Mapping, torch.Tensor, TensorDictBase, tuple]:
+    """A new segment ``/dev/shm/<name>`` of ``layout``'s size that other processes of this host attach
+    by name (``attach_named`` of the returned handle); returns the mapping, the flat tensor, its view
+    and the handle ``(name, layout)``.
 
     Created without ``multiprocessing``'s resource tracker: the segment must outlive its creator
     when the creator dies, for the processes that still have to map it (docs/weights.md, "One copy per
     host"); whoever owns it afterwards removes it with :func:`unlink_named`.
     """
-    name = f"{prefix}-{secrets.token_hex(8)}"
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(1, layout.total_bytes))

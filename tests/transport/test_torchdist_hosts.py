@@ -5,6 +5,7 @@ namespaces in tests/collectors/distributed/test_host_copies.py."""
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 from tensordict import TensorDict
@@ -33,12 +34,11 @@ def test_a_slot_is_never_one_a_node_runs_on_or_waits_for():
     hosts = RemoteHosts()
     hosts.join(0, B)
     host = hosts.host_of(0)
+    host.carrier = 0
     first, new = host.choose_slot(busy=set())
-    assert new
-    host.slots[first] = ("rlh-w0-" + "0" * 16, None)
+    assert new and valid_segment_name(host.slots[first]) and host.slots[first].startswith("rlh-w0-")
     second, new = host.choose_slot(busy={first})
-    assert new and second != first
-    host.slots[second] = ("rlh-w0-" + "1" * 16, None)
+    assert new and second != first and host.slots[second] != host.slots[first]
     assert host.choose_slot(busy={second}) == (first, False)  # alternating, whole-fleet updates
     assert host.choose_slot(busy={first, None}) == (second, False)
 
@@ -50,16 +50,16 @@ def test_a_carrier_that_leaves_hands_its_slot_names_to_the_next():
     host = hosts.host_of(0)
     host.carrier = 0
     slot, _ = host.choose_slot(set())
-    host.slots[slot] = ("rlh-w0-" + "a" * 16, None)
+    name = host.slots[slot]  # named before the carrier creates it: known even if it dies creating it
     hosts.leave(1)  # not the carrier: nothing changes
     assert host.carrier == 0 and host.orphans == []
     hosts.leave(0)
-    assert host.carrier is None and host.slots == {} and host.orphans == ["rlh-w0-" + "a" * 16]
+    assert host.carrier is None and host.slots == {} and host.orphans == [name]
     fresh, new = host.choose_slot(set())
     assert new and fresh != slot  # slot ids are never reused: a node may still map the old one
 
 
-def test_slot_names_relayed_to_other_nodes_stay_in_dev_shm():
+def test_slot_names_sent_to_nodes_stay_in_dev_shm():
     assert valid_segment_name("rlh-w12-0123456789abcdef")
     for name in ("../etc/passwd", "rlh-w1-0123456789abcdef/x", "psm_1234", None, "rlh-w1-xyz"):
         assert not valid_segment_name(name)
@@ -69,9 +69,9 @@ def test_slot_names_relayed_to_other_nodes_stay_in_dev_shm():
 def test_a_named_slot_outlives_its_name_for_those_who_mapped_it():
     weights = TensorDict({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.float64)}, [])
     layout = FlatLayout.of(weights)
-    mapping, flat, view, handle = create_named("rlh-w0", layout)
-    name = handle[0]
-    assert valid_segment_name(name) and os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+    name = "rlh-w0-" + secrets.token_hex(8)
+    mapping, flat, view, handle = create_named(name, layout)
+    assert handle == (name, layout) and os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
     view.update_(weights)
     other, mapped = attach_named(handle)
     assert torch.equal(mapped["w"], weights["w"]) and torch.equal(mapped["b"], weights["b"])
