@@ -159,6 +159,7 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = [
     "TwoHosts",
+    "Hosts",
     "Host",
     "NetnsUnavailable",
     "available",
@@ -496,11 +497,32 @@ def _killpg(proc: subprocess.Popen) -> None:
             pass
 
 
+def _write_hosts_file(h: Host, hosts: Sequence[Host]) -> None:
+    """``/etc/netns/<ns>/hosts`` of ``h``: the shared hostname is ``h``'s address, every host by name."""
+    d = os.path.join("/etc/netns", h.ns)
+    for _ in range(5):  # racing with another run's rmdir("/etc/netns")
+        try:
+            os.makedirs(d, exist_ok=True)
+            break
+        except FileNotFoundError:
+            continue
+    lines = [
+        "# written by rlharvest tests/netns.py; removed on cleanup",
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+        f"{h.ip}\t{socket.gethostname()}",
+    ]
+    for x in hosts:
+        lines.append(f"{x.ip}\t{x.name}")
+    with open(os.path.join(d, "hosts"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 # --------------------------------------------------------------------------
 # TwoHosts
 # --------------------------------------------------------------------------
 
-_live: "set[TwoHosts]" = set()
+_live: "set" = set()  # TwoHosts and Hosts
 _live_lock = threading.Lock()
 
 
@@ -620,23 +642,7 @@ class TwoHosts:
                 self._write_hosts(h)
 
     def _write_hosts(self, h: Host) -> None:
-        d = os.path.join("/etc/netns", h.ns)
-        for _ in range(5):  # racing with another run's rmdir("/etc/netns")
-            try:
-                os.makedirs(d, exist_ok=True)
-                break
-            except FileNotFoundError:
-                continue
-        lines = [
-            "# written by rlharvest tests/netns.py; removed on cleanup",
-            "127.0.0.1\tlocalhost",
-            "::1\tlocalhost ip6-localhost ip6-loopback",
-            f"{h.ip}\t{socket.gethostname()}",
-        ]
-        for x in self.hosts:
-            lines.append(f"{x.ip}\t{x.name}")
-        with open(os.path.join(d, "hosts"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        _write_hosts_file(h, self.hosts)
 
     def close(self) -> None:
         """Kill all processes, delete namespaces. Idempotent."""
@@ -690,3 +696,106 @@ class TwoHosts:
     def partitioned(self) -> "TwoHosts._Partition":
         """``with net.partitioned(): ...`` -- cut() on enter, restore() on exit."""
         return TwoHosts._Partition(self)
+
+
+# --------------------------------------------------------------------------
+# Hosts: more than two, behind a switch
+# --------------------------------------------------------------------------
+
+class Hosts:
+    """``count`` network namespaces (2-8) behind one switch: a bridge in a namespace of its own, one
+    veth pair from each host to it. Use as a context manager, like :class:`TwoHosts` (same
+    addresses, names, environment, processes, cleanup), without ``cut()``.
+
+    Each host's veth counters (``/sys/class/net/<ifname>/statistics`` inside the host) count only
+    that host's traffic: what the host sends is its ``tx_bytes``, whoever receives it.
+
+    Attributes: ``hosts`` (:class:`Host` list, named ``host-a``, ``host-b``, ...), ``switch_ns``.
+    """
+
+    def __init__(self, count: int, hosts_file: bool = True):
+        if not 2 <= count <= 8:
+            raise ValueError(f"Hosts(count) takes 2 to 8 hosts, got {count}")
+        suffix = f"{random.getrandbits(24):06x}"
+        k = random.randrange(0, (244 - 10) // count)  # addresses .10+count*k ... stay below .254
+        pid = os.getpid()
+        self.tag = suffix
+        self.switch_ns = f"{NS_PREFIX}{pid}-{suffix}-s"
+        self.hosts: List[Host] = []
+        for i in range(count):
+            letter = "abcdefgh"[i]
+            self.hosts.append(Host(f"host-{letter}", f"{NS_PREFIX}{pid}-{suffix}-{letter}",
+                                   f"{SUBNET}.{10 + count * k + i}", f"rlh{suffix}{letter}",
+                                   f"02:72:6c:{suffix[0:2]}:{suffix[2:4]}:{i + 1:02x}"))
+        self.hosts_file = hosts_file
+        self._created: List[str] = []
+        self._closed = False
+        self._entered = False
+
+    def __repr__(self) -> str:
+        return f"Hosts({self.hosts!r})"
+
+    def __enter__(self) -> "Hosts":
+        if self._entered:
+            raise RuntimeError("Hosts instances are single-use")
+        self._entered = True
+        require()
+        cleanup_stale()
+        _install_sigterm_hook()
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        switch = self.switch_ns
+        _ip("netns", "add", switch)
+        self._created.append(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "dev", "br0", "addrgenmode", "none")
+        _ip("-n", switch, "link", "set", "dev", "br0", "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.ns)
+            self._created.append(h.ns)
+            port = "rls" + h.ifname[3:]
+            _ip("link", "add", h.ifname, "address", h.mac, "netns", h.ns, "type", "veth",
+                "peer", "name", port, "netns", switch)
+            _ip("-n", switch, "link", "set", "dev", port, "addrgenmode", "none")
+            _ip("-n", switch, "link", "set", "dev", port, "master", "br0")
+            _ip("-n", switch, "link", "set", "dev", port, "up")
+            n = ("-n", h.ns)
+            _ip(*n, "link", "set", "dev", h.ifname, "addrgenmode", "none")
+            _ip(*n, "addr", "add", f"{h.ip}/24", "dev", h.ifname)
+            _ip(*n, "link", "set", "dev", "lo", "up")
+            _ip(*n, "link", "set", "dev", h.ifname, "up")
+        for h in self.hosts:
+            for peer in self.hosts:
+                if peer is not h:
+                    _ip("-n", h.ns, "neigh", "replace", peer.ip, "lladdr", peer.mac, "nud", "permanent",
+                        "dev", h.ifname)
+            if self.hosts_file:
+                _write_hosts_file(h, self.hosts)
+
+    def close(self) -> None:
+        """Kill all processes, delete namespaces (the switch's last). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            deadline = time.monotonic() + 5.0
+            for h in self.hosts:
+                if h.ns in self._created:
+                    h.kill_all(deadline)
+            for ns in self._created:
+                _ip("netns", "delete", ns, check=False)
+                _remove_etc_netns(ns)
+        finally:
+            with _live_lock:
+                _live.discard(self)

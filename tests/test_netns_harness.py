@@ -378,3 +378,41 @@ def test_parallel_instances_do_not_collide():
         assert "ConnectionRefusedError" in r2.stderr         # reachable; RST from closed port
     assert not _ours()
     assert set(_children(os.getpid())) - before == set()
+
+
+@pytest.mark.timeout(30)
+def test_hosts_behind_a_switch_reach_each_other_and_count_their_own_bytes():
+    """netns.Hosts(3): every host reaches every other through the switch; a host's tx counter counts
+    what it sends (the bytes host A sends to C do not show on B's); everything is removed on exit."""
+    _require_netns()
+    payload = 200_000
+    code = ("import socket, sys\n"
+            "peer, port = sys.argv[1], int(sys.argv[2])\n"
+            "s = socket.create_connection((peer, port), timeout=5); s.sendall(b'x' * %d); s.close()\n" % payload)
+    receive = ("import socket, sys\n"
+               "srv = socket.socket(); srv.bind((sys.argv[1], 0)); srv.listen(1)\n"
+               "print(srv.getsockname()[1], flush=True)\n"
+               "c, _ = srv.accept(); n = 0\n"
+               "while (chunk := c.recv(65536)): n += len(chunk)\n"
+               "print(n, flush=True)\n")
+
+    def tx(host) -> int:
+        out = host.run(["cat", f"/sys/class/net/{host.ifname}/statistics/tx_bytes"], timeout=10, check=True)
+        return int(out.stdout)
+
+    with netns.Hosts(3) as net:
+        a, b, c = net.hosts
+        assert len({h.ip for h in net.hosts}) == 3
+        for sender, receiver in ((a, c), (c, b), (b, a)):
+            server = receiver.popen([sys.executable, "-c", receive, receiver.ip], stdout=subprocess.PIPE, text=True)
+            port = int(server.stdout.readline())
+            before = {h.name: tx(h) for h in net.hosts}
+            sender.run([sys.executable, "-c", code, receiver.ip, str(port)], timeout=10, check=True)
+            assert int(server.stdout.readline()) == payload
+            server.wait(10)
+            sent = {h.name: tx(h) - before[h.name] for h in net.hosts}
+            bystander = next(h for h in net.hosts if h not in (sender, receiver))
+            assert payload <= sent[sender.name] < 1.2 * payload, sent
+            assert sent[bystander.name] < 0.1 * payload, sent
+        names = [h.ns for h in net.hosts] + [net.switch_ns]
+    assert not set(names) & set(netns.list_netns()), "namespaces left behind"

@@ -4,13 +4,16 @@ An update is announced on a per-node TCP channel (served by the sender on ``tcp_
 version; the node applies it between two env steps by swapping its model's tensors (no copy) and
 acknowledges the version once it applied (and cascaded) it. The payload travels
 
-* to a node on another host: as one flat tensor sent point-to-point over the process group, into
-  the node's own alternating pair of buffers;
+* to nodes on another host: as one flat tensor sent point-to-point over the process group, once per
+  host: a host's *carrier* receives it into a named shared-memory slot it created and reports it
+  (``staged``), then the host's other nodes map that slot (``torchdist_hosts``, docs/weights.md, "One
+  copy per host"); a node alone on its host receives it into its own alternating pair of buffers;
 * to a node on this host (it reached us through loopback, same kernel): through a named
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
 
-The node's receiver reads its channel in a thread, so the per-step check is a flag read. A node that
+The node's receiver (:mod:`.torchdist_receiver`) reads its channel in a thread, so the per-step check
+is a flag read. A node that
 replaces another connects a channel of its own after start-up (``replace`` reopens the listener,
 ``attach`` takes the new node and hands it the weights of the last update with that version).
 """
@@ -18,9 +21,7 @@ replaces another connects a channel of its own after start-up (``replace`` reope
 from __future__ import annotations
 
 import datetime
-import os
-import queue
-import threading
+import multiprocessing.connection as mpc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,11 +31,13 @@ from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import WeightLinks, WeightReceiver, WeightSender
-from .channel import ChannelListener, listen, new_authkey, open_channel, shutdown_connection
-from .ports import boot_id, is_loopback
+from .base import WeightLinks, WeightSender
+from .channel import ChannelListener, listen, new_authkey
+from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
-from .weight_pool import GenerationPool, NamedShmAllocator, attach_named, copy_into
+from .torchdist_hosts import RemoteHost, RemoteHosts
+from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
+from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
 
@@ -62,15 +65,6 @@ class NodeWeightLinks(WeightLinks):
     handshake_timeout: float = 5.0
 
 
-@dataclass
-class NodeGroupLinks:
-    """What a node's weight receiver needs from its transport: the node's group with the main
-    process (and the main process's rank in it)."""
-
-    group: Any
-    parent_rank: int = 0
-
-
 class DistWeightSender(WeightSender):
     """Parent end: a listener for the nodes' weight channels, a shared-memory generation pool for
     nodes on this host and a flat send buffer for the others."""
@@ -96,8 +90,13 @@ class DistWeightSender(WeightSender):
         self._flat: torch.Tensor | None = None
         self._view: TensorDictBase | None = None
         self._layout_sent: set[int] = set()
-        self._works: list = []
+        self._works: list[tuple[int, Any]] = []
         self._unacked: dict[int, int] = {}
+        self._hosts = RemoteHosts()
+        #: ``worker -> (version, slot id)``: what a carrier last reported it holds
+        self._staged: dict[int, tuple] = {}
+        #: failures a node reported while the sender was busy elsewhere, raised by ``wait_acks``
+        self._failures: dict[int, Any] = {}
         #: version of the last weights announced, and where they are (("shm", generation) or ("pg", None))
         self._latest: tuple[int, tuple] | None = None
 
@@ -115,7 +114,7 @@ class DistWeightSender(WeightSender):
             for conn in self.conns.values():
                 conn.send(("init", 0, None))
             return
-        self._announce(initial, 0, list(range(self.num_workers)), "init")
+        self._announce(initial, 0, list(range(self.num_workers)), "init", timeout)
         self._finish_sends(timeout)
 
     def _accept(self, workers: list[int], timeout: float, what: str) -> None:
@@ -133,6 +132,8 @@ class DistWeightSender(WeightSender):
                     continue
                 self.conns[worker] = conn
                 self.local[worker] = bool(hello[2]) and hello[3] == here
+                if not self.local[worker] and len(hello) == 5 and peer:
+                    self._hosts.join(worker, (peer[0], hello[3], hello[4]))
                 continue
             self._check_peers([w for w in workers if w not in self.conns], what)
             if time.monotonic() > deadline:
@@ -147,9 +148,10 @@ class DistWeightSender(WeightSender):
         if conn is not None:
             conn.close()
         self.local.pop(worker, None)
+        self._hosts.leave(worker)
         self._seen[worker] = set()
         self._layout_sent.discard(worker)
-        for state in (self._current, self._pending, self._unacked):
+        for state in (self._current, self._pending, self._unacked, self._staged, self._failures):
             state.pop(worker, None)
         self.listener.close()
         self.listener = self._listen()  # connection_info() now names its port
@@ -162,12 +164,15 @@ class DistWeightSender(WeightSender):
             return
         version, (where, generation) = self._latest
         self._finish_sends(timeout)  # the flat buffer is re-sent from, or re-staged into
-        self._announce(generation.view if where == "shm" else self._view, version, [worker], "init")
+        self._announce(generation.view if where == "shm" else self._view, version, [worker], "init", timeout)
         self._finish_sends(timeout)
 
-    def _announce(self, payload: TensorDictBase, version: int, workers: list[int], kind: str) -> None:
+    def _announce(self, payload: TensorDictBase, version: int, workers: list[int], kind: str,
+                  timeout: float) -> None:
         local = [w for w in workers if self.local[w]]
         remote = [w for w in workers if not self.local[w]]
+        if kind != "init":  # before sending: a carrier's acknowledgement may be read while relaying
+            self._unacked.update({w: version for w in workers})
         if local:
             generation = self._stage_shared(payload, local)
             self._latest = (version, ("shm", generation))
@@ -179,16 +184,132 @@ class DistWeightSender(WeightSender):
         if remote:
             self._stage_flat(payload)
             self._latest = (version, ("pg", None))
-            for worker in remote:
-                layout = None if worker in self._layout_sent else self._layout
-                self._layout_sent.add(worker)
-                self.conns[worker].send((kind, version, ("pg", layout)))
-                group, rank = self.peer(worker)
-                self._works.append(group.send([self._flat], rank, WEIGHTS_TAG))
+            direct, shared = self._hosts.route(remote)
+            for worker in direct:
+                self._send_flat(worker, (kind, version, ("pg", self._layout_for(worker))))
+            routes = {host: self._to_carrier(host, targets, kind, version) for host, targets in shared.items()}
+            self._relay(routes, kind, version, timeout)
         if kind == "init":  # initial weights are not acknowledged: the node runs on them once connected
             self._current.update({w: self._pending.pop(w) for w in workers if w in self._pending})
-        else:
-            self._unacked.update({w: version for w in workers})
+
+    def _layout_for(self, worker: int) -> FlatLayout | None:
+        """The layout, the first time ``worker`` gets a flat tensor (it keeps it)."""
+        if worker in self._layout_sent:
+            return None
+        self._layout_sent.add(worker)
+        return self._layout
+
+    def _send_flat(self, worker: int, message: tuple) -> None:
+        self.conns[worker].send(message)
+        group, rank = self.peer(worker)
+        self._works.append((worker, group.send([self._flat], rank, WEIGHTS_TAG)))
+
+    # ------------------------------------------------------------------ one copy per remote host
+    def _to_carrier(self, host: RemoteHost, targets: list[int], kind: str, version: int) -> list[int]:
+        """Send the update once to ``host``: to its carrier, the first live node of ``targets`` (the
+        current carrier if it is one, so its slots are reused). Returns the targets still waiting,
+        carrier first; nodes found dead are left out (``wait_acks`` reports them)."""
+        alive = [w for w in targets if self._alive(w)]
+        if not alive:
+            return []
+        if host.carrier not in alive:
+            host.retire_carrier()
+            host.carrier = alive[0]
+        carrier = host.carrier
+        members = [w for w in host.members if w in self.conns]
+        busy = {self._current.get(w) for w in members} | {self._pending.get(w) for w in members}
+        slot_id, _ = host.choose_slot(busy)
+        unlink, host.orphans = host.orphans, []
+        self._pending[carrier] = slot_id
+        body = ("pg-host", slot_id, host.slots[slot_id], self._layout_for(carrier), unlink)
+        try:
+            self._send_flat(carrier, (kind, version, body))
+        except OSError:  # its channel broke: _relay finds it lost and picks another carrier
+            pass
+        return [carrier] + [w for w in alive if w != carrier]
+
+    def _relay(self, routes: dict[RemoteHost, list[int]], kind: str, version: int, timeout: float) -> None:
+        """Wait until each host's carrier holds the update, then let the host's other nodes map it.
+
+        A carrier that dies (or fails) before it reported the update is replaced by the next live node
+        of its host, which is sent the update instead: the others never wait on a dead node.
+        """
+        deadline = time.monotonic() + timeout
+        waiting = {host: targets for host, targets in routes.items() if targets}
+        while waiting:
+            for host in list(waiting):
+                carrier, *others = waiting[host]
+                state = self._carrier_state(carrier, version)
+                if state == "waiting":
+                    continue
+                if state == "staged":
+                    _, slot_id = self._staged[carrier]
+                    handle = (host.slots[slot_id], self._layout)
+                    for worker in others:
+                        self._map_slot(worker, kind, version, slot_id, handle)
+                    del waiting[host]
+                    continue
+                self._pending.pop(carrier, None)  # lost: the update goes to the next node of the host
+                host.retire_carrier()
+                waiting[host] = self._to_carrier(host, others, kind, version) if others else []
+                if not waiting[host]:
+                    del waiting[host]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                stuck = sorted(targets[0] for targets in waiting.values())
+                raise WorkerTimeoutError(f"nodes {stuck} did not receive the weights of their host within "
+                                         f"{timeout:g} s.", worker_idx=stuck[0])
+            mpc.wait([self.conns[targets[0]] for targets in waiting.values()], 0.2)
+
+    def _carrier_state(self, carrier: int, version: int) -> str:
+        """``"staged"`` (it holds ``version``), ``"waiting"`` or ``"lost"`` (dead, or it failed first)."""
+        conn = self.conns[carrier]
+        try:
+            while conn.poll(0):
+                self._take(carrier, conn.recv())
+        except (EOFError, OSError):
+            return "lost"
+        staged = self._staged.get(carrier)
+        if staged is not None and staged[0] == version:
+            return "staged"
+        if carrier in self._failures or not self._alive(carrier):
+            return "lost"
+        return "waiting"
+
+    def _map_slot(self, worker: int, kind: str, version: int, slot_id: tuple, handle) -> None:
+        first = slot_id not in self._seen[worker]
+        self._seen[worker].add(slot_id)
+        self._pending[worker] = slot_id
+        try:
+            self.conns[worker].send((kind, version, ("shm", slot_id, handle if first else None)))
+        except OSError:
+            pass  # its channel broke: wait_acks reports the node
+
+    def _alive(self, worker: int) -> bool:
+        conn = self.conns.get(worker)
+        if conn is None or conn.closed:
+            return False
+        return self.liveness is None or self.liveness(worker)[0]
+
+    def _take(self, worker: int, message) -> None:
+        """One message of ``worker``'s weight channel: an acknowledgement, a failure, a staged slot."""
+        if message[0] == "ack":
+            _, acked, gen_id = message
+            if gen_id is not None:
+                self._current[worker] = gen_id
+                self._pending.pop(worker, None)
+            else:  # it runs on its own buffers
+                self._current.pop(worker, None)
+            if worker in self._unacked and acked >= self._unacked[worker]:
+                del self._unacked[worker]
+        elif message[0] == "error":
+            self._unacked.pop(worker, None)
+            self._pending.pop(worker, None)
+            self._failures[worker] = message[1]
+        elif message[0] == "staged":
+            _, version, slot_id = message
+            self._staged[worker] = (version, slot_id)
 
     def _stage_shared(self, weights: TensorDictBase, workers: list[int]):
         if self._pool is None:
@@ -206,32 +327,27 @@ class DistWeightSender(WeightSender):
 
     def _finish_sends(self, timeout: float) -> None:
         works, self._works = self._works, []
-        for work in works:
-            work.wait(datetime.timedelta(seconds=timeout))
+        for worker, work in works:
+            try:
+                work.wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as err:  # the node died (or its host vanished) while receiving
+                raise WorkerError(f"sending it new weights failed ({err}).", worker_idx=worker) from err
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
         self._finish_sends(120.0)  # the flat buffer may still be read by an unfinished (sync=False) send
         if self._pending:  # a generation announced without acknowledgement may still be mapped in
             self.wait_acks(version - 1, list(self._pending), 120.0)
-        self._announce(payload, version, worker_ids, "update")
+        self._announce(payload, version, worker_ids, "update", 120.0)
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._finish_sends(timeout)
         for worker in worker_ids:
             while worker in self._unacked:
-                message = self._recv(worker, deadline)
-                if message[0] == "ack":
-                    _, acked, gen_id = message
-                    if gen_id is not None:
-                        self._current[worker] = gen_id
-                        self._pending.pop(worker, None)
-                    if acked >= self._unacked[worker]:
-                        del self._unacked[worker]
-                elif message[0] == "error":
-                    del self._unacked[worker]
-                    self._pending.pop(worker, None)
-                    raise message[1].to_exception(context="applying new weights")
+                self._take(worker, self._recv(worker, deadline))
+            failure = self._failures.pop(worker, None)
+            if failure is not None:
+                raise failure.to_exception(context="applying new weights")
 
     def _recv(self, worker: int, deadline: float):
         conn = self.conns[worker]
@@ -265,124 +381,10 @@ class DistWeightSender(WeightSender):
             self._pool.close()
 
 
-class DistWeightReceiver(WeightReceiver):
-    """Node end: a reader thread on the weight channel; payloads mapped or received, then swapped in."""
-
-    zero_copy = True
-
-    def __init__(self, info: dict, worker_idx: int, links: NodeGroupLinks | None = None,
-                 user_timeout: float = 10.0) -> None:
-        self.info = info
-        self.worker_idx = worker_idx
-        self.links = links
-        self.user_timeout = user_timeout
-        self.conn = None
-        self._inbox: queue.Queue = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
-        self._segments: dict[int, tuple] = {}
-        self._gen_id: int | None = None
-        self._buffers: list | None = None  # two (flat, view) pairs received over the process group
-        self._in_use = 1
-        self._thread: threading.Thread | None = None
-
-    def fileno(self) -> int:
-        return self._wake_r
-
-    def wait_handle(self):
-        return self
-
-    def connect(self, timeout: float) -> TensorDictBase | None:
-        info = self.info
-        self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
-                                 self.user_timeout, info.get("handshake_timeout", 5.0))
-        self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id()))
-        kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
-        if kind != "init":
-            raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
-        # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
-        # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
-        # interpreter finalizes can abort the process).
-        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_w),
-                                        name="rlharvest-weights-reader", daemon=True)
-        self._thread.start()
-        return None if body is None else self._payload(body, timeout)
-
-    def _payload(self, body, timeout: float) -> TensorDictBase:
-        if body[0] == "shm":
-            _, gen_id, handle = body
-            if handle is not None:
-                self._segments[gen_id] = attach_named(handle)
-            self._gen_id = gen_id
-            return self._segments[gen_id][1]
-        _, layout = body
-        if layout is not None:
-            self._buffers = [layout.allocate(), layout.allocate()]
-        self._in_use = 1 - self._in_use  # receive into the buffer the model does not run on
-        flat, view = self._buffers[self._in_use]
-        if self.links is None:
-            raise RuntimeError("weights over a process group need the node's group: this receiver has none.")
-        self.links.group.recv([flat], self.links.parent_rank, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
-        return view
-
-    def pending(self) -> bool:
-        return not self._inbox.empty()
-
-    def receive(self, timeout: float):
-        try:
-            message = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-        os.read(self._wake_r, 1)
-        kind, version, body = message
-        if kind != "update":
-            return None
-        return version, self._payload(body, 120.0)
-
-    def ack(self, version: int) -> None:
-        self.conn.send(("ack", version, self._gen_id))
-
-    def nack(self, failure) -> None:
-        self.conn.send(("error", failure))
-
-    def close(self) -> None:
-        if self.conn is not None:
-            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
-            shutdown_connection(self.conn)
-            try:
-                self.conn.close()
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-        for segment, _ in self._segments.values():
-            try:
-                segment.close()
-            except (BufferError, OSError):
-                pass  # views of the segment may still be alive in the model: the OS frees it at exit
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def _hello_worker(hello: Any, num_workers: int) -> int | None:
-    """The worker index in a node's ``("hello", worker, local, boot_id)`` if it is a valid one."""
-    if (isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and type(hello[1]) is int
+    """The worker index in a node's ``("hello", worker, local, boot_id, shm_identity)`` if it is a valid one
+    (a node of an earlier release says no ``shm_identity``: it gets its own copy of each update)."""
+    if (isinstance(hello, tuple) and len(hello) in (4, 5) and hello[0] == "hello" and type(hello[1]) is int
             and 0 <= hello[1] < num_workers):
         return hello[1]
     return None
-
-
-def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
-    """Move weight-channel messages to ``inbox`` and wake the worker loop, until the channel closes."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        inbox.put(message)
-        try:
-            os.write(wake_w, b"x")
-        except OSError:  # the receiver closed meanwhile
-            return

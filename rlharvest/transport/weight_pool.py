@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 from ..data.flat import FlatLayout, flat_leaves, freeze
 
 __all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
-           "map_named"]
+           "create_named", "map_named", "unlink_named"]
 
 
 @dataclass
@@ -110,6 +110,33 @@ def attach_named(handle) -> tuple[Any, TensorDictBase]:
     mapping = _Mapping(name, layout.total_bytes)
     flat = torch.frombuffer(mapping.map, dtype=torch.uint8, count=layout.total_bytes)
     return mapping, freeze(layout.view(flat))
+
+
+def create_named(name: str, layout: FlatLayout) -> tuple[_Mapping, torch.Tensor, TensorDictBase, tuple]:
+    """A new segment ``/dev/shm/<name>`` of ``layout``'s size that other processes of this host attach
+    by name (``attach_named`` of the returned handle); returns the mapping, the flat tensor, its view
+    and the handle ``(name, layout)``.
+
+    Created without ``multiprocessing``'s resource tracker: the segment must outlive its creator
+    when the creator dies, for the processes that still have to map it (docs/weights.md, "One copy per
+    host"); whoever owns it afterwards removes it with :func:`unlink_named`.
+    """
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(1, layout.total_bytes))
+    finally:
+        os.close(fd)
+    mapping = _Mapping(name, max(1, layout.total_bytes))
+    flat = torch.frombuffer(mapping.map, dtype=torch.uint8, count=layout.total_bytes)
+    return mapping, flat, freeze(layout.view(flat)), (name, layout)
+
+
+def unlink_named(name: str) -> None:
+    """Remove the name of a segment made by :func:`create_named` (mappings of it stay valid)."""
+    try:
+        os.unlink(f"/dev/shm/{name.lstrip('/')}")
+    except FileNotFoundError:
+        pass
 
 
 def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> None:

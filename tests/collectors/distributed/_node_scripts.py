@@ -160,7 +160,30 @@ def node_in_host_b(rank: int, *args, **kwargs) -> None:
     node_main(rank, *args, **kwargs)
 
 
-def _veth_collector_class():
+def _enter_netns(path: str, ifname: str) -> None:
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), f"setns into {path} failed")
+    os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = ifname
+
+
+def node_in_hosts(rank: int, *args, **kwargs) -> None:
+    """Node target: a first node whose rank ``$RLH_TEST_NODE_HOSTS`` lists (``rank=netns-path@ifname``,
+    comma-separated) enters that network namespace, then runs as any node; replacements stay beside
+    the main process."""
+    from rlharvest.worker.nodes import node_main
+
+    placement = dict(item.split("=", 1) for item in os.environ.get("RLH_TEST_NODE_HOSTS", "").split(",") if item)
+    if str(rank) in placement and kwargs.get("generation", 0) == 0:
+        path, ifname = placement[str(rank)].split("@")
+        _enter_netns(path, ifname)
+    node_main(rank, *args, **kwargs)
+
+
+def _veth_collector_class(target=None):
     """A DistributedCollector whose ``"mp"`` nodes reach the main process at host A's veth address
     (not loopback) and let gloo pick the interface from GLOO_SOCKET_IFNAME, so a node in host B works."""
     import dataclasses
@@ -182,7 +205,7 @@ def _veth_collector_class():
             return VethNetwork(**{**fields, "advertised_host": arguments["bind_address"]})
 
         def _make_backend(self, count):
-            return TorchDistBackend(count, node_in_host_b, self._net, launcher="mp", backend=self.backend)
+            return TorchDistBackend(count, target or node_in_host_b, self._net, launcher="mp", backend=self.backend)
 
     return VethCollector
 
@@ -250,6 +273,111 @@ def two_hosts_restart_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- one copy per host (weights)
+def _wide_policy(params: int):
+    """action = 1; ``weight_min``/``weight_max``: the extremes of a ``params``-float weight, which
+    differ only while an update is half applied (every update fills the whole weight with one value)."""
+    import torch
+    from tensordict.nn import TensorDictModule
+
+    class Wide(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(params))
+
+        def forward(self, observation):
+            ones = torch.ones(observation.shape, dtype=torch.float32)
+            return ones, ones * self.weight.min(), ones * self.weight.max()
+
+    return TensorDictModule(Wide(), in_keys=["observation"], out_keys=["action", "weight_min", "weight_max"])
+
+
+def _tx_bytes(ifname: str) -> int:
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as handle:
+        return int(handle.read())
+
+
+def _kill_soon(pid: int, delay: float) -> None:
+    """SIGSTOP ``pid`` now (it stops before it can take the next update), SIGKILL it ``delay`` s later."""
+    import signal
+    import threading
+
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(delay, os.kill, args=(pid, signal.SIGKILL)).start()
+
+
+def host_copies_main(argv: list[str] | None = None) -> int:
+    """Main process of the one-copy-per-host test and benchmark: ``"mp"`` nodes placed in other
+    hosts by ``$RLH_TEST_NODE_HOSTS``; ``--updates`` updates, each followed by one batch; prints the
+    bytes that left through ``--ifname`` during each update, its seconds, and what every node ran.
+
+    ``--kill between|during``: node 0 (its host's carrier) is killed after update 2 and its batch, or
+    stopped before update 3 and killed while the main process waits for it to take the update."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host-ip", required=True)
+    parser.add_argument("--ifname", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--params", type=int, default=250_000)
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--kill", choices=["none", "between", "during"], default="none")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    parser.add_argument("--no-wait", action="store_true",
+                        help="DistributedWeightSyncScheme(sync=False): updates return before the acknowledgements")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from _node_scripts import _veth_collector_class, node_in_hosts
+    from rlharvest.weight_update import DistributedWeightSyncScheme
+
+    torch.set_num_threads(1)
+    policy = _wide_policy(args.params)
+    collector = _veth_collector_class(node_in_hosts)(
+        [_make_env] * args.nodes, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
+        heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
+        worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True,
+        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait)})
+    pids = [node.process.pid for node in collector._launched]
+    _emit(event="started", pids=pids, weight_bytes=4 * args.params)
+    try:
+        batches = iter(collector)
+        next(batches)
+        for k in range(1, args.updates + 1):
+            if args.kill == "during" and k == 3:
+                _kill_soon(pids[0], delay=1.0)
+            with torch.no_grad():
+                policy.module.weight.fill_(float(k))
+            before, start = _tx_bytes(args.ifname), time.perf_counter()
+            collector.update_policy_weights_()
+            seconds, sent = time.perf_counter() - start, _tx_bytes(args.ifname) - before
+            # the first batch may have been under way during the update (its rows: the old or the new
+            # weights); the second is collected after it returned
+            ran = [next(batches), next(batches)]
+            _emit(event="update", k=k, seconds=seconds, tx_bytes=sent, restarts=collector.stats()["restarts"],
+                  weight_min=[b["weight_min"].reshape(args.nodes, -1).tolist() for b in ran],
+                  weight_max=[b["weight_max"].reshape(args.nodes, -1).tolist() for b in ran],
+                  versions=[b["policy_version"].reshape(args.nodes, -1).tolist() for b in ran],
+                  policy_version=collector.policy_version)
+            if args.kill == "between" and k == 2:
+                os.kill(pids[0], 9)
+                while collector.stats()["restarts"] == 0:  # the next batches notice it and replace it
+                    next(batches)
+        if args.no_wait:  # the nodes take the last update by themselves: a few batches later, all run it
+            for i in range(50):
+                ran = next(batches)
+                if set(ran["weight_min"].flatten().tolist()) == {float(args.updates)}:
+                    break
+            _emit(event="settled", batches=i + 1, weight_min=ran["weight_min"].reshape(args.nodes, -1).tolist(),
+                  weight_max=ran["weight_max"].reshape(args.nodes, -1).tolist())
+        _emit(event="stats", restarts=collector.stats()["restarts"],
+              pids=[node.process.pid for node in collector._launched])
+    finally:
+        collector.shutdown()
+        _emit(event="shutdown")
+    return 0
+
+
 # ---------------------------------------------------------------- listening addresses of "mp" collectors
 def listening_addresses(pids: list[int]) -> dict:
     import psutil
@@ -287,6 +415,8 @@ if __name__ == "__main__":
         sys.exit(two_hosts_main(rest))
     if command == "two-hosts-restart-main":
         sys.exit(two_hosts_restart_main(rest))
+    if command == "host-copies-main":
+        sys.exit(host_copies_main(rest))
     if command == "loopback-listeners":
         sys.exit(loopback_listeners())
     raise SystemExit(f"unknown command {command!r}")

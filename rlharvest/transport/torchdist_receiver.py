@@ -1,0 +1,189 @@
+"""Node end of the weights to nodes (the receiver of DistributedWeightSyncScheme): a thread reads
+the node's weight channel, the worker loop maps or receives each announced payload and swaps it in
+between two env steps; as its host's carrier it receives the update into a slot the host's other
+nodes map (docs/weights.md, "One copy per host"). The sender is :mod:`.torchdist_weights`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from ..data.flat import FlatLayout
+from .base import WeightReceiver
+from .channel import open_channel, shutdown_connection
+from .ports import boot_id, is_loopback
+from .rendezvous import WEIGHTS_TAG
+from .torchdist_hosts import shm_identity, valid_segment_name
+from .weight_pool import attach_named, create_named, unlink_named
+
+__all__ = ["NodeGroupLinks", "DistWeightReceiver"]
+
+
+@dataclass
+class NodeGroupLinks:
+    """What a node's weight receiver needs from its transport: the node's group with the main
+    process (and the main process's rank in it)."""
+
+    group: Any
+    parent_rank: int = 0
+
+
+class DistWeightReceiver(WeightReceiver):
+    """Node end: a reader thread on the weight channel; payloads mapped or received, then swapped in."""
+
+    zero_copy = True
+
+    def __init__(self, info: dict, worker_idx: int, links: NodeGroupLinks | None = None,
+                 user_timeout: float = 10.0) -> None:
+        self.info = info
+        self.worker_idx = worker_idx
+        self.links = links
+        self.user_timeout = user_timeout
+        self.conn = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._segments: dict[Any, tuple] = {}  # generation or slot id -> (mapping, view)
+        self._owned: dict[Any, tuple] = {}  # slot id -> (name, flat) of the slots this node created as carrier
+        self._gen_id: Any = None
+        self._layout: FlatLayout | None = None
+        self._buffers: list | None = None  # two (flat, view) pairs received over the process group
+        self._in_use = 1
+        self._thread: threading.Thread | None = None
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def wait_handle(self):
+        return self
+
+    def connect(self, timeout: float) -> TensorDictBase | None:
+        info = self.info
+        self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
+                                 self.user_timeout, info.get("handshake_timeout", 5.0))
+        self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity()))
+        kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
+        if kind != "init":
+            raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
+        # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
+        # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
+        # interpreter finalizes can abort the process).
+        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_w),
+                                        name="rlharvest-weights-reader", daemon=True)
+        self._thread.start()
+        return None if body is None else self._payload(version, body, timeout)
+
+    def _payload(self, version: int, body, timeout: float) -> TensorDictBase:
+        if body[0] == "shm":
+            _, gen_id, handle = body
+            if handle is not None:
+                self._segments[gen_id] = attach_named(handle)
+            self._gen_id = gen_id
+            return self._segments[gen_id][1]
+        if body[0] == "pg-host":
+            return self._carry(version, *body[1:], timeout=timeout)
+        _, layout = body
+        if layout is not None:
+            self._layout = layout
+        if self._buffers is None:
+            self._buffers = [self._layout.allocate(), self._layout.allocate()]
+        self._in_use = 1 - self._in_use  # receive into the buffer the model does not run on
+        flat, view = self._buffers[self._in_use]
+        self._recv_flat(flat, timeout)
+        self._gen_id = None
+        return view
+
+    def _carry(self, version: int, slot_id, name: str, layout: FlatLayout | None, unlink: list[str],
+               timeout: float) -> TensorDictBase:
+        """As its host's carrier: receive the update into slot ``slot_id`` (created as ``name`` the
+        first time), tell the main process it is there (the host's other nodes then map it), and run
+        on it.
+
+        The slot is one no node of this host runs on or waits for (the main process chose it), so
+        nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
+        """
+        if layout is not None:
+            self._layout = layout
+        for old in unlink:
+            if valid_segment_name(old):
+                unlink_named(old)
+        if slot_id not in self._owned:
+            if not valid_segment_name(name):
+                raise ValueError(f"not a weight slot name: {name!r:.80}")
+            mapping, flat, view, handle = create_named(name, self._layout)
+            self._segments[slot_id] = (mapping, view)
+            self._owned[slot_id] = (handle, flat)
+        _, flat = self._owned[slot_id]
+        self._recv_flat(flat, timeout)
+        self.conn.send(("staged", version, slot_id))
+        self._gen_id = slot_id
+        return self._segments[slot_id][1]
+
+    def _recv_flat(self, flat: torch.Tensor, timeout: float) -> None:
+        if self.links is None:
+            raise RuntimeError("weights over a process group need the node's group: this receiver has none.")
+        self.links.group.recv([flat], self.links.parent_rank, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
+
+    def pending(self) -> bool:
+        return not self._inbox.empty()
+
+    def receive(self, timeout: float):
+        try:
+            message = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        os.read(self._wake_r, 1)
+        kind, version, body = message
+        if kind != "update":
+            return None
+        return version, self._payload(version, body, 120.0)
+
+    def ack(self, version: int) -> None:
+        self.conn.send(("ack", version, self._gen_id))
+
+    def nack(self, failure) -> None:
+        self.conn.send(("error", failure))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
+            shutdown_connection(self.conn)
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        for (name, _), _ in self._owned.values():
+            unlink_named(name)  # nodes still mapping a slot keep it; nobody maps it anew after its carrier left
+        for segment, _ in self._segments.values():
+            try:
+                segment.close()
+            except (BufferError, OSError):
+                pass  # views of the segment may still be alive in the model: the OS frees it at exit
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
+    """Move weight-channel messages to ``inbox`` and wake the worker loop, until the channel closes."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        inbox.put(message)
+        try:
+            os.write(wake_w, b"x")
+        except OSError:  # the receiver closed meanwhile
+            return
