@@ -190,6 +190,7 @@ def _veth_collector_class(target=None):
 
     from rlharvest.collectors.distributed import DistributedCollector
     from rlharvest.collectors.distributed._network import NetworkConfig
+    from rlharvest.collectors.options import TorchDistOptions
     from rlharvest.transport.torchdist import TorchDistBackend
 
     @dataclasses.dataclass(frozen=True)
@@ -198,14 +199,18 @@ def _veth_collector_class(target=None):
         def device_host(self):
             return None
 
-    class VethCollector(DistributedCollector):
-        def _network(self, arguments):
-            net = super()._network(arguments)
-            fields = {f.name: getattr(net, f.name) for f in dataclasses.fields(net)}
-            return VethNetwork(**{**fields, "advertised_host": arguments["bind_address"]})
+    @dataclasses.dataclass(frozen=True)
+    class VethOptions(TorchDistOptions):
+        def build_backend(self, count):
+            return TorchDistBackend(count, target or node_in_host_b, self.network, launcher="mp", backend=self.backend)
 
-        def _make_backend(self, count):
-            return TorchDistBackend(count, target or node_in_host_b, self._net, launcher="mp", backend=self.backend)
+    class VethCollector(DistributedCollector):
+        def _parse(self, arguments):
+            options = super()._parse(arguments)
+            fields = {f.name: getattr(options.network, f.name) for f in dataclasses.fields(options.network)}
+            network = VethNetwork(**{**fields, "advertised_host": arguments["bind_address"]})
+            values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+            return VethOptions(**{**values, "network": network})
 
     return VethCollector
 
