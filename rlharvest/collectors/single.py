@@ -18,23 +18,25 @@ from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
 from ..weight_update.strategy import copy_weights_, weights_of
 from ._dispatch import BackendDispatch
+from ._signatures import constructor_arguments
 from .base import BaseCollector
 from .utils import split_trajectories
 
 __all__ = ["Collector", "make_env"]
 
 
-def _check_arguments(arguments: dict, unknown: dict) -> None:
+def _check_arguments(*, unknown: dict, reset_when_done: bool, policy: Any, policy_factory: Any, weight_updater: Any,
+                     weight_sync_schemes: Any, local_init_rb: bool | None) -> None:
     """The checks of Collector's own arguments (CollectorConfig checks the shared ones)."""
     if unknown:
         raise TypeError(f"Collector got unexpected keyword argument(s) {sorted(unknown)}.")
-    if not arguments["reset_when_done"]:
+    if not reset_when_done:
         raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
-    if arguments["policy"] is not None and arguments["policy_factory"] is not None:
+    if policy is not None and policy_factory is not None:
         raise TypeError("policy_factory cannot be used together with policy.")
-    if arguments["weight_updater"] is not None and arguments["weight_sync_schemes"]:
+    if weight_updater is not None and weight_sync_schemes:
         raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-    if arguments["local_init_rb"] is False:  # the old per-collector initialisation; storage-level init is all there is
+    if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
         warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                       "storage).", FutureWarning, stacklevel=3)
 
@@ -144,10 +146,12 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         auto_register_policy_transforms: bool | None = None,
         **kwargs,
     ) -> None:
-        arguments = dict(locals())  # first: the arguments only (CollectorConfig takes its fields from them)
+        arguments = constructor_arguments(locals())  # first thing: CollectorConfig takes its fields from them
         self._closed = True  # until construction succeeds
         traj_counter: TrajectoryCounter | None = kwargs.pop("traj_pool", None)
-        _check_arguments(arguments, kwargs)
+        _check_arguments(unknown=kwargs, reset_when_done=reset_when_done, policy=policy, policy_factory=policy_factory,
+                         weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
+                         local_init_rb=local_init_rb)
         self.config = CollectorConfig.from_arguments(arguments)
         self._worker_idx = worker_idx
         self._pre_collect_hook, self._post_collect_hook = pre_collect_hook, post_collect_hook
