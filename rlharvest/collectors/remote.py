@@ -36,7 +36,7 @@ from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
 from ._fleet import Fleet, Replacement
 from ._requests import WorkerRequests
-from ._restarts import RestartPolicy
+from ._restarts import RestartCause, RestartPolicy
 from .base import BaseCollector, _argument_sets
 from ._specs import wrap_callable
 from ._progress import ProgressMeter
@@ -130,6 +130,22 @@ class RemoteCollectorBase(BaseCollector):
     @property
     def _requests(self) -> WorkerRequests | None:
         return self._fleet.requests if self._fleet is not None else None
+
+    def worker_pids(self) -> list[int | None]:
+        """The process id of each worker that is a process of this machine (a worker process, an
+        ``"mp"`` node), None for the others (a SLURM job, a Ray actor, a thread). For monitoring,
+        and for tests that inject faults (docs/restarts.md).
+
+        Example:
+            >>> collector.worker_pids()                              # doctest: +SKIP
+            [41236, 41237]
+        """
+        return [handle.pid for handle in self._requests.handles] if self._requests is not None else []
+
+    @property
+    def restart_causes(self) -> tuple[RestartCause, ...]:
+        """Why each worker was replaced so far, oldest first (docs/restarts.md)."""
+        return tuple(self._fleet.restarts.causes) if self._fleet is not None else ()
 
     @property
     def num_workers(self) -> int:

@@ -72,6 +72,11 @@ class WorkerHandle(ABC):
     def fileno(self) -> int:
         """A descriptor that becomes readable when a reply is ready (for multiplexed waits)."""
 
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id when it is a process of this machine, else None."""
+        return None
+
     @abstractmethod
     def is_alive(self) -> bool:
         """Whether the worker still runs (cheap)."""

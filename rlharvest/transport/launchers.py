@@ -121,6 +121,8 @@ class LaunchedNode:
     """A started node as its launcher sees it."""
 
     _end_awaited = False
+    #: the node's process id when it is a child process of this one (``"mp"``), else None
+    pid: int | None = None
 
     def is_alive(self) -> bool:
         return True
@@ -152,6 +154,10 @@ class LocalNode(LaunchedNode):
 
     def __init__(self, process) -> None:
         self.process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
 
     def is_alive(self) -> bool:
         return self.process.is_alive()

@@ -142,6 +142,10 @@ class MPWorkerHandle(PipeHandle):
         self.process = process
         self._batch: TensorDictBase | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
     def is_alive(self) -> bool:
         return self.process.is_alive()
 

@@ -289,6 +289,10 @@ class RPCWorkerHandle(WorkerHandle):
     def fileno(self) -> int:
         return self._wake_r
 
+    @property
+    def pid(self) -> int | None:
+        return self.launched.pid
+
     def is_alive(self) -> bool:
         if self._terminated or self._failed or not self.launched.is_alive():
             return False

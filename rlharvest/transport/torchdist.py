@@ -100,6 +100,10 @@ class DistWorkerHandle(WorkerHandle):
     def fileno(self) -> int:
         return self.conn.fileno()
 
+    @property
+    def pid(self) -> int | None:
+        return self.launched.pid
+
     def is_alive(self) -> bool:
         """Cheap: the pool drains the channel (heartbeats included) before asking."""
         now = time.monotonic()

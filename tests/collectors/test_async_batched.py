@@ -245,7 +245,7 @@ def test_killed_worker_is_detected_as_a_death():
                                       total_frames=-1, worker_timeout=1000.0)
     try:
         collector.next()
-        os.kill(collector._requests.handles[0].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[0], signal.SIGKILL)
         with pytest.raises(WorkerError, match="SIGKILL") as info:
             for _ in range(10**4):
                 collector.next()

@@ -233,7 +233,7 @@ def test_after_shutdown_every_call_names_the_closed_evaluator(backend):
 def test_a_failing_worker_is_a_worker_error_with_its_traceback_then_nothing_is_left():
     evaluator = Evaluator(functools.partial(FaultyEnv, bad=(None,), after_steps=2), policy_factory=weight_policy_of,
                           num_trajectories=2, max_steps=TRUNCATED, backend="process")
-    pid = evaluator._run.collector._requests.handles[0].process.pid
+    pid = evaluator._run.collector.worker_pids()[0]
     try:
         with pytest.raises(WorkerError, match="injected failure") as info:
             evaluator.evaluate()
@@ -269,7 +269,7 @@ def test_init_fn_runs_first_in_the_worker(tmp_path):
     evaluator = make("process", init_fn=lambda: marker.write_text(str(os.getpid())))
     try:
         assert_weights(evaluator.evaluate(), 1)
-        assert int(marker.read_text()) == evaluator._run.collector._requests.handles[0].process.pid != os.getpid()
+        assert int(marker.read_text()) == evaluator._run.collector.worker_pids()[0] != os.getpid()
     finally:
         evaluator.shutdown()
 
@@ -282,7 +282,7 @@ def test_the_worker_exits_when_the_trainer_dies(tmp_path):
         from rlharvest.collectors import Evaluator
         evaluator = Evaluator(functools.partial(ActionRewardEnv, max_steps=3), policy_factory=weight_policy_of,
                               max_steps=8, backend="process")
-        print(evaluator._run.collector._requests.handles[0].process.pid, flush=True)
+        print(evaluator._run.collector.worker_pids()[0], flush=True)
         time.sleep(60)
     """)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

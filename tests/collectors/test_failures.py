@@ -54,7 +54,7 @@ def test_sigkilled_worker_is_detected_within_five_seconds(collector_class):
     collector = collector_class([lambda: CountingEnv(max_steps=100)] * 2, frames_per_batch=8, total_frames=-1)
     try:
         collector.next()
-        victim = collector._requests.handles[1].process.pid
+        victim = collector.worker_pids()[1]
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerError, match="SIGKILL") as info:
@@ -109,7 +109,7 @@ def test_construction_failure_names_worker_and_keeps_type():
 def test_shutdown_is_idempotent_bounded_and_works_with_dead_workers():
     collector = MultiAsyncCollector([lambda: CountingEnv()] * 2, weight_policy(), frames_per_batch=8, total_frames=-1)
     collector.next()
-    pids = [h.process.pid for h in collector._requests.handles]
+    pids = collector.worker_pids()
     os.kill(pids[0], signal.SIGKILL)
     wait_until(lambda: process_gone(pids[0]), timeout=5, what="the killed worker's exit")
     start = time.monotonic()
@@ -125,7 +125,7 @@ def test_weight_update_to_dead_worker_raises_instead_of_hanging():
     collector = MultiSyncCollector([lambda: CountingEnv()] * 2, policy, frames_per_batch=8, total_frames=-1)
     try:
         collector.next()
-        os.kill(collector._requests.handles[0].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[0], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerError, match="worker 0"):
             collector.update_policy_weights_()
@@ -155,7 +155,7 @@ _PARENT = textwrap.dedent(
     from rlharvest.envs import CountingEnv
     collector = MultiSyncCollector([lambda: CountingEnv()] * 2, frames_per_batch=8, total_frames=-1)
     collector.next()
-    print(" ".join(str(h.process.pid) for h in collector._requests.handles), flush=True)
+    print(" ".join(str(pid) for pid in collector.worker_pids()), flush=True)
     time.sleep(60)
     """
 )

@@ -151,7 +151,7 @@ def test_every_update_of_many_reaches_the_workers(collector_class):
 
 
 def worker_policies(collector) -> list[int]:
-    return [os.sched_getscheduler(handle.process.pid) for handle in collector._requests.handles]
+    return [os.sched_getscheduler(pid) for pid in collector.worker_pids()]
 
 
 def test_workers_run_under_sched_batch_unless_told_otherwise(monkeypatch):

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 import torch
-from mocks import check_counting_batches, echo_weight_policy
+from mocks import check_counting_batches, echo_weight_policy, wait_until
+from process_check import process_gone
 
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
@@ -42,27 +43,21 @@ def make(case: str, policy):
     return collector_class(envs, policy, **kwargs)
 
 
-def process_of(collector, worker: int):
-    if isinstance(collector, (DistributedCollector, RPCCollector)):  # nodes: how their launcher sees them
-        return collector._launched[worker].process
-    return collector._requests.handles[worker].process
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_an_update_meeting_a_dead_worker_counts_and_reaches_the_replacement(case):
     policy = echo_weight_policy(1.0)
     collector = make(case, policy)
     try:
         batches = [collector.next().clone() for _ in range(2)]
-        victim = process_of(collector, 1)
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(10)
+        victim = collector.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: process_gone(victim), timeout=10.0, what="the killed worker's exit")
         with torch.no_grad():
             policy.module.weight.fill_(3.0)
         collector.update_policy_weights_()  # the dead worker never acknowledges: it is replaced
         stats = collector.stats()
         assert stats["restarts"] == 1 and collector.policy_version == 1
-        assert [(c.worker, c.kind) for c in collector._fleet.restarts.causes] == [(1, "died")]
+        assert [(c.worker, c.kind) for c in collector.restart_causes] == [(1, "died")]
         old_ids = {i for batch in batches for i in batch[_IDS].flatten().tolist()}
         after = []
         while not any(replacement_frames(batch, old_ids).any() for batch in after) and len(after) < 40:

@@ -11,12 +11,13 @@ import time
 import psutil
 import pytest
 import torch
-from mocks import (FailOnceEnv, FailOncePolicy, check_counting_batches, fail_once_envs, faulty_env_factory,
+from mocks import (FailOnceEnv, FailOncePolicy, check_counting_batches, fail_once_envs, faulty_env_factory, wait_until,
                    weight_policy)
+from process_check import process_gone
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
-from rlharvest.collectors._restarts import RestartCause, RestartLimitError, RestartPolicy
+from rlharvest.collectors._restarts import RestartLimitError, RestartPolicy
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import WorkerSpec
@@ -100,7 +101,7 @@ def test_a_failed_worker_is_replaced_and_no_frame_is_lost_or_doubled(tmp_path, c
     assert marker.exists()
     check_counting_batches(batches, 8, 8 * len(batches))
     kind = {"kill": "died", "exit": "died", "raise": "exception"}[mode]
-    assert [(c.worker, c.kind) for c in collector._fleet.restarts.causes] == [(1, kind)]
+    assert [(c.worker, c.kind) for c in collector.restart_causes] == [(1, kind)]
     assert "restarting worker 1" in caplog.text
     stats = collector.stats()
     assert stats["restarts"] == 1 and stats["worker_1/restarts"] == 1 and stats["worker_0/restarts"] == 0
@@ -115,10 +116,10 @@ def test_a_worker_killed_from_outside_is_replaced(collector_class):
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 3:
-            victim = collector._requests.handles[0].process.pid
+            victim = collector.worker_pids()[0]
             os.kill(victim, signal.SIGKILL)
     check_counting_batches(batches, 8, 200)
-    assert [c.worker for c in collector._fleet.restarts.causes] == [0]
+    assert [c.worker for c in collector.restart_causes] == [0]
     collector.shutdown()
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
 
@@ -138,7 +139,7 @@ def test_a_raising_policy_is_survived(tmp_path, collector_class):
                                 frames_per_batch=8, total_frames=-1, max_worker_restarts=1)
     batches = collect_past_restart(collector)
     check_counting_batches(batches, 8, 8 * len(batches))
-    causes = collector._fleet.restarts.causes
+    causes = collector.restart_causes
     assert len(causes) == 1 and causes[0].kind == "exception" and "FailOncePolicy" in causes[0].traceback
     collector.shutdown()
 
@@ -147,7 +148,7 @@ def test_a_hanging_env_is_replaced_after_worker_timeout(tmp_path):
     collector = MultiSyncCollector(fail_once_envs(tmp_path / "fired", at_step=6, mode="hang"), weight_policy(1.0),
                                    frames_per_batch=8, total_frames=48, worker_timeout=1.5, max_worker_restarts=1)
     check_counting_batches(collect(collector), 8, 48)
-    assert [(c.worker, c.kind) for c in collector._fleet.restarts.causes] == [(1, "timeout")]
+    assert [(c.worker, c.kind) for c in collector.restart_causes] == [(1, "timeout")]
     collector.shutdown()
 
 
@@ -175,7 +176,7 @@ def test_the_replacement_runs_the_current_weights_and_version(collector_class):
         with torch.no_grad():
             policy.module.weight.fill_(0.0)
         collector.update_policy_weights_()
-        os.kill(collector._requests.handles[1].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
         # An async collector may serve the surviving worker for a while before it meets the death:
         # collect until the restart happened (bounded), then a few batches more.
         # Asynchronous: one batch per worker may have been under way when the weights changed.
@@ -236,9 +237,9 @@ def test_an_update_that_meets_a_dead_worker_replaces_it():
     with MultiAsyncCollector([lambda: CountingEnv(max_steps=50)] * 2, policy, frames_per_batch=8, total_frames=-1,
                              max_worker_restarts=1, track_policy_version=True) as collector:
         collector.next()
-        victim = collector._requests.handles[0].process
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(10)
+        victim = collector.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: process_gone(victim), timeout=10.0, what="the killed worker's exit")
         with torch.no_grad():
             policy.module.weight.fill_(0.0)
         collector.update_policy_weights_()  # waits for the dead worker's acknowledgement: replaces it

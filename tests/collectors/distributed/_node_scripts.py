@@ -248,7 +248,7 @@ def two_hosts_restart_main(argv: list[str] | None = None) -> int:
         [_make_env] * 2, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=args.frames_per_batch, total_frames=-1,
         worker_timeout=60.0, max_worker_restarts=1)
-    _emit(event="started", pids=[node.process.pid for node in collector._launched])
+    _emit(event="started", pids=collector.worker_pids())
     after = None
     try:
         for i, batch in enumerate(collector):
@@ -270,8 +270,8 @@ def two_hosts_restart_main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         stats = collector.stats()
         _emit(event="stats", restarts=stats["restarts"], causes=[
-            [c.worker, c.kind, c.message] for c in collector._fleet.restarts.causes],
-            pids=[node.process.pid for node in collector._launched])
+            [c.worker, c.kind, c.message] for c in collector.restart_causes],
+            pids=collector.worker_pids())
     finally:
         collector.shutdown()
         _emit(event="shutdown")
@@ -343,7 +343,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
         worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True,
         weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait)})
-    pids = [node.process.pid for node in collector._launched]
+    pids = collector.worker_pids()
     _emit(event="started", pids=pids, weight_bytes=4 * args.params)
     try:
         batches = iter(collector)
@@ -376,7 +376,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
             _emit(event="settled", batches=i + 1, weight_min=ran["weight_min"].reshape(args.nodes, -1).tolist(),
                   weight_max=ran["weight_max"].reshape(args.nodes, -1).tolist())
         _emit(event="stats", restarts=collector.stats()["restarts"],
-              pids=[node.process.pid for node in collector._launched])
+              pids=collector.worker_pids())
     finally:
         collector.shutdown()
         _emit(event="shutdown")
@@ -406,7 +406,7 @@ def loopback_listeners() -> int:
                         frames_per_batch=4, total_frames=-1)
         try:
             collector.next()
-            pids = [os.getpid()] + [node.process.pid for node in collector._launched]
+            pids = [os.getpid()] + collector.worker_pids()
             result[name] = listening_addresses(pids)
         finally:
             collector.shutdown()

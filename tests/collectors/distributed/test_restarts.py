@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 from mocks import check_counting_batches, echo_weight_policy, fail_once_envs, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.data import ReplayBuffer
@@ -36,7 +37,7 @@ def test_a_node_killed_mid_batch_is_replaced(tmp_path, collector_class, sync):
         while collector.stats()["restarts"] == 0 and len(batches) < 2000:
             batches.append(collector.next().clone())
         batches += [collector.next().clone() for _ in range(4)]
-        causes = collector._fleet.restarts.causes
+        causes = collector.restart_causes
         stats = collector.stats()
     assert marker.exists()
     check_counting_batches(batches, 8, 8 * len(batches))
@@ -48,7 +49,7 @@ def test_a_raising_node_env_is_survived_by_the_sync_collector(tmp_path):
     with make(DistributedSyncCollector, fail_once_envs(tmp_path / "fired", at_step=9, mode="raise"),
               frames_per_batch=8, total_frames=64, max_worker_restarts=1) as collector:
         batches = [batch.clone() for batch in collector]
-        causes = collector._fleet.restarts.causes
+        causes = collector.restart_causes
     check_counting_batches(batches, 8, 64)
     assert [(c.worker, c.kind) for c in causes] == [(1, "exception")] and "FailOnceEnv" in causes[0].traceback
 
@@ -61,7 +62,7 @@ def test_a_replaced_node_runs_the_current_weights_with_fresh_ids():
         with torch.no_grad():
             policy.module.weight.fill_(0.0)
         collector.update_policy_weights_()
-        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
         after = [collector.next() for _ in range(3)]
         assert collector.stats()["restarts"] == 1
     assert all((batch["action"] == 0).all() for batch in after)
@@ -77,7 +78,7 @@ def test_a_replaced_node_stamps_its_frames_with_the_current_version(collector_cl
         assert collector.next()["policy_version"].flatten().tolist() == [0] * 8
         collector.update_policy_weights_()
         collector.update_policy_weights_()
-        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
         batches = [collector.next() for _ in range(3)]
         stats = collector.stats()
     assert stats["restarts"] == 1 and stats["policy_version"] == 2 and stats["policy_lag"] == 0
@@ -88,7 +89,7 @@ def test_free_running_nodes_stamp_versions_the_main_process_counts():
     with make(DistributedSyncCollector, [lambda: CountingEnv(max_steps=50)] * 2, frames_per_batch=8,
               total_frames=-1, max_worker_restarts=1, track_policy_version=True) as collector:
         collector.next()
-        os.kill(collector._launched[1].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
         batches = [collector.next() for _ in range(4)]
         stats = collector.stats()
     assert stats["restarts"] == 1
@@ -129,9 +130,9 @@ def started_free_running():
 def test_an_update_meeting_a_dead_free_running_node_counts_and_reaches_its_replacement():
     policy, buffer, collector = started_free_running()
     try:
-        victim = collector._launched[1].process
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(10)
+        victim = collector.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: process_gone(victim), timeout=10.0, what="the killed node's exit")
         with torch.no_grad():
             policy.module.weight.fill_(3.0)
         collector.update_policy_weights_()  # the dead node's acknowledgement never comes, or it was replaced
@@ -155,19 +156,19 @@ def test_a_free_running_node_killed_is_replaced_with_the_current_weights():
         with torch.no_grad():
             policy.module.weight.fill_(3.0)
         collector.update_policy_weights_()
-        victim = collector._launched[1].process
-        os.kill(victim.pid, signal.SIGKILL)
+        victim = collector.worker_pids()[1]
+        os.kill(victim, signal.SIGKILL)
         wait_until(lambda: collector.stats()["restarts"] == 1, what="the restart")
         written = buffer.write_count
         wait_until(lambda: buffer.write_count >= written + 200, what="frames after the restart")
-        replacement = collector._launched[1].process
-        causes = collector._fleet.restarts.causes
+        replacement = collector.worker_pids()[1]
+        causes = collector.restart_causes
     finally:
         collector.async_shutdown()
     frames = buffer[:]
     trajectories = check_buffer_frames(frames)
     assert [(c.worker, c.kind) for c in causes] == [(1, "died")]
-    assert replacement.pid != victim.pid and not replacement.is_alive()
+    assert replacement != victim and process_gone(replacement)
     # node 1's trajectories (id k * 2 + 1) after the restart: the replacement's, with the current
     # weights and version from its first frame on, under ids node 1 never used before
     ids, weights = frames[("collector", "traj_ids")], frames["policy_weight"].flatten()

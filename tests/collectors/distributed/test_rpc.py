@@ -176,7 +176,7 @@ def test_dead_node_raises_worker_error():
     collector = make(frames_per_batch=20, total_frames=-1, sync=True)
     try:
         collector.next()
-        os.kill(collector._launched[0].process.pid, signal.SIGKILL)
+        os.kill(collector.worker_pids()[0], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerError) as info:
             for _ in range(200):

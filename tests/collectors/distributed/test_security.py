@@ -43,7 +43,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def pids_of(collector) -> list[int]:
-    return [os.getpid()] + [node.process.pid for node in collector._launched]
+    return [os.getpid()] + collector.worker_pids()
 
 
 def counting_collector(cls=DistributedCollector, policy=None, **kwargs):

@@ -386,7 +386,7 @@ def test_node_job_cancelled_during_collection_is_replaced_by_a_new_job(in_tmp):
             batches.append(collector.next().clone())
         batches += [collector.next().clone() for _ in range(3)]
         new_job = str(collector._launched[1].job.job_id)
-        causes = collector._fleet.restarts.causes
+        causes = collector.restart_causes
     finally:
         shutdown_seconds = timed_shutdown(collector)
     assert [c.worker for c in causes] == [1] and new_job != old_job
