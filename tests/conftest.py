@@ -17,6 +17,14 @@ def no_leftover_children():
 
 
 @pytest.fixture
+def require_netns():
+    """Network namespaces, or the test fails saying why (skips with RLH_NETNS_ALLOW_SKIP=1)."""
+    import netns
+
+    netns.require_in_test()
+
+
+@pytest.fixture
 def free_port():
     from rlharvest.transport.ports import free_port_block
 

@@ -254,6 +254,20 @@ def unavailable_reason() -> Optional[str]:
         return _avail_reason
 
 
+def require_in_test() -> None:
+    """Fail the calling test with the reason network namespaces are unavailable here; with
+    ``RLH_NETNS_ALLOW_SKIP=1``, skip it instead."""
+    import pytest
+
+    reason = unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("RLH_NETNS_ALLOW_SKIP") == "1":
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    pytest.fail(f"network namespaces unavailable: {reason} (set RLH_NETNS_ALLOW_SKIP=1 to skip instead)",
+                pytrace=False)
+
+
 def available() -> bool:
     """True when running as root with ``ip netns`` + veth usable."""
     return unavailable_reason() is None
@@ -564,6 +578,25 @@ def _install_sigterm_hook() -> None:
     _sigterm_installed = True
 
 
+def _close_namespaces(network) -> None:
+    """Kill every process of ``network``'s hosts, then delete the namespaces it created, in order
+    (idempotent)."""
+    if network._closed:
+        return
+    network._closed = True
+    try:
+        deadline = time.monotonic() + 5.0
+        for h in network.hosts:
+            if h.ns in network._created:
+                h.kill_all(deadline)
+        for ns in network._created:
+            _ip("netns", "delete", ns, check=False)
+            _remove_etc_netns(ns)
+    finally:
+        with _live_lock:
+            _live.discard(network)
+
+
 class TwoHosts:
     """Two network namespaces joined by a veth pair. Use as a context manager.
 
@@ -646,20 +679,7 @@ class TwoHosts:
 
     def close(self) -> None:
         """Kill all processes, delete namespaces. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            deadline = time.monotonic() + 5.0
-            for h in self.hosts:
-                if h.ns in self._created:
-                    h.kill_all(deadline)
-            for ns in self._created:
-                _ip("netns", "delete", ns, check=False)
-                _remove_etc_netns(ns)
-        finally:
-            with _live_lock:
-                _live.discard(self)
+        _close_namespaces(self)
 
     # -- partition --------------------------------------------------------
     def cut(self) -> None:
@@ -785,17 +805,4 @@ class Hosts:
 
     def close(self) -> None:
         """Kill all processes, delete namespaces (the switch's last). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            deadline = time.monotonic() + 5.0
-            for h in self.hosts:
-                if h.ns in self._created:
-                    h.kill_all(deadline)
-            for ns in self._created:
-                _ip("netns", "delete", ns, check=False)
-                _remove_etc_netns(ns)
-        finally:
-            with _live_lock:
-                _live.discard(self)
+        _close_namespaces(self)

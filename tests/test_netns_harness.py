@@ -21,14 +21,6 @@ except ImportError:
     from mocks import wait_until  # type: ignore
 
 
-def _require_netns():
-    reason = netns.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("RLH_NETNS_ALLOW_SKIP") == "1":
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    pytest.fail(f"network namespaces unavailable: {reason} "
-                "(set RLH_NETNS_ALLOW_SKIP=1 to skip instead)", pytrace=False)
 
 
 def _ours():
@@ -38,7 +30,7 @@ def _ours():
 
 @pytest.fixture
 def net():
-    _require_netns()
+    netns.require_in_test()
     with netns.TwoHosts() as n:
         yield n
     assert not _ours(), f"namespaces left behind: {_ours()}"
@@ -328,7 +320,7 @@ def _children(pid):
 
 @pytest.mark.timeout(30)
 def test_cleanup_kills_processes_and_deletes_namespaces(tmp_path):
-    _require_netns()
+    netns.require_in_test()
     pidfile = tmp_path / "daemon.pid"
     before = set(_children(os.getpid()))   # e.g. multiprocessing helpers left by earlier tests
     net = netns.TwoHosts()
@@ -363,7 +355,7 @@ def test_cleanup_kills_processes_and_deletes_namespaces(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_parallel_instances_do_not_collide():
-    _require_netns()
+    netns.require_in_test()
     before = set(_children(os.getpid()))
     with netns.TwoHosts() as n1, netns.TwoHosts() as n2:
         names = {n1.host_a.ns, n1.host_b.ns, n2.host_a.ns, n2.host_b.ns}
@@ -384,7 +376,7 @@ def test_parallel_instances_do_not_collide():
 def test_hosts_behind_a_switch_reach_each_other_and_count_their_own_bytes():
     """netns.Hosts(3): every host reaches every other through the switch; a host's tx counter counts
     what it sends (the bytes host A sends to C do not show on B's); everything is removed on exit."""
-    _require_netns()
+    netns.require_in_test()
     payload = 200_000
     code = ("import socket, sys\n"
             "peer, port = sys.argv[1], int(sys.argv[2])\n"

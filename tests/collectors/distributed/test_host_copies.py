@@ -30,15 +30,6 @@ PORT = 29500
 PARAMS = 250_000  # 1 MB of weights: the per-update traffic dwarfs commands and heartbeats
 
 
-@pytest.fixture
-def require_netns():
-    reason = netns.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("RLH_NETNS_ALLOW_SKIP") == "1":
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    pytest.fail(f"network namespaces unavailable: {reason} (set RLH_NETNS_ALLOW_SKIP=1 to skip instead)",
-                pytrace=False)
 
 
 def _segments() -> set[str]:

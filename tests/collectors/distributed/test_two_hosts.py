@@ -37,16 +37,6 @@ HEARTBEAT_TIMEOUT = 3.0
 AUTHKEY = secrets.token_hex(32)  # the collector's key, given to both hosts (docs/security.md)
 
 
-@pytest.fixture
-def require_netns():
-    """Like tests/test_netns_harness.py: fail with the reason, or skip if RLH_NETNS_ALLOW_SKIP=1."""
-    reason = netns.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("RLH_NETNS_ALLOW_SKIP") == "1":
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    pytest.fail(f"network namespaces unavailable: {reason} (set RLH_NETNS_ALLOW_SKIP=1 to skip instead)",
-                pytrace=False)
 
 
 def _env() -> dict:
