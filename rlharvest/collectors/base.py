@@ -280,6 +280,16 @@ class BaseCollector(WeightAPI):
         finally:
             self._pause_request.clear()
 
+    @contextlib.contextmanager
+    def _at_batch_boundary(self):
+        """A block in which no batch is being collected or written: a ``start()`` thread is paused at
+        its next batch boundary for the block (checkpoints hold one consistent moment)."""
+        if self._run_thread is None or not self._run_thread.is_alive():
+            yield
+            return
+        with contextlib.contextmanager(self._pause_thread)():
+            yield
+
     def is_running(self) -> bool:
         """Whether background collection (``start()``) is in progress."""
         return self._run_thread is not None and self._run_thread.is_alive()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing.connection
+import warnings
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -131,8 +132,8 @@ class Worker:
             Command.RESUME: self._resume,
             Command.SEED: self._seed,
             Command.RESET: lambda kwargs: self.collector.reset(**(kwargs or {})),
-            Command.STATE_DICT: lambda _: self.collector.state_dict(),
-            Command.LOAD_STATE_DICT: lambda state: self.collector.load_state_dict(state),
+            Command.STATE_DICT: lambda options: self.collector.state_dict(**(options or {})),
+            Command.LOAD_STATE_DICT: self._load_state_dict,
             Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
             Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
             Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
@@ -318,6 +319,14 @@ class Worker:
     def _seed(self, payload) -> int:
         seed, static_seed = payload
         return _seed_worker(self.collector, seed, static_seed)
+
+    def _load_state_dict(self, state: dict) -> list[tuple[type, str]]:
+        """Load a checkpoint; the warnings it raises (an episode that restarts) go to the parent, which
+        raises them where the user sees them."""
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            self.collector.load_state_dict(state)
+        return [(warning.category, str(warning.message)) for warning in raised]
 
     def _enable_profile(self, config) -> str:
         self.collector.use_profile_config(config)
