@@ -43,6 +43,15 @@ def _check_arguments(*, unknown: dict, reset_when_done: bool, policy: Any, polic
                       "storage).", FutureWarning, stacklevel=3)
 
 
+def _snapshot(weights: dict) -> dict:
+    """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
+    of a larger buffer (weights received into one flat buffer) is saved alone, not with the buffer."""
+    copied = type(weights)((name, value.detach().clone()) for name, value in weights.items())
+    if hasattr(weights, "_metadata"):
+        copied._metadata = weights._metadata
+    return copied
+
+
 class Collector(BaseCollector, metaclass=BackendDispatch):
     """Collects batches by running the rollout loop in the calling process.
 
@@ -531,7 +540,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def _state_dict(self, env_state: bool) -> dict:
         state = {}
         if isinstance(self.policy, torch.nn.Module):
-            state["policy_state_dict"] = self.policy.state_dict()
+            state["policy_state_dict"] = _snapshot(self.policy.state_dict())
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
