@@ -35,7 +35,7 @@ def _distributed(**kwargs):
     from rlharvest.collectors.distributed import DistributedCollector
     from rlharvest.transport.ports import free_port_block
 
-    return DistributedCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, None, launcher="mp",
+    return DistributedCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(), launcher="mp",
                                 tcp_port=free_port_block(3), frames_per_batch=24, total_frames=240, **kwargs)
 
 
@@ -55,7 +55,7 @@ CASES = {
     # every action is 1: worker w's observations go 10w, ..., 10w + 4, then a new episode
     "multiasync": lambda: MultiAsyncCollector([functools.partial(counting_worker_env, w) for w in range(2)],
                                               CountingPolicy(), frames_per_batch=4, total_frames=48),
-    "distributed": lambda: _distributed(sync=True),
+    "distributed": lambda: _distributed(sync=True, max_worker_restarts=1),
 }
 
 SEED = 5

@@ -147,7 +147,10 @@ def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, 
         "total_frames_left": -1 if config.endless else max(0, int(config.total_frames - collector._frames)),
         "policy_version": int(collector._policy_version),
         "seed_chain": list(chain) if chain is not None else None,
-        "worker_seeds": [[spec.seed, spec.static_seed] if spec is not None else None
+        # what a replacement (or the next one) starts from: the seed, how many failed workers it
+        # replaces (its env's seed derives from it), past which trajectory ids it counts
+        "worker_specs": [{"seed": spec.seed, "static_seed": spec.static_seed, "restart": spec.restart,
+                          "traj_offset": spec.traj_offset} if spec is not None else None
                          for spec in collector._fleet.specs],
     }
     section.update(extra or {})
@@ -168,8 +171,8 @@ def check_remote(collector, state_dict: dict) -> dict | None:
 
 def restore_remote(collector, section: dict) -> None:
     """The parent's part: seeds a replacement or an added worker starts from, the seed chain."""
-    for worker, seed in enumerate(section["worker_seeds"]):
-        if seed is not None:
-            collector._fleet.remember(worker, seed=seed[0], static_seed=bool(seed[1]))
+    for worker, spec in enumerate(section["worker_specs"]):
+        if spec is not None:
+            collector._fleet.remember(worker, **spec)
     if section["seed_chain"] is not None:
         collector._broadcast.seed_chain = tuple(section["seed_chain"])

@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import TRAJ_IDS, unwrap
+from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
@@ -132,7 +133,7 @@ class Worker:
             Command.RESUME: self._resume,
             Command.SEED: self._seed,
             Command.RESET: lambda kwargs: self.collector.reset(**(kwargs or {})),
-            Command.STATE_DICT: lambda options: self.collector.state_dict(**(options or {})),
+            Command.STATE_DICT: self._state_dict,
             Command.LOAD_STATE_DICT: self._load_state_dict,
             Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
             Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
@@ -320,12 +321,24 @@ class Worker:
         seed, static_seed = payload
         return _seed_worker(self.collector, seed, static_seed)
 
+    def _state_dict(self, options: dict | None) -> dict:
+        """The collector's checkpoint, with what this worker adds to its batches (a replacement's
+        trajectory-id offset) under ``"rlharvest_resume"`` (docs/checkpoints.md)."""
+        state = self.collector.state_dict(**(options or {}))
+        section = state.get(CHECKPOINT_KEY)
+        if section is not None:
+            section["worker"] = {"traj_offset": int(self.spec.traj_offset)}
+        return state
+
     def _load_state_dict(self, state: dict) -> list[tuple[type, str]]:
         """Load a checkpoint; the warnings it raises (an episode that restarts) go to the parent, which
         raises them where the user sees them."""
         with warnings.catch_warnings(record=True) as raised:
             warnings.simplefilter("always")
             self.collector.load_state_dict(state)
+        worker = (state.get(CHECKPOINT_KEY) or {}).get("worker")
+        if worker is not None:
+            self.spec = self.spec.replacement(traj_offset=int(worker["traj_offset"]))
         return [(warning.category, str(warning.message)) for warning in raised]
 
     def _enable_profile(self, config) -> str:

@@ -16,6 +16,7 @@ from checkpoint_cases import build
 from mocks import TorchRLStyleCountingEnv, wait_until
 
 import rlharvest
+from rlharvest import WorkerError
 from rlharvest.checkpoint import CHECKPOINT_KEY, FORMAT_VERSION, CheckpointMismatchError, EpisodeRestartWarning
 from rlharvest.collectors import Collector, MultiSyncCollector
 from rlharvest.data import ReplayBuffer
@@ -204,8 +205,18 @@ def test_multisync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
         assert torch.equal(want, got)
 
 
-def test_distributed_sync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
-    state, expected = interrupted("distributed", 2, 3)
+def replace_node_and_update_weights(collector) -> None:
+    """What happens while training: node 1 fails and is replaced (restart 1: another env seed, ids past
+    its predecessor's), new weights are pushed."""
+    collector._fleet.recover(WorkerError("injected failure", worker_idx=1, noun="node"))
+    next(iter(collector))
+    new_weights(collector)
+
+
+def test_distributed_sync_resumes_bit_for_bit_after_a_restart_and_weight_updates(tmp_path):
+    state, expected = interrupted("distributed", 2, 3, change=replace_node_and_update_weights)
+    assert state[CHECKPOINT_KEY]["worker_specs"][1]["restart"] == 1
+    assert state["worker1"][CHECKPOINT_KEY]["worker"]["traj_offset"] > 0
     resumed = resume_in_fresh_process("distributed", state, tmp_path, 3)["batches"]
     for want, got in zip(expected, resumed, strict=True):
         assert_identical(want, got)  # nodes count their own ids: those are exact too
