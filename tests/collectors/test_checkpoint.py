@@ -269,3 +269,28 @@ def test_worker_warnings_reach_the_parent_once_per_worker():
     finally:
         restored.shutdown()
 
+
+
+def test_trajectories_held_back_are_in_the_checkpoint():
+    """With trajs_per_batch, steps of episodes still running (and complete ones not yielded) are held
+    back: they are part of the checkpoint, so the resumed collector yields the same trajectories."""
+    def make():
+        collector = Collector(CountingEnv(max_steps=6, batch_size=(2,)), None, frames_per_batch=6, total_frames=-1,
+                              trajs_per_batch=3, traj_format="cat")
+        collector.set_seed(2)
+        return collector
+
+    source = make()
+    iterator = iter(source)
+    next(iterator)
+    state = source.state_dict()
+    expected = [next(iterator).clone() for _ in range(3)]
+    source.shutdown()
+    assert "trajectories" in state[CHECKPOINT_KEY]
+    restored = make()
+    restored.load_state_dict(state)
+    resumed = iter(restored)
+    got = [next(resumed).clone() for _ in range(3)]
+    restored.shutdown()
+    for want, batch in zip(expected, got, strict=True):
+        assert_identical(want, batch)
