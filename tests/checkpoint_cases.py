@@ -15,7 +15,7 @@ import torch
 from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
-from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors import AsyncCollector, Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv
 
 
@@ -31,11 +31,11 @@ def _policy(bias: float = 0.25) -> torch.nn.Module:
     return TensorDictModule(torch.nn.Sequential(linear, torch.nn.Tanh()), in_keys=["observation"], out_keys=["action"])
 
 
-def _distributed(**kwargs):
-    from rlharvest.collectors.distributed import DistributedCollector
+def _distributed(collector_class: str = "DistributedCollector", **kwargs):
+    from rlharvest.collectors import distributed
     from rlharvest.transport.ports import free_port_block
 
-    return DistributedCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(), launcher="mp",
+    return getattr(distributed, collector_class)([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(), launcher="mp",
                                 tcp_port=free_port_block(3), frames_per_batch=24, total_frames=240, **kwargs)
 
 
@@ -56,6 +56,10 @@ CASES = {
     "multiasync": lambda: MultiAsyncCollector([functools.partial(counting_worker_env, w) for w in range(2)],
                                               CountingPolicy(), frames_per_batch=4, total_frames=48),
     "distributed": lambda: _distributed(sync=True, max_worker_restarts=1),
+    "rpc": lambda: _distributed("RPCCollector", sync=True),
+    # AsyncCollector: one worker in a background process, its batch in flight at every checkpoint
+    "async": lambda: AsyncCollector(functools.partial(counting_worker_env, 0), CountingPolicy(), frames_per_batch=4,
+                                    total_frames=48),
 }
 
 SEED = 5
@@ -79,7 +83,7 @@ def main() -> None:
         collector.load_state_dict(torch.load(checkpoint))  # weights_only: the checkpoint is plain
         iterator = iter(collector)
         collected = [next(iterator).clone() for _ in range(int(batches))]
-        collected += [batch.clone() for batch in iterator] if case == "multiasync" else []
+        collected += [batch.clone() for batch in iterator] if case in ("multiasync", "async") else []
         torch.save({"batches": collected, "frames": collector.stats()["frames"]}, out)
     finally:
         collector.shutdown()

@@ -222,8 +222,16 @@ def test_distributed_sync_resumes_bit_for_bit_after_a_restart_and_weight_updates
         assert_identical(want, got)  # nodes count their own ids: those are exact too
 
 
-def test_multiasync_loses_and_repeats_no_frame(tmp_path):
-    collector = build("multiasync")
+def test_rpc_sync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
+    state, expected = interrupted("rpc", 2, 3, change=new_weights)
+    resumed = resume_in_fresh_process("rpc", state, tmp_path, 3)["batches"]
+    for want, got in zip(expected, resumed, strict=True):
+        assert_identical(want, got)
+
+
+@pytest.mark.parametrize("case", ["multiasync", "async"])
+def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
+    collector = build(case)
     before = []
     iterator = iter(collector)
     for _ in range(5):
@@ -231,11 +239,12 @@ def test_multiasync_loses_and_repeats_no_frame(tmp_path):
     state = collector.state_dict()
     collector.shutdown()
     pending = state[CHECKPOINT_KEY]["pending"]
-    resumed = resume_in_fresh_process("multiasync", state, tmp_path, 0)
+    assert pending  # a rollout was in flight: its batch is in the checkpoint, not lost
+    resumed = resume_in_fresh_process(case, state, tmp_path, 0)
     assert resumed["frames"] == 48  # total_frames exactly
     batches = before + resumed["batches"]
     assert sum(batch.numel() for batch in batches) == 48
-    per_worker: dict[int, list] = {0: [], 1: []}
+    per_worker: dict[int, list] = {0: [], 1: []} if case == "multiasync" else {0: []}
     for batch in batches:
         obs = batch["observation"].flatten()
         worker = int(obs[0]) // 10
