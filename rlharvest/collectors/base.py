@@ -537,7 +537,8 @@ class BaseCollector(WeightAPI):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, env_state: bool = True) -> dict:
+        """A checkpoint from which a collector built with the same arguments continues (docs/checkpoints.md)."""
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:
