@@ -323,6 +323,7 @@ class RemoteCollectorBase(BaseCollector):
         """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
         back for complete-trajectory batches (they will never end)."""
         self._gather.forget(worker)
+        self._fetched_early = {key: batch for key, batch in self._fetched_early.items() if key[0] != worker}
         running = self._running_trajs.pop(worker, None)
         if running and self._trajectories is not None:
             self._trajectories.drop_in_flight(running)
