@@ -26,8 +26,8 @@ class Command(enum.Enum):
     RESUME = "resume"
     SEED = "seed"                        # payload: (seed, static_seed) -> next seed
     RESET = "reset"                      # payload: None or reset kwargs
-    STATE_DICT = "state_dict"
-    LOAD_STATE_DICT = "load_state_dict"  # payload: state dict
+    STATE_DICT = "state_dict"            # payload: None or state_dict kwargs ({"env_state": False})
+    LOAD_STATE_DICT = "load_state_dict"  # payload: state dict -> [(warning category, message)]
     GETATTR_POLICY = "getattr_policy"    # payload: attribute name
     GETATTR_ENV = "getattr_env"          # payload: attribute name
     CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)

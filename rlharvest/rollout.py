@@ -192,6 +192,17 @@ class Rollout:
         traj[done] = torch.arange(first, first + count, dtype=torch.int64)
         return traj
 
+    def episode_state(self) -> dict[str, Any]:
+        """The episodes in flight: the root the next step acts on, trajectory ids, step counts
+        (``max_frames_per_traj``). With the env's own state, :meth:`load_episode_state` continues them."""
+        return {"root": self._root, "traj": self._traj, "count": self._count,
+                "stepped_since_reset": self.stepped_since_reset}
+
+    def load_episode_state(self, state: dict[str, Any]) -> None:
+        """Continue the episodes of :meth:`episode_state` (the env's own state was put back first)."""
+        self._root, self._traj, self._count = dict(state["root"]), state["traj"], state["count"]
+        self.stepped_since_reset = bool(state["stepped_since_reset"])
+
     @property
     def root(self) -> dict:
         """The root values the next step acts on (read-only: the loop owns them)."""

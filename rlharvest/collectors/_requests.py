@@ -213,6 +213,11 @@ class WorkerRequests:
         self._drain(worker)
         return request_id in self._stash[worker]
 
+    def peek(self, worker: int, request_id: int) -> Reply | None:
+        """The reply to ``request_id`` if it arrived, left for :meth:`wait_for` to take (None if not)."""
+        self._drain(worker)
+        return self._stash[worker].get(request_id)
+
     def outstanding(self, worker: int) -> dict[int, Command]:
         return dict(self._outstanding[worker])
 

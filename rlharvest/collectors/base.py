@@ -280,6 +280,16 @@ class BaseCollector(WeightAPI):
         finally:
             self._pause_request.clear()
 
+    @contextlib.contextmanager
+    def _at_batch_boundary(self):
+        """A block in which no batch is being collected or written: a ``start()`` thread is paused at
+        its next batch boundary for the block (checkpoints hold one consistent moment)."""
+        if self._run_thread is None or not self._run_thread.is_alive():
+            yield
+            return
+        with contextlib.contextmanager(self._pause_thread)():
+            yield
+
     def is_running(self) -> bool:
         """Whether background collection (``start()``) is in progress."""
         return self._run_thread is not None and self._run_thread.is_alive()
@@ -527,7 +537,8 @@ class BaseCollector(WeightAPI):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, env_state: bool = True) -> dict:
+        """A checkpoint from which a collector built with the same arguments continues (docs/checkpoints.md)."""
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:

@@ -9,6 +9,7 @@ recorded in the worker's spec on the fleet (docs/backends.md, "Replacing a worke
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 from ..profiling import ProfileConfig
@@ -57,18 +58,22 @@ class WorkerBroadcast:
         self.seed_chain = (seed, static_seed)
         return seed
 
-    def state_dicts(self) -> dict[str, Any]:
-        """``{"worker<i>": state of worker i}``."""
+    def state_dicts(self, env_state: bool = True) -> dict[str, Any]:
+        """``{"worker<i>": state of worker i}`` (without the envs' states when not ``env_state``)."""
         self.drain()
-        return {f"worker{w}": self._requests.request(w, Command.STATE_DICT) for w in self._all()}
+        options = None if env_state else {"env_state": False}
+        return {f"worker{w}": self._requests.request(w, Command.STATE_DICT, options) for w in self._all()}
 
     def load_state_dicts(self, state_dict: dict) -> None:
-        """Give worker i the entry ``"worker<i>"`` of ``state_dict`` (workers without one keep theirs)."""
+        """Give worker i the entry ``"worker<i>"`` of ``state_dict`` (workers without one keep theirs);
+        the warnings a worker's load raised (an episode that restarts) are raised here."""
         self.drain()
         for worker in self._all():
             key = f"worker{worker}"
             if key in state_dict:
-                self._requests.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
+                raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
+                for category, message in raised or ():
+                    warnings.warn(message, category, stacklevel=3)
 
     def reset(self, workers: Sequence[int] | None = None) -> None:
         """Reset the envs of ``workers`` (default: every worker)."""

@@ -30,10 +30,12 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import TRAJ_IDS
+from ..checkpoint import CHECKPOINT_KEY, pack, unpack
 from ..errors import WorkerError
 from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
+from . import _checkpoint
 from ._fleet import Fleet, Replacement
 from ._requests import WorkerRequests
 from ._restarts import RestartCause, RestartPolicy
@@ -103,6 +105,10 @@ class RemoteCollectorBase(BaseCollector):
         self._gather: SyncStack | FirstReady | Pushed | None = None
         #: with restarts and ``trajs_per_batch``: the episodes each worker had running at its last batch
         self._running_trajs: dict[int, list[int]] = {}
+        #: async, after a load: ``(worker, frames, batch)`` collected before the checkpoint, yielded first
+        self._restored_batches: list[tuple[int, int, TensorDictBase]] = []
+        #: async: ``{(worker, request id): batch}`` a checkpoint fetched before the iterator took it
+        self._fetched_early: dict[tuple[int, int], TensorDictBase] = {}
 
     def _start_fleet(self, specs: Sequence, timeout: float, schemes: dict | None = None, **start: Any) -> None:
         """Start ``specs`` as this collector's workers: the fleet (with the restart policy of this
@@ -194,7 +200,9 @@ class RemoteCollectorBase(BaseCollector):
         """The batch ``reply`` announces (the time it takes counts as transport), for ``stats()``
         with the env and policy seconds the worker spent on it."""
         start = time.perf_counter()
-        batch = self._requests.handles[worker].fetch_batch(reply)
+        batch = self._fetched_early.pop((worker, reply.request_id), None)  # by a checkpoint
+        if batch is None:
+            batch = self._requests.handles[worker].fetch_batch(reply)
         self._progress.add_seconds("transport", time.perf_counter() - start)
         self._record_times(reply)
         return batch
@@ -238,6 +246,12 @@ class RemoteCollectorBase(BaseCollector):
 
     def _iterate_async(self) -> Iterator[TensorDictBase | None]:
         gather = self._gather
+        while self._restored_batches and not self._reached_total():  # collected before the checkpoint
+            worker, frames, batch = self._restored_batches.pop(0)
+            self._iter += 1
+            self._frames += frames
+            yield from self._emit([batch], [None], sync=False, counted=True)
+            self._after_yield(worker)
         while not self._reached_total():
             for worker in gather.idle():
                 self._relaunch(worker)
@@ -325,6 +339,7 @@ class RemoteCollectorBase(BaseCollector):
         """Drop what ``worker`` had in flight before it is replaced: its request, and its episodes held
         back for complete-trajectory batches (they will never end)."""
         self._gather.forget(worker)
+        self._fetched_early = {key: batch for key, batch in self._fetched_early.items() if key[0] != worker}
         running = self._running_trajs.pop(worker, None)
         if running and self._trajectories is not None:
             self._trajectories.drop_in_flight(running)
@@ -373,26 +388,83 @@ class RemoteCollectorBase(BaseCollector):
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
 
-    def state_dict(self) -> dict:
-        state = self._broadcast.state_dicts()
-        state.update(frames=self._frames, iter=self._iter)
-        counter = self._trajectory_counter()
-        if counter is not None:
-            state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}  # TorchRL's key for this counter
-        if self._version_tracker:
-            state["policy_version"] = self._policy_version
+    def state_dict(self, *, env_state: bool = True) -> dict:
+        """A checkpoint of one consistent moment (docs/checkpoints.md): TorchRL's keys
+        (``worker<i>``: each worker's own checkpoint, its env and episodes in flight included), and
+        under ``"rlharvest_resume"`` the counters, the layout, the seeds, and (asynchronous
+        collectors) the batches collected but not yielded yet. Rollouts in flight are waited for
+        first; a ``start()`` thread is paused at its next batch boundary.
+
+        Args:
+            env_state: False leaves the envs' states and the episodes in flight out.
+
+        Raises:
+            NotImplementedError: while workers run free and write the replay buffer themselves.
+        """
+        if self._running_free:
+            raise NotImplementedError(f"{type(self).__name__}.state_dict() while its {self.noun}s run free (start()) "
+                                      "and write the replay buffer themselves: checkpoint before start() or after "
+                                      "async_shutdown() (docs/checkpoints.md).")
+        with self._at_batch_boundary():
+            self._drain_async()
+            pending = self._pending_batches()
+            state = self._broadcast.state_dicts(env_state)
+            state.update(frames=self._frames, iter=self._iter)
+            counter = self._trajectory_counter()
+            if counter is not None:
+                state["traj_pool"] = {"traj_id": torch.tensor(counter.peek())}  # TorchRL's key for this counter
+            if self._version_tracker:
+                state["policy_version"] = self._policy_version
+            state[CHECKPOINT_KEY] = _checkpoint.capture_remote(self, {"pending": pending, **self._checkpoint_extra()})
         return state
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        """Continue from a checkpoint of :meth:`state_dict` taken by a collector built with the same
+        arguments (docs/checkpoints.md); a TorchRL checkpoint restarts the episodes.
+
+        Raises:
+            CheckpointMismatchError: for a checkpoint of a newer format or of other arguments
+                (number of workers, ``frames_per_batch``, a worker's env batch size).
+        """
+        section = _checkpoint.check_remote(self, state_dict)
         self._broadcast.load_state_dicts(state_dict)
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
-        if "policy_version" in state_dict:
-            self._policy_version = int(state_dict["policy_version"])
+        if "policy_version" in state_dict or section is not None:
+            self._policy_version = int(state_dict["policy_version"] if section is None else section["policy_version"])
         counter = self._trajectory_counter()
         if counter is not None and "traj_pool" in state_dict:
             counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
-            self._broadcast.reset()  # episodes restart, with ids after the saved ones
+        if section is None:
+            if counter is not None and "traj_pool" in state_dict:
+                self._broadcast.reset()  # episodes restart, with ids after the saved ones
+            return
+        _checkpoint.restore_remote(self, section)
+        self._restored_batches = [(worker, frames, unpack(batch)) for worker, frames, batch in section["pending"]]
+        self._restore_checkpoint_extra(section)
+
+    def _pending_batches(self) -> list:
+        """Async: the batches collected (drained) but not yielded yet, as ``[worker, frames, packed
+        batch]``: the workers' envs are past them, so the checkpoint keeps them to be yielded first."""
+        pending = [[worker, frames, pack(batch)] for worker, frames, batch in self._restored_batches]
+        if self._sync or self._gather is None:
+            return pending
+        for worker, request_id in sorted(self._gather.in_flight.items()):
+            reply = self._requests.peek(worker, request_id)
+            if reply is None or reply.written:
+                continue
+            batch = self._fetched_early.get((worker, request_id))
+            if batch is None:  # fetched once (some transports receive it only once), kept for the iterator
+                batch = self._fetched_early[(worker, request_id)] = self._requests.handles[worker].fetch_batch(reply)
+            pending.append([worker, self._frames_of(reply), pack(self._remap_traj_ids(batch.clone(), worker))])
+        return pending
+
+    def _checkpoint_extra(self) -> dict:
+        """Hook: what a collector keeps for an exact resume besides its workers' states."""
+        return {}
+
+    def _restore_checkpoint_extra(self, section: dict) -> None:
+        """Hook: put back what :meth:`_checkpoint_extra` captured."""
 
     def _trajectory_counter(self):
         """The trajectory-id counter the workers share, or None when each counts its own."""

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import TRAJ_IDS, as_tuple_key, unwrap
+from ..checkpoint import CHECKPOINT_KEY, check_compatible
 from ..config import CollectorConfig, resolve_devices
 from ..envs.adapters import env_attr
 from ..envs.factory import close_env as _close_env  # shutdown() takes an argument named close_env
@@ -17,6 +18,7 @@ from ..policies import ExplorationType, WeakPolicyRef, policy_device_copy, wrap_
 from ..profiling import ProfileConfig, RolloutProfiler
 from ..rollout import LocalTrajectoryCounter, Rollout, RolloutSettings, TrajectoryCounter
 from ..weight_update.strategy import copy_weights_, weights_of
+from . import _checkpoint
 from ._dispatch import BackendDispatch
 from ._signatures import constructor_arguments
 from .base import BaseCollector
@@ -39,6 +41,15 @@ def _check_arguments(*, unknown: dict, reset_when_done: bool, policy: Any, polic
     if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
         warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                       "storage).", FutureWarning, stacklevel=3)
+
+
+def _snapshot(weights: dict) -> dict:
+    """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
+    of a larger buffer (weights received into one flat buffer) is saved alone, not with the buffer."""
+    copied = type(weights)((name, value.detach().clone()) for name, value in weights.items())
+    if hasattr(weights, "_metadata"):
+        copied._metadata = weights._metadata
+    return copied
 
 
 class Collector(BaseCollector, metaclass=BackendDispatch):
@@ -99,6 +110,9 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         ('time', [0, 0, 0, 0, 1, 1, 1, 1])
         >>> collector.shutdown()
     """
+
+    #: ``(seed, static_seed, next seed)`` of the last :meth:`set_seed` (a checkpoint keeps the seed chain)
+    _seed_chain: tuple | None = None
 
     def __init__(
         self,
@@ -477,6 +491,7 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
+        self._seed_chain = (seed, bool(static_seed), out)
         self._rollout.reset()
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # those episodes will never end
@@ -503,32 +518,71 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
             trajectories.drop_in_flight(self._rollout.traj_ids[mask].tolist())
         self._rollout.reset(mask)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, env_state: bool = True) -> dict:
+        """A checkpoint of this moment (docs/checkpoints.md): TorchRL's keys, and under
+        ``"rlharvest_resume"`` what continues the run exactly (the env's state, the episodes in
+        flight, the process's generators, the seed chain). ``torch.save`` writes it.
+
+        Args:
+            env_state: False leaves the env's state and the episodes in flight out (a smaller
+                checkpoint; after a load the episodes restart, with new trajectory ids).
+
+        Example:
+            >>> from rlharvest.envs import CountingEnv
+            >>> collector = Collector(CountingEnv(), frames_per_batch=4, total_frames=8)
+            >>> state = collector.state_dict()
+            >>> state["rlharvest_resume"]["format_version"]
+            1
+        """
+        with self._at_batch_boundary():
+            return self._state_dict(env_state)
+
+    def _state_dict(self, env_state: bool) -> dict:
         state = {}
         if isinstance(self.policy, torch.nn.Module):
-            state["policy_state_dict"] = self.policy.state_dict()
+            state["policy_state_dict"] = _snapshot(self.policy.state_dict())
         state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
         state["frames"] = self._frames
         state["iter"] = self._iter
         state["traj_pool"] = {"traj_id": torch.tensor(self._rollout.traj_counter.peek())}
         if self._version_tracker:
             state["policy_version"] = self._policy_version
+        state[CHECKPOINT_KEY] = _checkpoint.capture(self, env_state)
         return state
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, **kwargs) -> None:
+        """Continue from a checkpoint of :meth:`state_dict`, taken by a collector built with the same
+        arguments: the next batches are those the saved collector would have collected
+        (docs/checkpoints.md). A TorchRL checkpoint (no ``"rlharvest_resume"``) restarts the episodes.
+
+        Raises:
+            CheckpointMismatchError: for a checkpoint of a newer format, or of a collector built
+                with another env batch size or ``frames_per_batch``.
+            EpisodeRestartWarning: (a warning) when the env's state could not be captured or put
+                back: its episodes restart with new trajectory ids.
+        """
+        section = _checkpoint.section_of(state_dict)
+        if section is not None:  # checked before anything changes
+            check_compatible(section, _checkpoint.layout(self), self._where())
         if "policy_state_dict" in state_dict and isinstance(self.policy, torch.nn.Module):
             self.policy.load_state_dict(state_dict["policy_state_dict"], strict=strict)
         if state_dict.get("env_state_dict") and hasattr(self.env, "load_state_dict"):
             self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
         self._frames = state_dict["frames"]
         self._iter = state_dict["iter"]
-        if "policy_version" in state_dict:
-            self._policy_version = int(state_dict["policy_version"])
+        if "policy_version" in state_dict or section is not None:
+            version = state_dict["policy_version"] if section is None else section["policy_version"]
+            self._policy_version = int(version)
             self._on_version_bump(self._policy_version)
-        if "traj_pool" in state_dict:
+        if section is not None:
+            _checkpoint.restore(self, section, self._where())
+        elif "traj_pool" in state_dict:
             # ids continue after the saved ones (a replay buffer may hold them); episodes restart
             self._rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
             self._rollout.reset()
+
+    def _where(self) -> str:
+        return "Collector" if self.worker_idx is None else f"worker {self.worker_idx}"
 
     def _apply_profile_config(self, config: ProfileConfig) -> None:
         label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"

@@ -25,6 +25,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from .specs import Binary, Composite, TensorSpec, Unbounded
+from .state import instance_state, restore_instance_state
 
 __all__ = ["EnvBase", "to_tensor"]
 
@@ -264,6 +265,25 @@ class EnvBase:
         out = torch.stack(steps, dim=len(self.batch_size))
         out.refine_names(*([None] * len(self.batch_size)), "time")
         return out
+
+    def capture_state(self) -> dict[str, Any]:
+        """This env's own state, for an exact resume (docs/checkpoints.md): a deep copy of its
+        instance attributes, specs excepted. Override to capture less, or what lives elsewhere.
+
+        Raises:
+            EnvStateUnavailable: when the state cannot be captured (an attribute cannot be copied).
+
+        Example:
+            >>> from rlharvest.envs import CountingEnv
+            >>> env = CountingEnv()
+            >>> state = env.capture_state()
+            >>> _ = env.reset(); env.restore_state(state)
+        """
+        return instance_state(self)
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`capture_state` returned (the env continues from there)."""
+        restore_instance_state(self, state)
 
     def state_dict(self) -> dict:
         return {}

@@ -378,6 +378,17 @@ class BatchedEnvBase(EnvBase):
         self._pending_rows[...] = False  # the next reset must be a real one, with the new seeds
         return seed
 
+    def capture_state(self) -> dict[str, Any]:
+        """Not captured: the sub-envs live behind a pool (in worker processes for ParallelEnv).
+
+        Raises:
+            EnvStateUnavailable: always.
+        """
+        from .state import EnvStateUnavailable
+
+        raise EnvStateUnavailable(f"its sub-envs run behind a {type(self._pool).__name__}, whose state "
+                                  "rlharvest does not capture")
+
     def _check_open(self) -> None:
         if self.is_closed:
             raise RuntimeError(f"{type(self).__name__} is closed.")

@@ -169,6 +169,37 @@ class GymEnv(EnvBase):
         self._pending_seed = seed
         self._act_space.seed(seed)
 
+    # ------------------------------------------------------------------ state (docs/checkpoints.md)
+    def capture_state(self) -> dict[str, Any]:
+        """This wrapper's state and that of every layer of the gymnasium env: the wrappers' (a time
+        limit's step count...) and the unwrapped env's (its physics, ``np_random``); a
+        ``SyncVectorEnv``'s sub-envs whole.
+
+        Raises:
+            EnvStateUnavailable: naming the layer whose state cannot be copied (e.g. an
+                ``AsyncVectorEnv``'s processes).
+        """
+        from .state import EnvStateUnavailable, instance_state
+
+        layers = []
+        for layer in _gym_layers(self._env):
+            try:
+                layers.append(instance_state(layer, skip=("env", "env_fns")))
+            except EnvStateUnavailable as err:
+                raise EnvStateUnavailable(f"gymnasium layer {type(layer).__name__}: {err}") from None
+        return {"own": instance_state(self, skip=("_env",)), "layers": layers}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        from .state import EnvStateUnavailable, restore_instance_state
+
+        layers = _gym_layers(self._env)
+        if len(layers) != len(state["layers"]):
+            raise EnvStateUnavailable(f"the checkpoint's gymnasium env has {len(state['layers'])} layers, this one "
+                                      f"{len(layers)} ({' > '.join(type(layer).__name__ for layer in layers)})")
+        restore_instance_state(self, state["own"])
+        for layer, layer_state in zip(layers, state["layers"]):
+            restore_instance_state(layer, layer_state)
+
     def close(self, *, raise_if_closed: bool = True) -> None:
         if not self.is_closed:
             self._env.close()
@@ -178,6 +209,15 @@ class GymEnv(EnvBase):
         spec = getattr(self._env, "spec", None)
         name = spec.id if spec is not None else type(self._env).__name__
         return f"GymEnv({name!r}, batch_size={tuple(self.batch_size)})"
+
+
+def _gym_layers(env) -> list:
+    """The wrappers of a gymnasium env, outermost first, then the unwrapped env."""
+    gym = _gymnasium()
+    layers = [env]
+    while isinstance(layers[-1], (gym.Wrapper, gym.vector.VectorWrapper)):
+        layers.append(layers[-1].env)
+    return layers
 
 
 def _np(dtype: torch.dtype):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing.connection
+import warnings
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import TRAJ_IDS, unwrap
+from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
@@ -70,7 +72,7 @@ class WorkerCollector(Protocol):
     def register_scheme_receiver(self, weight_recv_schemes: dict) -> None: ...
     def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
     def reset(self, *args: Any, **kwargs: Any) -> None: ...
-    def state_dict(self) -> dict: ...
+    def state_dict(self, *, env_state: bool = True) -> dict: ...
     def load_state_dict(self, state_dict: dict) -> None: ...
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any: ...
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None: ...
@@ -131,8 +133,8 @@ class Worker:
             Command.RESUME: self._resume,
             Command.SEED: self._seed,
             Command.RESET: lambda kwargs: self.collector.reset(**(kwargs or {})),
-            Command.STATE_DICT: lambda _: self.collector.state_dict(),
-            Command.LOAD_STATE_DICT: lambda state: self.collector.load_state_dict(state),
+            Command.STATE_DICT: self._state_dict,
+            Command.LOAD_STATE_DICT: self._load_state_dict,
             Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
             Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
             Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
@@ -318,6 +320,26 @@ class Worker:
     def _seed(self, payload) -> int:
         seed, static_seed = payload
         return _seed_worker(self.collector, seed, static_seed)
+
+    def _state_dict(self, options: dict | None) -> dict:
+        """The collector's checkpoint, with what this worker adds to its batches (a replacement's
+        trajectory-id offset) under ``"rlharvest_resume"`` (docs/checkpoints.md)."""
+        state = self.collector.state_dict(**(options or {}))
+        section = state.get(CHECKPOINT_KEY)
+        if section is not None:
+            section["worker"] = {"traj_offset": int(self.spec.traj_offset)}
+        return state
+
+    def _load_state_dict(self, state: dict) -> list[tuple[type, str]]:
+        """Load a checkpoint; the warnings it raises (an episode that restarts) go to the parent, which
+        raises them where the user sees them."""
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            self.collector.load_state_dict(state)
+        worker = (state.get(CHECKPOINT_KEY) or {}).get("worker")
+        if worker is not None:
+            self.spec = self.spec.replacement(traj_offset=int(worker["traj_offset"]))
+        return [(warning.category, str(warning.message)) for warning in raised]
 
     def _enable_profile(self, config) -> str:
         self.collector.use_profile_config(config)

@@ -400,7 +400,7 @@ def test_seed_state_reset_and_queries():
         collector.set_seed(10)
         assert torch.equal(collector.next()["observation"], first)
         state = collector.state_dict()
-        assert set(state) == {"worker0", "worker1", "frames", "iter", "traj_pool"}
+        assert set(state) == {"worker0", "worker1", "frames", "iter", "traj_pool", "rlharvest_resume"}
         collector.load_state_dict(state)
         collector.reset()
         collector.reset([True, False])

@@ -290,7 +290,7 @@ def test_collector_reloading():
 def test_state_dict_contains_policy():
     collector = counting_collector()
     state = collector.state_dict()
-    assert set(state) == {"policy_state_dict", "env_state_dict", "frames", "iter", "traj_pool"}
+    assert set(state) == {"policy_state_dict", "env_state_dict", "frames", "iter", "traj_pool", "rlharvest_resume"}
     assert torch.equal(state["policy_state_dict"]["weight"], torch.tensor(1.0))
 
 

@@ -263,9 +263,11 @@ def test_a_policy_factory_runs_only_in_the_workers(collector_class, tmp_path):
     assert len(batches) == 2 and len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
 
 
-@pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector, MultiAsyncCollector])
+@pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector])
 def test_trajectory_ids_continue_after_a_state_dict_is_loaded(collector_class):
-    """Ids in a replay buffer stay unique: a reloaded collector hands out ids after the saved ones."""
+    """Ids in a replay buffer stay unique: a reloaded collector continues the episodes in flight at the
+    checkpoint with their ids, and hands out ids after the saved ones to new episodes (docs/checkpoints.md;
+    asynchronous collectors: tests/collectors/test_checkpoint.py)."""
     def make():
         env_fn = envs(1)[0] if collector_class is Collector else envs(2)
         return collector_class(env_fn, CountingPolicy(), frames_per_batch=8, total_frames=-1)
@@ -274,13 +276,18 @@ def test_trajectory_ids_continue_after_a_state_dict_is_loaded(collector_class):
     iterator = iter(collector)
     seen = set()
     for _ in range(3):
-        seen |= set(next(iterator)["collector", "traj_ids"].flatten().tolist())
+        batch = next(iterator)
+        seen |= set(batch["collector", "traj_ids"].flatten().tolist())
+    in_flight = set(batch["collector", "traj_ids"][..., -1].flatten().tolist())
     state = collector.state_dict()
     collector.shutdown()
     saved = int(state["traj_pool"]["traj_id"])
     assert saved > max(seen)
     restored = make()
     restored.load_state_dict(state)
-    ids = next(iter(restored))["collector", "traj_ids"].flatten().tolist()
+    resumed = iter(restored)
+    ids = set().union(*(next(resumed)["collector", "traj_ids"].flatten().tolist() for _ in range(3)))
     restored.shutdown()
-    assert min(ids) >= saved and not set(ids) & seen
+    # no finished episode's id comes back; ids between the last seen and the saved counter were taken
+    # by the episodes that began at the end of the last batch
+    assert ids & seen <= in_flight and max(ids) >= saved

@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..._utils import TRAJ_IDS
+from ...checkpoint import pack, unpack
 from ...errors import WorkerError
 from ...protocol import Command, WorkerSpec
 from ...weight_update.schemes import WeightSyncScheme
@@ -337,12 +338,16 @@ class NodeCollector(RemoteCollectorBase):
                 raise receiver.error
         super()._stop_background(timeout)
 
-    # ------------------------------------------------------------------ unsupported
-    def state_dict(self) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} has no state_dict (nodes are remote).")
+    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
+    def _checkpoint_extra(self) -> dict:
+        """The map of the nodes' trajectory ids and the weight-update counters."""
+        return {"traj_ids": pack(vars(self._traj_ids)), "batches_since_update": list(self._batches_since_update),
+                "yielded": int(self._yielded)}
 
-    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no load_state_dict (nodes are remote).")
+    def _restore_checkpoint_extra(self, section: dict) -> None:
+        vars(self._traj_ids).update(unpack(section["traj_ids"]))
+        self._batches_since_update = list(section["batches_since_update"])
+        self._yielded = int(section["yielded"])
 
     # ------------------------------------------------------------------ shutdown
     def _check_shutdown_args(self, close_env: bool) -> None:

@@ -299,7 +299,9 @@ class RayCollector(NodeCollector):
                              f"got {len(states)}.")
         self._drain_async()
         for worker, state in enumerate(states):
-            self._requests.request(worker, Command.LOAD_STATE_DICT, state)
+            raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state)
+            for category, message in raised or ():  # an actor's episode that restarts (docs/checkpoints.md)
+                warnings.warn(message, category, stacklevel=2)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False, close_env: bool = True,

@@ -166,8 +166,7 @@ def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on d
             collector.update_policy_weights_(weights_dict={"policy": {}}, model_id="policy")
         with pytest.raises(KeyError, match="critic"):
             collector.update_policy_weights_(weights_dict={"critic": TensorDict.from_module(policy)})
-        with pytest.raises(NotImplementedError):
-            collector.state_dict()
+        assert set(collector.state_dict()) >= {"worker0", "worker1", "frames", "iter", "rlharvest_resume"}
         # pause() outside start() raises when entered (start/pause themselves work: "running free" below)
         pause = collector.pause()
         with pytest.raises(RuntimeError, match="cannot be paused"):

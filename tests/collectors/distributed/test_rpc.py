@@ -161,8 +161,7 @@ def test_next_endless_seed_and_errors():  # docs/torchrl-compatibility.md, "endl
             if i == 5:
                 break
         assert collector.set_seed(3) == 7
-        with pytest.raises(NotImplementedError):
-            collector.state_dict()
+        assert set(collector.state_dict()) >= {"worker0", "worker1", "frames", "iter", "rlharvest_resume"}
         assert collector.cascade_execute("num_workers") == 2
 
 
