@@ -28,8 +28,12 @@ class WorkerCallsMixin:
     """
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
-        self._drain_async()
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last.
+
+        Asynchronous collectors drop the batches in flight (collected before the seed): the next batch
+        is the first of the seeded envs, as in TorchRL.
+        """
+        self._drop_async()
         seed = self._seed_workers(range(self.num_workers), seed, static_seed)
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end

@@ -255,6 +255,18 @@ class RemoteCollectorBase(WorkerCallsMixin, WorkerReplacementMixin, BaseCollecto
             except WorkerError as err:
                 self._restart_after(err)
 
+    def _drop_async(self) -> None:
+        """Wait for the in-flight async rollouts and drop their batches: they predate a change that must
+        hold from the next batch on (``set_seed``), as TorchRL's workers drop the batch they were
+        collecting when a command arrives. Iteration re-launches the workers."""
+        self._drain_async()
+        for worker, request_id in list(self._async_requests.items()):
+            del self._async_requests[worker]
+            try:
+                self._pool.wait_for(worker, request_id)
+            except WorkerError as err:
+                self._restart_after(err)
+
     @property
     def _async_requests(self) -> dict[int, int]:
         if not hasattr(self, "_async_running"):
