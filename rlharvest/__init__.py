@@ -7,9 +7,10 @@ batches and weights cross to them) -> ``worker`` (the one worker loop and the no
 drive their workers through one Fleet). Each layer imports only the layers below it.
 """
 
+from ._service_backend import service_backend
 from .errors import WorkerError, WorkerTimeoutError
 from .policies import ExplorationType
 
 __version__ = "0.1.0"
 
-__all__ = ["ExplorationType", "WorkerError", "WorkerTimeoutError", "__version__"]
+__all__ = ["ExplorationType", "WorkerError", "WorkerTimeoutError", "__version__", "service_backend"]

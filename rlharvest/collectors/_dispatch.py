@@ -3,14 +3,17 @@
 Calling :class:`~rlharvest.collectors.Collector` itself with ``backend``, ``backend_options``,
 ``num_collectors`` or ``sync`` builds the collector of that backend (``"direct"`` = the in-process
 Collector, ``"process"`` = worker processes, ``"distributed"``, ``"rpc"``, ``"submitit"``) and returns
-it; subclasses and the concrete collectors refuse these four arguments. The rules are TorchRL 0.14's
-(docs/torchrl-compatibility.md).
+it; subclasses and the concrete collectors refuse these four arguments. Without ``backend``, an
+enclosing ``service_backend(...)`` context picks it (rlharvest's, or TorchRL's). The rules are TorchRL
+0.14's (docs/torchrl-compatibility.md).
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+from .._service_backend import current_service_backend
 
 __all__ = ["BackendDispatch", "BACKENDS"]
 
@@ -30,11 +33,16 @@ def _check_num_collectors(value: Any) -> None:
 
 
 def _backend_name(backend: Any, num_collectors: int | None) -> str:
+    context = None
     if backend is None:
-        return "process" if num_collectors is not None else "direct"
+        backend, context = current_service_backend()
+        if backend is None:
+            return "process" if num_collectors is not None else "direct"
     name = _ALIASES.get(backend, backend) if isinstance(backend, str) else backend
     if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(set(BACKENDS) | {'multiprocessing'})}, got {backend!r}")
+        where = f" (from the enclosing {context}.service_backend context)" if context else ""
+        raise ValueError(f"backend must be one of {sorted(set(BACKENDS) | {'multiprocessing'})}, got "
+                         f"{backend!r}{where}")
     return name
 
 

@@ -58,6 +58,8 @@ class WorkerRequests:
         self._free: collections.deque = collections.deque()
         #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
         self._deadlines: dict[tuple[int, int], _Deadline] = {}
+        #: ``(worker, request_id)`` given up by :meth:`values_within`: their late replies are discarded
+        self._abandoned: set[tuple[int, int]] = set()
         for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
             self._outstanding[worker][self.READY] = None
 
@@ -158,6 +160,34 @@ class WorkerRequests:
                 return worker, self._take(worker, request_id)
             self._wait(requests, deadlines)
 
+    def values_within(self, requests: dict[int, int], timeout: float | None) -> dict[int, Any]:
+        """The values of the replies to ``{worker: request_id}`` that arrive within ``timeout`` seconds
+        (None: no limit), by worker. For monitoring calls (``RayCollector.stats``): nothing is raised and
+        no worker is marked unresponsive; a worker that died, failed the command or did not answer in
+        time is left out, and a late reply is discarded when it arrives."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending, values = dict(requests), {}
+        while pending:
+            for worker, request_id in list(pending.items()):
+                self._drain(worker)
+                if request_id in self._stash[worker]:
+                    del pending[worker]
+                    try:
+                        values[worker] = self._take(worker, request_id).value
+                    except Exception:  # the command failed in the worker: no value
+                        pass
+                elif self.is_dead(worker):
+                    del pending[worker]
+            remaining = self.liveness_interval if deadline is None else deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                break
+            handles = [self.handles[w] for w in pending]
+            multiprocessing.connection.wait(handles, timeout=min(self.liveness_interval, remaining))
+        for worker, request_id in pending.items():
+            self._outstanding[worker].pop(request_id, None)
+            self._abandoned.add((worker, request_id))
+        return values
+
     def _request_deadline(self, worker: int, request_id: int, seconds: float) -> _Deadline:
         key = (worker, request_id)
         if key not in self._deadlines:
@@ -240,7 +270,9 @@ class WorkerRequests:
                 return
             if reply is None:  # a heartbeat, consumed by the handle
                 continue
-            if reply.request_id <= FREE_BATCH:  # pushed by a worker running free
+            if (worker, reply.request_id) in self._abandoned:
+                self._abandoned.discard((worker, reply.request_id))
+            elif reply.request_id <= FREE_BATCH:  # pushed by a worker running free
                 self._free.append((worker, reply))
             else:
                 self._stash[worker][reply.request_id] = reply
@@ -296,6 +328,7 @@ class WorkerRequests:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
         self._outstanding[worker].clear()
         self._stash[worker].clear()
+        self._abandoned = {key for key in self._abandoned if key[0] != worker}
         self._deadlines = {key: deadline for key, deadline in self._deadlines.items() if key[0] != worker}
 
 

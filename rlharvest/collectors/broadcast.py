@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
+from ..errors import WorkerError
 from ..profiling import ProfileConfig
 from ..protocol import Command
 from ._fleet import Fleet
@@ -106,6 +107,20 @@ class WorkerBroadcast:
     def worker_stats(self) -> list[dict]:
         """Each worker's own ``stats()``."""
         return self.call_each("stats", [((), {})] * len(self.fleet))
+
+    def stats_within(self, timeout: float | None) -> dict[int, dict]:
+        """``{worker: its stats()}`` of the workers that answer within ``timeout`` seconds (None: no
+        limit); a worker that is dead, fails or is late is left out, and nothing is raised (for
+        monitoring: a worker busy with a rollout answers after it)."""
+        requests = self._requests
+        asked = {}
+        for worker in self._all():
+            if not requests.is_dead(worker):
+                try:
+                    asked[worker] = requests.send(worker, Command.CASCADE, ("stats", (), {}))
+                except WorkerError:  # found dead: it does not count as alive
+                    pass
+        return requests.values_within(asked, timeout)
 
     # ------------------------------------------------------------------ hooks and versions
     def set_hook(self, name: str, hook: Callable | None) -> None:

@@ -93,6 +93,9 @@ class SyncStack:
     def drain(self) -> None:
         """Nothing is in flight between two batches."""
 
+    def drop(self) -> None:
+        """Nothing is in flight between two batches."""
+
     def forget(self, worker: int) -> None:
         """Nothing is in flight between two batches."""
 
@@ -147,6 +150,17 @@ class FirstReady:
                 self.fleet.recover(err)
 
 
+    def drop(self) -> None:
+        """Wait for the requests in flight and discard their replies: the workers are idle, and the
+        next batches are collected from scratch."""
+        for worker, request_id in list(self.in_flight.items()):
+            del self.in_flight[worker]
+            try:
+                self.fleet.requests.wait_for(worker, request_id)
+            except WorkerError as err:
+                self.fleet.recover(err)
+
+
 class Pushed:
     """Workers run free and push every batch; the next batch of each worker is taken as it arrives.
 
@@ -187,6 +201,9 @@ class Pushed:
 
     def drain(self) -> None:
         """Pushed batches wait where they are; nothing to wait for."""
+
+    def drop(self) -> None:
+        """Nothing is asked of a worker running free."""
 
     def forget(self, worker: int) -> None:
         """Nothing is asked of a worker running free."""

@@ -285,6 +285,14 @@ class RemoteCollectorBase(BaseCollector):
         if self._gather is not None:
             self._gather.drain()
 
+    def _drop_async(self) -> None:
+        """Wait for the in-flight rollouts and drop their batches: they predate a change that must hold
+        from the next batch on (``set_seed``), as TorchRL's workers drop the batch they were collecting
+        when a command arrives. Iteration re-launches the workers."""
+        if self._gather is not None:
+            self._gather.drop()
+        self._fetched_early.clear()  # a checkpoint's early fetches of those batches
+
     def _count_frames(self, replies: list) -> int:
         if self.config.replay_buffer is not None:
             return self.requested_frames_per_batch if self._sync else sum(self._nominal_frames(r) for r in replies)
@@ -381,8 +389,12 @@ class RemoteCollectorBase(BaseCollector):
 
     # ------------------------------------------------------------------ asked of every worker (broadcast.py)
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
-        self._drain_async()
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last.
+
+        Asynchronous collectors drop the batches in flight (collected before the seed): the next batch
+        is the first of the seeded envs, as in TorchRL.
+        """
+        self._drop_async()
         seed = self._broadcast.seed(range(self.num_workers), seed, static_seed)
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end

@@ -21,6 +21,7 @@ from ..weight_update.strategy import copy_weights_, weights_of
 from . import _checkpoint
 from ._dispatch import BackendDispatch
 from ._signatures import constructor_arguments
+from ._model_paths import resolve_env_transform_path
 from .base import BaseCollector
 from .utils import split_trajectories
 
@@ -303,6 +304,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         if model_id == "policy":
             source = self._weight_source
             return source if source is not None else self.policy
+        if self.config.max_frames_per_traj:  # TorchRL's env would have a StepCounter: ids index its transforms
+            found, model = resolve_env_transform_path(self.env, model_id)
+            if found:
+                return model
         return super().get_model(model_id)
 
     # ------------------------------------------------------------------ iteration

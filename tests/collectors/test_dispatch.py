@@ -7,6 +7,7 @@ import inspect
 import pytest
 from mocks import CountingPolicy
 
+from rlharvest import service_backend
 from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
 from rlharvest.envs import CountingEnv
@@ -99,3 +100,52 @@ def test_subclasses_refuse_the_selectors():
         MyCollector(CountingEnv(), frames_per_batch=4, num_collectors=2)
     with pytest.raises(TypeError):
         MultiSyncCollector([CountingEnv], frames_per_batch=4, backend="process")
+
+
+def test_service_backend_context_picks_the_backend(free_port):
+    with service_backend("rpc"):
+        collector = Collector(CountingEnv, CountingPolicy(), num_collectors=2, sync=True, frames_per_batch=8,
+                              total_frames=8, backend_options={"launcher": "mp", "tcp_port": free_port})
+    try:
+        assert type(collector) is RPCCollector and collector.num_workers == 2
+        assert next(iter(collector)).shape == (2, 4)
+    finally:
+        collector.shutdown()
+
+
+def test_service_backend_context_yields_to_an_explicit_backend_and_is_restored():
+    with service_backend("multiprocessing"):
+        collector = Collector(CountingEnv, CountingPolicy(), backend="direct", frames_per_batch=4)
+        assert type(collector) is Collector
+        with service_backend("direct"):
+            assert type(Collector(CountingEnv, frames_per_batch=4)) is Collector
+        collector = Collector(CountingEnv, CountingPolicy(), frames_per_batch=4, total_frames=4)
+        try:
+            assert type(collector) is MultiAsyncCollector and collector.num_workers == 1
+        finally:
+            collector.shutdown()
+    assert type(Collector(CountingEnv, frames_per_batch=4)) is Collector
+
+
+@pytest.mark.parametrize("backend", ["thread", "threading", "monarch"])
+def test_service_backend_context_without_a_collector_is_refused_by_collector(backend):
+    with service_backend(backend):  # TorchRL's names are valid contexts...
+        with pytest.raises(ValueError, match="service_backend context"):  # ...that Collector cannot build
+            Collector(CountingEnv, frames_per_batch=4)
+
+
+def test_service_backend_refuses_unknown_names():
+    with pytest.raises(ValueError, match="service backend must be one of"):
+        with service_backend("threads"):
+            pass
+
+
+def test_service_backend_context_is_not_seen_by_other_threads():
+    import threading
+
+    seen = []
+    with service_backend("process"):
+        thread = threading.Thread(target=lambda: seen.append(type(Collector(CountingEnv, frames_per_batch=4))))
+        thread.start()
+        thread.join(30)
+    assert seen == [Collector]

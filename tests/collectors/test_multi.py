@@ -10,6 +10,7 @@ import pytest
 import torch
 from mocks import ClockEnv, ConstantObsEnv, CountingPolicy, Unpicklable, bias_policy, wait_until, weight_policy
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 
 from rlharvest.collectors import (
     AsyncCollector,
@@ -389,6 +390,25 @@ def test_enable_profile_multi_sync(tmp_path):
         assert collector.profile_config.num_rollouts == 3
         assert len(list(collector)) == 5
     assert (tmp_path / "trace_0.json").exists() and not (tmp_path / "trace_1.json").exists()
+
+
+def linear_policy() -> TensorDictModule:
+    torch.manual_seed(0)  # deterministic: batches differ only by the env's seeded noise
+    return TensorDictModule(torch.nn.Linear(7, 7), in_keys=["observation"], out_keys=["action"])
+
+
+@pytest.mark.parametrize("cls", [AsyncCollector, MultiAsyncCollector])
+def test_set_seed_between_async_batches_holds_from_the_next_batch(cls):
+    make = (lambda: ContinuousMockEnv(episode_length=50))
+    with cls(make if cls is AsyncCollector else [make], linear_policy(), frames_per_batch=10,
+             total_frames=-1) as collector:
+        collector.set_seed(3)
+        batches = iter(collector)
+        first = next(batches)  # the next batch is in flight while the caller holds this one
+        collector.set_seed(3)  # as TorchRL: it is dropped, and the seeded envs start again
+        again, later = next(batches), next(batches)
+        assert torch.equal(again["observation"], first["observation"])
+        assert not torch.equal(later["observation"], first["observation"])
 
 
 def test_seed_state_reset_and_queries():

@@ -259,6 +259,44 @@ class RayCollector(NodeCollector):
         batches, frames = point  # batches of the former size so far, then of the current one
         return batches + math.ceil(max(0, self.config.total_frames - frames) / self.requested_frames_per_batch)
 
+    def stats(self, workers: str = "aggregate", *, timeout: float | None = 10.0) -> dict[str, int | float | bool]:
+        """Progress as plain scalars, as :meth:`MultiCollector.stats <rlharvest.collectors.MultiCollector.stats>`,
+        with TorchRL's Ray additions: every call asks each actor for its own snapshot (so that a hung
+        actor cannot block a monitoring thread, it waits at most ``timeout`` seconds), and
+        ``workers_alive`` counts the actors that answered. ``"aggregate"`` and ``"both"`` add
+        ``worker_frames``, the sum of the actors' ``frames`` (how many frames they collected, including
+        those a replay buffer received directly); ``"per_worker"`` and ``"both"`` add each actor's snapshot
+        as ``worker_<i>/<key>``.
+
+        Args:
+            workers: ``"aggregate"``, ``"per_worker"`` or ``"both"``.
+            timeout: seconds to wait for the actors' snapshots (None: no limit); an actor that does not
+                answer in time, or died, is left out.
+
+        Raises:
+            ValueError: for another ``workers`` value, or a negative ``timeout``.
+
+        Example:
+            >>> collector.stats(timeout=1.0)["worker_frames"]          # doctest: +SKIP
+            200
+        """
+        if workers not in ("aggregate", "per_worker", "both"):
+            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        snapshots = self._broadcast.stats_within(timeout) if self._broadcast is not None and not self._closed else {}
+        stats = super().stats("aggregate") if workers != "per_worker" else {}
+        stats["workers"] = self.num_workers
+        stats["workers_alive"] = len(snapshots)
+        if self._fleet is not None:
+            stats.update(self._fleet.restarts.stats(self.num_workers))
+        if workers != "per_worker" and snapshots:
+            stats["worker_frames"] = int(sum(snapshot.get("frames", 0) for snapshot in snapshots.values()))
+        if workers != "aggregate":
+            for actor, snapshot in sorted(snapshots.items()):
+                stats.update({f"worker_{actor}/{key}": value for key, value in snapshot.items()})
+        return stats
+
     # ------------------------------------------------------------------ iteration
     _collecting = False
     #: ``(batches, frames)`` when actors were added to a sync collection: ``len()`` counts batches of

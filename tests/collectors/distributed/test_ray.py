@@ -413,3 +413,46 @@ def test_with_restarts_a_killed_actor_is_replaced_and_collection_goes_on(ray_clu
         assert not used & set(batches[-1][IDS][1].tolist())  # the replacement's trajectories are new ones
     finally:
         collector.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_stats_asks_the_actors_for_worker_frames():
+    collector = make(2, total_frames=32, sync=True)
+    try:
+        for _ in collector:
+            pass
+            break
+        stats = collector.stats()
+        assert stats["workers"] == stats["workers_alive"] == 2
+        assert stats["worker_frames"] == stats["frames"] == 8  # sync: each actor's 4 frames, none in flight
+        per_worker = collector.stats("per_worker")
+        assert "frames" not in per_worker and "worker_frames" not in per_worker
+        assert per_worker["worker_0/frames"] == per_worker["worker_1/frames"] == 4
+        both = collector.stats("both", timeout=None)
+        assert both["worker_frames"] == 8 and both["worker_1/frames"] == 4
+        with pytest.raises(ValueError, match="timeout"):
+            collector.stats(timeout=-1)
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_stats_of_an_actor_that_does_not_answer_is_left_out_after_the_timeout(tmp_path):
+    gate = tmp_path / "release"
+    collector = RayCollector([counting(), gated(str(gate))], weight_policy(1.0), frames_per_batch=8,
+                             total_frames=-1, sync=False)  # actor 1 is stuck building its env
+    try:
+        iterator = iter(collector)
+        next(iterator)  # actor 0's (it then collects its next batch, and answers after it)
+        start = time.monotonic()
+        stats = collector.stats("both", timeout=2.0)
+        assert time.monotonic() - start < 10
+        assert stats["workers"] == 2 and stats["workers_alive"] == 1
+        assert "worker_0/frames" in stats and not any(key.startswith("worker_1/") for key in stats
+                                                      if not key.startswith("worker_1/restart"))
+        gate.touch()
+        for _ in range(3):
+            next(iterator)  # the late answer of actor 1 does not disturb collection
+        assert collector.stats(timeout=30.0)["workers_alive"] == 2
+    finally:
+        collector.shutdown()

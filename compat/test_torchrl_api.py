@@ -1,0 +1,86 @@
+"""TorchRL-side API a user's code keeps after switching the collector imports: model ids written
+against the env TorchRL's collector builds, and TorchRL's ``service_backend`` context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl import service_backend as torchrl_service_backend
+from torchrl.envs import Compose, GymEnv, RewardSum
+from torchrl.envs.transforms.module import ModuleTransform
+
+from rlharvest.collectors import Collector, MultiAsyncCollector
+from rlharvest.collectors.distributed import RPCCollector
+from rlharvest.weight_update import MultiProcessWeightSyncScheme
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def observation_module() -> TensorDictModule:
+    return TensorDictModule(torch.nn.Linear(3, 3), in_keys=["observation"], out_keys=["observation"])
+
+
+def pendulum_policy() -> TensorDictModule:
+    return TensorDictModule(torch.nn.Linear(3, 1), in_keys=["observation"], out_keys=["action"])
+
+
+def env_with_module_transform() -> GymEnv:
+    """TorchRL's examples/collectors/multi_weight_updates.py: one transform, not a Compose."""
+    return GymEnv("Pendulum-v1").append_transform(ModuleTransform(module_factory=observation_module, no_grad=True))
+
+
+def env_with_composed_transforms():
+    return GymEnv("Pendulum-v1").append_transform(
+        Compose(RewardSum(), ModuleTransform(module_factory=observation_module, no_grad=True)))
+
+
+@pytest.mark.parametrize("make_env, model_id", [
+    (env_with_module_transform, "env.transform[0].module"),
+    (env_with_composed_transforms, "env.transform[1].module"),  # TorchRL lists a Compose's members
+])
+def test_env_model_id_indexes_the_transforms_as_torchrl_does(make_env, model_id):
+    collector = Collector(make_env, num_collectors=2, sync=True, policy_factory=pendulum_policy,
+                          max_frames_per_traj=50, frames_per_batch=40, total_frames=120,
+                          weight_sync_schemes={"policy": MultiProcessWeightSyncScheme(),
+                                               model_id: MultiProcessWeightSyncScheme()})
+    try:
+        batches = iter(collector)
+        assert next(batches)["next", "observation"].abs().sum() > 0
+        zeros = TensorDict.from_module(observation_module()).data.zero_()
+        collector.update_policy_weights_(weights_dict={model_id: zeros})
+        assert next(batches)["next", "observation"].abs().sum() == 0  # the workers' env module got them
+    finally:
+        collector.shutdown()
+
+
+def test_env_model_id_of_torchrl_step_counter_is_refused_by_name():
+    collector = Collector(env_with_module_transform, pendulum_policy(), max_frames_per_traj=50, frames_per_batch=10)
+    with pytest.raises(ValueError, match="StepCounter"):
+        collector.get_model("env.transform[1]")
+    assert collector.get_model("env.transform[0].module") is collector.env.transform.module
+    collector.shutdown()
+
+
+def pendulum_env() -> GymEnv:
+    return GymEnv("Pendulum-v1")
+
+
+def test_torchrl_service_backend_context_is_honoured(free_port):
+    with torchrl_service_backend("rpc"):
+        collector = Collector(pendulum_env, num_collectors=2, sync=True, frames_per_batch=8, total_frames=8,
+                              backend_options={"launcher": "mp", "tcp_port": free_port})
+    try:
+        assert type(collector) is RPCCollector and collector.num_workers == 2
+    finally:
+        collector.shutdown()
+    with torchrl_service_backend("process"):
+        collectors = [Collector(pendulum_env, num_collectors=2, frames_per_batch=8),
+                      Collector(pendulum_env, backend="direct", frames_per_batch=8)]  # an explicit backend wins
+    for collector in collectors:
+        collector.shutdown()
+    assert [type(c) for c in collectors] == [MultiAsyncCollector, Collector]
+    with torchrl_service_backend("thread"):
+        with pytest.raises(ValueError, match="torchrl.service_backend context"):
+            Collector(pendulum_env, num_collectors=2, frames_per_batch=8)
