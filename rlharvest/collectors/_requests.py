@@ -10,7 +10,9 @@ torch.distributed nodes, RPC nodes). Every wait
 
 Replies are matched to requests by id; a reply that arrives while another is awaited (an async
 BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker it saw
-die stays dead until :meth:`WorkerRequests.replace` swaps a new handle in for it.
+die stays dead until :meth:`WorkerRequests.replace` swaps a new handle in for it. A worker that left
+(:meth:`WorkerRequests.retire`, docs/elastic.md) keeps its index as an empty slot: nothing is sent
+to it any more, and :meth:`WorkerRequests.active` leaves it out.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class WorkerRequests:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
+        #: workers that left (removed, preempted): their indices stay, as empty slots
+        self.retired: set[int] = set()
         #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
         self._deadlines: dict[tuple[int, int], _Deadline] = {}
         for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
@@ -64,11 +68,31 @@ class WorkerRequests:
     def __len__(self) -> int:
         return len(self.handles)
 
+    def active(self) -> list[int]:
+        """The indices of the workers that have not left, in order."""
+        return [worker for worker in range(len(self.handles)) if worker not in self.retired]
+
+    def retire(self, worker: int) -> None:
+        """``worker`` left (its process is gone): forget what it had outstanding, stashed or pushed, and
+        leave its index empty; sending to it raises from now on."""
+        self.forget(worker)
+        self.retired.add(worker)
+        self._dead.add(worker)
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+
+    def take_pushed(self, worker: int) -> list[Reply]:
+        """Take every batch ``worker`` pushed (running free) that nobody took yet, oldest first."""
+        self._drain(worker)
+        mine = [reply for index, reply in self._free if index == worker]
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+        return mine
+
     def replace(self, worker: int, handle: WorkerHandle) -> None:
         """Talk to ``handle`` as ``worker`` from now on (a replacement): what was outstanding, stashed
         or pushed for the old one is dropped, and its READY reply is expected."""
         self.handles[worker] = handle
         self.forget(worker)
+        self.retired.discard(worker)
         self._dead.discard(worker)
         self.unresponsive.discard(worker)
         self._free = collections.deque(item for item in self._free if item[0] != worker)
@@ -87,13 +111,21 @@ class WorkerRequests:
         for worker in range(count, len(self.handles)):
             self.forget(worker)
             self._dead.discard(worker)
+            self.retired.discard(worker)
             self.unresponsive.discard(worker)
         self._free = collections.deque(item for item in self._free if item[0] < count)
         del self.handles[count:]
 
     # ------------------------------------------------------------------ sending
     def send(self, worker: int, command: Command, payload: Any = None) -> int:
-        """Send a command; returns its request id."""
+        """Send a command; returns its request id.
+
+        Raises:
+            ValueError: for a worker that left (its index is an empty slot).
+            WorkerError: for a worker found dead.
+        """
+        if worker in self.retired:
+            raise ValueError(f"{self.noun} {worker} was removed from this collector: nothing can be sent to it.")
         if worker in self._dead:
             raise self._death_error(worker, command)
         request_id = next(self._ids)
@@ -115,7 +147,7 @@ class WorkerRequests:
     def broadcast(self, command: Command, payload: Any = None, workers: Iterable[int] | None = None,
                   timeout: float | None = None) -> list[Any]:
         """Send to several workers at once, then gather their values in worker order."""
-        workers = list(range(len(self.handles))) if workers is None else list(workers)
+        workers = self.active() if workers is None else list(workers)
         ids = {w: self.send(w, command, payload) for w in workers}
         return [self.wait_for(w, ids[w], timeout).value for w in workers]
 
@@ -167,7 +199,7 @@ class WorkerRequests:
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
         """The next batch pushed by a worker running free (of ``workers`` if given), or None after
         ``timeout`` seconds. Raises when one of the workers died."""
-        workers = list(range(len(self.handles))) if workers is None else workers
+        workers = self.active() if workers is None else workers
         deadline = time.monotonic() + timeout
         while True:
             for index, (worker, reply) in enumerate(self._free):
@@ -192,7 +224,7 @@ class WorkerRequests:
         A worker that fails to build its collector reports why, then exits: whoever noticed the exit
         first (a weight channel waiting for it) calls this so the user sees the cause, not the exit.
         """
-        for worker in range(len(self.handles)):
+        for worker in self.active():
             self._drain(worker)
             reply = self._stash[worker].get(self.READY)
             if reply is not None and reply.failure is not None:

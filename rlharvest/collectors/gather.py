@@ -57,15 +57,16 @@ class SyncStack:
         self.progress = progress
         self.preemptive_threshold = preemptive_threshold
 
-    def gather(self, random: bool) -> list:
-        """The replies of one rollout of every worker, in worker order."""
+    def gather(self, random: bool) -> dict[int, Any]:
+        """The replies of one rollout of every worker (workers that left have none), in worker order."""
         requests = self.fleet.requests
-        count = len(requests)
-        ids = {w: request_batch(self.fleet, w, random) for w in range(count)}
+        workers = self.fleet.active
+        count = len(workers)
+        ids = {w: request_batch(self.fleet, w, random) for w in workers}
         replies: dict[int, Any] = {}
         waiting = time.perf_counter()
         if self.preemptive_threshold is None:
-            for worker in range(count):
+            for worker in workers:
                 while worker not in replies:
                     try:
                         replies[worker] = requests.wait_for(worker, ids[worker])
@@ -88,7 +89,7 @@ class SyncStack:
                     continue
                 replies[worker] = reply
         self.progress.add_seconds("waiting", time.perf_counter() - waiting)
-        return [replies[w] for w in range(count)]
+        return {w: replies[w] for w in workers}
 
     def drain(self) -> None:
         """Nothing is in flight between two batches."""
@@ -117,7 +118,7 @@ class FirstReady:
 
     def idle(self) -> list[int]:
         """The workers with no request in flight."""
-        return [w for w in range(len(self.fleet.requests)) if w not in self.in_flight]
+        return [w for w in self.fleet.active if w not in self.in_flight]
 
     def next(self) -> tuple[int, Any] | None:
         """The first reply ready, with its worker; None when the worker that failed was replaced (its

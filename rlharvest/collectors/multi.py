@@ -202,7 +202,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     # ------------------------------------------------------------------ properties
     @property
     def requested_frames_per_batch(self) -> int:
-        return self.config.requested_frames
+        resized = self._resized_frames_per_batch()
+        return self.config.requested_frames if resized is None else resized
+
+    def _frames_share(self, worker: int) -> int:
+        shares = self._options.frames_per_worker
+        return shares[worker] if worker < len(shares) else shares[0]  # an added worker: the first's share
 
     @property
     def frames_per_batch_worker(self) -> list[int]:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
 import time
+import warnings
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -133,7 +135,13 @@ class RemoteCollectorBase(BaseCollector):
 
     @property
     def num_workers(self) -> int:
+        """Worker slots: every index given so far, those of workers that left included."""
         return len(self._requests) if self._requests is not None else 0
+
+    @property
+    def active_workers(self) -> list[int]:
+        """The indices of the workers collecting now (those that left are not there), in order."""
+        return self._fleet.active if self._fleet is not None else []
 
     def weight_links(self) -> WeightLinks:
         return self._backend.weight_links()
@@ -169,8 +177,8 @@ class RemoteCollectorBase(BaseCollector):
             self._record_times(reply)
             return None
         batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
-        if self._trajectories is not None and self._fleet.restarts.enabled:
-            ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
+        if self._trajectories is not None:
+            ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails or leaves
             self._running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
         return batch
 
@@ -190,21 +198,39 @@ class RemoteCollectorBase(BaseCollector):
             self._progress.add_seconds("policy", policy)
 
     # ------------------------------------------------------------------ iteration
+    #: while a batch is being collected (not suspended at a yield): workers cannot join or leave then
+    _collecting = False
+    #: between a batch's yield and the iteration resuming (when workers may join or leave)
+    _suspended = False
+    #: ``(batches, frames)`` when the workers of a sync collection changed: ``len()`` counts batches of
+    #: the former size up to there
+    _resize_point: tuple[int, int] | None = None
+
     def _iterate(self) -> Iterator[TensorDictBase | None]:
         if self._running_free:
             raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
-        yield from (self._iterate_sync() if self._sync else self._iterate_async())
+        batches = self._iterate_sync() if self._sync else self._iterate_async()
+        self._collecting = True
+        try:
+            for batch in batches:
+                self._collecting, self._suspended = False, True
+                yield batch
+                self._collecting, self._suspended = True, False
+        finally:
+            self._collecting = self._suspended = False
+            batches.close()
 
     def _iterate_sync(self) -> Iterator[TensorDictBase | None]:
         while not self._reached_total():
             self._updating_weights(self._before_sync_batch)
             self._iter += 1
             random = self._random_phase()
-            replies = self._gather.gather(random)
-            batches = []
-            for worker in range(len(replies)):
-                batch, replies[worker] = self._fetched(worker, replies[worker], random)
+            gathered = self._gather.gather(random)  # {worker: reply}, workers that left have none
+            batches, replies = [], []
+            for worker, reply in gathered.items():
+                batch, reply = self._fetched(worker, reply, random)
                 batches.append(batch)
+                replies.append(reply)
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
@@ -352,7 +378,7 @@ class RemoteCollectorBase(BaseCollector):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last."""
         self._drain_async()
-        seed = self._broadcast.seed(range(self.num_workers), seed, static_seed)
+        seed = self._broadcast.seed(self.active_workers, seed, static_seed)
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
@@ -390,7 +416,7 @@ class RemoteCollectorBase(BaseCollector):
         """
         if self._trajectories is not None:
             self._trajectories.flush()
-        self._broadcast.reset([w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]])
+        self._broadcast.reset([w for w in self.active_workers if reset_idx is None or reset_idx[w]])
 
     def get_distant_attr(self, attr: str) -> list[Any]:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
@@ -398,12 +424,14 @@ class RemoteCollectorBase(BaseCollector):
 
     def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
                list_of_kwargs: list[dict] | None = None) -> list[Any]:
-        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
+        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per
+        current worker, in index order: workers that left take none).
 
         Raises:
             ValueError: when the number of argument sets is not the number of workers.
         """
-        return self._broadcast.call_each(method_name, _argument_sets(list_of_args, list_of_kwargs, self.num_workers))
+        return self._broadcast.call_each(method_name, _argument_sets(list_of_args, list_of_kwargs,
+                                                                     len(self.active_workers)))
 
     def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
         """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
@@ -420,12 +448,14 @@ class RemoteCollectorBase(BaseCollector):
             raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
         stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
         requests = self._requests
-        stats["workers"] = self.num_workers
-        stats["workers_alive"] = sum(not requests.is_dead(w) for w in range(self.num_workers)) if requests else 0
+        active = self.active_workers
+        stats["workers"] = len(active)
+        stats["workers_alive"] = sum(not requests.is_dead(w) for w in active) if requests else 0
         if self._fleet is not None:  # kept here, no worker is asked
             stats.update(self._fleet.restarts.stats(self.num_workers))
+            stats["workers_removed"] = self.num_workers - len(active)
         if workers != "aggregate":
-            for worker, worker_stats in enumerate(self._broadcast.worker_stats()):
+            for worker, worker_stats in zip(active, self._broadcast.worker_stats()):
                 stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
         return stats
 
@@ -451,7 +481,7 @@ class RemoteCollectorBase(BaseCollector):
         if head == "workers" or head.startswith("workers["):
             if not rest:
                 raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
-            workers = range(self.num_workers) if head == "workers" else [int(head[len("workers["):-1])]
+            workers = self.active_workers if head == "workers" else [int(head[len("workers["):-1])]
             results = self._broadcast.call(rest, args, kwargs, workers)
             return results if head == "workers" else results[0]
         return super().cascade_execute(attr_path, *args, **kwargs)
@@ -513,8 +543,8 @@ class RemoteCollectorBase(BaseCollector):
 
     def _interrupt_background(self) -> None:
         if self._requests is not None:
-            for handle in self._requests.handles:
-                handle.interrupt()
+            for worker in self._requests.active():
+                self._requests.handles[worker].interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:
@@ -525,9 +555,9 @@ class RemoteCollectorBase(BaseCollector):
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
         pool = self._requests
-        for handle in pool.handles:
-            handle.interrupt()
-        for worker, reply in enumerate(pool.broadcast(Command.PAUSE, timeout=30.0)):
+        for worker in pool.active():
+            pool.handles[worker].interrupt()
+        for worker, reply in zip(pool.active(), pool.broadcast(Command.PAUSE, timeout=30.0)):
             if reply != "paused":
                 raise ValueError(f"{self.noun} {worker} answered {reply!r} to pause.")
         try:
@@ -543,6 +573,87 @@ class RemoteCollectorBase(BaseCollector):
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._close_workers(self._shutdown_timeout if timeout is None else timeout)
 
+    # ------------------------------------------------------------------ joining and leaving (docs/elastic.md)
+    def remove_collectors(self, indices: int | Sequence[int], timeout: float | None = None) -> None:
+        """Make the workers ``indices`` leave the collection, gracefully.
+
+        Each stops at a rollout boundary: between two batches nothing is in flight; with ``sync=False``
+        its rollout in flight is cut short and dropped whole (never counted), so no frame is doubled
+        and ``total_frames`` stays exact. Its process (node, actor) is gone when this returns: it is
+        asked to close, and terminated if it has not within ``timeout`` seconds (default
+        ``worker_timeout``). The other workers keep their indices: a removed index stays an empty
+        slot (``num_workers`` counts slots, ``active_workers`` lists the workers collecting,
+        ``stats()["workers"]`` counts them). With ``sync=True`` the next batch stacks one rollout of
+        each remaining worker: it shrinks by the removed workers' share, and
+        ``requested_frames_per_batch`` and ``len()`` follow.
+
+        Args:
+            indices: a worker index, or a list of them.
+            timeout: seconds the workers have to stop and close (None: ``worker_timeout``).
+
+        Raises:
+            ValueError: for an index that is not a current worker, or when no worker would be left.
+            RuntimeError: after shutdown, while running free (:meth:`start`), or from inside the
+                collector's own iteration (a ``postproc``, another thread).
+
+        Example:
+            >>> from rlharvest.collectors import MultiSyncCollector
+            >>> from rlharvest.envs import CountingEnv
+            >>> collector = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=16)
+            >>> collector.remove_collectors([1])
+            >>> collector.active_workers, collector.requested_frames_per_batch
+            ([0], 4)
+            >>> collector.shutdown()
+        """
+        self._check_resizable("remove")
+        indices = self._fleet.check_removable(indices)
+        self._fleet.remove(indices, timeout, running_free=self._workers_run_free())
+        self._resized()
+
+    def _workers_run_free(self) -> bool:
+        """Whether the workers push batches unasked during iteration (they are paused before leaving)."""
+        return False
+
+    def _check_resizable(self, verb: str) -> None:
+        if self._closed or self._fleet is None or self._requests is None:
+            raise RuntimeError(f"{type(self).__name__} is shut down: it cannot {verb} {self.noun}s.")
+        if self._collecting:
+            raise RuntimeError(f"{type(self).__name__} cannot {verb} {self.noun}s while a batch is being collected "
+                               "(from a postproc, a hook or another thread): call it between two batches.")
+        if self.is_running():
+            raise RuntimeError(f"{type(self).__name__} is running free (start()): {verb} {self.noun}s before "
+                               "start() or after async_shutdown().")
+
+    def _frames_share(self, worker: int) -> int:
+        """Frames ``worker`` adds to every sync batch."""
+        raise NotImplementedError
+
+    def _resized_frames_per_batch(self) -> int | None:
+        """Frames of a sync batch once workers joined or left (the shares of the current workers);
+        None while the workers are those of construction, or with ``sync=False``."""
+        if self._sync and self._resize_point is not None:
+            return sum(self._frames_share(worker) for worker in self.active_workers)
+        return None
+
+    def _resized(self) -> None:
+        """Bookkeeping once workers joined or left: a sync batch holds the current workers' shares from
+        the next batch on; ``len()`` counts the batches of the former size so far."""
+        if not self._sync:
+            return
+        self._resize_point = (self._iter + 1, self._frames)
+        remaining = self.config.total_frames - self._frames
+        if not self.config.endless and remaining > 0 and remaining % self.requested_frames_per_batch:
+            warnings.warn(f"{remaining} frames remain to total_frames={self.config.total_frames}, not a multiple of the "
+                          f"{self.requested_frames_per_batch} of a batch of {len(self.active_workers)} {self.noun}s: "
+                          "the last batch collects the excess.", stacklevel=4)
+
+    def __len__(self) -> int:
+        point = self._resize_point
+        if point is None or self.config.endless:
+            return super().__len__()
+        batches, frames = point  # batches of the former sizes so far, then of the current one
+        return batches + math.ceil(max(0, self.config.total_frames - frames) / self.requested_frames_per_batch)
+
     def _add_workers(self, specs: list, options: list | None = None) -> None:
         """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and
         policy version, with the hooks set since construction, seeded by continuing the chain of the
@@ -551,10 +662,7 @@ class RemoteCollectorBase(BaseCollector):
         Raises:
             RuntimeError: after shutdown, or while running free.
         """
-        if self._closed or self._fleet is None or self._requests is None:
-            raise RuntimeError(f"{type(self).__name__} is shut down: it cannot add {self.noun}s.")
-        if self.is_running():
-            raise RuntimeError(f"{type(self).__name__} is running free (start()): add {self.noun}s before start().")
+        self._check_resizable("add")
         hooks = {name: wrap_callable(hook) for name, hook in (("pre_collect_hook", self._pre_collect_hook),
                                                                ("post_collect_hook", self._post_collect_hook))
                  if hook is not None}

@@ -198,7 +198,13 @@ class NodeCollector(RemoteCollectorBase):
     # ------------------------------------------------------------------ collector hooks
     @property
     def requested_frames_per_batch(self) -> int:
-        return self.config.frames_per_batch
+        """Frames per batch: ``frames_per_batch``; with ``sync=True``, once nodes joined or left, the
+        share fixed at construction (``frames_per_batch / W``) of every current node."""
+        resized = self._resized_frames_per_batch()
+        return self.config.frames_per_batch if resized is None else resized
+
+    def _frames_share(self, worker: int) -> int:
+        return self._frames_per_node
 
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
         """Node i's local id k becomes k * W + i (segments after growth: ``_traj_ids.py``); -1 stays -1
@@ -213,14 +219,14 @@ class NodeCollector(RemoteCollectorBase):
 
     def _before_sync_batch(self) -> None:
         if self.update_after_each_batch:
-            self._push(list(range(self.num_workers)))
+            self._push(self.active_workers)
 
     def _before_relaunch(self, worker: int) -> None:
         if self.update_after_each_batch and self._iter >= 0:
             self._push([worker])
 
     def _after_yield(self, worker: int | None) -> None:
-        served = list(range(self.num_workers)) if worker is None else [worker]
+        served = self.active_workers if worker is None else [worker]
         for node in served:
             self._batches_since_update[node] += 1
         self._yielded += 1
@@ -229,7 +235,7 @@ class NodeCollector(RemoteCollectorBase):
         if self.update_interval and self._yielded % self.update_interval == 0:
             self._push(served)
         if self.max_weight_update_interval >= 0:
-            late = [n for n, count in enumerate(self._batches_since_update) if count > self.max_weight_update_interval]
+            late = [n for n in self.active_workers if self._batches_since_update[n] > self.max_weight_update_interval]
             if late:
                 self._push(late)
 
@@ -239,7 +245,7 @@ class NodeCollector(RemoteCollectorBase):
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids=None, **kwargs) -> None:
         super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
-        targets = range(self.num_workers) if worker_ids is None else (
+        targets = self.active_workers if worker_ids is None else (
             [worker_ids] if isinstance(worker_ids, int) else worker_ids)
         for node in targets:
             if isinstance(node, int) and 0 <= node < self.num_workers:

@@ -11,8 +11,6 @@ Only this collector can add workers once running (:meth:`RayCollector.add_collec
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence
 
@@ -239,45 +237,11 @@ class RayCollector(NodeCollector):
         self._traj_ids.grow(count)
         # a sync batch yielded but not yet accounted for (suspended at its yield) counts every actor
         self._batches_since_update.extend([-1 if self._sync and self._suspended else 0] * count)
-        if self._sync:
-            self._growth_point = (self._iter + 1, self._frames)
-            remaining = self.config.total_frames - self._frames
-            if not self.config.endless and remaining > 0 and remaining % self.requested_frames_per_batch:
-                warnings.warn(f"{remaining} frames remain to total_frames={self.config.total_frames}, not a multiple "
-                              f"of the {self.requested_frames_per_batch} of a batch of {self.num_workers} actors: "
-                              "the last batch collects the excess.", stacklevel=3)
-
-    @property
-    def requested_frames_per_batch(self) -> int:
-        """Frames per batch: ``frames_per_batch``, and with ``sync=True`` each added actor's share on top."""
-        return self._frames_per_node * self.num_workers if self._sync else self.config.frames_per_batch
-
-    def __len__(self) -> int:
-        point = self._growth_point
-        if point is None or self.config.endless:
-            return super().__len__()
-        batches, frames = point  # batches of the former size so far, then of the current one
-        return batches + math.ceil(max(0, self.config.total_frames - frames) / self.requested_frames_per_batch)
+        self._resized()
 
     # ------------------------------------------------------------------ iteration
-    _collecting = False
-    #: ``(batches, frames)`` when actors were added to a sync collection: ``len()`` counts batches of
-    #: the former size up to there
-    _growth_point: tuple[int, int] | None = None
-    #: between a batch's yield and the iteration resuming (when add_collectors may run)
-    _suspended = False
-
     def _iterate(self) -> Iterator[TensorDictBase | None]:
-        batches = super()._iterate()
-        self._collecting = True
-        try:
-            for batch in batches:
-                self._collecting, self._suspended = False, True
-                yield batch
-                self._collecting, self._suspended = True, False
-        finally:
-            self._collecting = self._suspended = False
-            batches.close()
+        yield from super()._iterate()
         if self._reached_total():  # TorchRL's RayCollector releases its actors at the end of iteration
             self.shutdown()
 
@@ -285,7 +249,7 @@ class RayCollector(NodeCollector):
     def state_dict(self) -> list[OrderedDict]:
         """One state dict per actor, in actor order."""
         self._drain_async()
-        return [self._requests.request(worker, Command.STATE_DICT) for worker in range(self.num_workers)]
+        return [self._requests.request(worker, Command.STATE_DICT) for worker in self.active_workers]
 
     def load_state_dict(self, state_dict: dict | list[dict], **kwargs) -> None:
         """Load one state dict into every actor, or the ``i``-th of a list into actor ``i``.
