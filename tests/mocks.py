@@ -535,9 +535,10 @@ def counting_env_7():
     return CountingEnv(max_steps=7)
 
 
-def check_trajectories(batches: list, total_frames: int) -> dict:
-    """Every frame collected once, each trajectory counting up by one, ``total_frames`` exact, and
-    no step that was not collected (batches of any size)."""
+def check_trajectories(batches: list, total_frames: int, step: int = 1) -> dict:
+    """Every frame collected once, each trajectory counting up by ``step`` (the action of
+    ``weight_policy(step)``), ``total_frames`` exact, and no step that was not collected (batches of
+    any size). Returns ``{traj_id: [observations]}``."""
     seen: dict[int, list[int]] = {}
     frames = 0
     for batch in batches:
@@ -553,5 +554,5 @@ def check_trajectories(batches: list, total_frames: int) -> dict:
     assert frames == total_frames
     for traj, values in seen.items():
         assert len(values) == len(set(values)), f"trajectory {traj} has a frame twice: {values}"
-        assert all(b - a == 1 for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
+        assert all(b - a == step for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
     return seen

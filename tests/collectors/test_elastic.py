@@ -1,5 +1,5 @@
-"""Workers that leave a running collection (docs/elastic.md): ``remove_collectors`` on worker
-processes, MultiSyncCollector and MultiAsyncCollector. The nodes' version is in
+"""Workers that join and leave a running collection (docs/elastic.md): ``add_collectors`` and
+``remove_collectors`` on worker processes, MultiSyncCollector and MultiAsyncCollector. The nodes' version is in
 tests/collectors/distributed/test_elastic_nodes.py."""
 
 from __future__ import annotations
@@ -8,11 +8,15 @@ import time
 
 import psutil
 import pytest
+import torch
 from mocks import check_trajectories, counting_env_7 as counting_env, weight_policy
 
+from rlharvest import WorkerError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
 
 pytestmark = pytest.mark.timeout(90)
+
+IDS = ("collector", "traj_ids")
 
 
 def worker_pid(collector, worker: int) -> int:
@@ -94,3 +98,89 @@ def test_removing_is_refused_naming_what_is_wrong():
     collector.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         collector.remove_collectors([0])
+
+
+# ---------------------------------------------------------------------------------- workers that join
+def set_weight(policy, value: float) -> None:
+    with torch.no_grad():
+        policy.module.weight.fill_(value)
+
+
+def test_a_sync_batch_grows_by_the_new_workers_share_on_the_current_weights():
+    policy = weight_policy(1.0)
+    collector = MultiSyncCollector([counting_env] * 2, policy, frames_per_batch=8, total_frames=88,
+                                   track_policy_version=True)
+    collector.set_seed(11)
+    batches, ids_before = [], set()
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            ids_before = set(torch.cat([b.get(IDS).flatten() for b in batches]).tolist())
+            set_weight(policy, 2.0)
+            collector.update_policy_weights_()
+            version = collector.policy_version
+            start = time.perf_counter()
+            collector.add_collectors([counting_env])
+            seconds = time.perf_counter() - start
+            assert collector.active_workers == [0, 1, 2] and collector.requested_frames_per_batch == 12
+            assert collector.stats()["workers"] == 3 and len(collector) == 2 + 72 // 12
+    collector.shutdown()
+    assert [tuple(b.shape) for b in batches] == [(2, 4)] * 2 + [(3, 4)] * 6
+    after = batches[2:]
+    assert all((b["policy_version"] == version).all() for b in after)  # its first frame too
+    seen = check_trajectories(after, 72, step=2)
+    new_row = set(after[0][2].get(IDS).tolist())
+    assert not new_row & ids_before and not new_row & set(after[0][:2].get(IDS).flatten().tolist())
+    assert len(seen) > 3
+    print(f"MultiSyncCollector: add_collectors took {seconds:.3f} s")
+
+
+def test_added_workers_continue_the_seed_chain():
+    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1) as collector:
+        last = collector.set_seed(5)
+        collector.add_collectors([counting_env])
+        assert collector._fleet.specs[2].seed == last
+
+
+def test_an_async_worker_joins_and_yields_whole_batches():
+    collector = MultiAsyncCollector([counting_env], weight_policy(1.0), frames_per_batch=4, total_frames=80)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            collector.add_collectors(counting_env)
+            collector.remove_collectors(0)  # a join, then a leave: the new one carries on alone
+            assert collector.active_workers == [1]
+    collector.shutdown()
+    assert all(b.numel() == 4 for b in batches) and len(batches) == 20
+    check_trajectories(batches, 80)
+
+
+def test_a_worker_that_fails_to_start_leaves_the_collector_as_it_was():
+    def broken():
+        raise ValueError("this env cannot be built")
+
+    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1) as collector:
+        collector.next()
+        with pytest.raises(WorkerError, match="cannot be built"):
+            collector.add_collectors([counting_env, broken])
+        assert collector.active_workers == [0, 1] and collector.requested_frames_per_batch == 4
+        assert tuple(collector.next().shape) == (2, 2)
+        collector.add_collectors([counting_env])  # the slots of the failed ones are taken again
+        assert collector.active_workers == [0, 1, 2] and tuple(collector.next().shape) == (3, 2)
+
+
+def test_adding_is_refused_naming_the_argument():
+    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1) as collector:
+        with pytest.raises(ValueError, match="create_env_fn"):
+            collector.add_collectors([])
+        with pytest.raises(ValueError, match="num_envs"):
+            collector.add_collectors([counting_env], num_envs=2)
+        with pytest.raises(ValueError, match="frames_per_batch"):
+            collector.add_collectors([counting_env], collector_kwargs={"frames_per_batch": 3})
+        with pytest.raises(ValueError, match="policy"):
+            collector.add_collectors([counting_env], policy=weight_policy(1.0))
+    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1,
+                            device=["cpu", "cpu"]) as collector:
+        with pytest.raises(ValueError, match="one value per worker"):
+            collector.add_collectors([counting_env])
