@@ -209,7 +209,7 @@ class Fleet:
         indices = [spec.worker_idx for spec in specs]
         if indices != list(range(first, first + len(specs))):
             raise ValueError(f"new {self.backend.noun}s take indices {first}..{first + len(specs) - 1}, got {indices}.")
-        self._check_growable()
+        self.check_growable()
         self.backend.grow(len(specs), options)
         try:
             for spec in specs:
@@ -304,7 +304,8 @@ class Fleet:
         except Exception:  # failed or hung while leaving: it is terminated
             return False
 
-    def _check_growable(self) -> None:
+    def check_growable(self) -> None:
+        """Raise NotImplementedError naming what cannot serve more workers (the backend, a weight sender)."""
         noun = self.backend.noun
         if not self.backend.growable:
             raise NotImplementedError(f"{type(self.backend).__name__} cannot add {noun}s to a running collector.")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
+import sys
 import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
 import time
 import warnings
@@ -67,6 +69,16 @@ def _weakly(method, default: Any = None):
         return bound(*args) if bound is not None else default
 
     return call
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` of a warning raised by the caller of this function that points at the first
+    frame outside rlharvest (the user's call, however deep inside the package the warning is raised)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def valid_part(batch: TensorDictBase) -> TensorDictBase:
@@ -645,7 +657,7 @@ class RemoteCollectorBase(BaseCollector):
         if not self.config.endless and remaining > 0 and remaining % self.requested_frames_per_batch:
             warnings.warn(f"{remaining} frames remain to total_frames={self.config.total_frames}, not a multiple of the "
                           f"{self.requested_frames_per_batch} of a batch of {len(self.active_workers)} {self.noun}s: "
-                          "the last batch collects the excess.", stacklevel=4)
+                          "the last batch collects the excess.", stacklevel=_caller_outside_package())
 
     def __len__(self) -> int:
         point = self._resize_point

@@ -1,5 +1,6 @@
-"""Nodes that leave a running collection (docs/elastic.md): ``remove_collectors`` on
-DistributedCollector, DistributedSyncCollector and RPCCollector with launcher="mp"."""
+"""Nodes that join and leave a running collection (docs/elastic.md): ``remove_collectors`` on
+DistributedCollector, DistributedSyncCollector and RPCCollector, ``add_collectors`` on RPCCollector,
+with launcher="mp"."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import time
 
 import psutil
 import pytest
+import torch
 from mocks import check_trajectories, counting_env_7 as counting_env, weight_policy
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.transport.ports import free_port_block
 
 pytestmark = pytest.mark.timeout(150)
+
+IDS = ("collector", "traj_ids")
 
 
 def make(collector_class, count: int, **kwargs):
@@ -59,3 +63,47 @@ def test_a_free_running_node_is_paused_before_it_leaves():
     collector.shutdown()
     assert [b.numel() for b in batches] == [8, 8] + [4] * 12
     check_trajectories(batches, 64)
+
+
+# ---------------------------------------------------------------------------------- nodes that join
+def set_weight(policy, value: float) -> None:
+    with torch.no_grad():
+        policy.module.weight.fill_(value)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_an_rpc_node_joins_on_the_current_weights_with_fresh_ids(sync):
+    policy = weight_policy(1.0)
+    collector = RPCCollector([counting_env] * 2, policy, launcher="mp", tcp_port=free_port_block(3),
+                             frames_per_batch=8 if sync else 4, total_frames=52 if sync else 40, sync=sync)
+    batches, timings, ids_before = [], [], set()
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            ids_before = set(torch.cat([b.get(IDS).flatten() for b in batches]).tolist())
+            if sync:  # async: the other nodes' rollouts in flight run the former weights
+                set_weight(policy, 2.0)
+                collector.update_policy_weights_()
+            start = time.perf_counter()
+            collector.add_collectors([counting_env])
+            timings.append(time.perf_counter() - start)
+            assert collector.active_workers == [0, 1, 2] and len(collector.collector_rrefs) == 3
+            assert collector.requested_frames_per_batch == (12 if sync else 4)
+    collector.shutdown()
+    after = batches[2:]
+    if sync:
+        assert [tuple(b.shape) for b in batches] == [(2, 4)] * 2 + [(3, 4)] * 3
+    if sync:
+        check_trajectories(after, 36, step=2)
+    else:
+        check_trajectories(batches, 40)
+    if sync:  # the new node's ids were never used (async: two nodes sharing an id would break the count)
+        assert not set(after[0][2].get(IDS).tolist()) & ids_before
+    print(f"RPCCollector sync={sync}: add_collectors took {timings[0]:.3f} s")
+
+
+def test_torchdist_nodes_cannot_be_added_yet_and_nothing_changes():
+    with make(DistributedCollector, 2, frames_per_batch=8, total_frames=-1, sync=True) as collector:
+        with pytest.raises(NotImplementedError, match="cannot add nodes"):
+            collector.add_collectors([counting_env])
+        assert collector.active_workers == [0, 1] and tuple(collector.next().shape) == (2, 4)
