@@ -82,6 +82,20 @@ def _optional_count(name: str, value: Any) -> int:
     return max(0, value)
 
 
+def check_grace(preemption_grace: Any) -> float:
+    """Validate ``preemption_grace`` (finite seconds >= 0).
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    if isinstance(preemption_grace, bool) or not isinstance(preemption_grace, (int, float)):
+        raise TypeError(f"preemption_grace must be a number of seconds >= 0, got {type(preemption_grace).__name__} "
+                        f"{preemption_grace!r}")
+    if not math.isfinite(preemption_grace) or preemption_grace < 0:
+        raise ValueError(f"preemption_grace must be a finite number of seconds >= 0, got {preemption_grace!r}")
+    return float(preemption_grace)
+
+
 def check_restart_arguments(max_worker_restarts, restart_delay) -> tuple[int, float]:
     """Validate ``max_worker_restarts`` (an int >= 0) and ``restart_delay`` (finite seconds >= 0).
 
@@ -236,6 +250,9 @@ class CollectorConfig:
     raises ``WorkerError``, as without restarts). docs/restarts.md."""
     restart_delay: float = _arg(0.0, worker=_parent)
     """Seconds to wait before a failed worker's replacement starts."""
+    preemption_grace: float = _arg(5.0, worker=_parent)
+    """Seconds a worker that receives SIGTERM has to finish its rollout before it hands it back and
+    leaves (a preemption is a leave, not a failure). docs/elastic.md."""
 
     @classmethod
     def from_kwargs(cls, owner: str, **kwargs) -> CollectorConfig:
@@ -279,6 +296,7 @@ class CollectorConfig:
         restarts, delay = check_restart_arguments(self.max_worker_restarts, self.restart_delay)
         set_(self, "max_worker_restarts", restarts)
         set_(self, "restart_delay", delay)
+        set_(self, "preemption_grace", check_grace(self.preemption_grace))
         self._check_trajectory_options()
         self._check_buffer_options()
 

@@ -61,6 +61,8 @@ class Replacement:
     trajectory-id range)."""
     after: Callable[[int], None] = _nothing
     """Bring the replacement to where the others are (running free, new remote references)."""
+    left: Callable[[int], None] = _nothing
+    """A worker left for good (preempted, not replaced): the collector's batches shrink."""
 
 
 class Fleet:
@@ -177,15 +179,48 @@ class Fleet:
                 replace a worker (nodes started elsewhere); past the limit, a ``RestartLimitError``
                 listing every cause.
         """
+        if getattr(err, "kind", None) == "preempted":
+            return self._after_preemption(err, **changes)
         worker = self.restarts.admit(err)
         while True:
             try:
-                self.renew(worker, restart=self.restarts.restarts_of(worker), **changes)
+                self.renew(worker, restart=self.restarts.replacements_of(worker), **changes)
                 return worker
             except WorkerError as again:
                 worker = self.restarts.admit(again)
             except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
                 raise err from cannot
+
+    def _after_preemption(self, err: WorkerError, **changes: Any) -> int:
+        """A worker left on SIGTERM (docs/elastic.md): not a failure. With restarts on, a replacement is
+        started where the launcher can; otherwise (or when it cannot) the collection goes on without
+        it, its index an empty slot. Returns its index (check ``requests.retired``).
+
+        Raises:
+            WorkerError: ``err`` when it was the last worker.
+        """
+        replace = self.restarts.enabled and self._can_replace()
+        worker = self.restarts.record_leave(err, replace)
+        if replace:
+            try:
+                self.renew(worker, restart=self.restarts.replacements_of(worker), **changes)
+                return worker
+            except WorkerError as again:  # the replacement failed: a failure like any other
+                return self.recover(again, **changes)
+            except NotImplementedError:  # nodes started elsewhere: go on without it
+                pass
+        if [w for w in self.active if w != worker] == []:
+            raise err
+        self.replacement.before(worker)
+        self.backend.stop_one(worker, time.monotonic() + 1.0)
+        for scheme in self.schemes.values():
+            scheme.forget(worker)
+        self.requests.retire(worker)
+        self.replacement.left(worker)
+        return worker
+
+    def _can_replace(self) -> bool:
+        return getattr(self.backend, "launcher", None) != "submitit_delayed"
 
     def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
         """Start more workers after the others, each running the current weights before it collects.

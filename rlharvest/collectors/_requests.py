@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
-from ..protocol import FREE_BATCH, READY, Command, Message, Reply
+from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply
 
 __all__ = ["WorkerRequests"]
 
@@ -60,6 +60,8 @@ class WorkerRequests:
         self._free: collections.deque = collections.deque()
         #: workers that left (removed, preempted): their indices stay, as empty slots
         self.retired: set[int] = set()
+        #: workers that said they leave (preempted: SIGTERM), with what they did with their rollout
+        self.leaving: dict[int, str] = {}
         #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
         self._deadlines: dict[tuple[int, int], _Deadline] = {}
         for worker in range(len(self.handles)):  # every worker answers READY once built (or failed)
@@ -92,6 +94,7 @@ class WorkerRequests:
         or pushed for the old one is dropped, and its READY reply is expected."""
         self.handles[worker] = handle
         self.forget(worker)
+        self.leaving.pop(worker, None)
         self.retired.discard(worker)
         self._dead.discard(worker)
         self.unresponsive.discard(worker)
@@ -267,6 +270,9 @@ class WorkerRequests:
                 return
             if reply is None:  # a heartbeat, consumed by the handle
                 continue
+            if reply.request_id == LEAVING:  # preempted: its exit that follows is a leave
+                self.leaving[worker] = reply.value
+                continue
             if reply.request_id <= FREE_BATCH:  # pushed by a worker running free
                 self._free.append((worker, reply))
             else:
@@ -297,7 +303,8 @@ class WorkerRequests:
 
     def _check_alive(self, worker: int, request_id: int) -> None:
         handle = self.handles[worker]
-        if worker in self._dead or not handle.is_alive():
+        # A worker that said it leaves sent every reply it will ever send before saying so.
+        if worker in self._dead or worker in self.leaving or not handle.is_alive():
             self._drain(worker)  # a reply sent just before dying is still valid
             if request_id in self._stash[worker]:
                 return
@@ -311,13 +318,19 @@ class WorkerRequests:
         doing = f" while handling {command.value!r}" if command is not None and not starting else " while starting"
         if command is None and not starting:
             doing = ""
+        self._drain(worker)  # its goodbye, if it said one before its exit
+        if worker in self.leaving:
+            err = WorkerError(f"the {self.noun} was preempted (SIGTERM) and left{doing} (a rollout in flight, if "
+                              f"any, was {self.leaving[worker]}).", worker_idx=worker)
+            err.kind = "preempted"  # a leave: the restart policy does not count it
+            return err
         err = WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
                           worker_idx=worker)
         err.kind = self.handles[worker].exit_kind()  # how it is gone, for the restart policy
         return err
 
     def is_dead(self, worker: int) -> bool:
-        return worker in self._dead or not self.handles[worker].is_alive()
+        return worker in self._dead or worker in self.leaving or not self.handles[worker].is_alive()
 
     def forget(self, worker: int) -> None:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""

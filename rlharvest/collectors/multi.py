@@ -116,6 +116,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         max_worker_restarts: int = 0,
         restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
         mp_start_method: str | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,

@@ -126,7 +126,7 @@ class RemoteCollectorBase(BaseCollector):
         # The parts call back into this collector weakly: a collector the user drops is collected (and
         # its workers stopped, ``__del__``) at once, not at the next cycle collection.
         hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
-                            _weakly(self._after_replacement))
+                            _weakly(self._after_replacement), _weakly(self._after_leave))
         self._fleet = Fleet(self._backend, self._sender_schemes if schemes is None else schemes, timeout,
                             RestartPolicy.of(self.config, self.noun), hooks)
         self._gather = self._gather_strategy(self._fleet)
@@ -241,8 +241,9 @@ class RemoteCollectorBase(BaseCollector):
             batches, replies = [], []
             for worker, reply in gathered.items():
                 batch, reply = self._fetched(worker, reply, random)
-                batches.append(batch)
-                replies.append(reply)
+                if reply is not None:  # None: it left (preempted) while sending, its rollout handed back
+                    batches.append(batch)
+                    replies.append(reply)
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
@@ -252,7 +253,10 @@ class RemoteCollectorBase(BaseCollector):
         while True:
             try:
                 if reply is None:
-                    reply = self._requests.wait_for(worker, request_batch(self._fleet, worker, random))
+                    request_id = request_batch(self._fleet, worker, random)
+                    if request_id is None:
+                        return None, None
+                    reply = self._requests.wait_for(worker, request_id)
                 return self._handle_worker_batch(worker, reply), reply
             except WorkerError as err:
                 self._fleet.recover(err)
@@ -357,6 +361,10 @@ class RemoteCollectorBase(BaseCollector):
 
     def _after_replacement(self, worker: int) -> None:
         """Hook: bring the replacement of ``worker`` to where the others are."""
+
+    def _after_leave(self, worker: int) -> None:
+        """A worker left for good (preempted, not replaced): batches shrink as after remove_collectors."""
+        self._resized()
 
     def _replace_worker(self, worker: int, **changes: Any) -> None:
         """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the

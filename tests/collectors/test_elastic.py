@@ -1,15 +1,18 @@
-"""Workers that join and leave a running collection (docs/elastic.md): ``add_collectors`` and
-``remove_collectors`` on worker processes, MultiSyncCollector and MultiAsyncCollector. The nodes' version is in
+"""Workers that join, leave and are preempted in a running collection (docs/elastic.md):
+``add_collectors``, ``remove_collectors`` and SIGTERM on worker processes, MultiSyncCollector and
+MultiAsyncCollector. The nodes' version is in
 tests/collectors/distributed/test_elastic_nodes.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import psutil
 import pytest
 import torch
-from mocks import check_trajectories, counting_env_7 as counting_env, weight_policy
+from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
 
 from rlharvest import WorkerError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
@@ -184,3 +187,72 @@ def test_adding_is_refused_naming_the_argument():
                             device=["cpu", "cpu"]) as collector:
         with pytest.raises(ValueError, match="one value per worker"):
             collector.add_collectors([counting_env])
+
+
+# ---------------------------------------------------------------------------------- preemption (SIGTERM)
+def slow_env():
+    return SlowCountingEnv(max_steps=7, delay=0.01)
+
+
+def preempt(collector, worker: int) -> None:
+    os.kill(worker_pid(collector, worker), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_preempted_worker_is_replaced_without_spending_a_restart(sync, caplog):
+    collector_class = MultiSyncCollector if sync else MultiAsyncCollector
+    collector = collector_class([slow_env] * 2, weight_policy(1.0), frames_per_batch=40, total_frames=400,
+                                max_worker_restarts=1, preemption_grace=0.1)
+    batches = []
+    with caplog.at_level("WARNING", logger="rlharvest.restarts"):
+        for batch in collector:
+            batches.append(batch.clone())
+            if len(batches) == 2:
+                preempt(collector, 1)  # async: its rollout in flight (0.4 s) outlasts the grace: handed back
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["worker_1/preemptions"]) == (1, 0, 1)
+    assert stats["worker_1/restart_causes"].startswith("preempted: ") and stats["workers"] == 2
+    assert "preempted (not counted against max_worker_restarts); starting a replacement" in caplog.text
+    assert all(b.numel() == 40 for b in batches)
+    check_trajectories(batches, 400)
+
+
+def test_a_preempted_worker_finishes_a_rollout_that_fits_its_grace_period():
+    collector = MultiAsyncCollector([slow_env] * 2, weight_policy(1.0), frames_per_batch=20, total_frames=200,
+                                    max_worker_restarts=1, preemption_grace=5.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 1:
+            preempt(collector, 1)
+    stats = collector.stats()
+    collector.shutdown()
+    assert stats["preemptions"] == 1 and "was finished" in stats["worker_1/restart_causes"]
+    check_trajectories(batches, 200)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_without_restarts_collection_goes_on_without_the_preempted_worker(sync):
+    collector_class = MultiSyncCollector if sync else MultiAsyncCollector
+    collector = collector_class([counting_env] * 3, weight_policy(1.0), frames_per_batch=12 if sync else 4,
+                                total_frames=120 if sync else 60, preemption_grace=0.5)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            pid = worker_pid(collector, 1)
+            preempt(collector, 1)
+            wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                       10.0, "the preempted worker's exit")
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["workers"], stats["restarts"]) == (1, 2, 0)
+    if sync:
+        assert [tuple(b.shape) for b in batches] == [(3, 4)] * 2 + [(2, 4)] * 12
+    check_trajectories(batches, 120 if sync else 60)
+
+
+def test_preemption_grace_is_validated_naming_it():
+    with pytest.raises(ValueError, match="preemption_grace"):
+        MultiSyncCollector([counting_env], frames_per_batch=4, preemption_grace=-1.0)

@@ -88,6 +88,8 @@ class DistributedSyncCollector(NodeCollector):
             batches, frames = [], 0
             for node in self.active_workers:
                 reply, batch = self._gather.next_of(node, self._fetch_pushed)
+                if reply is None:  # it left (preempted) and was not replaced
+                    continue
                 batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
             self._frames += frames

@@ -139,6 +139,7 @@ class WorkerProcessOptions:
             num_threads=self.num_sub_threads,
             init_random_frames=config.init_random_frames,
             init_fn=wrap_callable(self.init_fn),
+            preemption_grace=config.preemption_grace,
         ) for worker in range(self.num_workers)]
 
     def grown(self, env_fns: list, factory: Callable | None) -> WorkerProcessOptions:

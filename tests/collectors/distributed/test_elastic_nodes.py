@@ -4,12 +4,14 @@ with launcher="mp"."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import psutil
 import pytest
 import torch
-from mocks import check_trajectories, counting_env_7 as counting_env, weight_policy
+from mocks import check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.transport.ports import free_port_block
@@ -107,3 +109,36 @@ def test_torchdist_nodes_cannot_be_added_yet_and_nothing_changes():
         with pytest.raises(NotImplementedError, match="cannot add nodes"):
             collector.add_collectors([counting_env])
         assert collector.active_workers == [0, 1] and tuple(collector.next().shape) == (2, 4)
+
+
+# ---------------------------------------------------------------------------------- preemption (SIGTERM)
+def test_a_preempted_node_is_replaced_through_its_launcher_without_spending_a_restart():
+    collector = make(DistributedCollector, 2, frames_per_batch=8, total_frames=80, sync=True, max_worker_restarts=1,
+                     preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            node = collector._launched[1].process
+            os.kill(node.pid, signal.SIGTERM)
+            wait_until(lambda: gone(node), 30.0, "the preempted node's exit")
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    assert stats["worker_1/restart_causes"].startswith("preempted: ")
+    assert [tuple(b.shape) for b in batches] == [(2, 4)] * 10
+    check_trajectories(batches, 80)
+
+
+def test_a_preempted_node_without_restarts_leaves_the_others_collecting():
+    collector = make(DistributedCollector, 2, frames_per_batch=8, total_frames=160, sync=False)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            # its batch in flight is delivered (the node waits until it is taken), then it leaves
+            os.kill(collector._launched[0].process.pid, signal.SIGTERM)
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["workers"]) == (1, 1)
+    check_trajectories(batches, 160)

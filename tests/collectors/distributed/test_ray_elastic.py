@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(150), pytest.mark.usefixtures
 @pytest.mark.parametrize("sync", [True, False])
 def test_an_actor_leaves_and_the_others_keep_their_indices(ray_cluster, sync):
     collector = RayCollector([counting_env_7] * 3, weight_policy(1.0), frames_per_batch=12 if sync else 4,
-                             total_frames=72 if sync else 48, sync=sync)
+                             total_frames=72 if sync else 48, sync=sync, remote_configs={"num_cpus": 0.5})
     batches, timings = [], []
     for batch in collector:
         batches.append(batch.clone())
