@@ -396,15 +396,22 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
     Every push backend runs exactly this in its worker (a process, a thread, a node); backends get
     it passed in as their target (``rlharvest.transport`` never imports the worker loop).
     """
+    # SIGTERM is handled from the start: one that arrives while the worker is built is a preemption too
+    early: list[float] = []
+    handles_sigterm = spec.preemption_grace is not None and threading.current_thread() is threading.main_thread()
+    if handles_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: early.append(time.monotonic()))
     try:
         worker = Worker(spec, endpoint)
     except BaseException as err:
         endpoint.send(Reply(READY, spec.worker_idx, failure=RemoteFailure.capture(err, spec.worker_idx)))
         endpoint.close()
         return
-    endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
-    if spec.preemption_grace is not None and threading.current_thread() is threading.main_thread():
+    if handles_sigterm:
         signal.signal(signal.SIGTERM, worker.preempt)  # a preemption is a leave (docs/elastic.md)
+        if early:
+            worker.preempted_at = early[0]
+    endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
     try:
         worker.serve()
     finally:
