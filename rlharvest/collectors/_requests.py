@@ -319,6 +319,9 @@ class WorkerRequests:
         if command is None and not starting:
             doing = ""
         self._drain(worker)  # its goodbye, if it said one before its exit
+        left_as = self.handles[worker].left_as()
+        if left_as is not None:  # said in shared memory: a connection reset cannot lose it
+            self.leaving.setdefault(worker, left_as)
         if worker in self.leaving:
             err = WorkerError(f"the {self.noun} was preempted (SIGTERM) and left{doing} (a rollout in flight, if "
                               f"any, was {self.leaving[worker]}).", worker_idx=worker)

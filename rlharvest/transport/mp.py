@@ -5,7 +5,7 @@ shared memory.
 * A batch is never pickled per rollout: the first BATCH reply carries the worker's batch buffer
   after moving it to shared memory; later rollouts write into that same memory and their replies
   only say "ready".
-* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress]``. The
+* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress, left]``. The
   parent bumps ``interrupt`` to stop a rollout early (read by the worker between env steps, ~0.1 us);
   the worker advances ``progress`` every step, which the parent reads to tell a slow worker from a
   hung one.
@@ -88,14 +88,14 @@ class SharedTrajectoryCounter(TrajectoryCounter):
 
 
 class SignalBoard:
-    """The shared ``[interrupt, progress]`` rows of every worker of a collector.
+    """The shared ``[interrupt, progress, left]`` rows of every worker of a collector.
 
     The workers a collector starts with share one table; each worker added later (``MPBackend.grow``)
     gets a table of its own, so the rows the running workers hold never move.
     """
 
     def __init__(self, num_workers: int) -> None:
-        self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
+        self.table = torch.zeros((num_workers, 3), dtype=torch.int64).share_memory_()
         #: ``(first worker, table)``: the first table, then one per added worker
         self._tables: list[tuple[int, torch.Tensor]] = [(0, self.table)]
 
@@ -106,7 +106,7 @@ class SignalBoard:
 
     def grow(self, first: int, count: int) -> None:
         """Rows for workers ``first`` .. ``first + count - 1``."""
-        self._tables.extend((worker, torch.zeros((1, 2), dtype=torch.int64).share_memory_())
+        self._tables.extend((worker, torch.zeros((1, 3), dtype=torch.int64).share_memory_())
                             for worker in range(first, first + count))
 
     def truncate(self, num_workers: int) -> None:
@@ -252,6 +252,7 @@ class MPBackend(Backend):
         # shared tensors; user callables inside it are already wrapped for cloudpickle.
         parent_pid, death_signal = parent_watch(self.ctx)
         signals, row = self.signals.row(index)
+        signals[row, 2] = 0  # a replacement has not left (its predecessor may have: LEFT, pipes.py)
         process = self.ctx.Process(
             target=_process_main,
             args=(self.target, spec, child_conn, signals, row, index, parent_pid, death_signal),

@@ -235,6 +235,7 @@ class Worker:
         """Tell the parent this worker leaves (preempted), then end as after CLOSE."""
         handed_back = self._handing_back
         self.closed = True
+        self.endpoint.announce_leaving(handed_back)  # in shared memory where there is some: never lost
         if not handed_back:
             with contextlib.suppress(Exception):  # the batch it delivered last must have left (nodes send it after replying)
                 self.endpoint.before_rollout()

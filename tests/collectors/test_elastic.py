@@ -256,3 +256,18 @@ def test_without_restarts_collection_goes_on_without_the_preempted_worker(sync):
 def test_preemption_grace_is_validated_naming_it():
     with pytest.raises(ValueError, match="preemption_grace"):
         MultiSyncCollector([counting_env], frames_per_batch=4, preemption_grace=-1.0)
+
+
+def test_a_replacement_of_a_preempted_worker_that_dies_is_a_failure():
+    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=8, total_frames=-1,
+                            max_worker_restarts=1, preemption_grace=1.0) as collector:
+        collector.next()
+        preempt(collector, 1)
+        while collector.stats()["preemptions"] == 0:
+            collector.next()
+        os.kill(worker_pid(collector, 1), signal.SIGKILL)
+        while collector.stats()["restarts"] == 0:
+            collector.next()
+        stats = collector.stats()
+    assert (stats["preemptions"], stats["restarts"]) == (1, 1)
+    assert [cause.split(":")[0] for cause in stats["worker_1/restart_causes"].split("; ")] == ["preempted", "died"]
