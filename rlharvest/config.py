@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -408,6 +408,18 @@ class CollectorConfig:
                 raise RuntimeError(f"{spec.name} must be a single device or a sequence of {num_workers} devices "
                                    f"(one per worker), got {len(value)}.")
             raise ValueError(f"{spec.name} must have exactly one value per worker ({num_workers}), got {len(value)}.")
+
+    def grown(self, count: int) -> CollectorConfig:
+        """This config with ``count`` more workers: a per-worker sequence whose entries are all equal
+        (``AsyncCollector``'s one-entry ``create_env_kwargs``) gets that entry for each new worker; one
+        with different entries is left as it is, for :meth:`check_workers` to refuse."""
+        changes = {}
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.metadata["worker"] is _each and isinstance(value, (list, tuple)) and value \
+                    and all(entry == value[0] for entry in value):
+                changes[spec.name] = type(value)([*value] + [value[0]] * count)
+        return replace(self, **changes) if changes else self
 
     def for_worker(self, index: int, **overrides: Any) -> dict[str, Any]:
         """The keyword arguments of worker ``index``'s collector.

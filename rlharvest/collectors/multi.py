@@ -326,21 +326,23 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if len(factories) > 1:
             raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
                              "with a different one per worker.")
+        config = self.config.grown(count)
         try:
-            self.config.check_workers(first + count)
+            config.check_workers(first + count)
         except (RuntimeError, ValueError) as err:
             raise ValueError(f"add_collectors: {err} The collector was built with one value per worker: it cannot "
                              "tell the new workers' values.") from None
-        options = self._options.grown(env_fns, next(iter(factories.values()), None))
+        options = self._options.grown(env_fns, next(iter(factories.values()), None), config)
         specs = options.worker_specs(default_collector=Collector, policy=self._worker_policy,
                                      schemes=self._sender_schemes, traj_counter=self._traj_counter)[first:]
         specs = [spec.replacement(collector_kwargs={**spec.collector_kwargs, **entry})
                  for spec, entry in zip(specs, extra)]
-        previous, self._options = self._options, options
+        previous = self._options, self.config
+        self._options, self.config = options, config
         try:
-            self._add_workers(specs, [self.config.policy_device_of(worker) for worker in range(first, first + count)])
+            self._add_workers(specs, [config.policy_device_of(worker) for worker in range(first, first + count)])
         except BaseException:
-            self._options = previous
+            self._options, self.config = previous
             raise
         if self.policy_factory:
             self.policy_factory = list(options.policy_factories)

@@ -16,6 +16,7 @@ from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as countin
 
 from rlharvest import WorkerError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.envs import CountingEnv
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -183,10 +184,10 @@ def test_adding_is_refused_naming_the_argument():
             collector.add_collectors([counting_env], collector_kwargs={"frames_per_batch": 3})
         with pytest.raises(ValueError, match="policy"):
             collector.add_collectors([counting_env], policy=weight_policy(1.0))
-    with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1,
-                            device=["cpu", "cpu"]) as collector:
-        with pytest.raises(ValueError, match="one value per worker"):
-            collector.add_collectors([counting_env])
+    with MultiSyncCollector([CountingEnv] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1,
+                            create_env_kwargs=[{"max_steps": 5}, {"max_steps": 7}]) as collector:
+        with pytest.raises(ValueError, match="create_env_kwargs.*one value per worker"):
+            collector.add_collectors([CountingEnv])
 
 
 # ---------------------------------------------------------------------------------- preemption (SIGTERM)
@@ -271,3 +272,16 @@ def test_a_replacement_of_a_preempted_worker_that_dies_is_a_failure():
         stats = collector.stats()
     assert (stats["preemptions"], stats["restarts"]) == (1, 1)
     assert [cause.split(":")[0] for cause in stats["worker_1/restart_causes"].split("; ")] == ["preempted", "died"]
+
+
+def test_an_async_collector_hands_its_one_worker_over_to_an_added_one():
+    collector = AsyncCollector(counting_env, weight_policy(1.0), frames_per_batch=4, total_frames=40)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 3:
+            collector.add_collectors(counting_env)
+            collector.remove_collectors(0)
+            assert collector.active_workers == [1] and collector.stats()["workers"] == 1
+    collector.shutdown()
+    check_trajectories(batches, 40)

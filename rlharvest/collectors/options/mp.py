@@ -142,13 +142,13 @@ class WorkerProcessOptions:
             preemption_grace=config.preemption_grace,
         ) for worker in range(self.num_workers)]
 
-    def grown(self, env_fns: list, factory: Callable | None) -> WorkerProcessOptions:
+    def grown(self, env_fns: list, factory: Callable | None, config: CollectorConfig) -> WorkerProcessOptions:
         """These options with workers added after the others (``add_collectors``): their env
-        constructors, the policy factory every worker shares (or None), and the first worker's share
-        of frames for each (docs/elastic.md)."""
+        constructors, the policy factory every worker shares (or None), the first worker's share
+        of frames for each, and ``config`` grown for them (docs/elastic.md)."""
         count = len(env_fns)
         factories = self.policy_factories + (factory,) * count if self.policy_factories else None
-        return replace(self, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories,
+        return replace(self, config=config, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories,
                        frames_per_worker=self.frames_per_worker + (self.frames_per_worker[0],) * count)
 
     def torch_threads(self) -> int:

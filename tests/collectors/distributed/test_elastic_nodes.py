@@ -142,3 +142,4 @@ def test_a_preempted_node_without_restarts_leaves_the_others_collecting():
     collector.shutdown()
     assert (stats["preemptions"], stats["workers"]) == (1, 1)
     check_trajectories(batches, 160)
+
