@@ -179,6 +179,10 @@ class Fleet:
                 replace a worker (nodes started elsewhere); past the limit, a ``RestartLimitError``
                 listing every cause.
         """
+        worker = err.worker_idx
+        if getattr(err, "kind", None) != "preempted" and worker is not None and self.requests is not None \
+                and self.requests.said_leaving(worker):  # met elsewhere first (its weight channel closing)
+            err.kind = "preempted"
         if getattr(err, "kind", None) == "preempted":
             return self._after_preemption(err, **changes)
         worker = self.restarts.admit(err)

@@ -332,6 +332,16 @@ class WorkerRequests:
         err.kind = self.handles[worker].exit_kind()  # how it is gone, for the restart policy
         return err
 
+    def said_leaving(self, worker: int) -> bool:
+        """Whether ``worker`` said it leaves (preempted): a failure met elsewhere (its weight channel
+        closing) is then its leave."""
+        if 0 <= worker < len(self.handles) and worker not in self.retired:
+            self._drain(worker)
+            left_as = self.handles[worker].left_as()
+            if left_as is not None:
+                self.leaving.setdefault(worker, left_as)
+        return worker in self.leaving
+
     def is_dead(self, worker: int) -> bool:
         return worker in self._dead or worker in self.leaving or not self.handles[worker].is_alive()
 

@@ -143,3 +143,18 @@ def test_a_preempted_node_without_restarts_leaves_the_others_collecting():
     assert (stats["preemptions"], stats["workers"]) == (1, 1)
     check_trajectories(batches, 160)
 
+
+
+def test_a_preempted_free_running_node_is_replaced():
+    collector = make(DistributedSyncCollector, 2, frames_per_batch=8, total_frames=80, max_worker_restarts=1,
+                     preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            os.kill(collector._launched[1].process.pid, signal.SIGTERM)
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    assert all(b.numel() == 8 for b in batches)
+    check_trajectories(batches, 80)
