@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -80,6 +80,20 @@ def _optional_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     return max(0, value)
+
+
+def check_grace(preemption_grace: Any) -> float:
+    """Validate ``preemption_grace`` (finite seconds >= 0).
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    if isinstance(preemption_grace, bool) or not isinstance(preemption_grace, (int, float)):
+        raise TypeError(f"preemption_grace must be a number of seconds >= 0, got {type(preemption_grace).__name__} "
+                        f"{preemption_grace!r}")
+    if not math.isfinite(preemption_grace) or preemption_grace < 0:
+        raise ValueError(f"preemption_grace must be a finite number of seconds >= 0, got {preemption_grace!r}")
+    return float(preemption_grace)
 
 
 def check_restart_arguments(max_worker_restarts, restart_delay) -> tuple[int, float]:
@@ -236,6 +250,9 @@ class CollectorConfig:
     raises ``WorkerError``, as without restarts). docs/restarts.md."""
     restart_delay: float = _arg(0.0, worker=_parent)
     """Seconds to wait before a failed worker's replacement starts."""
+    preemption_grace: float = _arg(5.0, worker=_parent)
+    """Seconds a worker that receives SIGTERM has to finish its rollout before it hands it back and
+    leaves (a preemption is a leave, not a failure). docs/elastic.md."""
 
     @classmethod
     def from_kwargs(cls, owner: str, **kwargs) -> CollectorConfig:
@@ -279,6 +296,7 @@ class CollectorConfig:
         restarts, delay = check_restart_arguments(self.max_worker_restarts, self.restart_delay)
         set_(self, "max_worker_restarts", restarts)
         set_(self, "restart_delay", delay)
+        set_(self, "preemption_grace", check_grace(self.preemption_grace))
         self._check_trajectory_options()
         self._check_buffer_options()
 
@@ -390,6 +408,18 @@ class CollectorConfig:
                 raise RuntimeError(f"{spec.name} must be a single device or a sequence of {num_workers} devices "
                                    f"(one per worker), got {len(value)}.")
             raise ValueError(f"{spec.name} must have exactly one value per worker ({num_workers}), got {len(value)}.")
+
+    def grown(self, count: int) -> CollectorConfig:
+        """This config with ``count`` more workers: a per-worker sequence whose entries are all equal
+        (``AsyncCollector``'s one-entry ``create_env_kwargs``) gets that entry for each new worker; one
+        with different entries is left as it is, for :meth:`check_workers` to refuse."""
+        changes = {}
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.metadata["worker"] is _each and isinstance(value, (list, tuple)) and value \
+                    and all(entry == value[0] for entry in value):
+                changes[spec.name] = type(value)([*value] + [value[0]] * count)
+        return replace(self, **changes) if changes else self
 
     def for_worker(self, index: int, **overrides: Any) -> dict[str, Any]:
         """The keyword arguments of worker ``index``'s collector.

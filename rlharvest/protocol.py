@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import RemoteFailure
 
-__all__ = ["Command", "Message", "Reply", "WorkerSpec", "FREE_BATCH", "READY", "UnknownCommandError"]
+__all__ = ["Command", "Message", "Reply", "WorkerSpec", "FREE_BATCH", "LEAVING", "READY", "UnknownCommandError"]
 
 
 class Command(enum.Enum):
@@ -40,6 +40,8 @@ class Command(enum.Enum):
 READY = -1
 #: request ids at or below this mark unsolicited batches of a worker running free (never answered ids)
 FREE_BATCH = -2
+#: request id of the message a preempted worker sends before it exits (no request has id 0)
+LEAVING = 0
 
 
 class UnknownCommandError(ValueError):
@@ -102,6 +104,9 @@ class WorkerSpec:
     ids its predecessor used, so ids stay unique (docs/collection.md, "Trajectory ids")."""
     policy_version: int = 0
     """The policy version the worker starts at (a replacement starts at the current one)."""
+    preemption_grace: float | None = None
+    """Seconds a worker that receives SIGTERM has to finish its rollout before it hands it back and
+    leaves (None: SIGTERM is not handled, the process ends at once). docs/elastic.md."""
     restart: int = 0
     """How many failed workers this one replaces at its index (0: the first); a restarted worker's env
     is seeded from its worker's seed and this number (:meth:`start_seed`)."""

@@ -529,3 +529,30 @@ class ActionRewardEnv(CountingEnv):
 def weight_policy_of(env, weight: float = 1.0) -> TensorDictModule:
     """A policy factory as the Evaluator calls it, ``policy_factory(env)``: ``weight_policy(weight)``."""
     return weight_policy(weight)
+
+
+def counting_env_7():
+    return CountingEnv(max_steps=7)
+
+
+def check_trajectories(batches: list, total_frames: int, step: int = 1) -> dict:
+    """Every frame collected once, each trajectory counting up by ``step`` (the action of
+    ``weight_policy(step)``), ``total_frames`` exact, and no step that was not collected (batches of
+    any size). Returns ``{traj_id: [observations]}``."""
+    seen: dict[int, list[int]] = {}
+    frames = 0
+    for batch in batches:
+        ids, obs = batch.get(("collector", "traj_ids")).reshape(-1).tolist(), batch["observation"].reshape(-1).tolist()
+        if batch.batch_dims > 1:  # rows are workers: read each row in time order
+            rows = batch.reshape(-1, batch.shape[-1])
+            ids = [i for row in rows.unbind(0) for i in row.get(("collector", "traj_ids")).tolist()]
+            obs = [o for row in rows.unbind(0) for o in row["observation"].reshape(-1).tolist()]
+        assert -1 not in ids, "a batch holds steps that were not collected"
+        for traj, value in zip(ids, obs):
+            seen.setdefault(traj, []).append(value)
+        frames += batch.numel()
+    assert frames == total_frames
+    for traj, values in seen.items():
+        assert len(values) == len(set(values)), f"trajectory {traj} has a frame twice: {values}"
+        assert all(b - a == step for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
+    return seen

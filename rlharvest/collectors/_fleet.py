@@ -16,6 +16,11 @@ Adding workers (:meth:`Fleet.grow`, docs/backends.md, "Adding workers") takes st
 indices, after the backend made room for them (``Backend.grow``); it needs a backend and weight
 senders that are ``growable``.
 
+Removing workers (:meth:`Fleet.remove`, docs/elastic.md) is a graceful leave: each stops at a rollout
+boundary (a rollout in flight is cut short, taken off its transport and dropped whole), closes, and is
+made sure gone; every weight scheme forgets it. Its index stays as an empty slot (``active`` leaves
+it out), so the other workers keep theirs.
+
 A failed worker met anywhere is handed to :meth:`Fleet.recover`: the restart policy admits it (or
 raises), and the worker is renewed (:meth:`Fleet.renew`): the collector's :class:`Replacement` hooks
 drop what it had in flight and say what its replacement starts with.
@@ -56,6 +61,8 @@ class Replacement:
     trajectory-id range)."""
     after: Callable[[int], None] = _nothing
     """Bring the replacement to where the others are (running free, new remote references)."""
+    left: Callable[[int], None] = _nothing
+    """A worker left for good (preempted, not replaced): the collector's batches shrink."""
 
 
 class Fleet:
@@ -91,7 +98,13 @@ class Fleet:
         self.requests: WorkerRequests | None = None
 
     def __len__(self) -> int:
+        """The number of slots: every index ever given, including those of workers that left."""
         return len(self.specs)
+
+    @property
+    def active(self) -> list[int]:
+        """The indices of the workers that have not left, in order."""
+        return self.requests.active() if self.requests is not None else list(range(len(self.specs)))
 
     def start(self, specs: Sequence[WorkerSpec], started: Callable[[], None] | None = None,
               wait: bool = True) -> None:
@@ -166,15 +179,52 @@ class Fleet:
                 replace a worker (nodes started elsewhere); past the limit, a ``RestartLimitError``
                 listing every cause.
         """
+        worker = err.worker_idx
+        if getattr(err, "kind", None) != "preempted" and worker is not None and self.requests is not None \
+                and self.requests.said_leaving(worker):  # met elsewhere first (its weight channel closing)
+            err.kind = "preempted"
+        if getattr(err, "kind", None) == "preempted":
+            return self._after_preemption(err, **changes)
         worker = self.restarts.admit(err)
         while True:
             try:
-                self.renew(worker, restart=self.restarts.restarts_of(worker), **changes)
+                self.renew(worker, restart=self.restarts.replacements_of(worker), **changes)
                 return worker
             except WorkerError as again:
                 worker = self.restarts.admit(again)
             except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
                 raise err from cannot
+
+    def _after_preemption(self, err: WorkerError, **changes: Any) -> int:
+        """A worker left on SIGTERM (docs/elastic.md): not a failure. With restarts on, a replacement is
+        started where the launcher can; otherwise (or when it cannot) the collection goes on without
+        it, its index an empty slot. Returns its index (check ``requests.retired``).
+
+        Raises:
+            WorkerError: ``err`` when it was the last worker.
+        """
+        replace = self.restarts.enabled and self._can_replace()
+        worker = self.restarts.record_leave(err, replace)
+        if replace:
+            try:
+                self.renew(worker, restart=self.restarts.replacements_of(worker), **changes)
+                return worker
+            except WorkerError as again:  # the replacement failed: a failure like any other
+                return self.recover(again, **changes)
+            except NotImplementedError:  # nodes started elsewhere: go on without it
+                pass
+        if [w for w in self.active if w != worker] == []:
+            raise err
+        self.replacement.before(worker)
+        self.backend.stop_one(worker, time.monotonic() + 1.0)
+        for scheme in self.schemes.values():
+            scheme.forget(worker)
+        self.requests.retire(worker)
+        self.replacement.left(worker)
+        return worker
+
+    def _can_replace(self) -> bool:
+        return getattr(self.backend, "launcher", None) != "submitit_delayed"
 
     def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
         """Start more workers after the others, each running the current weights before it collects.
@@ -198,7 +248,7 @@ class Fleet:
         indices = [spec.worker_idx for spec in specs]
         if indices != list(range(first, first + len(specs))):
             raise ValueError(f"new {self.backend.noun}s take indices {first}..{first + len(specs) - 1}, got {indices}.")
-        self._check_growable()
+        self.check_growable()
         self.backend.grow(len(specs), options)
         try:
             for spec in specs:
@@ -215,7 +265,86 @@ class Fleet:
             self.shrink(first)
             raise
 
-    def _check_growable(self) -> None:
+    def remove(self, indices: Sequence[int], timeout: float | None = None, running_free: bool = False) -> None:
+        """Make the workers ``indices`` leave, gracefully, within ``timeout`` seconds (default: the
+        fleet's): each stops at a rollout boundary, closes, and is gone when this returns.
+
+        A rollout in flight is interrupted, taken off the transport and dropped whole (its frames are
+        never counted); with ``running_free`` the workers are paused first, and the batches they
+        pushed meanwhile are dropped the same way. A worker that does not close in time, or fails
+        while leaving, is terminated. Every weight scheme forgets it; its index stays an empty slot.
+
+        Raises:
+            ValueError: for an index that is not a current worker, or when no worker would be left.
+        """
+        indices = self.check_removable(indices)
+        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        for index in indices:
+            self.replacement.before(index)  # the collector drops what it had in flight
+            self.requests.handles[index].interrupt()
+        closed = {index for index in indices if self._settle(index, deadline, running_free)}
+        for index in indices:
+            self.backend.stop_one(index, deadline if index in closed else time.monotonic())
+            for scheme in self.schemes.values():
+                scheme.forget(index)
+            self.requests.retire(index)
+
+    def check_removable(self, indices: Sequence[int] | int) -> list[int]:
+        """``indices`` as a sorted list of current workers that may leave.
+
+        Raises:
+            ValueError: for an index that is not a current worker (never was, or left already), a
+                repeated one, or when every current worker would leave.
+        """
+        noun = self.backend.noun
+        indices = [indices] if isinstance(indices, int) and not isinstance(indices, bool) else list(indices)
+        active = self.active
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError(f"indices must be {noun} indices (ints), got {index!r}.")
+            if index not in active:
+                state = "was removed already" if 0 <= index < len(self.specs) else "does not exist"
+                raise ValueError(f"{noun} {index} {state}: the current {noun}s are {active}.")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"indices name a {noun} twice: {indices}.")
+        if not indices:
+            raise ValueError(f"indices is empty: name the {noun}s to remove.")
+        if set(active) <= set(indices):
+            raise ValueError(f"removing {noun}{'s' if len(indices) > 1 else ''} {sorted(indices)} would leave no {noun}: "
+                             f"{noun} {active[-1]} is the last one (call shutdown() to stop collecting).")
+        return sorted(indices)
+
+    def _settle(self, index: int, deadline: float, running_free: bool) -> bool:
+        """Bring worker ``index`` to a rollout boundary and ask it to close; True once it acknowledged.
+        Batches it announces meanwhile are taken off the transport (a node blocks until its batch is
+        received) and dropped."""
+        requests = self.requests
+        handle = requests.handles[index]
+        try:
+            pending = list(requests.outstanding(index))
+            if running_free:
+                pending.append(requests.send(index, Command.PAUSE))
+            for request_id in pending:
+                command = requests.outstanding(index).get(request_id)
+                while running_free and not requests.has_reply(index, request_id):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    got = requests.next_pushed(min(0.05, remaining), [index])
+                    if got is not None:  # pushed while pausing: off the transport, dropped whole
+                        handle.fetch_batch(got[1])
+                reply = requests.wait_for(index, request_id, timeout=max(0.05, deadline - time.monotonic()))
+                if command is Command.COLLECT and not reply.written:
+                    handle.fetch_batch(reply)  # off the transport; dropped whole
+            for reply in requests.take_pushed(index):
+                handle.fetch_batch(reply)
+            requests.request(index, Command.CLOSE, timeout=max(0.05, deadline - time.monotonic()))
+            return True
+        except Exception:  # failed or hung while leaving: it is terminated
+            return False
+
+    def check_growable(self) -> None:
+        """Raise NotImplementedError naming what cannot serve more workers (the backend, a weight sender)."""
         noun = self.backend.noun
         if not self.backend.growable:
             raise NotImplementedError(f"{type(self.backend).__name__} cannot add {noun}s to a running collector.")
@@ -254,7 +383,7 @@ class Fleet:
         if requests is not None:
             close_ids = {}
             for worker, handle in enumerate(requests.handles):
-                if requests.is_dead(worker):
+                if worker in requests.retired or requests.is_dead(worker):
                     continue
                 handle.interrupt()
                 with contextlib.suppress(WorkerError):

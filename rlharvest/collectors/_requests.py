@@ -10,7 +10,9 @@ torch.distributed nodes, RPC nodes). Every wait
 
 Replies are matched to requests by id; a reply that arrives while another is awaited (an async
 BATCH while waiting for a ``state_dict``) is kept until someone asks for it. A worker it saw
-die stays dead until :meth:`WorkerRequests.replace` swaps a new handle in for it.
+die stays dead until :meth:`WorkerRequests.replace` swaps a new handle in for it. A worker that left
+(:meth:`WorkerRequests.retire`, docs/elastic.md) keeps its index as an empty slot: nothing is sent
+to it any more, and :meth:`WorkerRequests.active` leaves it out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import WorkerError, WorkerTimeoutError
 from ..transport.base import WorkerHandle
-from ..protocol import FREE_BATCH, READY, Command, Message, Reply
+from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply
 
 __all__ = ["WorkerRequests"]
 
@@ -56,6 +58,10 @@ class WorkerRequests:
         #: workers that timed out: shutdown does not wait for them to answer
         self.unresponsive: set[int] = set()
         self._free: collections.deque = collections.deque()
+        #: workers that left (removed, preempted): their indices stay, as empty slots
+        self.retired: set[int] = set()
+        #: workers that said they leave (preempted: SIGTERM), with what they did with their rollout
+        self.leaving: dict[int, str] = {}
         #: wait_any's deadline of each ``(worker, request_id)``, kept until its reply is taken
         self._deadlines: dict[tuple[int, int], _Deadline] = {}
         #: ``(worker, request_id)`` given up by :meth:`values_within`: their late replies are discarded
@@ -66,11 +72,32 @@ class WorkerRequests:
     def __len__(self) -> int:
         return len(self.handles)
 
+    def active(self) -> list[int]:
+        """The indices of the workers that have not left, in order."""
+        return [worker for worker in range(len(self.handles)) if worker not in self.retired]
+
+    def retire(self, worker: int) -> None:
+        """``worker`` left (its process is gone): forget what it had outstanding, stashed or pushed, and
+        leave its index empty; sending to it raises from now on."""
+        self.forget(worker)
+        self.retired.add(worker)
+        self._dead.add(worker)
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+
+    def take_pushed(self, worker: int) -> list[Reply]:
+        """Take every batch ``worker`` pushed (running free) that nobody took yet, oldest first."""
+        self._drain(worker)
+        mine = [reply for index, reply in self._free if index == worker]
+        self._free = collections.deque(item for item in self._free if item[0] != worker)
+        return mine
+
     def replace(self, worker: int, handle: WorkerHandle) -> None:
         """Talk to ``handle`` as ``worker`` from now on (a replacement): what was outstanding, stashed
         or pushed for the old one is dropped, and its READY reply is expected."""
         self.handles[worker] = handle
         self.forget(worker)
+        self.leaving.pop(worker, None)
+        self.retired.discard(worker)
         self._dead.discard(worker)
         self.unresponsive.discard(worker)
         self._free = collections.deque(item for item in self._free if item[0] != worker)
@@ -89,13 +116,21 @@ class WorkerRequests:
         for worker in range(count, len(self.handles)):
             self.forget(worker)
             self._dead.discard(worker)
+            self.retired.discard(worker)
             self.unresponsive.discard(worker)
         self._free = collections.deque(item for item in self._free if item[0] < count)
         del self.handles[count:]
 
     # ------------------------------------------------------------------ sending
     def send(self, worker: int, command: Command, payload: Any = None) -> int:
-        """Send a command; returns its request id."""
+        """Send a command; returns its request id.
+
+        Raises:
+            ValueError: for a worker that left (its index is an empty slot).
+            WorkerError: for a worker found dead.
+        """
+        if worker in self.retired:
+            raise ValueError(f"{self.noun} {worker} was removed from this collector: nothing can be sent to it.")
         if worker in self._dead:
             raise self._death_error(worker, command)
         request_id = next(self._ids)
@@ -117,7 +152,7 @@ class WorkerRequests:
     def broadcast(self, command: Command, payload: Any = None, workers: Iterable[int] | None = None,
                   timeout: float | None = None) -> list[Any]:
         """Send to several workers at once, then gather their values in worker order."""
-        workers = list(range(len(self.handles))) if workers is None else list(workers)
+        workers = self.active() if workers is None else list(workers)
         ids = {w: self.send(w, command, payload) for w in workers}
         return [self.wait_for(w, ids[w], timeout).value for w in workers]
 
@@ -197,7 +232,7 @@ class WorkerRequests:
     def next_pushed(self, timeout: float, workers: list[int] | None = None) -> tuple[int, Reply] | None:
         """The next batch pushed by a worker running free (of ``workers`` if given), or None after
         ``timeout`` seconds. Raises when one of the workers died."""
-        workers = list(range(len(self.handles))) if workers is None else workers
+        workers = self.active() if workers is None else workers
         deadline = time.monotonic() + timeout
         while True:
             for index, (worker, reply) in enumerate(self._free):
@@ -222,7 +257,7 @@ class WorkerRequests:
         A worker that fails to build its collector reports why, then exits: whoever noticed the exit
         first (a weight channel waiting for it) calls this so the user sees the cause, not the exit.
         """
-        for worker in range(len(self.handles)):
+        for worker in self.active():
             self._drain(worker)
             reply = self._stash[worker].get(self.READY)
             if reply is not None and reply.failure is not None:
@@ -270,6 +305,9 @@ class WorkerRequests:
                 return
             if reply is None:  # a heartbeat, consumed by the handle
                 continue
+            if reply.request_id == LEAVING:  # preempted: its exit that follows is a leave
+                self.leaving[worker] = reply.value
+                continue
             if (worker, reply.request_id) in self._abandoned:
                 self._abandoned.discard((worker, reply.request_id))
             elif reply.request_id <= FREE_BATCH:  # pushed by a worker running free
@@ -302,7 +340,8 @@ class WorkerRequests:
 
     def _check_alive(self, worker: int, request_id: int) -> None:
         handle = self.handles[worker]
-        if worker in self._dead or not handle.is_alive():
+        # A worker that said it leaves sent every reply it will ever send before saying so.
+        if worker in self._dead or worker in self.leaving or not handle.is_alive():
             self._drain(worker)  # a reply sent just before dying is still valid
             if request_id in self._stash[worker]:
                 return
@@ -316,13 +355,32 @@ class WorkerRequests:
         doing = f" while handling {command.value!r}" if command is not None and not starting else " while starting"
         if command is None and not starting:
             doing = ""
+        self._drain(worker)  # its goodbye, if it said one before its exit
+        left_as = self.handles[worker].left_as()
+        if left_as is not None:  # said in shared memory: a connection reset cannot lose it
+            self.leaving.setdefault(worker, left_as)
+        if worker in self.leaving:
+            err = WorkerError(f"the {self.noun} was preempted (SIGTERM) and left{doing} (a rollout in flight, if "
+                              f"any, was {self.leaving[worker]}).", worker_idx=worker)
+            err.kind = "preempted"  # a leave: the restart policy does not count it
+            return err
         err = WorkerError(f"the {self.noun} died{doing}: {self.handles[worker].exit_description()}.",
                           worker_idx=worker)
         err.kind = self.handles[worker].exit_kind()  # how it is gone, for the restart policy
         return err
 
+    def said_leaving(self, worker: int) -> bool:
+        """Whether ``worker`` said it leaves (preempted): a failure met elsewhere (its weight channel
+        closing) is then its leave."""
+        if 0 <= worker < len(self.handles) and worker not in self.retired:
+            self._drain(worker)
+            left_as = self.handles[worker].left_as()
+            if left_as is not None:
+                self.leaving.setdefault(worker, left_as)
+        return worker in self.leaving
+
     def is_dead(self, worker: int) -> bool:
-        return worker in self._dead or not self.handles[worker].is_alive()
+        return worker in self._dead or worker in self.leaving or not self.handles[worker].is_alive()
 
     def forget(self, worker: int) -> None:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""

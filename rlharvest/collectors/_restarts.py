@@ -109,6 +109,8 @@ class RestartPolicy:
         self.max_restarts, self.delay = max_restarts, delay
         self.noun = noun
         self.causes: list[RestartCause] = []
+        #: workers that were preempted (kind ``"preempted"``): leaves, not counted as failures
+        self.leaves: list[RestartCause] = []
 
     @classmethod
     def of(cls, config: CollectorConfig, noun: str) -> RestartPolicy:
@@ -122,6 +124,24 @@ class RestartPolicy:
     def restarts_of(self, worker: int) -> int:
         """How many times worker ``worker`` was replaced after a failure."""
         return sum(cause.worker == worker for cause in self.causes)
+
+    def replacements_of(self, worker: int) -> int:
+        """How many workers were started in place of worker ``worker`` (after failures and leaves)."""
+        return self.restarts_of(worker) + sum(leave.worker == worker for leave in self.leaves)
+
+    def record_leave(self, err: WorkerError, replaced: bool) -> int:
+        """Record a preempted worker (not counted against ``max_restarts``) and return its index.
+
+        Raises:
+            WorkerError: ``err`` itself when it names no worker.
+        """
+        if err.worker_idx is None:
+            raise err
+        leave = RestartCause.of(err)
+        self.leaves.append(leave)
+        logger.warning("%s %d was preempted (not counted against max_worker_restarts); %s: %s", self.noun,
+                       leave.worker, "starting a replacement" if replaced else "going on without it", leave.message)
+        return leave.worker
 
     def admit(self, err: WorkerError) -> int:
         """Record ``err`` and return the worker to replace, after ``delay`` seconds.
@@ -148,9 +168,12 @@ class RestartPolicy:
 
     def stats(self, num_workers: int) -> dict[str, int | str]:
         """``restarts`` (the collector's), ``worker_<i>/restarts`` and ``worker_<i>/restart_causes``."""
-        stats: dict[str, int | str] = {"restarts": len(self.causes)}
+        stats: dict[str, int | str] = {"restarts": len(self.causes), "preemptions": len(self.leaves)}
         for worker in range(num_workers):
             causes = [c for c in self.causes if c.worker == worker]
+            leaves = [c for c in self.leaves if c.worker == worker]
             stats[f"worker_{worker}/restarts"] = len(causes)
-            stats[f"worker_{worker}/restart_causes"] = "; ".join(f"{c.kind}: {c.message}" for c in causes)
+            stats[f"worker_{worker}/preemptions"] = len(leaves)
+            both = sorted(causes + leaves, key=lambda c: c.time)
+            stats[f"worker_{worker}/restart_causes"] = "; ".join(f"{c.kind}: {c.message}" for c in both)
         return stats

@@ -46,8 +46,9 @@ class WorkerBroadcast:
     def _requests(self):
         return self.fleet.requests
 
-    def _all(self) -> range:
-        return range(len(self.fleet))
+    def _all(self) -> list[int]:
+        """The workers that have not left (docs/elastic.md)."""
+        return self.fleet.active
 
     # ------------------------------------------------------------------ seeds and state
     def seed(self, workers: Iterable[int], seed: int, static_seed: bool) -> int:
@@ -60,7 +61,8 @@ class WorkerBroadcast:
         return seed
 
     def state_dicts(self, env_state: bool = True) -> dict[str, Any]:
-        """``{"worker<i>": state of worker i}`` (without the envs' states when not ``env_state``)."""
+        """``{"worker<i>": state of worker i}`` (without the envs' states when not ``env_state``;
+        workers that left have none)."""
         self.drain()
         options = None if env_state else {"env_state": False}
         return {f"worker{w}": self._requests.request(w, Command.STATE_DICT, options) for w in self._all()}
@@ -83,10 +85,12 @@ class WorkerBroadcast:
 
     # ------------------------------------------------------------------ calls into the workers' collectors
     def call_each(self, method_name: str, calls: Sequence[tuple[tuple, dict]]) -> list[Any]:
-        """Call ``method_name`` on worker ``i``'s collector with ``calls[i]`` (one per worker)."""
+        """Call ``method_name`` on the ``k``-th current worker's collector with ``calls[k]`` (one per
+        current worker, in index order)."""
         self.drain()
-        ids = {w: self._requests.send(w, Command.CASCADE, (method_name, *calls[w])) for w in self._all()}
-        return [self._requests.wait_for(w, ids[w]).value for w in self._all()]
+        workers = self._all()
+        ids = {w: self._requests.send(w, Command.CASCADE, (method_name, *call)) for w, call in zip(workers, calls)}
+        return [self._requests.wait_for(w, ids[w]).value for w in workers]
 
     def call(self, path: str, args: tuple = (), kwargs: dict | None = None,
              workers: Iterable[int] | None = None) -> list[Any]:
@@ -99,14 +103,14 @@ class WorkerBroadcast:
         return self._requests.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
 
     def getattr_policy(self, name: str) -> Any:
-        return self._requests.request(0, Command.GETATTR_POLICY, name)
+        return self._requests.request(self._all()[0], Command.GETATTR_POLICY, name)
 
     def getattr_env(self, name: str) -> Any:
-        return self._requests.request(0, Command.GETATTR_ENV, name)
+        return self._requests.request(self._all()[0], Command.GETATTR_ENV, name)
 
     def worker_stats(self) -> list[dict]:
         """Each worker's own ``stats()``."""
-        return self.call_each("stats", [((), {})] * len(self.fleet))
+        return self.call_each("stats", [((), {})] * len(self._all()))
 
     def stats_within(self, timeout: float | None) -> dict[int, dict]:
         """``{worker: its stats()}`` of the workers that answer within ``timeout`` seconds (None: no
@@ -139,7 +143,7 @@ class WorkerBroadcast:
 
     # ------------------------------------------------------------------ profiling
     def enable_profile(self, config: ProfileConfig) -> None:
-        workers = [w for w in config.workers if 0 <= w < len(self.fleet)]
+        workers = [w for w in config.workers if w in self._all()]
         replies = self._requests.broadcast(Command.ENABLE_PROFILE, config, workers, timeout=30.0)
         for worker, reply in zip(workers, replies):
             if reply != "profiling":

@@ -28,11 +28,13 @@ from ._progress import ProgressMeter
 __all__ = ["SyncStack", "FirstReady", "Pushed", "request_batch"]
 
 
-def request_batch(fleet: Fleet, worker: int, random: bool) -> int:
+def request_batch(fleet: Fleet, worker: int, random: bool) -> int | None:
     """Ask ``worker`` for one rollout (random actions when ``random``), replacing it first when it is
     found failed (restarts on); interrupts issued from now on stop that rollout. Returns the
-    request id."""
+    request id, or None when the worker left (preempted, not replaced: docs/elastic.md)."""
     while True:
+        if worker in fleet.requests.retired:
+            return None
         try:
             mark = fleet.requests.handles[worker].interrupt_mark()
             return fleet.requests.send(worker, Command.COLLECT, (bool(random), mark))
@@ -57,25 +59,34 @@ class SyncStack:
         self.progress = progress
         self.preemptive_threshold = preemptive_threshold
 
-    def gather(self, random: bool) -> list:
-        """The replies of one rollout of every worker, in worker order."""
+    def gather(self, random: bool) -> dict[int, Any]:
+        """The replies of one rollout of every worker (workers that left have none), in worker order."""
         requests = self.fleet.requests
-        count = len(requests)
-        ids = {w: request_batch(self.fleet, w, random) for w in range(count)}
+        workers = self.fleet.active
+        count = len(workers)
+        ids = {w: request_batch(self.fleet, w, random) for w in workers}
         replies: dict[int, Any] = {}
         waiting = time.perf_counter()
+
+        def ask_again(failed: int) -> None:
+            """Its batch is dropped and asked again of its replacement; a worker that left has none."""
+            replies.pop(failed, None)
+            ids[failed] = request_batch(self.fleet, failed, random)
+            if ids[failed] is None:
+                del ids[failed]
+
+        for worker in [w for w, request_id in ids.items() if request_id is None]:
+            del ids[worker]
         if self.preemptive_threshold is None:
-            for worker in range(count):
-                while worker not in replies:
+            for worker in workers:
+                while worker in ids and worker not in replies:
                     try:
                         replies[worker] = requests.wait_for(worker, ids[worker])
-                    except WorkerError as err:  # its batch is dropped and asked again of its replacement
-                        failed = self.fleet.recover(err)
-                        replies.pop(failed, None)
-                        ids[failed] = request_batch(self.fleet, failed, random)
+                    except WorkerError as err:
+                        ask_again(self.fleet.recover(err))
         else:
             needed = int(count * self.preemptive_threshold)
-            while len(replies) < count:
+            while len(replies) < len(ids):
                 if len(replies) >= needed:
                     for worker in ids:
                         if worker not in replies:
@@ -83,12 +94,11 @@ class SyncStack:
                 try:
                     worker, reply = requests.wait_any({w: r for w, r in ids.items() if w not in replies})
                 except WorkerError as err:  # asked again of its replacement
-                    failed = self.fleet.recover(err)
-                    ids[failed] = request_batch(self.fleet, failed, random)
+                    ask_again(self.fleet.recover(err))
                     continue
                 replies[worker] = reply
         self.progress.add_seconds("waiting", time.perf_counter() - waiting)
-        return [replies[w] for w in range(count)]
+        return {w: replies[w] for w in workers if w in replies}
 
     def drain(self) -> None:
         """Nothing is in flight between two batches."""
@@ -115,12 +125,14 @@ class FirstReady:
         self.in_flight: dict[int, int] = {}
 
     def launch(self, worker: int, random: bool) -> None:
-        """Ask ``worker`` for its next rollout."""
-        self.in_flight[worker] = request_batch(self.fleet, worker, random)
+        """Ask ``worker`` for its next rollout (none when it left meanwhile)."""
+        request_id = request_batch(self.fleet, worker, random)
+        if request_id is not None:
+            self.in_flight[worker] = request_id
 
     def idle(self) -> list[int]:
         """The workers with no request in flight."""
-        return [w for w in range(len(self.fleet.requests)) if w not in self.in_flight]
+        return [w for w in self.fleet.active if w not in self.in_flight]
 
     def next(self) -> tuple[int, Any] | None:
         """The first reply ready, with its worker; None when the worker that failed was replaced (its
@@ -193,11 +205,15 @@ class Pushed:
                 self.progress.add_seconds("waiting", time.perf_counter() - waiting)
                 if got is not None:
                     return got[1], fetch(worker, got[1])
+                if worker in self.fleet.requests.retired:
+                    return None, None
                 if not self.fleet.restarts.enabled:
                     raise TimeoutError(f"{self.noun} {worker} pushed no batch within {self.timeout:g} s.")
                 raise WorkerTimeoutError(f"pushed no batch within {self.timeout:g} s.", worker_idx=worker)
             except WorkerError as err:
                 self.fleet.recover(err)
+                if worker in self.fleet.requests.retired:  # preempted, not replaced: it has no next batch
+                    return None, None
 
     def drain(self) -> None:
         """Pushed batches wait where they are; nothing to wait for."""

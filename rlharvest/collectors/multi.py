@@ -116,6 +116,7 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         max_worker_restarts: int = 0,
         restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
         mp_start_method: str | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
@@ -202,7 +203,12 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
     # ------------------------------------------------------------------ properties
     @property
     def requested_frames_per_batch(self) -> int:
-        return self.config.requested_frames
+        resized = self._resized_frames_per_batch()
+        return self.config.requested_frames if resized is None else resized
+
+    def _frames_share(self, worker: int) -> int:
+        shares = self._options.frames_per_worker
+        return shares[worker] if worker < len(shares) else shares[0]  # an added worker: the first's share
 
     @property
     def frames_per_batch_worker(self) -> list[int]:
@@ -262,6 +268,85 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(self.num_workers))
             self._legacy_staging = {device: weights.detach().to(device).clone() for device in devices}
         return self._legacy_staging
+
+    # ------------------------------------------------------------------ workers that join (docs/elastic.md)
+    def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs: int | None = None,
+                       policy: Any = None, collector_kwargs: dict | Sequence[dict] | None = None) -> None:
+        """Add one worker process per entry of ``create_env_fn`` to the running collector.
+
+        The same semantics as :meth:`RayCollector.add_collectors <rlharvest.collectors.distributed.
+        RayCollector.add_collectors>`: the new workers take the indices after every slot (``W``,
+        ``W + 1``, ..., removed workers' slots included), start on the weights of the last update and
+        the current policy version, with seeds that continue the chain of the last :meth:`set_seed`,
+        and draw trajectory ids from the collector's shared counter (never used before). From the next
+        batch on they collect like the others: with ``sync=True`` each adds one rollout of the first
+        worker's share of ``frames_per_batch`` to every batch (``requested_frames_per_batch`` and
+        ``len()`` follow); asynchronously each yields batches of ``frames_per_batch`` frames.
+
+        Args:
+            create_env_fn: an env constructor, or a list of them (one per new worker).
+            num_envs: envs per new worker: 1 (each worker process runs one env).
+            policy: None or this collector's policy, or a list of those (one per new worker).
+            collector_kwargs: a dict of extra arguments for every new worker's collector, or one per
+                new worker (``frames_per_batch`` other than the worker's share is refused).
+
+        Raises:
+            ValueError: for an argument that does not fit (named in the message).
+            RuntimeError: after shutdown, while running free (:meth:`start`), or from inside the
+                collector's own iteration.
+            WorkerError: naming a new worker that failed to start (the new workers are then stopped;
+                the collector goes on with the others, as it was).
+
+        Example:
+            >>> from rlharvest.envs import CountingEnv
+            >>> collector = MultiSyncCollector([CountingEnv], frames_per_batch=4, total_frames=-1)
+            >>> collector.add_collectors([CountingEnv])
+            >>> collector.active_workers, collector.requested_frames_per_batch
+            ([0, 1], 8)
+            >>> collector.shutdown()
+        """
+        self._check_resizable("add")
+        if self._legacy:
+            raise ValueError("add_collectors needs weight sync schemes: this collector was built with a legacy "
+                             "weight_updater, which serves the workers it started with only.")
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or any(not callable(env_fn) for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"worker), got {create_env_fn!r}.")
+        if num_envs is not None and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 (each worker process runs one env), got {num_envs!r}.")
+        count, first = len(env_fns), self.num_workers
+        share = self._options.frames_per_worker[0]
+        extra = _new_collector_kwargs(collector_kwargs, count, share)
+        if any(entry is not None and entry is not self.policy for entry in
+               (policy if isinstance(policy, (list, tuple)) else [policy])):
+            raise ValueError("policy must be None or this collector's policy, or a list of those: every worker runs "
+                             "the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factory or []}
+        if len(factories) > 1:
+            raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
+                             "with a different one per worker.")
+        config = self.config.grown(count)
+        try:
+            config.check_workers(first + count)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"add_collectors: {err} The collector was built with one value per worker: it cannot "
+                             "tell the new workers' values.") from None
+        options = self._options.grown(env_fns, next(iter(factories.values()), None), config)
+        specs = options.worker_specs(default_collector=Collector, policy=self._worker_policy,
+                                     schemes=self._sender_schemes, traj_counter=self._traj_counter)[first:]
+        specs = [spec.replacement(collector_kwargs={**spec.collector_kwargs, **entry})
+                 for spec, entry in zip(specs, extra)]
+        previous = self._options, self.config
+        self._options, self.config = options, config
+        try:
+            self._add_workers(specs, [config.policy_device_of(worker) for worker in range(first, first + count)])
+        except BaseException:
+            self._options, self.config = previous
+            raise
+        if self.policy_factory:
+            self.policy_factory = list(options.policy_factories)
+        self._resized()
 
     # ------------------------------------------------------------------ replay buffer
     def _assembles_trajectories(self) -> bool:
@@ -326,6 +411,22 @@ class MultiSyncCollector(MultiCollector):
         if dim in (-1, out.batch_dims - 1):
             out.names = [None] * (out.batch_dims - 1) + ["time"]
         return out
+
+
+def _new_collector_kwargs(collector_kwargs: Any, count: int, share: int) -> list[dict]:
+    """The extra collector arguments of each of ``count`` new workers (``add_collectors``)."""
+    entries = list(collector_kwargs) if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs] * count
+    if len(entries) != count:
+        raise ValueError(f"collector_kwargs must hold one entry per new worker ({count}), got {len(entries)}.")
+    for index, entry in enumerate(entries):
+        if entry is not None and not isinstance(entry, dict):
+            raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new worker), got "
+                             f"{type(entry).__name__} at index {index}.")
+        frames = (entry or {}).get("frames_per_batch", share)
+        if frames != share:
+            raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every worker collects "
+                             f"{share} frames per rollout (leave it out).")
+    return [dict(entry or {}) for entry in entries]
 
 
 def _valid_steps(batch: TensorDictBase) -> TensorDictBase:

@@ -8,7 +8,8 @@ A collector with workers is a composition of parts (docs/architecture.md):
   commands and matches the replies;
 * a :class:`~rlharvest.collectors.broadcast.WorkerBroadcast` asks every worker what the collector
   API answers per worker (seeds, state dicts, hooks, ``map_fn``, profiling);
-* weights go out through the sender schemes (``weight_update/``).
+* weights go out through the sender schemes (``weight_update/``);
+* workers join and leave through :class:`~rlharvest.collectors._elastic.ElasticWorkers` (mixed in).
 
 This class drives them: **sync** iteration (every batch holds one rollout of every worker, ordered
 by worker index), **async** iteration (first ready, re-launched before the batch is yielded),
@@ -36,11 +37,11 @@ from ..profiling import ProfileConfig
 from ..protocol import Command
 from ..transport.base import Backend, WeightLinks
 from . import _checkpoint
+from ._elastic import ElasticWorkers
 from ._fleet import Fleet, Replacement
 from ._requests import WorkerRequests
 from ._restarts import RestartCause, RestartPolicy
 from .base import BaseCollector, _argument_sets
-from ._specs import wrap_callable
 from ._progress import ProgressMeter
 from .broadcast import WorkerBroadcast
 from .gather import FirstReady, Pushed, SyncStack, request_batch
@@ -78,7 +79,7 @@ def valid_part(batch: TensorDictBase) -> TensorDictBase:
     return batch[ids != -1]
 
 
-class RemoteCollectorBase(BaseCollector):
+class RemoteCollectorBase(ElasticWorkers, BaseCollector):
     """Base class of collectors whose rollouts run in workers (processes, nodes, RPC peers, actors).
 
     Subclass constructors call ``super().__init__()`` first (the state every such collector has),
@@ -118,7 +119,7 @@ class RemoteCollectorBase(BaseCollector):
         # The parts call back into this collector weakly: a collector the user drops is collected (and
         # its workers stopped, ``__del__``) at once, not at the next cycle collection.
         hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
-                            _weakly(self._after_replacement))
+                            _weakly(self._after_replacement), _weakly(self._after_leave))
         self._fleet = Fleet(self._backend, self._sender_schemes if schemes is None else schemes, timeout,
                             RestartPolicy.of(self.config, self.noun), hooks)
         self._gather = self._gather_strategy(self._fleet)
@@ -155,7 +156,13 @@ class RemoteCollectorBase(BaseCollector):
 
     @property
     def num_workers(self) -> int:
+        """Worker slots: every index given so far, those of workers that left included."""
         return len(self._requests) if self._requests is not None else 0
+
+    @property
+    def active_workers(self) -> list[int]:
+        """The indices of the workers collecting now (those that left are not there), in order."""
+        return self._fleet.active if self._fleet is not None else []
 
     def weight_links(self) -> WeightLinks:
         return self._backend.weight_links()
@@ -191,8 +198,8 @@ class RemoteCollectorBase(BaseCollector):
             self._record_times(reply)
             return None
         batch = self._remap_traj_ids(self._fetch(worker, reply), worker)
-        if self._trajectories is not None and self._fleet.restarts.enabled:
-            ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails
+        if self._trajectories is not None:
+            ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails or leaves
             self._running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
         return batch
 
@@ -217,18 +224,29 @@ class RemoteCollectorBase(BaseCollector):
     def _iterate(self) -> Iterator[TensorDictBase | None]:
         if self._running_free:
             raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
-        yield from (self._iterate_sync() if self._sync else self._iterate_async())
+        batches = self._iterate_sync() if self._sync else self._iterate_async()
+        self._collecting = True
+        try:
+            for batch in batches:
+                self._collecting, self._suspended = False, True
+                yield batch
+                self._collecting, self._suspended = True, False
+        finally:
+            self._collecting = self._suspended = False
+            batches.close()
 
     def _iterate_sync(self) -> Iterator[TensorDictBase | None]:
         while not self._reached_total():
             self._updating_weights(self._before_sync_batch)
             self._iter += 1
             random = self._random_phase()
-            replies = self._gather.gather(random)
-            batches = []
-            for worker in range(len(replies)):
-                batch, replies[worker] = self._fetched(worker, replies[worker], random)
-                batches.append(batch)
+            gathered = self._gather.gather(random)  # {worker: reply}, workers that left have none
+            batches, replies = [], []
+            for worker, reply in gathered.items():
+                batch, reply = self._fetched(worker, reply, random)
+                if reply is not None:  # None: it left (preempted) while sending, its rollout handed back
+                    batches.append(batch)
+                    replies.append(reply)
             yield from self._emit([b for b in batches if b is not None], replies, sync=True)
             self._after_yield(None)
 
@@ -238,7 +256,10 @@ class RemoteCollectorBase(BaseCollector):
         while True:
             try:
                 if reply is None:
-                    reply = self._requests.wait_for(worker, request_batch(self._fleet, worker, random))
+                    request_id = request_batch(self._fleet, worker, random)
+                    if request_id is None:
+                        return None, None
+                    reply = self._requests.wait_for(worker, request_id)
                 return self._handle_worker_batch(worker, reply), reply
             except WorkerError as err:
                 self._fleet.recover(err)
@@ -359,6 +380,10 @@ class RemoteCollectorBase(BaseCollector):
     def _after_replacement(self, worker: int) -> None:
         """Hook: bring the replacement of ``worker`` to where the others are."""
 
+    def _after_leave(self, worker: int) -> None:
+        """A worker left for good (preempted, not replaced): batches shrink as after remove_collectors."""
+        self._resized()
+
     def _replace_worker(self, worker: int, **changes: Any) -> None:
         """Start a new worker in place of ``worker`` (gone or not): same index, seed and spec, the
         current weights and version, fresh trajectory ids (docs/backends.md, "Replacing a worker"),
@@ -389,13 +414,14 @@ class RemoteCollectorBase(BaseCollector):
 
     # ------------------------------------------------------------------ asked of every worker (broadcast.py)
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned; returns the last.
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned (workers that left
+        are skipped); returns the last.
 
         Asynchronous collectors drop the batches in flight (collected before the seed): the next batch
         is the first of the seeded envs, as in TorchRL.
         """
         self._drop_async()
-        seed = self._broadcast.seed(range(self.num_workers), seed, static_seed)
+        seed = self._broadcast.seed(self.active_workers, seed, static_seed)
         if self._trajectories is not None:
             self._trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
@@ -490,7 +516,7 @@ class RemoteCollectorBase(BaseCollector):
         """
         if self._trajectories is not None:
             self._trajectories.flush()
-        self._broadcast.reset([w for w in range(self.num_workers) if reset_idx is None or reset_idx[w]])
+        self._broadcast.reset([w for w in self.active_workers if reset_idx is None or reset_idx[w]])
 
     def get_distant_attr(self, attr: str) -> list[Any]:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
@@ -498,12 +524,14 @@ class RemoteCollectorBase(BaseCollector):
 
     def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
                list_of_kwargs: list[dict] | None = None) -> list[Any]:
-        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per worker).
+        """Call ``method_name`` on worker ``i``'s collector with the ``i``-th arguments (one set per
+        current worker, in index order: workers that left take none).
 
         Raises:
             ValueError: when the number of argument sets is not the number of workers.
         """
-        return self._broadcast.call_each(method_name, _argument_sets(list_of_args, list_of_kwargs, self.num_workers))
+        return self._broadcast.call_each(method_name, _argument_sets(list_of_args, list_of_kwargs,
+                                                                     len(self.active_workers)))
 
     def stats(self, workers: str = "aggregate") -> dict[str, int | float | bool]:
         """Progress as plain scalars: this collector's (``workers="aggregate"``, no worker is asked),
@@ -520,12 +548,14 @@ class RemoteCollectorBase(BaseCollector):
             raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
         stats: dict[str, int | float | bool] = super().stats() if workers != "per_worker" else {}
         requests = self._requests
-        stats["workers"] = self.num_workers
-        stats["workers_alive"] = sum(not requests.is_dead(w) for w in range(self.num_workers)) if requests else 0
+        active = self.active_workers
+        stats["workers"] = len(active)
+        stats["workers_alive"] = sum(not requests.is_dead(w) for w in active) if requests else 0
         if self._fleet is not None:  # kept here, no worker is asked
             stats.update(self._fleet.restarts.stats(self.num_workers))
+            stats["workers_removed"] = self.num_workers - len(active)
         if workers != "aggregate":
-            for worker, worker_stats in enumerate(self._broadcast.worker_stats()):
+            for worker, worker_stats in zip(active, self._broadcast.worker_stats()):
                 stats.update({f"worker_{worker}/{key}": value for key, value in worker_stats.items()})
         return stats
 
@@ -551,7 +581,7 @@ class RemoteCollectorBase(BaseCollector):
         if head == "workers" or head.startswith("workers["):
             if not rest:
                 raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
-            workers = range(self.num_workers) if head == "workers" else [int(head[len("workers["):-1])]
+            workers = self.active_workers if head == "workers" else [int(head[len("workers["):-1])]
             results = self._broadcast.call(rest, args, kwargs, workers)
             return results if head == "workers" else results[0]
         return super().cascade_execute(attr_path, *args, **kwargs)
@@ -613,8 +643,8 @@ class RemoteCollectorBase(BaseCollector):
 
     def _interrupt_background(self) -> None:
         if self._requests is not None:
-            for handle in self._requests.handles:
-                handle.interrupt()
+            for worker in self._requests.active():
+                self._requests.handles[worker].interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:
@@ -625,9 +655,9 @@ class RemoteCollectorBase(BaseCollector):
         if not self._running_free:
             raise RuntimeError("Collector cannot be paused.")
         pool = self._requests
-        for handle in pool.handles:
-            handle.interrupt()
-        for worker, reply in enumerate(pool.broadcast(Command.PAUSE, timeout=30.0)):
+        for worker in pool.active():
+            pool.handles[worker].interrupt()
+        for worker, reply in zip(pool.active(), pool.broadcast(Command.PAUSE, timeout=30.0)):
             if reply != "paused":
                 raise ValueError(f"{self.noun} {worker} answered {reply!r} to pause.")
         try:
@@ -642,34 +672,6 @@ class RemoteCollectorBase(BaseCollector):
 
     def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
         self._close_workers(self._shutdown_timeout if timeout is None else timeout)
-
-    def _add_workers(self, specs: list, options: list | None = None) -> None:
-        """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and
-        policy version, with the hooks set since construction, seeded by continuing the chain of the
-        last :meth:`set_seed` (docs/backends.md, "Adding workers").
-
-        Raises:
-            RuntimeError: after shutdown, or while running free.
-        """
-        if self._closed or self._fleet is None or self._requests is None:
-            raise RuntimeError(f"{type(self).__name__} is shut down: it cannot add {self.noun}s.")
-        if self.is_running():
-            raise RuntimeError(f"{type(self).__name__} is running free (start()): add {self.noun}s before start().")
-        hooks = {name: wrap_callable(hook) for name, hook in (("pre_collect_hook", self._pre_collect_hook),
-                                                               ("post_collect_hook", self._post_collect_hook))
-                 if hook is not None}
-        specs = [spec.replacement(policy_version=self._policy_version,
-                                  collector_kwargs={**spec.collector_kwargs, **hooks}) for spec in specs]
-        first = len(self._fleet)
-        self._fleet.grow(specs, options)  # the others' rollouts in flight go on meanwhile
-        chain = self._broadcast.seed_chain
-        if chain is None:
-            return
-        try:
-            self._broadcast.seed([spec.worker_idx for spec in specs], *chain)
-        except BaseException:  # a new worker failed at once: as if it had failed to start
-            self._fleet.shrink(first)
-            raise
 
     def _close_workers(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline."""

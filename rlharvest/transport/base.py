@@ -101,6 +101,11 @@ class WorkerHandle(ABC):
         """The interrupt counter now: a request carrying it is stopped by any later ``interrupt()``."""
         return 0
 
+    def left_as(self) -> str | None:
+        """What a worker preempted on SIGTERM did with its rollout (``"finished"``, ``"handed back"``),
+        if it said so where its exit cannot lose it (shared memory); None otherwise."""
+        return None
+
     @abstractmethod
     def fetch_batch(self, reply: Any) -> TensorDictBase:
         """The batch a BATCH reply refers to, readable in the parent (valid until the next command)."""
@@ -155,6 +160,10 @@ class WorkerEndpoint(ABC):
 
     def report_progress(self, steps: int) -> None:
         """Advertise progress (cheap, called once per step)."""
+
+    def announce_leaving(self, handed_back: bool) -> None:
+        """Say, where the parent reads it whatever happens to the connection, that this worker leaves
+        (preempted); its LEAVING message follows."""
 
     def parent_alive(self) -> bool:
         """Whether the parent still exists."""

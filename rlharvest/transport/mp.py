@@ -5,7 +5,7 @@ shared memory.
 * A batch is never pickled per rollout: the first BATCH reply carries the worker's batch buffer
   after moving it to shared memory; later rollouts write into that same memory and their replies
   only say "ready".
-* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress]``. The
+* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress, left]``. The
   parent bumps ``interrupt`` to stop a rollout early (read by the worker between env steps, ~0.1 us);
   the worker advances ``progress`` every step, which the parent reads to tell a slow worker from a
   hung one.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -87,17 +88,37 @@ class SharedTrajectoryCounter(TrajectoryCounter):
 
 
 class SignalBoard:
-    """The shared ``[interrupt, progress]`` rows of every worker of a collector."""
+    """The shared ``[interrupt, progress, left]`` rows of every worker of a collector.
+
+    The workers a collector starts with share one table; each worker added later (``MPBackend.grow``)
+    gets a table of its own, so the rows the running workers hold never move.
+    """
 
     def __init__(self, num_workers: int) -> None:
-        self.table = torch.zeros((num_workers, 2), dtype=torch.int64).share_memory_()
+        self.table = torch.zeros((num_workers, 3), dtype=torch.int64).share_memory_()
+        #: ``(first worker, table)``: the first table, then one per added worker
+        self._tables: list[tuple[int, torch.Tensor]] = [(0, self.table)]
+
+    def row(self, worker: int) -> tuple[torch.Tensor, int]:
+        """The table holding ``worker``'s row, and the row's index in it."""
+        first, table = max((entry for entry in self._tables if entry[0] <= worker), key=lambda entry: entry[0])
+        return table, worker - first
+
+    def grow(self, first: int, count: int) -> None:
+        """Rows for workers ``first`` .. ``first + count - 1``."""
+        self._tables.extend((worker, torch.zeros((1, 3), dtype=torch.int64).share_memory_())
+                            for worker in range(first, first + count))
+
+    def truncate(self, num_workers: int) -> None:
+        """Forget the rows of workers from ``num_workers`` on (tables of added workers only)."""
+        self._tables = [entry for entry in self._tables if entry[0] == 0 or entry[0] < num_workers]
 
 
 class MPWorkerEndpoint(PipeEndpoint):
     """A worker process's end: the pipe, its signal row, and its shared batch buffer."""
 
-    def __init__(self, conn, signals: torch.Tensor, worker_idx: int, parent_pid: int | None) -> None:
-        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
+    def __init__(self, conn, signals: torch.Tensor, row: int, worker_idx: int, parent_pid: int | None) -> None:
+        super().__init__(conn, signals.numpy()[row], worker_idx)
         self.parent_pid = parent_pid
         self._shared: TensorDictBase | None = None
 
@@ -123,7 +144,7 @@ class MPWorkerEndpoint(PipeEndpoint):
         return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
 
-def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, parent_pid: int | None,
+def _process_main(target: WorkerTarget, spec, conn, signals, row: int, worker_idx: int, parent_pid: int | None,
                   death_signal: bool) -> None:
     """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
     if not prepare_worker_process(parent_pid, death_signal):
@@ -131,14 +152,14 @@ def _process_main(target: WorkerTarget, spec, conn, signals, worker_idx: int, pa
     target = target.payload if isinstance(target, CloudpickleWrapper) else target
     spec = spec.payload if isinstance(spec, CloudpickleWrapper) else spec
     torch.set_num_threads(max(1, int(spec.num_threads)))
-    target(spec, MPWorkerEndpoint(conn, signals, worker_idx, parent_pid))
+    target(spec, MPWorkerEndpoint(conn, signals, row, worker_idx, parent_pid))
 
 
 class MPWorkerHandle(PipeHandle):
     """The parent's end of one worker process."""
 
-    def __init__(self, process, conn, signals: torch.Tensor, worker_idx: int) -> None:
-        super().__init__(conn, signals.numpy()[worker_idx], worker_idx)
+    def __init__(self, process, conn, signals: torch.Tensor, row: int, worker_idx: int) -> None:
+        super().__init__(conn, signals.numpy()[row], worker_idx)
         self.process = process
         self._batch: TensorDictBase | None = None
 
@@ -173,6 +194,10 @@ class MPBackend(Backend):
         ctx: the multiprocessing context (see :func:`mp_context`).
         policy_devices: the device each worker runs its policy on (weights are staged there).
 
+    Workers can be added to a running collector (``growable``, docs/backends.md "Adding workers"):
+    each gets a signal row of its own and its policy device (``grow``'s options) appended to
+    ``policy_devices``, the list the weight senders read.
+
     Example:
         >>> from rlharvest.worker import run_worker
         >>> backend = MPBackend(2, run_worker, mp_context())
@@ -187,6 +212,24 @@ class MPBackend(Backend):
         self.policy_devices = policy_devices
         self.signals = SignalBoard(num_workers)
         self._counters: list[SharedTrajectoryCounter] = []
+
+    growable = True
+
+    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+        """Room for ``count`` more worker processes; ``options``: the policy device of each (default:
+        worker 0's)."""
+        first = self.num_workers
+        super().grow(count, options)
+        self.signals.grow(first, count)
+        if self.policy_devices is not None:
+            devices = list(options) if options is not None else [self.policy_devices[0]] * count
+            self.policy_devices.extend(devices)  # in place: the weight senders read this very list
+
+    def truncate(self, num_workers: int) -> None:
+        super().truncate(num_workers)
+        self.signals.truncate(num_workers)
+        if self.policy_devices is not None:
+            del self.policy_devices[num_workers:]
 
     def trajectory_counter(self) -> SharedTrajectoryCounter:
         """Trajectory ids shared by the workers (held in this process's shared memory)."""
@@ -212,15 +255,17 @@ class MPBackend(Backend):
         # The spec goes through multiprocessing's pickler, which knows how to pass pipes, locks and
         # shared tensors; user callables inside it are already wrapped for cloudpickle.
         parent_pid, death_signal = parent_watch(self.ctx)
+        signals, row = self.signals.row(index)
+        signals[row, 2] = 0  # a replacement has not left (its predecessor may have: LEFT, pipes.py)
         process = self.ctx.Process(
             target=_process_main,
-            args=(self.target, spec, child_conn, self.signals.table, index, parent_pid, death_signal),
+            args=(self.target, spec, child_conn, signals, row, index, parent_pid, death_signal),
             name=f"rlharvest-worker-{index}",
             daemon=False,
         )
         process.start()
         child_conn.close()
-        handle = self.handles[index] = MPWorkerHandle(process, parent_conn, self.signals.table, index)
+        handle = self.handles[index] = MPWorkerHandle(process, parent_conn, signals, row, index)
         return handle
 
     def default_scheme(self) -> str:

@@ -15,10 +15,13 @@ import numpy as np
 
 from .base import WorkerEndpoint, WorkerHandle
 
-__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "INTERRUPT", "PROGRESS"]
+__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "INTERRUPT", "PROGRESS", "LEFT"]
 
-#: the columns of a worker's signal row
-INTERRUPT, PROGRESS = 0, 1
+#: the columns of a worker's signal row (``LEFT``: 1 once a preempted worker finished its rollout and
+#: leaves, 2 once it handed it back; rows of two columns have none)
+INTERRUPT, PROGRESS, LEFT = 0, 1, 2
+#: what a worker did with its rollout in flight, by the value of its ``LEFT`` column
+_LEFT_AS = {1: "finished", 2: "handed back"}
 
 
 class PipeHandle(WorkerHandle):
@@ -58,6 +61,9 @@ class PipeHandle(WorkerHandle):
 
     def interrupt_mark(self) -> int:
         return int(self._signals[INTERRUPT])
+
+    def left_as(self) -> str | None:
+        return _LEFT_AS.get(int(self._signals[LEFT])) if len(self._signals) > LEFT else None
 
     def close_pipe(self) -> None:
         try:
@@ -104,6 +110,10 @@ class PipeEndpoint(WorkerEndpoint):
 
     def report_progress(self, steps: int) -> None:
         self._signals[PROGRESS] = steps
+
+    def announce_leaving(self, handed_back: bool) -> None:
+        if len(self._signals) > LEFT:
+            self._signals[LEFT] = 2 if handed_back else 1
 
     def parent_alive(self) -> bool:
         return not self._parent_gone

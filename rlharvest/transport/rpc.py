@@ -379,6 +379,17 @@ class RPCBackend(Backend):
         self._session: dict | None = None
         self._running = False
 
+    #: nodes can be added to a running collector: each joins the dynamic group with a fresh rank
+    growable = True
+
+    def grow(self, count: int, options=None) -> None:
+        super().grow(count, options)
+        self.launched.extend([None] * count)
+
+    def truncate(self, num_workers: int) -> None:
+        super().truncate(num_workers)
+        del self.launched[num_workers:]
+
     def _launch(self, index: int, rank: int) -> None:
         net = self.net
         kwargs = {"tensorpipe_options": self.tensorpipe_options, "user_timeout": net.user_timeout,

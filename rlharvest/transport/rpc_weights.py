@@ -43,9 +43,11 @@ class RPCWeightSender(WeightSender):
         apply_weights: the node function that applies them.
     """
 
+    #: serves nodes added after start-up: ``handles`` is the backend's list, which grows in place
+    growable = True
+
     def __init__(self, handles: list, model_id: str, apply_weights: Callable) -> None:
         self.handles = handles
-        self.num_workers = len(handles)
         self.model_id = model_id
         self.apply_weights = apply_weights
         self._futures: dict[int, Any] = {}
@@ -54,6 +56,10 @@ class RPCWeightSender(WeightSender):
         self._seen: dict[int, set] = {w: set() for w in range(len(handles))}
         #: ``(version, payload)`` of the last update (or the initial weights): what a replacement gets
         self._latest: tuple[int, TensorDictBase] | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.handles)
 
     def connect(self, initial) -> None:
         """Nodes received the policy with their spec: only remember the weights for replacements."""
@@ -71,8 +77,9 @@ class RPCWeightSender(WeightSender):
             handle = self.handles[worker]
             body = payload
             if worker in local:
-                new = generation.gen_id not in self._seen[worker]
-                self._seen[worker].add(generation.gen_id)
+                seen = self._seen.setdefault(worker, set())
+                new = generation.gen_id not in seen
+                seen.add(generation.gen_id)
                 body = ("shm", generation.gen_id, generation.handle if new else None)
             self._futures[worker] = rpc.rpc_async(handle.name, self.apply_weights,
                                                   args=(self.model_id, version, body, initial), timeout=0)
@@ -83,6 +90,10 @@ class RPCWeightSender(WeightSender):
         generation, _ = self._pool.acquire(set(self._current.values()))
         copy_into(generation, self._pool.keys, weights)
         return generation
+
+    def retire(self, worker: int) -> None:
+        """Node ``worker`` left: nothing of it is awaited any more."""
+        self.replace(worker)
 
     def replace(self, worker: int) -> None:
         self._futures.pop(worker, None)

@@ -82,6 +82,8 @@ class WeightSyncScheme:
     _receiver_links: Any = None
     #: how a receiver reaches this scheme's sender (set in the copy a worker is given)
     _connection_info: Any = None
+    #: sender side: workers that left the collector (:meth:`forget`)
+    _retired: frozenset = frozenset()
 
     def __init__(self, strategy: str | WeightStrategy = "tensordict", sync: bool = True, timeout: float = 120.0) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
@@ -366,8 +368,18 @@ class WeightSyncScheme:
         Call it before the replacement's spec is built (a pickled copy of this scheme then carries
         the new channel), and :meth:`attach` once the replacement started.
         """
+        self._retired = self._retired - {worker_id}
         if self._sender is not None:
             self._sender.replace(worker_id)
+
+    def forget(self, worker_id: int) -> None:
+        """Sender side: worker ``worker_id`` left for good (removed, or preempted without a replacement):
+        updates sent to every worker skip it, and naming it in ``worker_ids`` raises. The sender keeps
+        its slot, so the other workers' indices do not change (docs/elastic.md)."""
+        self._retired = self._retired | {worker_id}
+        retire = getattr(self._sender, "retire", None)
+        if retire is not None:
+            retire(worker_id)
 
     def attach(self, worker_id: int) -> None:
         """Sender side: connect the receiver of a replacement for ``worker_id`` and deliver the current
@@ -380,7 +392,7 @@ class WeightSyncScheme:
         if isinstance(payload, dict) and worker_ids is None:
             worker_ids = sorted(payload)
         if worker_ids is None:
-            return list(range(count))
+            return [worker for worker in range(count) if worker not in self._retired]
         if isinstance(worker_ids, (int, torch.device, str)):
             worker_ids = [worker_ids]
         resolved = []
@@ -391,6 +403,8 @@ class WeightSyncScheme:
                 )
             if not 0 <= worker_id < count:
                 raise ValueError(f"Worker {worker_id} not registered (this scheme serves workers 0..{count - 1}).")
+            if worker_id in self._retired:
+                raise ValueError(f"Worker {worker_id} was removed from the collector: it takes no weights.")
             resolved.append(worker_id)
         return resolved
 

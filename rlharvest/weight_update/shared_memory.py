@@ -95,7 +95,8 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         ctx = ctx or (links.ctx if links is not None else None) or mp_context()
         return SharedMemWeightSender(count, ctx, [torch.device(d) if d is not None else None for d in devices]
                                      if devices is not None else None, per_worker=self.per_worker_weights,
-                                     via_pipe=self._via_pipe, liveness=links.liveness if links is not None else None)
+                                     via_pipe=self._via_pipe, liveness=links.liveness if links is not None else None,
+                                     device_source=links.devices if links is not None else None)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:

@@ -15,8 +15,12 @@ traceback, which the parent raises as :class:`~rlharvest.errors.WorkerError`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing.connection
+import signal
+import threading
+import time
 import warnings
 from typing import Any, Callable, Protocol
 
@@ -27,7 +31,7 @@ from tensordict import TensorDictBase
 from .._utils import TRAJ_IDS, unwrap
 from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
-from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
+from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
 
 __all__ = ["Worker", "WorkerCollector", "run_worker"]
@@ -125,6 +129,10 @@ class Worker:
         self._free_ids = itertools.count()
         self._free_frames = 0
         self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
+        #: when SIGTERM arrived (monotonic seconds), or None: the worker is being preempted
+        self.preempted_at: float | None = None
+        #: the rollout in progress was cut short by the preemption: it is handed back, not delivered
+        self._handing_back = False
         self.collector = self._build(spec)
         self._handlers: dict[Command, Callable[[Any], Any]] = {
             Command.COLLECT: self._collect,
@@ -197,7 +205,7 @@ class Worker:
         """Answer commands until CLOSE (or until the parent disappears)."""
         endpoint = self.endpoint
         waitables = self._waitables()
-        while not self.closed:
+        while not self.closed and self.preempted_at is None:
             if self.running_free and not self.paused:
                 message = endpoint.recv(0.0)
                 if message is None:
@@ -212,7 +220,36 @@ class Worker:
                     if not endpoint.parent_alive():
                         break
                     continue
-            endpoint.send(self.handle(message))
+            reply = self.handle(message)
+            if self._handing_back:  # cut short by a preemption: no partial batch, the parent asks again
+                break
+            endpoint.send(reply)
+        if self.preempted_at is not None and not self.closed:
+            self._leave()
+
+    # ------------------------------------------------------------------ preemption (docs/elastic.md)
+    def preempt(self, *_: Any) -> None:
+        """SIGTERM: finish the rollout in progress within the grace period, then leave (:meth:`serve`)."""
+        if self.preempted_at is None:
+            self.preempted_at = time.monotonic()
+
+    def _leave(self) -> None:
+        """Tell the parent this worker leaves (preempted), then end as after CLOSE."""
+        handed_back = self._handing_back
+        self.closed = True
+        self.endpoint.announce_leaving(handed_back)  # in shared memory where there is some: never lost
+        if not handed_back:
+            with contextlib.suppress(Exception):  # the batch it delivered last must have left (nodes send it after replying)
+                self.endpoint.before_rollout()
+        with contextlib.suppress(Exception):
+            self.endpoint.send(Reply(LEAVING, self.worker_idx, value="handed back" if handed_back else "finished"))
+        self.collector.shutdown(raise_on_error=False)
+
+    def _past_grace(self) -> bool:
+        """Whether a preempted worker must stop its rollout now to leave within its grace period (half
+        of it is kept for closing the env and exiting)."""
+        grace = self.spec.preemption_grace or 0.0
+        return self.preempted_at is not None and time.monotonic() > self.preempted_at + grace / 2
 
     def _waitables(self) -> list:
         own = self.endpoint.wait_handle()
@@ -221,6 +258,9 @@ class Worker:
     def _step_check(self) -> bool:
         """Between env steps: advertise progress; stop the rollout if the parent interrupted it."""
         self.endpoint.report_progress(next(self._steps))
+        if self.preempted_at is not None and self._past_grace():
+            self._handing_back = True
+            return True
         return self.endpoint.interrupted()
 
     # ------------------------------------------------------------------ rollouts
@@ -379,12 +419,21 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
     Every push backend runs exactly this in its worker (a process, a thread, a node); backends get
     it passed in as their target (``rlharvest.transport`` never imports the worker loop).
     """
+    # SIGTERM is handled from the start: one that arrives while the worker is built is a preemption too
+    early: list[float] = []
+    handles_sigterm = spec.preemption_grace is not None and threading.current_thread() is threading.main_thread()
+    if handles_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: early.append(time.monotonic()))
     try:
         worker = Worker(spec, endpoint)
     except BaseException as err:
         endpoint.send(Reply(READY, spec.worker_idx, failure=RemoteFailure.capture(err, spec.worker_idx)))
         endpoint.close()
         return
+    if handles_sigterm:
+        signal.signal(signal.SIGTERM, worker.preempt)  # a preemption is a leave (docs/elastic.md)
+        if early:
+            worker.preempted_at = early[0]
     endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
     try:
         worker.serve()

@@ -12,8 +12,9 @@ replay buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -26,7 +27,7 @@ from ...weight_update.schemes import WeightSyncScheme
 from .._specs import has_weights
 from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
-from ..options.nodes import NodeOptions
+from ..options.nodes import NodeOptions, replicated
 from ..remote import RemoteCollectorBase, valid_part
 from ._pushed_batches import PushedBatchReceiver
 
@@ -199,7 +200,13 @@ class NodeCollector(RemoteCollectorBase):
     # ------------------------------------------------------------------ collector hooks
     @property
     def requested_frames_per_batch(self) -> int:
-        return self.config.frames_per_batch
+        """Frames per batch: ``frames_per_batch``; with ``sync=True``, once nodes joined or left, the
+        share fixed at construction (``frames_per_batch / W``) of every current node."""
+        resized = self._resized_frames_per_batch()
+        return self.config.frames_per_batch if resized is None else resized
+
+    def _frames_share(self, worker: int) -> int:
+        return self._frames_per_node
 
     def _remap_traj_ids(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
         """Node i's local id k becomes k * W + i (segments after growth: ``_traj_ids.py``); -1 stays -1
@@ -214,14 +221,14 @@ class NodeCollector(RemoteCollectorBase):
 
     def _before_sync_batch(self) -> None:
         if self.update_after_each_batch:
-            self._push(list(range(self.num_workers)))
+            self._push(self.active_workers)
 
     def _before_relaunch(self, worker: int) -> None:
         if self.update_after_each_batch and self._iter >= 0:
             self._push([worker])
 
     def _after_yield(self, worker: int | None) -> None:
-        served = list(range(self.num_workers)) if worker is None else [worker]
+        served = self.active_workers if worker is None else [worker]
         for node in served:
             self._batches_since_update[node] += 1
         self._yielded += 1
@@ -230,7 +237,7 @@ class NodeCollector(RemoteCollectorBase):
         if self.update_interval and self._yielded % self.update_interval == 0:
             self._push(served)
         if self.max_weight_update_interval >= 0:
-            late = [n for n, count in enumerate(self._batches_since_update) if count > self.max_weight_update_interval]
+            late = [n for n in self.active_workers if self._batches_since_update[n] > self.max_weight_update_interval]
             if late:
                 self._push(late)
 
@@ -240,7 +247,7 @@ class NodeCollector(RemoteCollectorBase):
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids=None, **kwargs) -> None:
         super().update_policy_weights_(policy_or_weights, worker_ids=worker_ids, **kwargs)
-        targets = range(self.num_workers) if worker_ids is None else (
+        targets = self.active_workers if worker_ids is None else (
             [worker_ids] if isinstance(worker_ids, int) else worker_ids)
         for node in targets:
             if isinstance(node, int) and 0 <= node < self.num_workers:
@@ -258,6 +265,131 @@ class NodeCollector(RemoteCollectorBase):
         if model_id == "policy":
             return self.policy
         return super().get_model(model_id)
+
+    # ------------------------------------------------------------------ nodes that join (docs/elastic.md)
+    def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs: int | None = None,
+                       policy: Any = None, collector_kwargs: dict | Sequence[dict] | None = None) -> None:
+        """Add one node per entry of ``create_env_fn`` to the running collector, through its launcher.
+
+        RayCollector's semantics (docs/ray.md, "Adding actors"; docs/elastic.md): the new nodes take the
+        indices after every slot, start on the weights of the last update and the current policy
+        version, with seeds continuing the chain of the last :meth:`set_seed` and trajectory ids never
+        used before; with ``sync=True`` each adds one rollout of ``frames_per_batch / W`` frames to
+        every batch from the next one on. Needs a growable backend and weight sender (RPC nodes; not
+        yet torchdist nodes, whose weight channels are sized at start-up).
+
+        Args:
+            create_env_fn: an env constructor, or a list of them (one per new node).
+            num_envs: envs per new node (1 when nodes run a single ``Collector``).
+            policy: None or this collector's policy, or a list of those.
+            collector_kwargs: a dict for every new node's collector, or one dict per new node.
+
+        Raises:
+            ValueError: for an argument that does not fit (named in the message).
+            NotImplementedError: when this collector's backend or weight sender cannot grow.
+            RuntimeError: after shutdown, while running free, or from inside the collector's iteration.
+            WorkerError: naming a new node that failed to start (the new nodes are then stopped; the
+                collector goes on with the others).
+
+        Example:
+            >>> collector = RPCCollector([CountingEnv], frames_per_batch=4, sync=True)   # doctest: +SKIP
+            >>> collector.add_collectors([CountingEnv])                                 # doctest: +SKIP
+            >>> collector.active_workers, collector.requested_frames_per_batch          # doctest: +SKIP
+            ([0, 1], 8)
+        """
+        self._add_nodes(create_env_fn, num_envs, policy, collector_kwargs, lambda: None)
+
+    def _add_nodes(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+                   backend_options: Callable[[], list | None]) -> None:
+        """``add_collectors`` of every face; ``backend_options()``: what the backend needs of each new
+        node (validated after the other arguments), or None."""
+        self._check_resizable("add")
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or any(env_fn is None for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"{self.noun}), got {create_env_fn!r}.")
+        count, first = len(env_fns), self.num_workers
+        sub_workers = self._new_num_envs(num_envs)
+        kwargs = self._new_collector_kwargs(collector_kwargs, count)
+        options = backend_options()
+        factory = self._new_policy(policy, count)
+        self._check_new_count(first + count)
+        self._fleet.check_growable()
+        specs = self._register_new(env_fns, kwargs, factory, sub_workers)
+        try:
+            self._add_workers(specs, options)
+        except BaseException:
+            for per_node in (self.env_constructors, self.collector_kwargs, self.policy_factory or []):
+                del per_node[first:]
+            raise
+        self._grown(count)
+
+    def _register_new(self, env_fns: list, kwargs: list[dict], factory: Callable | None, sub_workers: int) -> list:
+        """Append the new nodes' per-node arguments (undone by the caller if they fail to start);
+        returns their worker specs."""
+        first, count = self.num_workers, len(env_fns)
+        self.env_constructors.extend(env_fns)
+        self.collector_kwargs.extend({**entry, **self.config.for_worker(
+            first + k, init_random_frames=self.config.init_random_frames // (first + count))}
+            for k, entry in enumerate(kwargs))
+        if self.policy_factory:
+            self.policy_factory.extend([factory] * count)
+        specs = [self._node_spec(node) for node in range(first, first + count)]
+        if not self._runs_one_env:
+            specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
+                     for spec, env_fn in zip(specs, env_fns)]
+        return specs
+
+    def _new_num_envs(self, num_envs: int | None) -> int:
+        if num_envs is None:
+            return self.num_workers_per_collector
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+        if self._runs_one_env and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 when the {self.noun}s run a single Collector, got {num_envs}: build "
+                             f"the collector with collector_class='sync' or 'async' for several envs per {self.noun}.")
+        return num_envs
+
+    def _new_collector_kwargs(self, collector_kwargs: Any, count: int) -> list[dict]:
+        entries = replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
+                             f"new {self.noun} (one per entry of create_env_fn)")
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new {self.noun}), got "
+                                 f"{type(entry).__name__} at index {index}.")
+            frames = entry.get("frames_per_batch", self._frames_per_node)
+            if frames != self._frames_per_node:
+                raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every {self.noun} "
+                                 f"collects {self._frames_per_node} frames per rollout (leave it out).")
+        return [dict(entry) for entry in entries]
+
+    def _new_policy(self, policy: Any, count: int) -> Callable | None:
+        """The policy factory of the new nodes (None: they run this collector's policy)."""
+        per = f"new {self.noun} (one per entry of create_env_fn)"
+        policies = replicated(policy, "policy", count, per) if isinstance(policy, (list, tuple)) else [policy]
+        if any(entry is not None and entry is not self.policy for entry in policies):
+            raise ValueError("policy must be None or this collector's policy (local_policy()), or a list of those: "
+                             f"every {self.noun} runs the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factory or []}
+        if len(factories) > 1:
+            raise ValueError(f"add_collectors cannot choose the new {self.noun}s' policy_factory: this collector was "
+                             f"built with a different one per {self.noun}.")
+        return next(iter(factories.values()), None)
+
+    def _check_new_count(self, total: int) -> None:
+        """Per-node arguments of the constructor (devices, ...) leave the new nodes' values unknown."""
+        try:
+            self.config.check_workers(total)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"add_collectors: {err} The collector was built with one value per {self.noun}: "
+                             f"it cannot tell the new {self.noun}s' values.") from None
+
+    def _grown(self, count: int) -> None:
+        """Bookkeeping once ``count`` nodes joined: trajectory ids, update counters, batch layout."""
+        self._traj_ids.grow(count)
+        # a sync batch yielded but not yet accounted for (suspended at its yield) counts every node
+        self._batches_since_update.extend([-1 if self._sync and self._suspended else 0] * count)
+        self._resized()
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:

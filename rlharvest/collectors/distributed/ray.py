@@ -10,8 +10,6 @@ Only this collector can add workers once running (:meth:`RayCollector.add_collec
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence
@@ -21,7 +19,7 @@ from tensordict import TensorDictBase
 from ...protocol import Command
 from ...transport.ray import ensure_ray, require_ray
 from .._signatures import bind_arguments, derived_signature, keyword, method_signature
-from ..options.nodes import RayOptions, remote_configs_of, replicated
+from ..options.nodes import RayOptions, remote_configs_of
 from .torchdist import DistributedCollector
 from .nodes import NodeCollector
 
@@ -30,10 +28,6 @@ __all__ = ["RayCollector"]
 #: DistributedCollector's arguments that say where nodes run: a Ray cluster decides that
 _NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port", "mp_start_method", "bind_address",
             "authkey", "handshake_timeout")
-
-#: how argument errors of add_collectors name one entry
-_NEW = "new actor (one per entry of create_env_fn)"
-
 
 class RayCollector(NodeCollector):
     """Collect with one Ray actor per entry of ``create_env_fn``.
@@ -153,111 +147,10 @@ class RayCollector(NodeCollector):
             >>> collector.num_collectors, collector.requested_frames_per_batch          # doctest: +SKIP
             (2, 8)
         """
-        if self._collecting:
-            raise RuntimeError("add_collectors cannot run while a batch is being collected (from a postproc, a "
-                               "hook or another thread): call it between two batches.")
-        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
-        if not env_fns or any(env_fn is None for env_fn in env_fns):
-            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
-                             f"actor), got {create_env_fn!r}.")
-        count, first = len(env_fns), self.num_workers
-        sub_workers = self._new_num_envs(num_envs)
-        kwargs = self._new_collector_kwargs(collector_kwargs, count)
-        configs = remote_configs_of(remote_configs, count, _NEW)
-        factory = self._new_policy(policy, count)
-        self._check_new_count(first + count)
-        specs = self._register_new(env_fns, kwargs, factory, sub_workers)
-        try:
-            self._add_workers(specs, configs)
-        except BaseException:
-            for per_actor in (self.env_constructors, self.collector_kwargs, self.policy_factory or []):
-                del per_actor[first:]
-            raise
-        self._grown(count)
-
-    def _register_new(self, env_fns: list, kwargs: list[dict], factory: Callable | None, sub_workers: int) -> list:
-        """Append the new actors' per-actor arguments (undone by the caller if they fail to start);
-        returns their worker specs."""
-        first, count = self.num_workers, len(env_fns)
-        self.env_constructors.extend(env_fns)
-        self.collector_kwargs.extend({**entry, **self.config.for_worker(
-            first + k, init_random_frames=self.config.init_random_frames // (first + count))}
-            for k, entry in enumerate(kwargs))
-        if self.policy_factory:
-            self.policy_factory.extend([factory] * count)
-        specs = [self._node_spec(node) for node in range(first, first + count)]
-        if not self._runs_one_env:
-            specs = [dataclasses.replace(spec, create_env_fn=[env_fn] * sub_workers)
-                     for spec, env_fn in zip(specs, env_fns)]
-        return specs
-
-    def _new_num_envs(self, num_envs: int | None) -> int:
-        if num_envs is None:
-            return self.num_workers_per_collector
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
-        if self._runs_one_env and num_envs != 1:
-            raise ValueError(f"num_envs must be 1 when the actors run a single Collector, got {num_envs}: build "
-                             "the collector with collector_class='sync' or 'async' for several envs per actor.")
-        return num_envs
-
-    def _new_collector_kwargs(self, collector_kwargs: Any, count: int) -> list[dict]:
-        entries = replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
-                              _NEW)
-        for index, entry in enumerate(entries):
-            if not isinstance(entry, dict):
-                raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new actor), got "
-                                 f"{type(entry).__name__} at index {index}.")
-            frames = entry.get("frames_per_batch", self._frames_per_node)
-            if frames != self._frames_per_node:
-                raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every actor collects "
-                                 f"{self._frames_per_node} frames per rollout (leave it out).")
-        return [dict(entry) for entry in entries]
-
-    def _new_policy(self, policy: Any, count: int) -> Callable | None:
-        """The policy factory of the new actors (None: they run this collector's policy)."""
-        policies = replicated(policy, "policy", count, _NEW) if isinstance(policy, (list, tuple)) else [policy]
-        if any(entry is not None and entry is not self.policy for entry in policies):
-            raise ValueError("policy must be None or this collector's policy (local_policy()), or a list of those: "
-                             "every actor runs the weights this collector sends.")
-        factories = {id(factory): factory for factory in self.policy_factory or []}
-        if len(factories) > 1:
-            raise ValueError("add_collectors cannot choose the new actors' policy_factory: this collector was built "
-                             "with a different one per actor.")
-        return next(iter(factories.values()), None)
-
-    def _check_new_count(self, total: int) -> None:
-        """Per-actor arguments of the constructor (devices, ...) leave the new actors' values unknown."""
-        try:
-            self.config.check_workers(total)
-        except (RuntimeError, ValueError) as err:
-            raise ValueError(f"add_collectors: {err} The collector was built with one value per actor: it cannot "
-                             f"tell the new actors' values.") from None
-
-    def _grown(self, count: int) -> None:
-        """Bookkeeping once ``count`` actors joined: trajectory ids, update counters, batch layout."""
-        self._traj_ids.grow(count)
-        # a sync batch yielded but not yet accounted for (suspended at its yield) counts every actor
-        self._batches_since_update.extend([-1 if self._sync and self._suspended else 0] * count)
-        if self._sync:
-            self._growth_point = (self._iter + 1, self._frames)
-            remaining = self.config.total_frames - self._frames
-            if not self.config.endless and remaining > 0 and remaining % self.requested_frames_per_batch:
-                warnings.warn(f"{remaining} frames remain to total_frames={self.config.total_frames}, not a multiple "
-                              f"of the {self.requested_frames_per_batch} of a batch of {self.num_workers} actors: "
-                              "the last batch collects the excess.", stacklevel=3)
-
-    @property
-    def requested_frames_per_batch(self) -> int:
-        """Frames per batch: ``frames_per_batch``, and with ``sync=True`` each added actor's share on top."""
-        return self._frames_per_node * self.num_workers if self._sync else self.config.frames_per_batch
-
-    def __len__(self) -> int:
-        point = self._growth_point
-        if point is None or self.config.endless:
-            return super().__len__()
-        batches, frames = point  # batches of the former size so far, then of the current one
-        return batches + math.ceil(max(0, self.config.total_frames - frames) / self.requested_frames_per_batch)
+        count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 1
+        self._add_nodes(create_env_fn, num_envs, policy, collector_kwargs,
+                        lambda: remote_configs_of(remote_configs, count, f"new {self.noun} (one per entry of "
+                                                                         "create_env_fn)"))
 
     def stats(self, workers: str = "aggregate", *, timeout: float | None = 10.0) -> dict[str, int | float | bool]:
         """Progress as plain scalars, as :meth:`MultiCollector.stats <rlharvest.collectors.MultiCollector.stats>`,
@@ -298,24 +191,8 @@ class RayCollector(NodeCollector):
         return stats
 
     # ------------------------------------------------------------------ iteration
-    _collecting = False
-    #: ``(batches, frames)`` when actors were added to a sync collection: ``len()`` counts batches of
-    #: the former size up to there
-    _growth_point: tuple[int, int] | None = None
-    #: between a batch's yield and the iteration resuming (when add_collectors may run)
-    _suspended = False
-
     def _iterate(self) -> Iterator[TensorDictBase | None]:
-        batches = super()._iterate()
-        self._collecting = True
-        try:
-            for batch in batches:
-                self._collecting, self._suspended = False, True
-                yield batch
-                self._collecting, self._suspended = True, False
-        finally:
-            self._collecting = self._suspended = False
-            batches.close()
+        yield from super()._iterate()
         if self._reached_total():  # TorchRL's RayCollector releases its actors at the end of iteration
             self.shutdown()
 
@@ -323,7 +200,7 @@ class RayCollector(NodeCollector):
     def state_dict(self) -> list[OrderedDict]:
         """One state dict per actor, in actor order."""
         self._drain_async()
-        return [self._requests.request(worker, Command.STATE_DICT) for worker in range(self.num_workers)]
+        return [self._requests.request(worker, Command.STATE_DICT) for worker in self.active_workers]
 
     def load_state_dict(self, state_dict: dict | list[dict], **kwargs) -> None:
         """Load one state dict into every actor, or the ``i``-th of a list into actor ``i``.

@@ -95,6 +95,12 @@ class RPCCollector(NodeCollector):
         # an owner that left the group.
         self._retired_rrefs.append(self.collector_rrefs[worker])
 
+    def _grown(self, count: int) -> None:
+        super()._grown(count)
+        for handle in self._requests.handles[-count:]:  # what users see lists the new nodes too
+            self.collector_infos.append(handle.info)
+            self.collector_rrefs.append(handle.collector_rref(self._worker_timeout))
+
     def _after_replacement(self, worker: int) -> None:
         handle = self._requests.handles[worker]  # a new RPC name: what users see follows it
         self.collector_infos[worker] = handle.info

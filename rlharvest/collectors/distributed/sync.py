@@ -86,13 +86,18 @@ class DistributedSyncCollector(NodeCollector):
                 self._push_weights()
             self._iter += 1
             batches, frames = [], 0
-            for node in range(self.num_workers):
+            for node in self.active_workers:
                 reply, batch = self._gather.next_of(node, self._fetch_pushed)
+                if reply is None:  # it left (preempted) and was not replaced
+                    continue
                 batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
                 frames += reply.frames
             self._frames += frames
             self._yielded += 1
             yield from self._emit(batches, [], sync=True, counted=True)
+
+    def _workers_run_free(self) -> bool:
+        return self._pushing
 
     def _gather_strategy(self, fleet: Fleet) -> Pushed:
         return Pushed(fleet, self._meter, self._worker_timeout, self.noun)

@@ -56,6 +56,8 @@ class DistributedCollector(NodeCollector):
         max_worker_restarts: failed nodes replaced (a new node through the same launcher) before a
             failure raises; 0 (default): the first failure raises ``WorkerError``. docs/restarts.md.
         restart_delay: seconds to wait before a failed node's replacement starts.
+        preemption_grace: seconds a node that receives SIGTERM has to finish its rollout before it
+            hands it back and leaves: a leave, not a failure (docs/elastic.md; SLURM: ``--signal``).
         mp_start_method: start method of ``"mp"`` nodes (platform default).
         bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
             ``"mp"``, else the address this host's name resolves to (the one nodes are told);
@@ -110,6 +112,7 @@ class DistributedCollector(NodeCollector):
         heartbeat_timeout: float = 10.0,
         max_worker_restarts: int = 0,
         restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
         mp_start_method: str | None = None,
         bind_address: str | None = None,
         authkey: bytes | str | None = None,

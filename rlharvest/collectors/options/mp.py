@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ...config import CollectorConfig, positive_seconds
@@ -139,7 +139,17 @@ class WorkerProcessOptions:
             num_threads=self.num_sub_threads,
             init_random_frames=config.init_random_frames,
             init_fn=wrap_callable(self.init_fn),
+            preemption_grace=config.preemption_grace,
         ) for worker in range(self.num_workers)]
+
+    def grown(self, env_fns: list, factory: Callable | None, config: CollectorConfig) -> WorkerProcessOptions:
+        """These options with workers added after the others (``add_collectors``): their env
+        constructors, the policy factory every worker shares (or None), the first worker's share
+        of frames for each, and ``config`` grown for them (docs/elastic.md)."""
+        count = len(env_fns)
+        factories = self.policy_factories + (factory,) * count if self.policy_factories else None
+        return replace(self, config=config, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories,
+                       frames_per_worker=self.frames_per_worker + (self.frames_per_worker[0],) * count)
 
     def torch_threads(self) -> int:
         """The torch threads of the collector's own process."""

@@ -173,7 +173,8 @@ class NodeOptions:
                           collector_kwargs=dict(collector_kwargs, frames_per_batch=self.frames_per_node),
                           policy=policy, policy_factory=factory, weight_recv_schemes=schemes or None, num_threads=1,
                           # a node running free decides alone: its share of the random warm-up
-                          init_random_frames=self.config.init_random_frames // num_nodes)
+                          init_random_frames=self.config.init_random_frames // num_nodes,
+                          preemption_grace=self.config.preemption_grace)
 
 
 def _is_module(policy: Any) -> bool:

@@ -1,0 +1,160 @@
+"""Nodes that join and leave a running collection (docs/elastic.md): ``remove_collectors`` on
+DistributedCollector, DistributedSyncCollector and RPCCollector, ``add_collectors`` on RPCCollector,
+with launcher="mp"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+from mocks import check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
+
+from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
+from rlharvest.transport.ports import free_port_block
+
+pytestmark = pytest.mark.timeout(150)
+
+IDS = ("collector", "traj_ids")
+
+
+def make(collector_class, count: int, **kwargs):
+    return collector_class([counting_env] * count, weight_policy(1.0), launcher="mp", tcp_port=free_port_block(3),
+                           **kwargs)
+
+
+def gone(process) -> bool:
+    return not psutil.pid_exists(process.pid) or psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("collector_class", [DistributedCollector, RPCCollector])
+def test_a_node_leaves_and_the_others_keep_their_indices(collector_class, sync):
+    collector = make(collector_class, 3, frames_per_batch=12 if sync else 4, total_frames=96 if sync else 64, sync=sync)
+    batches, timings = [], []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            node = collector._launched[1].process
+            start = time.perf_counter()
+            collector.remove_collectors([1])
+            timings.append(time.perf_counter() - start)
+            assert gone(node)
+            assert collector.active_workers == [0, 2]
+            stats = collector.stats()
+            assert (stats["workers"], stats["workers_alive"]) == (2, 2)
+            collector.update_policy_weights_()  # the weights go to the nodes still there
+    collector.shutdown()
+    if sync:
+        assert [tuple(b.shape) for b in batches] == [(3, 4)] * 2 + [(2, 4)] * 9
+    check_trajectories(batches, 96 if sync else 64)
+    print(f"{collector_class.__name__} sync={sync}: remove_collectors took {timings[0]:.3f} s")
+
+
+def test_a_free_running_node_is_paused_before_it_leaves():
+    collector = make(DistributedSyncCollector, 2, frames_per_batch=8, total_frames=64)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            collector.remove_collectors(0)
+            assert collector.active_workers == [1] and collector.requested_frames_per_batch == 4
+    collector.shutdown()
+    assert [b.numel() for b in batches] == [8, 8] + [4] * 12
+    check_trajectories(batches, 64)
+
+
+# ---------------------------------------------------------------------------------- nodes that join
+def set_weight(policy, value: float) -> None:
+    with torch.no_grad():
+        policy.module.weight.fill_(value)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_an_rpc_node_joins_on_the_current_weights_with_fresh_ids(sync):
+    policy = weight_policy(1.0)
+    collector = RPCCollector([counting_env] * 2, policy, launcher="mp", tcp_port=free_port_block(3),
+                             frames_per_batch=8 if sync else 4, total_frames=52 if sync else 40, sync=sync)
+    batches, timings, ids_before = [], [], set()
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            ids_before = set(torch.cat([b.get(IDS).flatten() for b in batches]).tolist())
+            if sync:  # async: the other nodes' rollouts in flight run the former weights
+                set_weight(policy, 2.0)
+                collector.update_policy_weights_()
+            start = time.perf_counter()
+            collector.add_collectors([counting_env])
+            timings.append(time.perf_counter() - start)
+            assert collector.active_workers == [0, 1, 2] and len(collector.collector_rrefs) == 3
+            assert collector.requested_frames_per_batch == (12 if sync else 4)
+    collector.shutdown()
+    after = batches[2:]
+    if sync:
+        assert [tuple(b.shape) for b in batches] == [(2, 4)] * 2 + [(3, 4)] * 3
+    if sync:
+        check_trajectories(after, 36, step=2)
+    else:
+        check_trajectories(batches, 40)
+    if sync:  # the new node's ids were never used (async: two nodes sharing an id would break the count)
+        assert not set(after[0][2].get(IDS).tolist()) & ids_before
+    print(f"RPCCollector sync={sync}: add_collectors took {timings[0]:.3f} s")
+
+
+def test_torchdist_nodes_cannot_be_added_yet_and_nothing_changes():
+    with make(DistributedCollector, 2, frames_per_batch=8, total_frames=-1, sync=True) as collector:
+        with pytest.raises(NotImplementedError, match="cannot add nodes"):
+            collector.add_collectors([counting_env])
+        assert collector.active_workers == [0, 1] and tuple(collector.next().shape) == (2, 4)
+
+
+# ---------------------------------------------------------------------------------- preemption (SIGTERM)
+def test_a_preempted_node_is_replaced_through_its_launcher_without_spending_a_restart():
+    collector = make(DistributedCollector, 2, frames_per_batch=8, total_frames=80, sync=True, max_worker_restarts=1,
+                     preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            node = collector._launched[1].process
+            os.kill(node.pid, signal.SIGTERM)
+            wait_until(lambda: gone(node), 30.0, "the preempted node's exit")
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    assert stats["worker_1/restart_causes"].startswith("preempted: ")
+    assert [tuple(b.shape) for b in batches] == [(2, 4)] * 10
+    check_trajectories(batches, 80)
+
+
+def test_a_preempted_node_without_restarts_leaves_the_others_collecting():
+    collector = make(DistributedCollector, 2, frames_per_batch=8, total_frames=160, sync=False)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            # its batch in flight is delivered (the node waits until it is taken), then it leaves
+            os.kill(collector._launched[0].process.pid, signal.SIGTERM)
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["workers"]) == (1, 1)
+    check_trajectories(batches, 160)
+
+
+
+def test_a_preempted_free_running_node_is_replaced():
+    collector = make(DistributedSyncCollector, 2, frames_per_batch=8, total_frames=80, max_worker_restarts=1,
+                     preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            os.kill(collector._launched[1].process.pid, signal.SIGTERM)
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    assert all(b.numel() == 8 for b in batches)
+    check_trajectories(batches, 80)
