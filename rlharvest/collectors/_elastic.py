@@ -1,6 +1,6 @@
 """Workers that join and leave a running collector (docs/elastic.md): the collector's half.
 
-:class:`ElasticWorkers` is mixed into :class:`~rlharvest.collectors.remote.RemoteCollectorBase`:
+:class:`ElasticWorkers` is a base of :class:`~rlharvest.collectors.remote.RemoteCollectorBase`:
 ``remove_collectors`` (the fleet makes the workers leave, :meth:`Fleet.remove`), the shared part of
 ``add_collectors`` (:meth:`ElasticWorkers._add_workers`, over :meth:`Fleet.grow`; each face parses
 its own arguments), and what a sync batch looks like once the workers changed
@@ -13,9 +13,15 @@ import math
 import os
 import sys
 import warnings
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ._specs import wrap_callable
+
+if TYPE_CHECKING:  # annotations only: these modules import this one's users
+    from ..config import CollectorConfig
+    from ._fleet import Fleet
+    from ._requests import WorkerRequests
+    from .broadcast import WorkerBroadcast
 
 __all__ = ["ElasticWorkers"]
 
@@ -30,9 +36,25 @@ def _caller_outside_package() -> int:
     return level
 
 
-
 class ElasticWorkers:
-    """Joining and leaving for a collector with workers (mixed into ``RemoteCollectorBase``)."""
+    """Joining and leaving for a collector with workers: a base of ``RemoteCollectorBase``, which
+    defines everything declared below that this class reads."""
+
+    config: CollectorConfig
+    noun: str
+    _fleet: Fleet | None
+    _broadcast: WorkerBroadcast | None
+    _requests: WorkerRequests | None
+    _sync: bool
+    _closed: bool
+    _frames: int
+    _iter: int
+    _policy_version: int
+    _pre_collect_hook: Callable[[], None] | None
+    _post_collect_hook: Callable | None
+    requested_frames_per_batch: int
+    active_workers: list[int]
+    is_running: Callable[[], bool]
 
     #: while a batch is being collected (not suspended at a yield): workers cannot join or leave then
     _collecting = False
