@@ -134,6 +134,14 @@ class DistributedSyncCollector(NodeCollector):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         raise NotImplementedError("DistributedSyncCollector does not support set_seed (nodes run free).")
 
+    def state_dict(self, *, env_state: bool = True) -> dict:
+        raise NotImplementedError("DistributedSyncCollector has no state_dict: its nodes run free, so there is no "
+                                  "moment they all stand still at (docs/checkpoints.md).")
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        raise NotImplementedError("DistributedSyncCollector has no load_state_dict: its nodes run free "
+                                  "(docs/checkpoints.md).")
+
     def _write_pushed(self, worker: int, reply) -> None:
         """While stopping: batches pushed after the last yield are dropped (nobody will consume them)."""
         self._requests.handles[worker].fetch_batch(reply)
