@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -88,7 +90,20 @@ def test_push_weights_forms_and_alias():  # docs/torchrl-compatibility.md, "RPCW
 
 
 # ------------------------------------------------------------------------- real remote references
-def test_rpc_weight_updater_on_real_nodes():  # the same with real RRefs
+def test_rpc_weight_updater_on_real_nodes():
+    """The same with real RRefs, in a fresh interpreter: torch RPC keeps process-wide state from one
+    group to the next, and after a group in which a node was killed and replaced (test_restarts.py),
+    the next group of the same process could not resolve an RRef's owner ("could not find
+    destination id 2"), intermittently. A known issue, not fixed yet (docs/restarts.md)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here)), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", "import test_rpc; test_rpc.legacy_updater_on_real_nodes()"],
+                            cwd=here, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                            timeout=100)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def legacy_updater_on_real_nodes() -> None:
     policy = CountingPolicy(1.0)
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=-1,
               sync=True) as collector:
