@@ -151,8 +151,12 @@ class RemoteCollectorBase(ElasticWorkers, BaseCollector):
 
     @property
     def restart_causes(self) -> tuple[RestartCause, ...]:
-        """Why each worker was replaced so far, oldest first (docs/restarts.md)."""
-        return tuple(self._fleet.restarts.causes) if self._fleet is not None else ()
+        """Why each worker was replaced, or left on a preemption (kind ``"preempted"``), so far, oldest
+        first (docs/restarts.md, docs/elastic.md)."""
+        if self._fleet is None:
+            return ()
+        restarts = self._fleet.restarts
+        return tuple(sorted([*restarts.causes, *restarts.leaves], key=lambda cause: cause.time))
 
     @property
     def num_workers(self) -> int:
