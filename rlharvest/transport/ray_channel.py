@@ -157,8 +157,9 @@ class ChannelServer:
         self._remove_dir()
         chunks, self._chunks = self._chunks, []
         for segment, _ in chunks:
-            with contextlib.suppress(FileNotFoundError, BufferError):
+            with contextlib.suppress(OSError, BufferError):  # a descriptor already closed: still unlink the name
                 segment.close()
+            with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
 
 

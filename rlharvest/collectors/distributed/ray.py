@@ -179,10 +179,12 @@ class RayCollector(NodeCollector):
             raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
         snapshots = self._broadcast.stats_within(timeout) if self._broadcast is not None and not self._closed else {}
         stats = super().stats("aggregate") if workers != "per_worker" else {}
-        stats["workers"] = self.num_workers
+        active = self.active_workers
+        stats["workers"] = len(active)
         stats["workers_alive"] = len(snapshots)
-        if self._fleet is not None:
+        if self._fleet is not None:  # kept here, no actor is asked
             stats.update(self._fleet.restarts.stats(self.num_workers))
+            stats["workers_removed"] = self.num_workers - len(active)
         if workers != "per_worker" and snapshots:
             stats["worker_frames"] = int(sum(snapshot.get("frames", 0) for snapshot in snapshots.values()))
         if workers != "aggregate":
