@@ -146,6 +146,9 @@ class Doorbell:
                 pass
 
     def close(self) -> None:
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close both ends, once: a second close would close whatever reused the descriptor numbers."""
+        fds, (self._read, self._write) = (self._read, self._write), (-1, -1)
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
