@@ -27,9 +27,10 @@ from typing import Any, Callable, Collection, Sequence
 
 from tensordict import TensorDictBase
 
+from ..errors import WorkerError, WorkerTimeoutError
 from ..protocol import WorkerSpec
 
-__all__ = ["Backend", "Liveness", "WeightLinks", "WeightSender", "WeightReceiver", "WorkerHandle", "WorkerEndpoint",
+__all__ = ["Backend", "Liveness", "receive_from", "WeightLinks", "WeightSender", "WeightReceiver", "WorkerHandle", "WorkerEndpoint",
            "WorkerTarget"]
 
 #: ``liveness(worker) -> (alive, description)``: how waits on a worker notice that it died
@@ -271,6 +272,32 @@ class Backend(ABC):
             return False, "it was stopped"
         alive = handle.is_alive()
         return alive, ("alive" if alive else handle.exit_description())
+
+
+def receive_from(conn, worker: int, deadline: float, what: str, liveness: Liveness | None):
+    """The next message of ``worker`` on the connection ``conn`` (a sender waiting for an acknowledgement):
+    waits in slices of 0.2 s between which the worker's liveness is checked, so a dead worker ends the
+    wait at once rather than at the deadline.
+
+    Raises:
+        WorkerError: when the connection breaks or the worker died (its description says how).
+        WorkerTimeoutError: when nothing arrived by ``deadline`` (``time.monotonic()``).
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            if conn.poll(max(0.0, min(0.2, remaining))):
+                return conn.recv()
+        except (EOFError, OSError) as err:
+            raise WorkerError(f"lost its weight channel while the main process waited for {what}.",
+                              worker_idx=worker) from err
+        if liveness is not None:
+            alive, description = liveness(worker)
+            if not alive:
+                raise WorkerError(f"died while the main process waited for {what}: {description}.",
+                                  worker_idx=worker)
+        if remaining <= 0:
+            raise WorkerTimeoutError(f"{what} did not arrive within the weight-sync timeout.", worker_idx=worker)
 
 
 class WeightSender(ABC):

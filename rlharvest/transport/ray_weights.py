@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ..data.flat import FlatLayout, flat_leaves, is_dense
+from ..data.flat import flat_leaves, is_dense
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightReceiver, WeightSender
 from .pipes import Doorbell
 from .ray_channel import ChannelClient, ChannelServer, Wakeup, channel_supported
-from .weight_pool import Generation, GenerationPool, NamedShmAllocator, attach_named, copy_into
+from .weight_pool import Generation, GenerationBook, NamedShmAllocator, attach_named
 
 __all__ = ["RayWeightLinks", "RayWeightSender", "RayWeightReceiver", "WeightInboxes", "stage_weights",
            "unstage_weights"]
@@ -276,13 +276,9 @@ class RayWeightSender(WeightSender):
         self._acks: dict[int, tuple[int, Any]] = {}
         #: worker -> version announced through the channel and not yet acknowledged
         self._channel_unacked: dict[int, int] = {}
-        self._pool: GenerationPool | None = None
-        #: generation each actor runs on, and the one delivered to it and not yet acknowledged
-        self._current: dict[int, int] = {}
-        self._pending: dict[int, int] = {}
-        self._seen: dict[int, set] = {}
-        #: the generations handed to each actor with its invitation, until it is first sent one
-        self._premapped: dict[int, set] = {}
+        #: the shared-memory generations of actors on the driver's node (those handed with an actor's
+        #: invitation count as mapped)
+        self.book = GenerationBook(NamedShmAllocator)
         #: ``(version, staged)`` of the last update or of the initial weights: what a replacement
         #: gets; ``staged`` is an object-store reference (or None) or a Generation
         self._latest: tuple[int, Any] = (0, None)
@@ -318,7 +314,7 @@ class RayWeightSender(WeightSender):
             ready = self._ready_generations(initial)
         for worker in range(self.num_workers):
             self._send(worker, 0, None if ref is None else ("ref", ref), initial=True, generations=ready)
-            self._premapped[worker] = {gen_id for gen_id, _ in ready}
+            self.book.premap(worker, [gen_id for gen_id, _ in ready])
 
     def _ready_generations(self, initial) -> list[tuple[int, Any]]:
         """The two generations updates alternate between, allocated and written now (with the
@@ -326,12 +322,9 @@ class RayWeightSender(WeightSender):
         handed to the actors with their invitations (they map them while they are built)."""
         if initial is None or not is_dense(initial):
             return []
-        pool = self._generations(initial)
         generations = []
         for _ in range(2):
-            generation, _ = pool.acquire({g.gen_id for g in generations})
-            copy_into(generation, pool.keys, initial)
-            generations.append(generation)
+            generations.append(self.book.stage(initial, keep=[g.gen_id for g in generations]))
         return [(generation.gen_id, generation.handle) for generation in generations]
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
@@ -351,7 +344,6 @@ class RayWeightSender(WeightSender):
         ref = stage_weights(payload) if remote else None
         self._latest = (version, generation if generation is not None else ref)
         for worker in local:
-            self._pending[worker] = generation.gen_id
             self._announce(worker, version, self._shm_body(worker, generation))
         for worker in remote:
             self._acks[worker] = (version, self._send(worker, version, ("ref", ref), initial=False))
@@ -368,26 +360,12 @@ class RayWeightSender(WeightSender):
             raise self._died(worker, type(err).__name__) from err
         self._channel_unacked[worker] = version
 
-    def _generations(self, weights: TensorDictBase) -> GenerationPool:
-        """The pool of shared-memory generations, created for the layout of the first weights."""
-        if self._pool is None:
-            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
-        return self._pool
-
     def _stage_shared(self, weights: TensorDictBase) -> Generation:
-        pool = self._generations(weights)
-        busy = set(self._current.values()) | set(self._pending.values())
-        if isinstance(self._latest[1], Generation):  # what a replacement would be handed
-            busy.add(self._latest[1].gen_id)
-        generation, _ = pool.acquire(busy)
-        copy_into(generation, pool.keys, weights)
-        return generation
+        latest = self._latest[1]  # what a replacement would be handed stays untouched
+        return self.book.stage(weights, keep=[latest.gen_id] if isinstance(latest, Generation) else [])
 
-    def _shm_body(self, worker: int, generation: Generation) -> tuple:
-        seen = self._seen.setdefault(worker, self._premapped.pop(worker, set()))
-        handle = None if generation.gen_id in seen else generation.handle
-        seen.add(generation.gen_id)
-        return "shm", generation.gen_id, handle
+    def _shm_body(self, worker: int, generation: Generation, initial: bool = False) -> tuple:
+        return "shm", generation.gen_id, self.book.hand(worker, generation.gen_id, generation.handle, initial)
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -409,11 +387,11 @@ class RayWeightSender(WeightSender):
                     raise self._died(worker, type(err).__name__) from err
                 if message[0] == "error":
                     del self._channel_unacked[worker]
-                    self._pending.pop(worker, None)
+                    self.book.dropped(worker)
                     raise message[1].to_exception(context="applying new weights")
                 if message[1] >= self._channel_unacked[worker]:
                     del waiting[conn], self._channel_unacked[worker]
-                    self._current[worker] = self._pending.pop(worker)
+                    self.book.acknowledged(worker)
             for worker in waiting.values():
                 if not self.handles[worker].is_alive():
                     raise self._died(worker, "")
@@ -452,21 +430,22 @@ class RayWeightSender(WeightSender):
     def _check_ack(self, worker: int, ref: Any) -> None:
         import ray
 
-        delivered = self._pending.pop(worker, None)
         try:
             answer = ray.get(ref)
         except Exception as err:
+            self.book.dropped(worker)
             handle = self.handles[worker]
             raise WorkerError(f"the actor died while applying new weights: {handle.exit_description()} "
                               f"({type(err).__name__}).", worker_idx=worker) from err
         if isinstance(answer, RemoteFailure):
+            self.book.dropped(worker)
             raise answer.to_exception(context="applying new weights")
-        if delivered is not None:
-            self._current[worker] = delivered
+        self.book.acknowledged(worker)
 
     def replace(self, worker: int) -> None:
-        for state in (self._acks, self._channel_unacked, self._current, self._pending, self._seen, self._premapped):
+        for state in (self._acks, self._channel_unacked):
             state.pop(worker, None)
+        self.book.forget(worker)
         if self._server is not None:
             self._server.drop(worker)
 
@@ -476,8 +455,8 @@ class RayWeightSender(WeightSender):
         version, staged = self._latest
         if isinstance(staged, Generation):
             if self._is_local(worker):
-                self._current[worker] = staged.gen_id  # initial weights are not acknowledged: it runs on them
-                self._send(worker, version, self._shm_body(worker, staged), initial=True)
+                # initial weights are not acknowledged: it runs on them
+                self._send(worker, version, self._shm_body(worker, staged, initial=True), initial=True)
                 return
             staged = stage_weights(staged.view)
         self._send(worker, version, None if staged is None else ("ref", staged), initial=True)
@@ -486,6 +465,4 @@ class RayWeightSender(WeightSender):
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self.book.close()

@@ -17,10 +17,9 @@ from typing import Any, Callable
 import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout
 from ..errors import WorkerError
 from .base import WeightLinks, WeightReceiver, WeightSender
-from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
+from .weight_pool import GenerationBook, NamedShmAllocator
 
 __all__ = ["RPCWeightLinks", "RPCWeightSender", "RPCWeightReceiver"]
 
@@ -51,9 +50,8 @@ class RPCWeightSender(WeightSender):
         self.model_id = model_id
         self.apply_weights = apply_weights
         self._futures: dict[int, Any] = {}
-        self._pool: GenerationPool | None = None
-        self._current: dict[int, int] = {}
-        self._seen: dict[int, set] = {w: set() for w in range(len(handles))}
+        #: the shared-memory generations of nodes on this host (the future of an RPC is its acknowledgement)
+        self.book = GenerationBook(NamedShmAllocator)
         #: ``(version, payload)`` of the last update (or the initial weights): what a replacement gets
         self._latest: tuple[int, TensorDictBase] | None = None
 
@@ -72,24 +70,14 @@ class RPCWeightSender(WeightSender):
         if not isinstance(payload, dict):
             self._latest = (version, payload)
         local = [w for w in worker_ids if self.handles[w].local]
-        generation = self._stage(payload) if local else None
+        generation = self.book.stage(payload) if local else None
         for worker in worker_ids:
             handle = self.handles[worker]
             body = payload
             if worker in local:
-                seen = self._seen.setdefault(worker, set())
-                new = generation.gen_id not in seen
-                seen.add(generation.gen_id)
-                body = ("shm", generation.gen_id, generation.handle if new else None)
+                body = ("shm", generation.gen_id, self.book.hand(worker, generation.gen_id, generation.handle))
             self._futures[worker] = rpc.rpc_async(handle.name, self.apply_weights,
                                                   args=(self.model_id, version, body, initial), timeout=0)
-
-    def _stage(self, weights: TensorDictBase):
-        if self._pool is None:
-            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
-        generation, _ = self._pool.acquire(set(self._current.values()))
-        copy_into(generation, self._pool.keys, weights)
-        return generation
 
     def retire(self, worker: int) -> None:
         """Node ``worker`` left: nothing of it is awaited any more."""
@@ -97,8 +85,7 @@ class RPCWeightSender(WeightSender):
 
     def replace(self, worker: int) -> None:
         self._futures.pop(worker, None)
-        self._current.pop(worker, None)
-        self._seen[worker] = set()
+        self.book.forget(worker)
 
     def attach(self, worker: int, timeout: float) -> None:
         """Hand the replacement the weights of the last update (its spec brought those of the start)."""
@@ -127,13 +114,12 @@ class RPCWeightSender(WeightSender):
             try:
                 _, gen_id = future.wait()
             except Exception as err:
+                self.book.dropped(worker)
                 raise WorkerError(f"applying new weights failed: {err}", worker_idx=worker) from err
-            if gen_id is not None:
-                self._current[worker] = gen_id
+            self.book.acknowledged(worker, gen_id)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        self.book.close()
 
 
 class RPCWeightReceiver(WeightReceiver):

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ..data.flat import FlatLayout, freeze
-from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
-from .base import Liveness, WeightLinks, WeightReceiver, WeightSender
-from .weight_pool import GenerationPool, TorchShmAllocator, copy_into
+from ..data.flat import freeze
+from ..errors import RemoteFailure
+from .base import Liveness, WeightLinks, WeightReceiver, WeightSender, receive_from
+from .weight_pool import GenerationBook, TorchShmAllocator
 
 __all__ = ["SharedMemLinks", "SharedMemWeightSender", "SharedMemWeightReceiver"]
 
@@ -76,10 +76,8 @@ class SharedMemWeightSender(WeightSender):
         self.versions = torch.zeros(num_workers, dtype=torch.int64).share_memory_()
         # writes through numpy: 0.3 us instead of 6; an added worker's slot lives in a table of its own
         self._versions = _VersionSlots(self.versions)
-        self.pools: dict[Any, GenerationPool] = {}
-        self._current: dict[int, int] = {}   # worker -> generation it runs on
-        self._pending: dict[int, int] = {}   # worker -> generation announced, not yet acknowledged
-        self._seen: dict[int, set] = {w: set() for w in range(num_workers)}
+        #: pool key (device, or worker) -> the generations of its workers
+        self.books: dict[Any, GenerationBook] = {}
         self._unacked: dict[int, int] = {}
         #: pool key -> (generation, version) of the last weights announced for it (what a replacement maps)
         self._latest: dict[Any, tuple[int, int]] = {}
@@ -94,14 +92,19 @@ class SharedMemWeightSender(WeightSender):
     def buffers(self) -> dict[Any, TensorDictBase]:
         """The generation each pool's workers currently run on, by pool key (device or worker)."""
         out = {}
-        for key, pool in self.pools.items():
-            users = [w for w in range(self.num_workers) if self._key(w) == key and w in self._current]
-            if users:
-                out[key] = pool.get(self._current[users[0]]).view
+        for key, book in self.books.items():
+            if book.current:
+                out[key] = book.pool.get(next(iter(book.current.values()))).view
         return out
 
     def _key(self, worker: int):
         return worker if self.per_worker else self.devices[worker]
+
+    def _book(self, worker: int) -> GenerationBook:
+        key = self._key(worker)
+        if key not in self.books:
+            self.books[key] = GenerationBook(TorchShmAllocator, device=None if self.per_worker else key)
+        return self.books[key]
 
     def connection_info(self) -> dict:
         return {"conns": self._child_conns, "versions": self.versions, "version_tables": self._versions.tables,
@@ -140,46 +143,23 @@ class SharedMemWeightSender(WeightSender):
             by_key.setdefault(self._key(worker), []).append(worker)
         for key, workers in by_key.items():
             weights = payload[workers[0]] if isinstance(payload, dict) else payload
-            generation = self._stage(key, weights)
+            book = self._book(workers[0])
+            # the generation of the last weights stays untouched: a replacement may still map it
+            generation = book.stage(weights, keep=[self._latest[key][0]] if key in self._latest else [])
             self._latest[key] = (generation.gen_id, version)
             for worker in workers:
-                handle = None if generation.gen_id in self._seen[worker] else generation.handle
-                self._seen[worker].add(generation.gen_id)
-                self._pending[worker] = generation.gen_id
+                handle = book.hand(worker, generation.gen_id, generation.handle, initial=kind == "init")
                 self._versions[worker] = version
                 self.conns[worker].send((kind, version, (generation.gen_id, handle)))
                 if kind == "update":
                     self._unacked[worker] = version
-                else:
-                    self._current[worker] = generation.gen_id
-
-    def _stage(self, key, weights: TensorDictBase):
-        pool = self.pools.get(key)
-        if pool is None:
-            device = None if self.per_worker else key
-            layout = FlatLayout.of(weights.to(device) if device is not None else weights)
-            pool = self.pools[key] = GenerationPool(layout, TorchShmAllocator())
-        busy = {g for w, g in list(self._current.items()) + list(self._pending.items()) if self._key(w) == key}
-        if key in self._latest:  # a replacement may still map it
-            busy.add(self._latest[key][0])
-        generation, _ = pool.acquire(busy)
-        copy_into(generation, pool.keys, weights)
-        return generation
 
     # ------------------------------------------------------------------ replacements and added workers
     def replace(self, worker: int) -> None:
         if worker >= self.num_workers:
             self._grow_to(worker + 1)
-        for conn in (self.conns[worker], self._child_conns[worker]):
-            try:
-                if conn is not None:
-                    conn.close()
-            except OSError:
-                pass
+        self.retire(worker)
         self.conns[worker], self._child_conns[worker] = self._ctx.Pipe(duplex=True)
-        self._seen[worker] = set()
-        for state in (self._current, self._pending, self._unacked):
-            state.pop(worker, None)
 
     def _grow_to(self, count: int) -> None:
         """Serve workers up to ``count`` (added after start-up): a pipe and a version slot each."""
@@ -189,7 +169,6 @@ class SharedMemWeightSender(WeightSender):
             self.devices.append(torch.device(device) if device is not None else None)
             self.conns.append(None)
             self._child_conns.append(None)
-            self._seen[worker] = set()
             self._versions.add(worker)
         self.num_workers = count
 
@@ -201,8 +180,8 @@ class SharedMemWeightSender(WeightSender):
                     conn.close()
             except OSError:
                 pass
-        for state in (self._current, self._pending, self._unacked):
-            state.pop(worker, None)
+        self._unacked.pop(worker, None)
+        self._book(worker).forget(worker)
 
     def attach(self, worker: int, timeout: float) -> None:
         """Hand the new receiver the current weights of its pool key (mapped, not copied)."""
@@ -211,9 +190,8 @@ class SharedMemWeightSender(WeightSender):
             version, body = self._latest_sent.get(key, (0, None))
         elif key in self._latest:
             gen_id, version = self._latest[key]
-            body = (gen_id, self.pools[key].get(gen_id).handle)
-            self._seen[worker] = {gen_id}
-            self._current[worker] = gen_id
+            book = self._book(worker)
+            body = (gen_id, book.hand(worker, gen_id, book.pool.get(gen_id).handle, initial=True))
         else:  # workers kept the weights their own policies were built with
             version, body = 0, None
         self._versions[worker] = version
@@ -224,34 +202,18 @@ class SharedMemWeightSender(WeightSender):
         for worker in worker_ids:
             # Acks arrive in order: the ack of the latest delivered version covers the older ones.
             while worker in self._unacked:
-                message = self._recv(worker, deadline, f"an acknowledgement of weights version {version}")
+                message = receive_from(self.conns[worker], worker, deadline,
+                                       f"an acknowledgement of weights version {version}", self.liveness)
                 if message[0] == "ack":
                     _, acked, gen_id = message
                     if gen_id is not None:
-                        self._current[worker] = gen_id
-                        self._pending.pop(worker, None)
+                        self._book(worker).acknowledged(worker, gen_id)
                     if acked >= self._unacked[worker]:
                         del self._unacked[worker]
                 elif message[0] == "error":
                     del self._unacked[worker]
-                    self._pending.pop(worker, None)
+                    self._book(worker).dropped(worker)
                     raise message[1].to_exception(context="applying new weights")
-
-    def _recv(self, worker: int, deadline: float, what: str):
-        conn = self.conns[worker]
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                if conn.poll(max(0.0, min(0.2, remaining))):
-                    return conn.recv()
-            except (EOFError, OSError) as err:
-                raise WorkerError(f"lost the weight channel while waiting for {what}.", worker_idx=worker) from err
-            if self.liveness is not None:
-                alive, description = self.liveness(worker)
-                if not alive:
-                    raise WorkerError(f"died while the parent waited for {what}: {description}.", worker_idx=worker)
-            if remaining <= 0:
-                raise WorkerTimeoutError(f"{what} did not arrive within the weight-sync timeout.", worker_idx=worker)
 
     def close(self) -> None:
         for conn in self.conns + self._child_conns:
@@ -260,8 +222,8 @@ class SharedMemWeightSender(WeightSender):
                     conn.close()
             except OSError:
                 pass
-        for pool in self.pools.values():
-            pool.close()
+        for book in self.books.values():
+            book.close()
 
 
 class _VersionSlots:

@@ -20,14 +20,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, flat_leaves, freeze
 
-__all__ = ["Generation", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
+__all__ = ["Generation", "GenerationBook", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
            "create_named", "map_named", "unlink_named"]
 
 
@@ -261,3 +261,85 @@ class GenerationPool:
         for generation in self._generations.values():
             self.allocator.release(generation)
         self._generations.clear()
+
+
+class GenerationBook:
+    """What one sender knows of its receivers' generations: the one each runs on (acknowledged), the one
+    it was handed and has not acknowledged yet, and those it has mapped (a mapping handle travels once
+    per receiver and generation). Every sender of generations keeps one (shared memory, torchdist,
+    Ray, RPC), so choosing a buffer no receiver may be reading is written once.
+
+    Receivers are any hashable (worker indices); generation ids are those of :class:`GenerationPool`,
+    or any other id of a buffer the sender tracks the same way (a host's slot, ``torchdist_hosts``).
+
+    Args:
+        allocator: makes the pool's allocator, when the first weights give the layout.
+        device: the device the pool's buffers live on (the layout is read from the weights moved there).
+    """
+
+    def __init__(self, allocator: Callable[[], Any], device=None) -> None:
+        self._allocator = allocator
+        self.device = device
+        self.pool: GenerationPool | None = None
+        #: receiver -> generation it runs on (acknowledged, or handed as initial weights)
+        self.current: dict[Hashable, Hashable] = {}
+        #: receiver -> generation handed to it and not acknowledged yet
+        self.pending: dict[Hashable, Hashable] = {}
+        #: receiver -> generations it has mapped
+        self.seen: dict[Hashable, set] = {}
+
+    def busy(self, receivers: Iterable[Hashable] | None = None) -> set:
+        """The generations ``receivers`` (default: all) run on or were handed: never to be written."""
+        if receivers is None:
+            return set(self.current.values()) | set(self.pending.values())
+        receivers = list(receivers)
+        return ({self.current[r] for r in receivers if r in self.current}
+                | {self.pending[r] for r in receivers if r in self.pending})
+
+    def stage(self, weights: TensorDictBase, keep: Iterable = ()) -> Generation:
+        """Copy ``weights`` (once) into a generation outside :meth:`busy` and ``keep``; the pool is
+        created for the layout of the first weights."""
+        if self.pool is None:
+            moved = weights.to(self.device) if self.device is not None else weights
+            self.pool = GenerationPool(FlatLayout.of(moved), self._allocator())
+        generation, _ = self.pool.acquire(self.busy() | set(keep))
+        copy_into(generation, self.pool.keys, weights)
+        return generation
+
+    def hand(self, receiver: Hashable, gen_id: Hashable, handle: Any = None, initial: bool = False) -> Any:
+        """Note that ``gen_id`` goes to ``receiver`` (it runs on it at once when ``initial``: initial
+        weights are not acknowledged); returns ``handle`` the first time, then None (it is mapped)."""
+        seen = self.seen.setdefault(receiver, set())
+        first = gen_id not in seen
+        seen.add(gen_id)
+        if initial:
+            self.current[receiver] = gen_id
+            self.pending.pop(receiver, None)
+        else:
+            self.pending[receiver] = gen_id
+        return handle if first else None
+
+    def premap(self, receiver: Hashable, gen_ids: Iterable[Hashable]) -> None:
+        """``receiver`` maps ``gen_ids`` by other means (before any is handed to it)."""
+        self.seen.setdefault(receiver, set()).update(gen_ids)
+
+    def acknowledged(self, receiver: Hashable, gen_id: Hashable | None = None) -> None:
+        """``receiver`` runs on what it was handed (or on ``gen_id``, when it says which)."""
+        handed = self.pending.pop(receiver, None)
+        gen_id = handed if gen_id is None else gen_id
+        if gen_id is not None:
+            self.current[receiver] = gen_id
+
+    def dropped(self, receiver: Hashable) -> None:
+        """What was handed to ``receiver`` will not be acknowledged (it failed to apply it)."""
+        self.pending.pop(receiver, None)
+
+    def forget(self, receiver: Hashable) -> None:
+        """``receiver`` was replaced or left: it maps nothing and reads nothing any more."""
+        for state in (self.current, self.pending, self.seen):
+            state.pop(receiver, None)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -166,7 +166,7 @@ def sender_of(collector: RayCollector):
 
 def segment_files(sender) -> list[str]:
     """The /dev/shm files of the sender's generation buffers."""
-    return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender._pool._generations.values()]
+    return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender.book.pool._generations.values()]
 
 
 def test_updates_reach_actors_on_this_node_through_shared_memory_leaving_no_segment():
@@ -182,7 +182,7 @@ def test_updates_reach_actors_on_this_node_through_shared_memory_leaving_no_segm
         batch = next(iterator)
         assert batch["action"][0].unique().tolist() == [2.0] and batch["action"][1].unique().tolist() == [6.0]
         sender = sender_of(collector)
-        assert sender._current == {0: 0, 1: 1}  # each actor runs on a generation of its own
+        assert sender.book.current == {0: 0, 1: 1}  # each actor runs on a generation of its own
         files = segment_files(sender)
         assert len(files) == 2 and all(os.path.exists(path) for path in files)
         set_weight(policy, 8.0)
@@ -205,12 +205,12 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         collector.update_policy_weights_()
         assert next(iterator)["action"].unique().tolist() == [3.0]
         sender = sender_of(collector)
-        assert set(sender._seen) == {0} and sender._current == {0: 0}  # only actor 0 mapped a generation
+        assert sender.book.current == {0: 0} and not sender.book.pending  # only actor 0 runs on a generation
         sender._driver_node = "a-third-node"  # the replacement counts as remote: it gets a reference
         ray_cluster.kill(collector.remote_collectors[0])
         wait_until(lambda: not collector._requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         collector._replace_worker(0)
-        assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender._current
+        assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender.book.current
     finally:
         collector.shutdown()
 
@@ -224,7 +224,7 @@ def test_use_shared_memory_false_sends_every_update_through_the_object_store():
         next(iterator)
         set_weight(policy, 9.0)
         collector.update_policy_weights_()
-        assert next(iterator)["action"].unique().tolist() == [9.0] and sender_of(collector)._pool is None
+        assert next(iterator)["action"].unique().tolist() == [9.0] and sender_of(collector).book.pool is None
     finally:
         collector.shutdown()
 

@@ -179,7 +179,7 @@ def test_without_epoll_actors_on_this_node_are_told_by_actor_calls(monkeypatch):
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[4.0], [4.0]]
         assert sorted(calls) == [(0, False), (1, False)] and sender._server is None
-        assert sender._current == {0: 0, 1: 0}  # both swapped the same shared-memory generation in
+        assert sender.book.current == {0: 0, 1: 0}  # both swapped the same shared-memory generation in
     finally:
         collector.shutdown()
 
@@ -191,7 +191,7 @@ def test_the_generations_updates_alternate_between_are_mapped_while_the_actors_a
     collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
     try:
         sender = collector._sender_schemes["policy"]._sender
-        made = sorted(sender._pool._generations)
+        made = sorted(sender.book.pool._generations)
         assert len(made) == 2
         bodies, body_of = [], sender._shm_body
         sender._shm_body = lambda worker, generation: bodies.append(body_of(worker, generation)) or bodies[-1]
@@ -201,7 +201,7 @@ def test_the_generations_updates_alternate_between_are_mapped_while_the_actors_a
             set_weight(policy, value)
             collector.update_policy_weights_()
             assert actions(next(iterator)) == [[value], [value]]
-        assert sorted(sender._pool._generations) == made  # no generation created for an update
+        assert sorted(sender.book.pool._generations) == made  # no generation created for an update
         assert len(bodies) == 6 and all(handle is None for _, _, handle in bodies)  # none sent again
     finally:
         collector.shutdown()
