@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
-from .base import WeightLinks, WeightSender
+from .base import WeightLinks, WeightSender, receive_from
 from .channel import ChannelListener, listen, new_authkey
 from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
@@ -350,16 +350,7 @@ class DistWeightSender(WeightSender):
                 raise failure.to_exception(context="applying new weights")
 
     def _recv(self, worker: int, deadline: float):
-        conn = self.conns[worker]
-        while True:
-            try:
-                if conn.poll(0.2):
-                    return conn.recv()
-            except (EOFError, OSError) as err:
-                raise WorkerError("its weight channel closed (the node died?).", worker_idx=worker) from err
-            self._check_peers([worker], "to acknowledge new weights")
-            if time.monotonic() > deadline:
-                raise WorkerTimeoutError("no weight acknowledgement within the weight-sync timeout.", worker_idx=worker)
+        return receive_from(self.conns[worker], worker, deadline, "an acknowledgement of new weights", self.liveness)
 
     def _check_peers(self, workers: list[int], what: str) -> None:
         if self.liveness is None:
