@@ -305,34 +305,16 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
             ([0, 1], 8)
             >>> collector.shutdown()
         """
-        self._check_resizable("add")
-        if self._legacy:
-            raise ValueError("add_collectors needs weight sync schemes: this collector was built with a legacy "
-                             "weight_updater, which serves the workers it started with only.")
-        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
-        if not env_fns or any(not callable(env_fn) for env_fn in env_fns):
-            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
-                             f"worker), got {create_env_fn!r}.")
-        if num_envs is not None and num_envs != 1:
-            raise ValueError(f"num_envs must be 1 (each worker process runs one env), got {num_envs!r}.")
+        env_fns, factory = self._check_added(create_env_fn, num_envs, policy)
         count, first = len(env_fns), self.num_workers
-        share = self._options.frames_per_worker[0]
-        extra = _new_collector_kwargs(collector_kwargs, count, share)
-        if any(entry is not None and entry is not self.policy for entry in
-               (policy if isinstance(policy, (list, tuple)) else [policy])):
-            raise ValueError("policy must be None or this collector's policy, or a list of those: every worker runs "
-                             "the weights this collector sends.")
-        factories = {id(factory): factory for factory in self.policy_factory or []}
-        if len(factories) > 1:
-            raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
-                             "with a different one per worker.")
+        extra = _new_collector_kwargs(collector_kwargs, count, self._options.frames_per_worker[0])
         config = self.config.grown(count)
         try:
             config.check_workers(first + count)
         except (RuntimeError, ValueError) as err:
             raise ValueError(f"add_collectors: {err} The collector was built with one value per worker: it cannot "
                              "tell the new workers' values.") from None
-        options = self._options.grown(env_fns, next(iter(factories.values()), None), config)
+        options = self._options.grown(env_fns, factory, config)
         specs = options.worker_specs(default_collector=Collector, policy=self._worker_policy,
                                      schemes=self._sender_schemes, traj_counter=self._traj_counter)[first:]
         specs = [spec.replacement(collector_kwargs={**spec.collector_kwargs, **entry})
@@ -347,6 +329,28 @@ class MultiCollector(RemoteCollectorBase, metaclass=_DispatchOnSync):
         if self.policy_factory:
             self.policy_factory = list(options.policy_factories)
         self._resized()
+
+    def _check_added(self, create_env_fn, num_envs, policy) -> tuple[list[Callable], Callable | None]:
+        """The new workers' env constructors and policy factory, or the error naming what does not fit."""
+        self._check_resizable("add")
+        if self._legacy:
+            raise ValueError("add_collectors needs weight sync schemes: this collector was built with a legacy "
+                             "weight_updater, which serves the workers it started with only.")
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or any(not callable(env_fn) for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"worker), got {create_env_fn!r}.")
+        if num_envs is not None and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 (each worker process runs one env), got {num_envs!r}.")
+        if any(entry is not None and entry is not self.policy for entry in
+               (policy if isinstance(policy, (list, tuple)) else [policy])):
+            raise ValueError("policy must be None or this collector's policy, or a list of those: every worker runs "
+                             "the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factory or []}
+        if len(factories) > 1:
+            raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
+                             "with a different one per worker.")
+        return env_fns, next(iter(factories.values()), None)
 
     # ------------------------------------------------------------------ replay buffer
     def _assembles_trajectories(self) -> bool:
