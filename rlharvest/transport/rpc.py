@@ -247,9 +247,10 @@ class RPCWorkerHandle(WorkerHandle):
         self._push(reply)
 
     def _push(self, reply) -> None:
-        with self._lock:
+        with self._lock:  # under the lock: terminate() cannot close the pipe in between
             self._replies.append(reply)
-        os.write(self._wake_w, b"x")
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
 
     def _complete(self, request_id: int, future) -> None:
         try:
@@ -274,14 +275,15 @@ class RPCWorkerHandle(WorkerHandle):
     def poll(self, timeout: float = 0.0) -> bool:
         if self._replies:
             return True
-        if timeout > 0:
+        if timeout > 0 and self._wake_r >= 0:
             select.select([self._wake_r], [], [], timeout)
         return bool(self._replies)
 
     def recv(self):
         with self._lock:
             reply = self._replies.popleft()
-        os.read(self._wake_r, 1)
+            if self._wake_r >= 0:
+                os.read(self._wake_r, 1)
         if isinstance(reply, _FailedRPC):
             return self._failure_reply(reply.request_id)
         return reply
@@ -342,9 +344,12 @@ class RPCWorkerHandle(WorkerHandle):
     def terminate(self, deadline: float) -> None:
         self.launched.terminate(deadline)
         self._terminated = True
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:  # once: a second close would close whatever reused the descriptor numbers
+            fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------- main side
