@@ -166,6 +166,11 @@ class WorkerEndpoint(ABC):
         """Say, where the parent reads it whatever happens to the connection, that this worker leaves
         (preempted); its LEAVING message follows."""
 
+    def on_preemption(self, preempt: Callable[[float], None]) -> None:
+        """Where the worker loop does not run in its process's main thread (a Ray actor), SIGTERM is
+        caught by the process, not by the loop: call ``preempt(when)`` (monotonic seconds) when it
+        arrives, at once if it already did. Elsewhere nothing to do: the loop installs its handler."""
+
     def parent_alive(self) -> bool:
         """Whether the parent still exists."""
         return True

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import signal
 import threading
 import time
 import traceback
@@ -116,6 +117,20 @@ class RayWorkerEndpoint(WorkerEndpoint):
         self._seen = 0
         self.steps = 0
         self.inboxes = WeightInboxes()
+        self._preempted_at: float | None = None
+        self._preempt: Callable[[float], None] | None = None
+
+    def on_preemption(self, preempt: Callable[[float], None]) -> None:
+        self._preempt = preempt
+        if self._preempted_at is not None:
+            preempt(self._preempted_at)
+
+    def preempted(self, when: float) -> None:
+        """The actor's process caught SIGTERM at ``when``: the loop finishes or hands back its rollout."""
+        if self._preempted_at is None:
+            self._preempted_at = when
+        if self._preempt is not None:
+            self._preempt(self._preempted_at)
 
     # ---- called by the actor's methods (threads of the actor)
     def put_command(self, seq: int, message: Any) -> None:
@@ -218,9 +233,37 @@ class RayWorkerActor:
         torch.set_num_threads(max(1, int(spec.num_threads)))
         self.endpoint = RayWorkerEndpoint(spec.worker_idx)
         self._outcome: dict[str, str] = {}
+        self._grace = spec.preemption_grace
+        self._pulled_all = threading.Event()  # the loop ended and the parent pulled every reply
+        self._leaving = False
+        self._rays_handler: Any = None
+        if self._grace is not None and threading.current_thread() is threading.main_thread():
+            # Ray's own handler ends the process at once (SystemExit): SIGTERM is a leave instead
+            self._rays_handler = signal.signal(signal.SIGTERM, self._sigterm)
         self._thread = threading.Thread(target=_run_loop, args=(target, spec, self.endpoint, self._outcome),
                                         name=f"rlharvest-worker-{spec.worker_idx}", daemon=True)
         self._thread.start()
+
+    def _sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM (the process's main thread): the worker loop finishes or hands back its rollout and
+        says goodbye; the process exits once the parent pulled it all, or at the end of the grace
+        period, through Ray's own handler (:meth:`_exit_after_leaving` sends SIGTERM again)."""
+        if self._leaving:
+            handler, self._rays_handler = self._rays_handler, None
+            if callable(handler):
+                handler(signum, frame)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._leaving = True
+        now = time.monotonic()
+        self.endpoint.preempted(now)
+        threading.Thread(target=self._exit_after_leaving, args=(now + float(self._grace),),
+                         name="rlharvest-preempted", daemon=True).start()
+
+    def _exit_after_leaving(self, deadline: float) -> None:
+        self._pulled_all.wait(max(0.0, deadline - time.monotonic()))
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def push(self, seq: int, message: Any) -> None:
         self.endpoint.put_command(seq, message)
@@ -231,6 +274,8 @@ class RayWorkerActor:
         running = self._thread.is_alive()
         replies = self.endpoint.take_replies(timeout if running else 0.0, pushed_limit)
         more = running or bool(replies) or self.endpoint.has_replies()  # what an ended loop left is pulled too
+        if not more and self._leaving:  # preempted: its goodbye reached the parent, the process may go
+            self._pulled_all.set()
         return replies, self.endpoint.steps, more, self._outcome.get("failure")
 
     def interrupt(self, count: int) -> None:

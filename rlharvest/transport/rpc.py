@@ -24,6 +24,7 @@ import contextlib
 import gc
 import os
 import select
+import signal
 import threading
 import time
 import warnings
@@ -35,7 +36,7 @@ import torch.distributed.rpc as rpc
 from tensordict import TensorDictBase
 
 from ..errors import RemoteFailure, WorkerError
-from ..protocol import READY, Reply, WorkerSpec
+from ..protocol import LEAVING, READY, Reply, WorkerSpec
 from .base import Backend, WorkerEndpoint, WorkerHandle
 from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .ports import PortInUseError, boot_id, is_loopback, port_is_free
@@ -71,7 +72,13 @@ class RPCNodeCalls:
     """The functions the main process calls on a node (they run there, found by reference):
     ``create(spec_bytes)`` builds its worker, ``handle(message) -> reply`` runs one command,
     ``interrupt()``, ``collector_of()`` (for ``collector_rrefs``), ``apply_weights(model_id, version,
-    payload, initial) -> (version, generation)``, and ``release()`` when the node closes."""
+    payload, initial) -> (version, generation)``, and ``release()`` when the node closes.
+
+    Preemption (docs/elastic.md), called by the node itself: ``preempt() -> grace`` from its SIGTERM
+    handler (the worker finishes or hands back its rollout; None when SIGTERM is not a leave: no
+    worker yet, or ``preemption_grace=None``), then ``leave(deadline) -> (how, replies)`` once the
+    command in progress ended (``how``: ``"finished"`` or ``"handed back"``; ``replies``: how many
+    replies the node sent, which the main process takes before the goodbye)."""
 
     create: Callable
     handle: Callable
@@ -79,6 +86,8 @@ class RPCNodeCalls:
     collector_of: Callable
     apply_weights: Callable
     release: Callable
+    preempt: Callable[[], float | None] = lambda: None  # SIGTERM ends the node at once
+    leave: Callable[[float], tuple[str, int]] = lambda deadline: ("finished", 0)
 
 
 def _init_rpc_quietly(name: str, rank: int, options) -> None:
@@ -160,6 +169,7 @@ def serve_rpc_node(rank: int, host: str, port: int, calls: RPCNodeCalls, *, tens
         with rpc._init_counter_lock:
             rpc._init_counter = session["init_counter"]
     closed = _CLOSED["event"] = threading.Event()
+    preempted = _on_sigterm(calls, closed)
     if tp_interface is not None:
         os.environ["TP_SOCKET_IFNAME"] = tp_interface  # this process is the node's own
     _init_rpc_quietly(node_name(rank), rank, rpc_options(host, port, tensorpipe_options))
@@ -173,9 +183,62 @@ def serve_rpc_node(rank: int, host: str, port: int, calls: RPCNodeCalls, *, tens
                 failures += 1
                 if failures >= 2:  # the main process is gone: do not linger
                     break
+        if preempted:
+            _say_leaving(node_name(rank), calls, *preempted[0], user_timeout)
     finally:
         calls.release()
         rpc.shutdown(graceful=False)
+
+
+def _on_sigterm(calls: RPCNodeCalls, closed: threading.Event) -> list[tuple[float, float]]:
+    """Handle SIGTERM on this node (in its main thread): its worker finishes or hands back its
+    rollout and the node leaves (:func:`_say_leaving`). Before the worker exists, or with
+    ``preemption_grace=None``, SIGTERM ends the node at once, as it always did. Returns the list the
+    handler appends ``(when, grace)`` to."""
+    preempted: list[tuple[float, float]] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        grace = calls.preempt()
+        if grace is None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if not preempted:
+            preempted.append((time.monotonic(), float(grace)))
+        closed.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+    return preempted
+
+
+def _say_leaving(name: str, calls: RPCNodeCalls, since: float, grace: float, timeout: float) -> None:
+    """A preempted node's goodbye: once its command in progress ended, tell the main process how it
+    left and how many replies it sent, until the main process has received them all (or the grace
+    period is over); then the node closes."""
+    deadline = since + grace
+    how, replies = calls.leave(since + grace * 0.75)
+    while True:
+        try:
+            if rpc.rpc_sync(TRAINER_NAME, _node_leaving, args=(name, how, replies),
+                            timeout=max(0.1, min(timeout, deadline - time.monotonic()))):
+                return
+        except Exception:  # the main process is gone, or did not answer within the grace period
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+
+
+#: the main process's handles, by node name: a node that leaves says so to its handle
+_HANDLES: dict[str, "RPCWorkerHandle"] = {}
+
+
+def _node_leaving(name: str, how: str, replies: int) -> bool:
+    """Runs on the main process when node ``name`` leaves (preempted); True once every one of its
+    ``replies`` arrived (the node waits for that before it closes)."""
+    handle = _HANDLES.get(name)
+    return True if handle is None else handle.leaving(how, replies)
 
 
 class _FailedRPC:
@@ -214,6 +277,10 @@ class RPCWorkerHandle(WorkerHandle):
         self._ping: Any = None
         self._ping_sent = 0.0
         self._terminated = False
+        self._replied = 0  # replies received (a preempted node says how many it sent)
+        self._left_as: str | None = None  # how the node left (preempted), once it said so
+        self._goodbye_after: int | None = None  # replies to receive before its goodbye is announced
+        _HANDLES[name] = self
 
     def start(self, spec_bytes: bytes, timeout: float) -> None:
         """Have the node build its worker; its READY reply arrives once it is built (or failed)."""
@@ -247,9 +314,10 @@ class RPCWorkerHandle(WorkerHandle):
         self._push(reply)
 
     def _push(self, reply) -> None:
-        with self._lock:
+        with self._lock:  # under the lock: terminate() cannot close the pipe in between
             self._replies.append(reply)
-        os.write(self._wake_w, b"x")
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
 
     def _complete(self, request_id: int, future) -> None:
         try:
@@ -257,7 +325,33 @@ class RPCWorkerHandle(WorkerHandle):
         except Exception as err:  # the RPC itself failed (node died, unreachable, ...)
             self._failed = f"its RPC failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
             reply = _FailedRPC(request_id)  # described in recv(): asking the launcher may take a moment
+        if reply is None:  # a preempted node handed its rollout back (or had left): no reply
+            return
+        if isinstance(reply, Reply):
+            with self._lock:
+                self._replied += 1
         self._push(reply)
+        self._announce_goodbye()
+
+    def leaving(self, how: str, replies: int) -> bool:
+        """The node is leaving (preempted) after sending ``replies`` replies: its goodbye (a LEAVING
+        reply) follows them. Returns whether they all arrived."""
+        with self._lock:
+            if self._left_as is None:  # the node repeats itself until its replies arrived: announced once
+                self._left_as, self._goodbye_after = how, replies
+        self._announce_goodbye()
+        return self._replied >= replies
+
+    def _announce_goodbye(self) -> None:
+        with self._lock:
+            due = self._goodbye_after is not None and self._replied >= self._goodbye_after
+            if due:
+                self._goodbye_after = None
+        if due:
+            self._push(Reply(LEAVING, self.worker_idx, value=self._left_as))
+
+    def left_as(self) -> str | None:
+        return self._left_as
 
     def _failure_reply(self, request_id: int) -> Reply:
         if self.launched.ended(timeout=2.0):
@@ -274,14 +368,15 @@ class RPCWorkerHandle(WorkerHandle):
     def poll(self, timeout: float = 0.0) -> bool:
         if self._replies:
             return True
-        if timeout > 0:
+        if timeout > 0 and self._wake_r >= 0:
             select.select([self._wake_r], [], [], timeout)
         return bool(self._replies)
 
     def recv(self):
         with self._lock:
             reply = self._replies.popleft()
-        os.read(self._wake_r, 1)
+            if self._wake_r >= 0:
+                os.read(self._wake_r, 1)
         if isinstance(reply, _FailedRPC):
             return self._failure_reply(reply.request_id)
         return reply
@@ -342,9 +437,14 @@ class RPCWorkerHandle(WorkerHandle):
     def terminate(self, deadline: float) -> None:
         self.launched.terminate(deadline)
         self._terminated = True
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if _HANDLES.get(self.name) is self:
+            del _HANDLES[self.name]
+        with self._lock:  # once: a second close would close whatever reused the descriptor numbers
+            fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------- main side

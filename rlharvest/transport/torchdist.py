@@ -20,6 +20,7 @@ sockets fail instead of hanging on either side.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -217,9 +218,14 @@ class DistWorkerEndpoint(WorkerEndpoint):
                 self._interrupts += 1
                 continue
             self._inbox.put(message)
-            os.write(self._wake_w, b"x")
+            self._wake()
         self._parent_dead = True
-        os.write(self._wake_w, b"x")
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            if self._wake_w >= 0:  # -1 once closed
+                os.write(self._wake_w, b"x")
 
     def _send(self, message: Any) -> None:
         try:
@@ -322,11 +328,12 @@ class DistWorkerEndpoint(WorkerEndpoint):
         except OSError:
             pass
         self._thread.join(2.0)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        # Once (run_worker and node_main both close): a second close would close whatever reused the numbers.
+        fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def node_authkey(authkey: bytes | str | None) -> bytes:

@@ -50,6 +50,7 @@ class DistWeightReceiver(WeightReceiver):
         self.conn = None
         self._inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_box = [self._wake_w]  # what the reader thread writes to (-1 once closed)
         self._segments: dict[Any, tuple] = {}  # generation or slot id -> (mapping, view)
         self._owned: dict[Any, tuple] = {}  # slot id -> (name, flat) of the slots this node created as carrier
         self._gen_id: Any = None
@@ -75,7 +76,7 @@ class DistWeightReceiver(WeightReceiver):
         # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
         # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
         # interpreter finalizes can abort the process).
-        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_w),
+        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_box),
                                         name="rlharvest-weights-reader", daemon=True)
         self._thread.start()
         return None if body is None else self._payload(version, body, timeout)
@@ -168,15 +169,21 @@ class DistWeightReceiver(WeightReceiver):
                 segment.close()
             except (BufferError, OSError):
                 pass  # views of the segment may still be alive in the model: the OS frees it at exit
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        # Once: a second close would close whatever reused the descriptor numbers (the reader thread
+        # stops writing to -1).
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        self._wake_box[0] = -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
-def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
-    """Move weight-channel messages to ``inbox`` and wake the worker loop, until the channel closes."""
+def _read_loop(conn, inbox: queue.Queue, wake_box: list[int]) -> None:
+    """Move weight-channel messages to ``inbox`` and wake the worker loop (through the descriptor in
+    ``wake_box``, -1 once the receiver closed it), until the channel closes."""
     while True:
         try:
             message = conn.recv()
@@ -184,6 +191,8 @@ def _read_loop(conn, inbox: queue.Queue, wake_w: int) -> None:
             return
         inbox.put(message)
         try:
-            os.write(wake_w, b"x")
+            if wake_box[0] < 0:
+                return
+            os.write(wake_box[0], b"x")
         except OSError:  # the receiver closed meanwhile
             return

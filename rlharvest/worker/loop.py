@@ -230,8 +230,17 @@ class Worker:
     # ------------------------------------------------------------------ preemption (docs/elastic.md)
     def preempt(self, *_: Any) -> None:
         """SIGTERM: finish the rollout in progress within the grace period, then leave (:meth:`serve`)."""
+        self.preempt_at(time.monotonic())
+
+    def preempt_at(self, when: float) -> None:
+        """SIGTERM arrived at ``when`` (monotonic seconds), caught by the process this loop runs in."""
         if self.preempted_at is None:
-            self.preempted_at = time.monotonic()
+            self.preempted_at = when
+
+    @property
+    def handing_back(self) -> bool:
+        """Whether a preemption cut the last rollout short: it is handed back, not delivered."""
+        return self._handing_back
 
     def _leave(self) -> None:
         """Tell the parent this worker leaves (preempted), then end as after CLOSE."""
@@ -434,6 +443,8 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
         signal.signal(signal.SIGTERM, worker.preempt)  # a preemption is a leave (docs/elastic.md)
         if early:
             worker.preempted_at = early[0]
+    elif spec.preemption_grace is not None:  # a loop in a thread (a Ray actor's): its process catches SIGTERM
+        endpoint.on_preemption(worker.preempt_at)
     endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
     try:
         worker.serve()

@@ -11,6 +11,7 @@ serves. They live beside the worker loop they run; backends get them as their ta
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import cloudpickle
@@ -65,7 +66,7 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
 # The functions below run on an RPC node. They find its one worker here rather than through an RRef:
 # an RRef passed as an argument costs TensorPipe extra fork/confirm messages per call (20% of a
 # 1M-parameter weight update). RRefs to the node collectors are what users see (collector_rrefs).
-_NODE: dict[str, Any] = {"worker": None, "segments": {}}
+_NODE: dict[str, Any] = {"worker": None, "segments": {}, "replies": 0, "left": False}
 
 
 def _create_worker(spec_bytes: bytes) -> bool:
@@ -86,10 +87,42 @@ def _node_worker() -> Worker:
 
 
 def _handle(message):
-    """One command. RPCs run on a thread pool, so commands are serialised like the push loop's."""
+    """One command. RPCs run on a thread pool, so commands are serialised like the push loop's.
+
+    None instead of a reply once the node is leaving (preempted): for a rollout it handed back (no
+    partial batch travels) and for commands that arrive after it said goodbye."""
     worker = _node_worker()
     with worker.command_lock:
-        return worker.handle(message)
+        if _NODE["left"]:
+            return None
+        reply = worker.handle(message)
+        if worker.handing_back:
+            return None
+        _NODE["replies"] += 1
+        return reply
+
+
+def _preempt() -> float | None:
+    """SIGTERM (the node's main thread): the worker finishes or hands back its rollout within half of
+    its grace period; returns the grace period, or None when SIGTERM is not a leave here."""
+    worker = _NODE.get("worker")
+    if worker is None or worker.spec.preemption_grace is None:
+        return None
+    worker.preempt()
+    return worker.spec.preemption_grace
+
+
+def _leave(deadline: float) -> tuple[str, int]:
+    """Once the command in progress ended (or at ``deadline``): answer no more commands; how the
+    rollout in flight ended, and how many replies this node sent."""
+    worker = _node_worker()
+    acquired = worker.command_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        _NODE["left"] = True
+        return ("handed back" if worker.handing_back or not acquired else "finished"), _NODE["replies"]
+    finally:
+        if acquired:
+            worker.command_lock.release()
 
 
 def _interrupt() -> None:
@@ -126,4 +159,4 @@ def _release() -> None:
 
 
 RPC_CALLS = RPCNodeCalls(create=_create_worker, handle=_handle, interrupt=_interrupt, collector_of=_collector_of,
-                         apply_weights=_apply_weights, release=_release)
+                         apply_weights=_apply_weights, release=_release, preempt=_preempt, leave=_leave)

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from mocks import check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
+from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.transport.ports import free_port_block
@@ -158,3 +158,69 @@ def test_a_preempted_free_running_node_is_replaced():
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
     assert all(b.numel() == 8 for b in batches)
     check_trajectories(batches, 80)
+
+
+# ---------------------------------------------------------------------------------- preemption of RPC nodes
+def zombie_or_gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_preempted_rpc_node_is_replaced_without_spending_a_restart(sync):
+    total = 80 if sync else 60
+    collector = make(RPCCollector, 2, frames_per_batch=8 if sync else 4, total_frames=total, sync=sync,
+                     max_worker_restarts=1, preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            pid = collector.worker_pids()[1]
+            os.kill(pid, signal.SIGTERM)  # it leaves by itself, whether the collector listens or not
+            wait_until(lambda: zombie_or_gone(pid), 30.0, "the preempted node's exit")
+    stats = collector.stats()
+    causes = collector.restart_causes
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    assert [cause.kind for cause in causes] == ["preempted"]
+    assert stats["worker_1/restart_causes"].startswith("preempted: ")
+    if sync:
+        assert [tuple(b.shape) for b in batches] == [(2, 4)] * 10
+    check_trajectories(batches, total)
+
+
+def test_a_preempted_rpc_node_without_restarts_leaves_the_others_collecting():
+    collector = make(RPCCollector, 2, frames_per_batch=8, total_frames=160, sync=False, preemption_grace=2.0)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            os.kill(collector.worker_pids()[0], signal.SIGTERM)  # its rollout in flight finishes, then it leaves
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"], stats["workers_removed"]) == (1, 0, 1, 1)
+    check_trajectories(batches, 160)
+
+
+def slow_env():
+    return SlowCountingEnv(max_steps=7, delay=0.05)
+
+
+def test_an_rpc_node_preempted_mid_rollout_hands_it_back_and_its_replacement_collects_it():
+    collector = RPCCollector([slow_env] * 2, weight_policy(1.0), launcher="mp", tcp_port=free_port_block(3),
+                             frames_per_batch=40, total_frames=240, sync=False, max_worker_restarts=1,
+                             preemption_grace=0.1)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            # the node of the first batch was asked for its next one when iteration resumed: 2 s of
+            # rollout, far beyond its grace period, so it hands it back (no partial batch travels),
+            # unless the request has not reached it yet (then it leaves with nothing in flight)
+            first = int(batches[0].get(IDS).flatten()[0]) % 2  # node i's trajectory ids are i modulo 2
+            os.kill(collector.worker_pids()[first], signal.SIGTERM)
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
+    print(stats[f"worker_{first}/restart_causes"])
+    assert all(b.numel() == 40 for b in batches)
+    check_trajectories(batches, 240)
