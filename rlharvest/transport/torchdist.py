@@ -393,6 +393,22 @@ class TorchDistBackend(Backend):
         #: seconds the last replacement's own group took to form, once the node reached the store
         self.last_group_seconds: float | None = None
 
+    @property
+    def growable(self) -> bool:
+        """Nodes can be added (``add_collectors``) where one can be replaced: each forms a group of its
+        own with this process, like a replacement."""
+        return self.backend in PAIR_BACKENDS and self.launcher != "submitit_delayed"
+
+    def grow(self, count: int, options=None) -> None:
+        super().grow(count, options)
+        self.launched.extend([None] * count)
+        self.generations.extend([-1] * count)  # start_one starts them at generation 0
+
+    def truncate(self, num_workers: int) -> None:
+        super().truncate(num_workers)
+        del self.launched[num_workers:]
+        del self.generations[num_workers:]
+
     def _launch(self, indices: list[int]) -> None:
         net = self.net
         for index in indices:
@@ -440,8 +456,9 @@ class TorchDistBackend(Backend):
         return self._connect(list(specs), generation=0)
 
     def start_one(self, index: int, spec: WorkerSpec) -> DistWorkerHandle:
-        """Launch a node in place of node ``index`` (its next generation), which forms a group of its
-        own with this process; the other nodes keep theirs.
+        """Launch a node in place of node ``index`` (its next generation), or a node added at index
+        ``index`` after :meth:`grow`, which forms a group of its own with this process; the other
+        nodes keep theirs.
 
         Raises:
             NotImplementedError: for nodes started elsewhere (``submitit_delayed``), or a backend
