@@ -210,9 +210,9 @@ class TorchDistOptions(NodeOptions):
         from ..distributed.slurm import DEFAULT_SLURM_CONF
 
         _check_launcher(launcher, external=True)
-        check_backend(backend)
         if launcher == EXTERNAL:
             _check_external(backend, slurm_kwargs, mp_start_method)
+        check_backend(backend)
         shared = cls.parse_common(owner, **common)
         network = NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address,
                                       authkey=authkey, worker_timeout=shared["worker_timeout"],
@@ -256,9 +256,9 @@ class RPCOptions(NodeOptions):
         from ..distributed.slurm import DEFAULT_SLURM_CONF
 
         _check_launcher(launcher, external=True)
-        check_backend(backend)
         if launcher == EXTERNAL:
             _check_external(backend, slurm_kwargs, mp_start_method)
+        check_backend(backend)
         shared = cls.parse_common(owner, **common)
         count = len(shared["env_fns"])
         if visible_devices is not None and len(visible_devices) != count:
