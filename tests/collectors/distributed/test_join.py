@@ -28,14 +28,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mocks.__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(os.path.abspath(mocks.__file__))])}
 
 
+@pytest.fixture(autouse=True)
+def started():
+    """The nodes a test starts; any still running when it ends (it failed) is killed."""
+    nodes: list[subprocess.Popen] = []
+    _STARTED.append(nodes)
+    yield nodes
+    _STARTED.pop()
+    for node in nodes:
+        if node.poll() is None:
+            node.kill()
+            node.wait(30.0)
+
+
 def make(count: int, **kwargs) -> DistributedCollector:
     return DistributedCollector([counting_env] * count, weight_policy(1.0), launcher="external", tcp_port=0,
                                 bind_address="127.0.0.1", **kwargs)
 
 
+_STARTED: list[list[subprocess.Popen]] = []
+
+
 def start_node(argv: list[str], **popen) -> subprocess.Popen:
+    """Run the join command (with this interpreter as its ``python``)."""
     assert argv[:5] == ["python", "-m", "rlharvest", "node", "--join"]
-    return subprocess.Popen([sys.executable, *argv[1:]], env=ENV, **popen)
+    node = subprocess.Popen([sys.executable, *argv[1:]], env=ENV, **popen)
+    _STARTED[-1].append(node)
+    return node
 
 
 def ended(nodes: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
@@ -116,7 +135,7 @@ def test_a_killed_node_is_replaced_by_the_next_join_and_a_leave_is_not_counted()
     argv = collector.join_command()
     nodes = [start_node(argv) for _ in range(2)]
     batches, threads = [], []
-    with Logged("rlharvest.restarts", "restarting node 1") as died, \
+    with Logged("rlharvest.restarts", "restarting node") as died, \
             Logged("rlharvest.restarts", "was preempted") as left:
         for batch in collector:
             batches.append(batch.clone())
@@ -132,31 +151,33 @@ def test_a_killed_node_is_replaced_by_the_next_join_and_a_leave_is_not_counted()
     for thread in threads:
         thread.join(5.0)
     assert (stats["restarts"], stats["preemptions"], stats["workers"]) == (1, 1, 2)
-    assert stats["worker_1/restart_causes"] and not stats["worker_1/restart_causes"].startswith("preempted")
-    assert stats["worker_0/restart_causes"].startswith("preempted: ")
+    causes = sorted(stats[f"worker_{index}/restart_causes"] for index in (0, 1))
+    assert causes[1].startswith("preempted: ") and not causes[0].startswith("preempted")  # one death, one leave
     assert [tuple(b.shape) for b in batches] == [(2, 4)] * 8
     check_trajectories(batches, 64)
     codes = ended(nodes)
-    assert codes == [0, -signal.SIGKILL, 0, 0]
+    assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == codes[3] == 0
 
 
 def test_a_slot_left_empty_takes_the_next_node_that_joins():
     collector = make(2, frames_per_batch=8, total_frames=-1, sync=True)  # no restarts: a leave empties the slot
     argv = collector.join_command()
     nodes = [start_node(argv) for _ in range(2)]
-    batches = collector_iter = None
-    with Logged("rlharvest.restarts", "was preempted") as left, Logged("rlharvest", "joined slot 1", logging.INFO) as joined:
+    with Logged("rlharvest.restarts", "was preempted") as left:
         collector_iter = iter(collector)
         batches = [next(collector_iter).clone() for _ in range(2)]
         nodes[1].send_signal(signal.SIGTERM)
         wait_until(lambda: left.seen.is_set() or batches.append(next(collector_iter).clone()), 120.0, "the leave")
+    with Logged("rlharvest", "joined slot", logging.INFO) as joined:
         nodes.append(start_node(argv))
         assert joined.seen.wait(120.0), "the new node did not join"
-        batches += [next(collector_iter).clone() for _ in range(3)]
+    batches += [next(collector_iter).clone() for _ in range(3)]
     stats = collector.stats()
     collector.shutdown()
     shapes = [tuple(b.shape) for b in batches]
-    assert shapes[:2] == [(2, 4)] * 2 and shapes[-3:] == [(2, 4)] * 3 and set(shapes[2:-3]) <= {(1, 4)}
+    # the batch the leaving node was collecting is complete (it finished its rollout), those after its
+    # leave hold one rollout, and once a node joined the empty slot, two again
+    assert shapes[:2] == [(2, 4)] * 2 and shapes[-3:] == [(2, 4)] * 3 and set(shapes) <= {(2, 4), (1, 4)}
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
     check_trajectories(batches, sum(b.numel() for b in batches))
     assert ended(nodes) == [0, 0, 0]
