@@ -36,7 +36,7 @@ from .channel import Channel, open_channel
 from .launchers import LaunchedNode
 from .rendezvous import CONTROL_KEY, Rendezvous, _wait_in_thread, group_store, make_process_group, node_group
 
-__all__ = ["JoinRefused", "JoinService", "JoinedNode", "join_collector"]
+__all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
 
 logger = logging.getLogger("rlharvest")
 
@@ -216,18 +216,26 @@ class JoinService:
         return group
 
 
-def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,
-                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0):
-    """A joining node's side: find the command port, join, form the slot's group, receive the spec.
+@dataclass
+class Seat:
+    """What a node that joined holds: its channel, its group, its slot, and its spec (pickled)."""
 
-    Returns ``(endpoint, pickled spec)`` (see :func:`rlharvest.transport.torchdist.join_as_node`).
+    conn: Channel
+    group: Any
+    index: int
+    heartbeat_interval: float
+    store: Any
+    payload: bytes
+
+
+def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,
+                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0) -> Seat:
+    """A joining node's side: find the command port, join, form the slot's group, receive the spec.
 
     Raises:
         JoinRefused: when every slot is taken.
         AuthenticationFailed: when the collector did not prove it holds the key.
     """
-    from .torchdist import DistWorkerEndpoint
-
     store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout))
     control_port = int(store.get(CONTROL_KEY))
     conn = open_channel(host, control_port, authkey, timeout, user_timeout, handshake_timeout)
@@ -240,5 +248,4 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
     group, _ = node_group(backend, store, rank, 2, generation, op_timeout, _local_address(conn))
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
     payload = conn.recv_bytes()
-    endpoint = DistWorkerEndpoint(conn, group, rank - 1, kwargs.get("heartbeat_interval", 1.0), store)
-    return endpoint, payload
+    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload)

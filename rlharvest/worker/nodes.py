@@ -20,7 +20,7 @@ from .._utils import use_worker_scheduling
 from ..errors import RemoteFailure
 from ..protocol import READY, Reply
 from ..transport.rpc import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
-from ..transport.torchdist import join_as_node
+from ..transport.torchdist import DistWorkerEndpoint, join_as_node
 from ..transport.torchdist_join import join_collector
 from ..transport.weight_pool import attach_named
 from .loop import Worker, run_worker
@@ -56,8 +56,9 @@ def join_main(host: str, port: int, authkey: bytes, **kwargs: Any) -> None:
     it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)."""
     use_worker_scheduling()
     torch.set_num_threads(1)
-    endpoint, payload = join_collector(host, port, authkey, **kwargs)
-    _serve(endpoint, payload, endpoint.worker_idx)
+    seat = join_collector(host, port, authkey, **kwargs)
+    endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store)
+    _serve(endpoint, seat.payload, seat.index)
 
 
 def _serve(endpoint, payload: bytes, index: int) -> None:
