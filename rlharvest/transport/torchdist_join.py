@@ -151,7 +151,7 @@ class JoinService:
     def close(self) -> None:
         """Stop taking joins; nodes that joined but were not taken are sent away (their channel closes)."""
         self._closed.set()
-        self._thread.join(self.timeout + 5.0)
+        self._thread.join(2.0)  # a join in progress may wait longer (forming its group): it sees the close
         with self._cond:
             for joined in self._joined.values():
                 with contextlib.suppress(OSError):
@@ -194,6 +194,9 @@ class JoinService:
             return
         node = JoinedNode(hello[1], str(hello[2]), peer[0] if peer else "?")
         with self._cond:
+            if self._closed.is_set():  # the collector shut down meanwhile: send the node away
+                channel.close()
+                return
             self._joined[index] = Joined(index, channel, group, node)
             self._cond.notify_all()
         logger.info("rlharvest: a node joined slot %d from %s (%s)", index, node.hostname, node.address)

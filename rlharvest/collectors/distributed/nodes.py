@@ -29,7 +29,7 @@ from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
 from ..options.nodes import NodeOptions, replicated
 from ..remote import RemoteCollectorBase, valid_part
-from ._joins import JoinKey, join_argv
+from ._joins import JoinKey, admit_rejoined, join_argv
 from ._pushed_batches import PushedBatchReceiver
 
 __all__ = ["NodeCollector"]
@@ -221,17 +221,8 @@ class NodeCollector(RemoteCollectorBase):
         return join_argv(self._net.advertised_host, self._net.tcp_port, self._join_key.path)
 
     def _admit_rejoined(self) -> None:
-        """``launcher="external"``: an empty slot (its node left) that a node joined meanwhile takes it
-        back, through the replacement path; batches grow back from the next one on."""
-        backend, fleet = self._backend, self._fleet
-        joins = getattr(backend, "joins", None)
-        requests = fleet.current_requests if fleet is not None else None
-        if joins is None or requests is None or not requests.retired:
-            return
-        rejoined = joins.joined(sorted(requests.retired))
-        for worker in rejoined:
-            fleet.renew(worker)
-        if rejoined:
+        """``launcher="external"``: empty slots that a node joined meanwhile take it (``_joins.py``)."""
+        if admit_rejoined(self._backend, self._fleet):
             self._resized()
 
     def _replacement_changes(self, worker: int) -> dict:
