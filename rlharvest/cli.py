@@ -62,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--noisy-retries", type=int, help="re-runs of a workload disturbed by other processes "
                                                          "(default 2, 0 with --quick)")
     bench.add_argument("--benchmarks", help="the benchmarks/ folder (default: the source checkout's)")
+    node = commands.add_parser(
+        "node", help="join a running DistributedCollector (launcher='external') as a node",
+        description="Join the DistributedCollector at HOST:PORT (its launcher='external'; collector.join_command() "
+                    "prints this command) and collect in the first empty slot until the collector shuts down, "
+                    "this node is removed, or it receives SIGTERM (it then leaves). The collector's key is read from "
+                    "--key-file (mode 0600); it is never given on the command line.",
+    )
+    node.add_argument("--join", required=True, metavar="HOST:PORT", help="the collector's address and tcp_port")
+    node.add_argument("--key-file", required=True, metavar="PATH",
+                      help="file holding the collector's key in hex, readable by its owner only")
+    node.add_argument("--timeout", type=float, default=120.0, help="seconds to reach the collector and join")
+    node.add_argument("--handshake-timeout", type=float, default=5.0,
+                      help="seconds the collector has to prove it holds the key")
     return parser
 
 
@@ -70,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "node":
+        return _node(args)
     if args.command != "demo":
         parser.print_help()
         return 2
@@ -88,6 +103,32 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 130 if summary.get("interrupted") else 0
+
+
+def _node(args: argparse.Namespace) -> int:
+    from .collectors.distributed.node import read_authkey_file
+    from .transport.channel import parse_authkey
+    from .transport.torchdist_join import JoinRefused
+    from .worker.nodes import join_main
+
+    host, _, port = args.join.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"rlharvest node: error: --join must be HOST:PORT, got {args.join!r}", file=sys.stderr)
+        return 2
+    try:
+        key = parse_authkey(read_authkey_file(args.key_file), "--key-file")
+    except (OSError, ValueError) as err:  # PermissionError (mode) is an OSError
+        print(f"rlharvest node: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        join_main(host.strip("[]"), int(port), key, timeout=args.timeout, handshake_timeout=args.handshake_timeout)
+    except JoinRefused as err:
+        print(f"rlharvest node: {err}", file=sys.stderr)
+        return 3
+    except (EOFError, ConnectionError) as err:  # the collector shut down before it took this node
+        print(f"rlharvest node: the collector closed the connection ({err or type(err).__name__}).", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:

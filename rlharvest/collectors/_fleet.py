@@ -95,7 +95,24 @@ class Fleet:
         self.schemes = schemes
         self.timeout = float(timeout)
         self.specs: list[WorkerSpec] = []
-        self.requests: WorkerRequests | None = None
+        self._requests: WorkerRequests | None = None
+        #: ``start``'s arguments while the start waits for its first use (nodes that join, docs/elastic.md)
+        self._deferred: tuple | None = None
+
+    @property
+    def requests(self) -> WorkerRequests | None:
+        """The requests to the workers; a deferred start (:meth:`start` with ``deferred=True``) happens
+        here, at the first use: it waits for the workers (and raises what their start raises)."""
+        if self._deferred is not None:
+            specs, started, wait = self._deferred
+            self._deferred = None
+            self._start(specs, started, wait)
+        return self._requests
+
+    @property
+    def current_requests(self) -> WorkerRequests | None:
+        """The requests to the workers if they were started, without starting them (None otherwise)."""
+        return self._requests
 
     def __len__(self) -> int:
         """The number of slots: every index ever given, including those of workers that left."""
@@ -104,10 +121,10 @@ class Fleet:
     @property
     def active(self) -> list[int]:
         """The indices of the workers that have not left, in order."""
-        return self.requests.active() if self.requests is not None else list(range(len(self.specs)))
+        return self._requests.active() if self._requests is not None else list(range(len(self.specs)))
 
     def start(self, specs: Sequence[WorkerSpec], started: Callable[[], None] | None = None,
-              wait: bool = True) -> None:
+              wait: bool = True, deferred: bool = False) -> None:
         """Start every worker, deliver the initial weights, and wait until each is built.
 
         Args:
@@ -117,18 +134,26 @@ class Fleet:
                 of it runs while worker processes are forked.
             wait: False returns without waiting until the workers are built: they queue commands
                 meanwhile, and the first wait on a worker that failed to build raises its failure.
+            deferred: start at the first use of :attr:`requests` instead of now (nodes that join a
+                collector from elsewhere: its constructor returns before any has joined).
 
         Raises:
             WorkerError: naming a worker that died or failed while starting (all are stopped then).
         """
         self.specs = list(specs)
+        if deferred:
+            self._deferred = (self.specs, started, wait)
+            return
+        self._start(self.specs, started, wait)
+
+    def _start(self, specs: list[WorkerSpec], started: Callable[[], None] | None, wait: bool) -> None:
         if self.restarts.enabled:
             self.backend.expect_replacements()
         try:
             handles = self.backend.start_all(self.specs)
             if started is not None:
                 started()
-            self.requests = WorkerRequests(handles, timeout=self.timeout, noun=self.backend.noun)
+            self._requests = WorkerRequests(handles, timeout=self.timeout, noun=self.backend.noun)
             self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
             if wait:
                 for worker in range(len(handles)):
@@ -180,7 +205,7 @@ class Fleet:
                 listing every cause.
         """
         worker = err.worker_idx
-        if getattr(err, "kind", None) != "preempted" and worker is not None and self.requests is not None \
+        if getattr(err, "kind", None) != "preempted" and worker is not None and self._requests is not None \
                 and self.requests.said_leaving(worker):  # met elsewhere first (its weight channel closing)
             err.kind = "preempted"
         if getattr(err, "kind", None) == "preempted":
@@ -242,7 +267,7 @@ class Fleet:
             NotImplementedError: when the backend or a weight scheme cannot serve more workers.
             WorkerError: naming a new worker that died or failed while starting.
         """
-        if self.requests is None:
+        if self.requests is None:  # (a deferred start happens here)
             raise RuntimeError("Fleet.grow() needs the fleet started first.")
         first, specs = len(self.specs), list(specs)
         indices = [spec.worker_idx for spec in specs]
@@ -379,7 +404,8 @@ class Fleet:
         """Ask every worker to close, then make sure each is gone, within one deadline (idempotent)."""
         deadline = time.monotonic() + timeout
         closing: set[int] = set()
-        requests = self.requests
+        self._deferred = None  # never started: nothing to ask
+        requests = self._requests
         if requests is not None:
             close_ids = {}
             for worker, handle in enumerate(requests.handles):

@@ -147,7 +147,8 @@ class RemoteCollectorBase(ElasticWorkers, BaseCollector):
             >>> collector.worker_pids()                              # doctest: +SKIP
             [41236, 41237]
         """
-        return [handle.pid for handle in self._requests.handles] if self._requests is not None else []
+        requests = self._fleet.current_requests if self._fleet is not None else None
+        return [handle.pid for handle in requests.handles] if requests is not None else []
 
     @property
     def restart_causes(self) -> tuple[RestartCause, ...]:
@@ -646,9 +647,10 @@ class RemoteCollectorBase(ElasticWorkers, BaseCollector):
         return self._running_free or super().is_running()
 
     def _interrupt_background(self) -> None:
-        if self._requests is not None:
-            for worker in self._requests.active():
-                self._requests.handles[worker].interrupt()
+        requests = self._fleet.current_requests if self._fleet is not None else None
+        if requests is not None:
+            for worker in requests.active():
+                requests.handles[worker].interrupt()
 
     def _pause_impl(self):
         if not self._supports_run_free:

@@ -369,6 +369,11 @@ class ChannelListener:
             return
         self._ready.put((channel, hello, peer))
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the port no longer accepts)."""
+        return self._closed.is_set()
+
     def next(self, timeout: float) -> tuple[Channel, Any, Any] | None:
         """The next authenticated ``(channel, hello, peer)``, or None after ``timeout`` seconds."""
         try:

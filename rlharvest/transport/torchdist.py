@@ -41,6 +41,7 @@ from .base import Backend, WorkerEndpoint, WorkerHandle
 from .channel import AUTHKEY_ENV, open_channel, parse_authkey
 from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .rendezvous import BATCH_TAG, CONTROL_KEY, PAIR_BACKENDS, Rendezvous, node_group
+from .torchdist_join import JoinService
 from .torchdist_weights import NodeGroupLinks, NodeWeightLinks
 
 __all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_authkey"]
@@ -397,8 +398,26 @@ class TorchDistBackend(Backend):
         self.launched: list[LaunchedNode | None] = [None] * num_workers
         self.generations = [0] * num_workers
         self.rendezvous: Rendezvous | None = None
+        #: ``launcher="external"``: the acceptor giving joining nodes their slots (torchdist_join)
+        self.joins: JoinService | None = None
         #: seconds the last replacement's own group took to form, once the node reached the store
         self.last_group_seconds: float | None = None
+
+    @property
+    def growable(self) -> bool:
+        """Nodes can be added (``add_collectors``) where one can be replaced: each forms a group of its
+        own with this process, like a replacement."""
+        return self.backend in PAIR_BACKENDS and self.launcher not in ("submitit_delayed", "external")
+
+    def grow(self, count: int, options=None) -> None:
+        super().grow(count, options)
+        self.launched.extend([None] * count)
+        self.generations.extend([-1] * count)  # start_one starts them at generation 0
+
+    def truncate(self, num_workers: int) -> None:
+        super().truncate(num_workers)
+        del self.launched[num_workers:]
+        del self.generations[num_workers:]
 
     def _launch(self, indices: list[int]) -> None:
         net = self.net
@@ -436,19 +455,52 @@ class TorchDistBackend(Backend):
             handles.append(handle)
         return handles
 
+    # ------------------------------------------------------------------ nodes that join (launcher="external")
+    def open_joins(self) -> None:
+        """``launcher="external"``: serve the store and take joining nodes from now on (idempotent)."""
+        if self.joins is not None:
+            return
+        net = self.net
+        Rendezvous.check_port(net.tcp_port, net.bind_host)
+        self.rendezvous = self._rendezvous()
+        kwargs = {key: value for key, value in net.node_kwargs().items() if key in ("heartbeat_interval",)}
+        self.joins = JoinService(self.rendezvous, self.backend, self.num_workers, kwargs, timeout=net.worker_timeout,
+                                 op_timeout=self.op_timeout)
+
+    def _take_joined(self, specs: list[WorkerSpec], what: str) -> list[DistWorkerHandle]:
+        """The handles of the nodes that joined the slots of ``specs`` (waiting up to ``worker_timeout``)."""
+        joined = self.joins.take([spec.worker_idx for spec in specs], self.net.worker_timeout, what)
+        handles = []
+        for spec in specs:
+            node = joined[spec.worker_idx]
+            self.launched[spec.worker_idx] = node.node
+            handle = DistWorkerHandle(node.channel, node.group, 1, spec.worker_idx, node.node, self.net.heartbeat_timeout)
+            handle.conn.send_bytes(cloudpickle.dumps(spec))
+            self.handles[spec.worker_idx] = handle
+            handles.append(handle)
+        return handles
+
+    def _rendezvous(self) -> Rendezvous:
+        net = self.net
+        return Rendezvous(net.bind_host, net.tcp_port, self.num_workers + 1, net.authkey, timeout=net.worker_timeout,
+                          user_timeout=net.user_timeout, handshake_timeout=net.handshake_timeout,
+                          device_host=net.device_host)
+
     def start_all(self, specs) -> list[DistWorkerHandle]:
+        if self.launcher == "external":
+            self.open_joins()
+            return self._take_joined(list(specs), "the first batch waits for every slot")
         net = self.net
         Rendezvous.check_port(net.tcp_port, net.bind_host)
         # Nodes first (they wait for the store): forking happens before this process starts threads.
         self._launch([spec.worker_idx for spec in specs])
-        self.rendezvous = Rendezvous(net.bind_host, net.tcp_port, self.num_workers + 1, net.authkey,
-                                     timeout=net.worker_timeout, user_timeout=net.user_timeout,
-                                     handshake_timeout=net.handshake_timeout, device_host=net.device_host)
+        self.rendezvous = self._rendezvous()
         return self._connect(list(specs), generation=0)
 
     def start_one(self, index: int, spec: WorkerSpec) -> DistWorkerHandle:
-        """Launch a node in place of node ``index`` (its next generation), which forms a group of its
-        own with this process; the other nodes keep theirs.
+        """Launch a node in place of node ``index`` (its next generation), or a node added at index
+        ``index`` after :meth:`grow`, which forms a group of its own with this process; the other
+        nodes keep theirs.
 
         Raises:
             NotImplementedError: for nodes started elsewhere (``submitit_delayed``), or a backend
@@ -460,6 +512,8 @@ class TorchDistBackend(Backend):
         if self.backend not in PAIR_BACKENDS:
             raise NotImplementedError(f"backend={self.backend!r} forms one group of every node: a node cannot be "
                                       f"replaced (use one of {list(PAIR_BACKENDS)}).")
+        if self.launcher == "external":  # the next node that joins this slot
+            return self._take_joined([spec], f"replacing node {index}")[0]
         self.generations[index] += 1
         self.rendezvous.open_commands()
         self._launch([index])
@@ -471,8 +525,13 @@ class TorchDistBackend(Backend):
             handle.terminate(deadline)
         elif node is not None:
             node.terminate(deadline)
+        if self.joins is not None and (handle is not None or node is not None):
+            self.joins.want(index)  # an empty slot: the next node that joins takes it
 
     def stop_all(self, deadline: float, closing=()) -> None:
+        if self.joins is not None:
+            self.joins.close()
+            self.joins = None
         super().stop_all(deadline, closing)
         if self.rendezvous is not None:
             self.rendezvous.close()

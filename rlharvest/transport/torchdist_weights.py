@@ -15,7 +15,9 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
 The node's receiver (:mod:`.torchdist_receiver`) reads its channel in a thread, so the per-step check
 is a flag read. A node that
 replaces another connects a channel of its own after start-up (``replace`` reopens the listener,
-``attach`` takes the new node and hands it the weights of the last update with that version).
+``attach`` takes the new node and hands it the weights of the last update with that version); a
+node added after start-up (``add_collectors``, the sender is ``growable``) is connected the same way
+at a new index. The listener stays open while any replaced or added node has not connected yet.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class DistWeightSender(WeightSender):
     """Parent end: a listener for the nodes' weight channels, a shared-memory generation pool for
     nodes on this host and a flat send buffer for the others."""
 
+    growable = True
+
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
                  handshake_timeout: float = 5.0) -> None:
@@ -99,6 +103,8 @@ class DistWeightSender(WeightSender):
         self._failures: dict[int, Any] = {}
         #: version of the last weights announced, and where they are (("shm", generation) or ("pg", None))
         self._latest: tuple[int, tuple] | None = None
+        #: replaced or added nodes whose weight channel has not connected yet (the listener stays open)
+        self._awaited: set[int] = set()
 
     def _listen(self) -> ChannelListener:
         return ChannelListener(listen(self.bind_host, self.port), self.authkey, "weight", self.handshake_timeout,
@@ -118,7 +124,8 @@ class DistWeightSender(WeightSender):
         self._finish_sends(timeout)
 
     def _accept(self, workers: list[int], timeout: float, what: str) -> None:
-        """The weight channels of ``workers``; then the port closes."""
+        """The weight channels of ``workers`` (and of other awaited nodes that connect meanwhile); then,
+        once no node is awaited, the port closes."""
         deadline = time.monotonic() + timeout
         here = boot_id()
         while any(w not in self.conns for w in workers):
@@ -126,11 +133,13 @@ class DistWeightSender(WeightSender):
             if item is not None:
                 conn, hello, peer = item
                 worker = _hello_worker(hello, self.num_workers)
-                if worker is None or worker not in workers or worker in self.conns:  # authenticated, yet unexpected
+                expected = set(workers) | self._awaited
+                if worker is None or worker not in expected or worker in self.conns:  # authenticated, yet unexpected
                     conn.close()
                     self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
                     continue
                 self.conns[worker] = conn
+                self._awaited.discard(worker)
                 self.local[worker] = bool(hello[2]) and hello[3] == here
                 if not self.local[worker] and len(hello) == 5 and peer:
                     self._hosts.join(worker, (peer[0], hello[3], hello[4]))
@@ -140,10 +149,15 @@ class DistWeightSender(WeightSender):
                 missing = sum(w not in self.conns for w in workers)
                 raise WorkerTimeoutError(f"{missing} of {len(workers)} nodes did not connect their weight channel "
                                          "in time.")
-        self.listener.close()  # every awaited node is connected: the port closes
+        if not self._awaited:
+            self.listener.close()  # every awaited node is connected: the port closes
 
     # ------------------------------------------------------------------ replacements
     def replace(self, worker: int) -> None:
+        if worker >= self.num_workers:  # a node added after start-up (Backend.grow)
+            for added in range(self.num_workers, worker + 1):
+                self._seen[added] = set()
+            self.num_workers = worker + 1
         conn = self.conns.pop(worker, None)
         if conn is not None:
             conn.close()
@@ -153,8 +167,9 @@ class DistWeightSender(WeightSender):
         self._layout_sent.discard(worker)
         for state in (self._current, self._pending, self._unacked, self._staged, self._failures):
             state.pop(worker, None)
-        self.listener.close()
-        self.listener = self._listen()  # connection_info() now names its port
+        self._awaited.add(worker)
+        if self.listener.closed:  # else it is still open for another awaited node: its port stays
+            self.listener = self._listen()  # connection_info() now names its port
 
     def attach(self, worker: int, timeout: float) -> None:
         """Take the new node's channel and hand it the last weights announced, with their version."""

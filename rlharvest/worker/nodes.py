@@ -21,11 +21,12 @@ from .._utils import use_worker_scheduling
 from ..errors import RemoteFailure
 from ..protocol import READY, Reply
 from ..transport.rpc import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
-from ..transport.torchdist import join_as_node
+from ..transport.torchdist import DistWorkerEndpoint, join_as_node
+from ..transport.torchdist_join import join_collector
 from ..transport.weight_pool import attach_named
 from .loop import Worker, run_worker
 
-__all__ = ["node_main", "RPC_CALLS"]
+__all__ = ["node_main", "join_main", "RPC_CALLS"]
 
 
 def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "gloo",
@@ -47,6 +48,23 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
         serve_rpc_node(rank, host, port, RPC_CALLS, **kwargs)
         return
     endpoint, payload = join_as_node(rank, world_size, host, port, backend, **kwargs)
+    _serve(endpoint, payload, rank - 1)
+
+
+def join_main(host: str, port: int, authkey: bytes, **kwargs: Any) -> None:
+    """The entry point of a node that joins a running collector (``launcher="external"``): it is given
+    an empty slot (or refused: :class:`~rlharvest.transport.torchdist_join.JoinRefused`), then serves
+    it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)."""
+    use_worker_scheduling()
+    torch.set_num_threads(1)
+    seat = join_collector(host, port, authkey, **kwargs)
+    endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store)
+    _serve(endpoint, seat.payload, seat.index)
+
+
+def _serve(endpoint, payload: bytes, index: int) -> None:
+    """Run the worker loop of the spec the main process sent, on ``endpoint``."""
+    rank = index + 1
     try:
         # The spec names the env constructors and the policy by reference: a node whose sys.path
         # lacks their module must say so to the main process, not only in its own log.

@@ -96,6 +96,8 @@ class NetworkConfig:
             raise TypeError(f"bind_address must be a str (an IP address of this host), got {bind_address!r}")
         # Local nodes: loopback only. Others: the address nodes are told, never every interface by default.
         advertised = LOOPBACK if launcher == "mp" else main_host_ip()
+        if launcher == "external" and bind_address not in (None, "0.0.0.0"):
+            advertised = bind_address  # join_command() names the address the collector listens on
         bind_host = advertised if bind_address is None else ("" if bind_address == "0.0.0.0" else bind_address)
         if port == 0:
             port = free_port_block(PORTS_USED, bind_host)

@@ -29,6 +29,7 @@ from .._traj_ids import TrajIdMap
 from ..base import BaseCollector
 from ..options.nodes import NodeOptions, replicated
 from ..remote import RemoteCollectorBase, valid_part
+from ._joins import JoinKey, admit_rejoined, join_argv
 from ._pushed_batches import PushedBatchReceiver
 
 __all__ = ["NodeCollector"]
@@ -51,6 +52,8 @@ class NodeCollector(RemoteCollectorBase):
     #: running free: held while a node is replaced by the receiver or weights are sent from here
     _free_lock: threading.RLock | None = None
     _supports_run_free = True
+    #: ``launcher="external"``: the file holding the key joining nodes read (``join_command()``)
+    _join_key: JoinKey | None = None
 
     def _construct(self, arguments: dict[str, Any]) -> None:
         """Build from the constructor's arguments (faces with a signature of their own come here too)."""
@@ -166,14 +169,20 @@ class NodeCollector(RemoteCollectorBase):
             self._weight_sync_schemes = self._sender_schemes
 
     def _start_nodes(self, count: int) -> None:
+        joining = self.launcher == "external"  # nodes join later: the first use waits for them
         try:
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
+            if joining:
+                self._backend.open_joins()
+                self._join_key = JoinKey(self._net.authkey)
             self._start_fleet([self._node_spec(node) for node in range(count)], self._worker_timeout,
-                              wait=self._wait_until_built)
+                              wait=self._wait_until_built, deferred=joining)
         except BaseException:  # the fleet stopped what it started
             for scheme in self._sender_schemes.values():
                 scheme.shutdown()
+            if self._join_key is not None:
+                self._join_key.remove()
             raise
         if self._legacy:
             self.weight_updater = self._options.weight_updater
@@ -192,6 +201,29 @@ class NodeCollector(RemoteCollectorBase):
     def _launched(self) -> list:
         """How the launcher sees each node (a process, a SLURM job)."""
         return self._backend.launched
+
+    def join_command(self) -> list[str]:
+        """The argv of a node that joins this collector from any host (``launcher="external"``).
+
+        ``["python", "-m", "rlharvest", "node", "--join", "HOST:PORT", "--key-file", PATH]``: PATH is a
+        file (mode 0600) holding this collector's key, written at construction and removed at
+        shutdown; copy it to the node's host (same path, or change the argument), never onto a
+        command line. A node that joins takes the first empty slot (docs/elastic.md).
+
+        Raises:
+            RuntimeError: when this collector's launcher is not ``"external"``, or after shutdown.
+        """
+        if self.launcher != "external":
+            raise RuntimeError(f"join_command() needs launcher='external' (nodes that join from anywhere); this "
+                               f"collector's launcher is {self.launcher!r}, which starts its nodes itself.")
+        if self._closed or self._join_key is None:
+            raise RuntimeError(f"{type(self).__name__} is shut down: no node can join it.")
+        return join_argv(self._net.advertised_host, self._net.tcp_port, self._join_key.path)
+
+    def _admit_rejoined(self) -> None:
+        """``launcher="external"``: empty slots that a node joined meanwhile take it (``_joins.py``)."""
+        if admit_rejoined(self._backend, self._fleet):
+            self._resized()
 
     def _replacement_changes(self, worker: int) -> dict:
         # a node counts its own trajectory ids: its replacement starts past every id it handed out
@@ -228,6 +260,7 @@ class NodeCollector(RemoteCollectorBase):
             self._push([worker])
 
     def _after_yield(self, worker: int | None) -> None:
+        self._admit_rejoined()
         served = self.active_workers if worker is None else [worker]
         for node in served:
             self._batches_since_update[node] += 1
@@ -275,8 +308,9 @@ class NodeCollector(RemoteCollectorBase):
         indices after every slot, start on the weights of the last update and the current policy
         version, with seeds continuing the chain of the last :meth:`set_seed` and trajectory ids never
         used before; with ``sync=True`` each adds one rollout of ``frames_per_batch / W`` frames to
-        every batch from the next one on. Needs a growable backend and weight sender (RPC nodes; not
-        yet torchdist nodes, whose weight channels are sized at start-up).
+        every batch from the next one on. Needs a growable backend and weight sender (RPC nodes,
+        torchdist nodes with a pair backend, gloo or nccl; not nodes started elsewhere:
+        ``"submitit_delayed"``, ``"external"``).
 
         Args:
             create_env_fn: an env constructor, or a list of them (one per new node).
@@ -297,6 +331,9 @@ class NodeCollector(RemoteCollectorBase):
             >>> collector.active_workers, collector.requested_frames_per_batch          # doctest: +SKIP
             ([0, 1], 8)
         """
+        if self.launcher == "external":
+            raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
+                                      "nodes that join (join_command()); add_collectors cannot add slots to it.")
         self._add_nodes(create_env_fn, num_envs, policy, collector_kwargs, lambda: None)
 
     def _add_nodes(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
@@ -484,4 +521,11 @@ class NodeCollector(RemoteCollectorBase):
     # ------------------------------------------------------------------ shutdown
     def _check_shutdown_args(self, close_env: bool) -> None:
         """Nodes always close their envs when they stop; close_env is accepted either way."""
+
+    def _shutdown_impl(self, timeout: float | None, close_env: bool) -> None:
+        try:
+            super()._shutdown_impl(timeout, close_env)
+        finally:
+            if self._join_key is not None:
+                self._join_key.remove()
 

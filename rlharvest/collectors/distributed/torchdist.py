@@ -43,7 +43,8 @@ class DistributedCollector(NodeCollector):
         update_after_each_batch: push weights before every request (sync) / re-launch (async).
         max_weight_update_interval: force an update of a node after this many batches without one.
         update_interval: push the main policy's weights every this many batches.
-        launcher: ``"mp"``, ``"submitit"`` (default) or ``"submitit_delayed"``.
+        launcher: ``"mp"``, ``"submitit"`` (default), ``"submitit_delayed"``, or ``"external"``: no
+            node is started, nodes join from anywhere with :meth:`join_command` (docs/elastic.md).
         tcp_port: base port (``p``, ``p+1``, ``p+2`` are used), an int in 1..65533; 0 picks free
             ports (not with ``"submitit_delayed"``); default ``$TCP_PORT`` or 10003.
         weight_updater: legacy updater (exclusive with ``weight_sync_schemes``).

@@ -188,7 +188,7 @@ class TorchDistOptions(NodeOptions):
     """``DistributedCollector``: nodes in torch.distributed process groups, started by a launcher."""
 
     launcher: str = "submitit"
-    """``"mp"``, ``"submitit"`` or ``"submitit_delayed"``."""
+    """``"mp"``, ``"submitit"``, ``"submitit_delayed"`` or ``"external"`` (nodes join, docs/elastic.md)."""
     backend: str = "gloo"
     """The process groups' backend (``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``)."""
     network: Any = None
@@ -209,7 +209,9 @@ class TorchDistOptions(NodeOptions):
         from ..distributed._network import NetworkConfig
         from ..distributed.slurm import DEFAULT_SLURM_CONF
 
-        _check_launcher(launcher)
+        _check_launcher(launcher, external=True)
+        if launcher == EXTERNAL:
+            _check_external(backend, slurm_kwargs, mp_start_method)
         check_backend(backend)
         shared = cls.parse_common(owner, **common)
         network = NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address,
@@ -253,7 +255,9 @@ class RPCOptions(NodeOptions):
         from ..distributed._network import NetworkConfig
         from ..distributed.slurm import DEFAULT_SLURM_CONF
 
-        _check_launcher(launcher)
+        _check_launcher(launcher, external=True)
+        if launcher == EXTERNAL:
+            _check_external(backend, slurm_kwargs, mp_start_method)
         check_backend(backend)
         shared = cls.parse_common(owner, **common)
         count = len(shared["env_fns"])
@@ -340,13 +344,34 @@ class RayOptions(NodeOptions):
                           start_timeout=self.worker_timeout)
 
 
-def _check_launcher(launcher: str) -> None:
+#: the launcher that starts no node: nodes join from anywhere (``join_command()``, docs/elastic.md)
+EXTERNAL = "external"
+
+
+def _check_launcher(launcher: str, external: bool = False) -> None:
     from ..distributed.slurm import LAUNCHERS
 
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
+    allowed = list(LAUNCHERS) + ([EXTERNAL] if external else [])
+    if launcher not in allowed:
+        raise ValueError(f"launcher must be one of {allowed}, got {launcher!r}")
     if launcher in ("submitit", "submitit_delayed"):
         try:
             import submitit  # noqa: F401  (only whether it is there)
         except ImportError as err:
             raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+
+
+def _check_external(backend: str, slurm_kwargs: dict | None, mp_start_method: str | None) -> None:
+    """``launcher="external"`` starts no node: options about starting nodes do not apply, and a node
+    joins into a slot with a group of its own, which only pair backends form."""
+    from ...transport.rendezvous import PAIR_BACKENDS
+
+    if backend not in PAIR_BACKENDS:
+        raise ValueError(f"launcher='external' needs backend in {list(PAIR_BACKENDS)} (each joining node forms a group "
+                         f"of its own), got backend={backend!r}.")
+    if slurm_kwargs:
+        raise ValueError("slurm_kwargs does not apply with launcher='external': the collector starts no node "
+                         "(start them with collector.join_command()).")
+    if mp_start_method is not None:
+        raise ValueError("mp_start_method does not apply with launcher='external': the collector starts no node "
+                         "(start them with collector.join_command()).")

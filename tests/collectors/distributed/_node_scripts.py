@@ -10,6 +10,9 @@
   two-host test, run inside network namespace A. It prints one JSON object per line on stdout
   (flushed), which the test reads as it goes; in ``happy`` mode it waits for a line on stdin
   before shutting down (so the test can inspect the live connections).
+* ``python _node_scripts.py join-main --port P --host-ip A`` is the main process of the two-host join
+  test: ``launcher="external"`` with two slots; it prints its ``join_command()``, then one event per
+  batch, and stops a few batches after a node left (SIGTERM).
 * ``python _node_scripts.py two-hosts-restart-main --port P --host-ip A --node-netns NS --node-ifname IF``
   is the main process of the link-cut test: ``launcher="mp"`` nodes, node 1 moved into namespace
   ``NS`` (host B) when first launched, so its traffic crosses the veth pair; its replacement starts
@@ -125,6 +128,45 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
         collector.shutdown()
         _emit(event="shutdown", seconds=time.monotonic() - start)
     return code
+
+
+def join_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host-ip", required=True)
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    args = parser.parse_args(argv)
+
+    import torch
+    from mocks import CountingPolicy
+
+    from rlharvest.collectors.distributed import DistributedCollector
+
+    torch.set_num_threads(1)
+    collector = DistributedCollector([_make_env] * 2, CountingPolicy(1.0), launcher="external", tcp_port=args.port,
+                                     bind_address=args.host_ip, heartbeat_timeout=args.heartbeat_timeout,
+                                     frames_per_batch=8, total_frames=-1, worker_timeout=90.0, sync=False,
+                                     preemption_grace=2.0)
+    _emit(event="join", argv=collector.join_command())
+    after_leave = 0
+    try:
+        for i, batch in enumerate(collector):
+            _emit(event="batch", i=i, shape=list(batch.shape),
+                  traj_ids=sorted(set(batch["collector", "traj_ids"].flatten().tolist())))
+            if i == 3:
+                _emit(event="sigterm-me")
+            if i >= 3 and collector.stats()["preemptions"]:
+                after_leave += 1
+                if after_leave == 3:
+                    stats = collector.stats()
+                    _emit(event="left", active=collector.active_workers, restarts=stats["restarts"],
+                          preemptions=stats["preemptions"], workers=stats["workers"])
+                    break
+            time.sleep(0.05)  # keep iterating, gently (the machine is shared)
+    finally:
+        collector.shutdown()
+        _emit(event="shutdown")
+    return 0
 
 
 # ---------------------------------------------------------------- two-host restart (link cut)
@@ -418,6 +460,8 @@ if __name__ == "__main__":
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "two-hosts-main":
         sys.exit(two_hosts_main(rest))
+    if command == "join-main":
+        sys.exit(join_main(rest))
     if command == "two-hosts-restart-main":
         sys.exit(two_hosts_restart_main(rest))
     if command == "host-copies-main":

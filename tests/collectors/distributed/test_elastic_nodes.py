@@ -1,6 +1,6 @@
 """Nodes that join and leave a running collection (docs/elastic.md): ``remove_collectors`` on
-DistributedCollector, DistributedSyncCollector and RPCCollector, ``add_collectors`` on RPCCollector,
-with launcher="mp"."""
+DistributedCollector, DistributedSyncCollector and RPCCollector, ``add_collectors`` on
+DistributedCollector and RPCCollector, with launcher="mp"."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as countin
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.transport.ports import free_port_block
+from rlharvest.transport.torchdist import TorchDistBackend
+from rlharvest.worker.nodes import node_main
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -74,10 +76,11 @@ def set_weight(policy, value: float) -> None:
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_an_rpc_node_joins_on_the_current_weights_with_fresh_ids(sync):
+@pytest.mark.parametrize("collector_class", [DistributedCollector, RPCCollector])
+def test_a_node_joins_on_the_current_weights_with_fresh_ids(collector_class, sync):
     policy = weight_policy(1.0)
-    collector = RPCCollector([counting_env] * 2, policy, launcher="mp", tcp_port=free_port_block(3),
-                             frames_per_batch=8 if sync else 4, total_frames=52 if sync else 40, sync=sync)
+    collector = collector_class([counting_env] * 2, policy, launcher="mp", tcp_port=free_port_block(3),
+                                frames_per_batch=8 if sync else 4, total_frames=52 if sync else 40, sync=sync)
     batches, timings, ids_before = [], [], set()
     for batch in collector:
         batches.append(batch.clone())
@@ -89,26 +92,31 @@ def test_an_rpc_node_joins_on_the_current_weights_with_fresh_ids(sync):
             start = time.perf_counter()
             collector.add_collectors([counting_env])
             timings.append(time.perf_counter() - start)
-            assert collector.active_workers == [0, 1, 2] and len(collector.collector_rrefs) == 3
+            assert collector.active_workers == [0, 1, 2]
             assert collector.requested_frames_per_batch == (12 if sync else 4)
+            assert collector.stats()["workers"] == 3
+    pids = [pid for pid in collector.worker_pids() if pid is not None]
     collector.shutdown()
     after = batches[2:]
     if sync:
         assert [tuple(b.shape) for b in batches] == [(2, 4)] * 2 + [(3, 4)] * 3
-    if sync:
-        check_trajectories(after, 36, step=2)
+        check_trajectories(after, 36, step=2)  # every frame after the update ran the new weights
+        assert not set(after[0][2].get(IDS).tolist()) & ids_before  # the new node's ids were never used
     else:
-        check_trajectories(batches, 40)
-    if sync:  # the new node's ids were never used (async: two nodes sharing an id would break the count)
-        assert not set(after[0][2].get(IDS).tolist()) & ids_before
-    print(f"RPCCollector sync={sync}: add_collectors took {timings[0]:.3f} s")
+        check_trajectories(batches, 40)  # two nodes sharing an id would break the count
+    assert len(pids) == 3 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                                      for pid in pids)
+    print(f"{collector_class.__name__} sync={sync}: add_collectors took {timings[0]:.3f} s")
 
 
-def test_torchdist_nodes_cannot_be_added_yet_and_nothing_changes():
-    with make(DistributedCollector, 2, frames_per_batch=8, total_frames=-1, sync=True) as collector:
-        with pytest.raises(NotImplementedError, match="cannot add nodes"):
-            collector.add_collectors([counting_env])
-        assert collector.active_workers == [0, 1] and tuple(collector.next().shape) == (2, 4)
+def test_torchdist_nodes_grow_where_a_node_can_be_replaced():
+    def backend(launcher, kind="gloo"):
+        return TorchDistBackend(1, node_main, None, launcher=launcher, backend=kind)
+
+    assert backend("mp").growable and backend("submitit").growable
+    assert not backend("submitit_delayed").growable and not backend("mp", "mpi").growable
+    with pytest.raises(NotImplementedError, match="cannot add workers"):
+        backend("submitit_delayed").grow(1)
 
 
 # ---------------------------------------------------------------------------------- preemption (SIGTERM)

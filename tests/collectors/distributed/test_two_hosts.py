@@ -17,6 +17,7 @@ import os
 import queue
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -215,6 +216,37 @@ def test_two_hosts_vanished_node_is_detected(require_netns, tmp_path):
         net.restore()
         # the main process is gone: once B can reach A again, its connections are refused and it leaves
         wait_exit(node, 30, "the node whose main process vanished")
+        assert ns_pids(a) == [] and ns_pids(b) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_node_on_host_b_joins_with_the_join_command_and_leaves_on_sigterm(require_netns, tmp_path):
+    """launcher="external" (docs/elastic.md): the main process on A prints its join command; one node
+    runs it on A, one on B (the key file is on the shared file system, mode 0600); B's node talks to
+    A's address only, and on SIGTERM it leaves: not a restart, the collection goes on with A's."""
+    with netns.TwoHosts() as net:
+        a, b = net.host_a, net.host_b
+        env = {**_env(), "RLHARVEST_AUTHKEY": ""}  # the key comes from the key file only
+        with open(tmp_path / "main.err", "w") as main_err:
+            main = a.popen([sys.executable, SCRIPT, "join-main", "--port", str(PORT), "--host-ip", a.ip], env=env,
+                           stdout=subprocess.PIPE, stderr=main_err, text=True)
+        lines = Lines(main)
+        argv = lines.until("join", timeout=90)["argv"]
+        assert argv[:6] == ["python", "-m", "rlharvest", "node", "--join", f"{a.ip}:{PORT}"], argv
+        nodes = []
+        for host in (a, b):
+            with open(tmp_path / f"node-{host.ns}.log", "w") as log:
+                nodes.append(host.popen([sys.executable, *argv[1:]], env=env, stdout=log, stderr=subprocess.STDOUT))
+        lines.until("sigterm-me", timeout=180)
+        conns = node_connections(b, nodes[1].pid)
+        assert {(local, peer) for local, peer, _ in conns} == {(b.ip, a.ip)}, conns
+        assert {PORT, PORT + 1, PORT + 2} <= {port for _, _, port in conns}, conns
+        nodes[1].send_signal(signal.SIGTERM)
+        left = lines.until("left", timeout=90)
+        assert (left["preemptions"], left["restarts"], left["workers"]) == (1, 0, 1), left
+        lines.until("shutdown", timeout=60)
+        assert wait_exit(main, 60, "the main process") == 0
+        assert wait_exit(nodes[1], 30, "B's node") == 0 and wait_exit(nodes[0], 30, "A's node") == 0
         assert ns_pids(a) == [] and ns_pids(b) == []
 
 
