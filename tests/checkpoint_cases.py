@@ -16,6 +16,7 @@ from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
 from rlharvest.collectors import AsyncCollector, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.data import ReplayBuffer
 from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv
 
 
@@ -57,6 +58,14 @@ CASES = {
                                               CountingPolicy(), frames_per_batch=4, total_frames=48),
     "distributed": lambda: _distributed(sync=True, max_worker_restarts=1),
     "rpc": lambda: _distributed("RPCCollector", sync=True),
+    # a replay buffer that wraps around (capacity 20 < the frames written): iteration yields None
+    "buffer": lambda: Collector(ContinuousMockEnv(batch_size=(2,)), _policy(), frames_per_batch=8, total_frames=80,
+                                replay_buffer=ReplayBuffer(capacity=20)),
+    # workers attach the shared storage and write their batches themselves, in whichever order they
+    # finish (capacity: whole batches); the parent's checkpoint holds the buffer once
+    "multisync_buffer": lambda: MultiSyncCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2,
+                                                   None, frames_per_batch=12, total_frames=120,
+                                                   replay_buffer=ReplayBuffer(capacity=24)),
     # AsyncCollector: one worker in a background process, its batch in flight at every checkpoint
     "async": lambda: AsyncCollector(functools.partial(counting_worker_env, 0), CountingPolicy(), frames_per_batch=4,
                                     total_frames=48),
@@ -82,6 +91,12 @@ def main() -> None:
         torch.manual_seed(1234)
         collector.load_state_dict(torch.load(checkpoint))  # weights_only: the checkpoint is plain
         iterator = iter(collector)
+        if collector.replay_buffer is not None:  # the buffer after those batches, and a sample of it
+            for _ in range(int(batches)):
+                next(iterator)
+            buffer = collector.replay_buffer
+            torch.save({"buffer": buffer.state_dict(), "sample": buffer.sample(6)}, out)
+            return
         collected = [next(iterator).clone() for _ in range(int(batches))]
         collected += [batch.clone() for batch in iterator] if case in ("multiasync", "async") else []
         torch.save({"batches": collected, "frames": collector.stats()["frames"]}, out)

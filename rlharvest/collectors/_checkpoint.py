@@ -58,6 +58,34 @@ def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
     env.restore_state(captured["state"])
 
 
+def buffer_kind(buffer: Any) -> str | None:
+    """What the layout records of a collector's replay buffer: its type (None without one)."""
+    return None if buffer is None else _type_name(buffer)
+
+
+def capture_buffer(buffer: Any) -> Any:
+    """A snapshot of ``buffer``'s own ``state_dict()`` (None without a buffer or one without it).
+
+    rlharvest's :class:`~rlharvest.data.ReplayBuffer` returns copies as plain tensors, kept as they
+    are; any other buffer's (TorchRL's: storage, writer, sampler) is pickled now, so later writes
+    cannot change the checkpoint and ``torch.load(weights_only=True)`` still reads it.
+    """
+    if buffer is None or not callable(getattr(buffer, "state_dict", None)):
+        return None
+    from ..data import ReplayBuffer
+
+    if isinstance(buffer, ReplayBuffer):
+        return {"plain": buffer.state_dict()}
+    return {"packed": pack(buffer.state_dict())}
+
+
+def restore_buffer(buffer: Any, saved: Any) -> None:
+    """Put what :func:`capture_buffer` captured back into ``buffer``."""
+    if buffer is None or saved is None:
+        return
+    buffer.load_state_dict(saved["plain"] if "plain" in saved else unpack(saved["packed"]))
+
+
 def section_of(state_dict: dict) -> dict | None:
     """rlharvest's part of a state dict, or None for a TorchRL-only checkpoint."""
     return state_dict.get(CHECKPOINT_KEY)
@@ -67,7 +95,8 @@ def section_of(state_dict: dict) -> dict | None:
 def layout(collector) -> dict[str, Any]:
     """What a checkpoint of ``collector`` must have been taken with to be continued exactly."""
     return {"collector": "Collector", "env_batch_size": list(collector.env.batch_size),
-            "frames_per_batch": int(collector.requested_frames_per_batch)}
+            "frames_per_batch": int(collector.requested_frames_per_batch),
+            "replay_buffer": buffer_kind(collector.config.replay_buffer)}
 
 
 def capture(collector, env_state: bool = True) -> dict[str, Any]:
@@ -84,6 +113,8 @@ def capture(collector, env_state: bool = True) -> dict[str, Any]:
         "seed_chain": list(collector._seed_chain) if collector._seed_chain is not None else None,
         "rng": capture_global_rng(),
         "env_name": repr(collector.env),
+        # a worker's buffer is its parent's (shared): the parent's checkpoint holds it once
+        "replay_buffer": capture_buffer(collector.config.replay_buffer) if collector.worker_idx is None else None,
     }
     if not env_state:
         section["env_skipped"] = SKIPPED
@@ -104,6 +135,7 @@ def restore(collector, section: dict, where: str) -> None:
     rollout = collector.rollout
     rollout.traj_counter.advance_to(section["traj_counter"])
     collector._seed_chain = tuple(section["seed_chain"]) if section["seed_chain"] is not None else None
+    restore_buffer(collector.config.replay_buffer, section.get("replay_buffer"))
     continued = _restore_episodes(collector, section, where)
     if section.get("trajectories") is not None and collector._trajectories is not None:
         held = unpack(section["trajectories"])
@@ -132,7 +164,8 @@ def _restore_episodes(collector, section: dict, where: str) -> bool:
 # ---------------------------------------------------------------------------------- collectors with workers
 def remote_layout(collector) -> dict[str, Any]:
     return {"collector": type(collector).__name__, "num_workers": int(collector.num_workers),
-            "frames_per_batch": int(collector.requested_frames_per_batch)}
+            "frames_per_batch": int(collector.requested_frames_per_batch),
+            "replay_buffer": buffer_kind(collector.config.replay_buffer)}
 
 
 def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -152,6 +185,7 @@ def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, 
         "worker_specs": [{"seed": spec.seed, "static_seed": spec.static_seed, "restart": spec.restart,
                           "traj_offset": spec.traj_offset} if spec is not None else None
                          for spec in collector._fleet.specs],
+        "replay_buffer": capture_buffer(collector.config.replay_buffer),
     }
     section.update(extra or {})
     return section
@@ -171,6 +205,7 @@ def check_remote(collector, state_dict: dict) -> dict | None:
 
 def restore_remote(collector, section: dict) -> None:
     """The parent's part: seeds a replacement or an added worker starts from, the seed chain."""
+    restore_buffer(collector.config.replay_buffer, section.get("replay_buffer"))
     for worker, spec in enumerate(section["worker_specs"]):
         if spec is not None:
             collector._fleet.remember(worker, **spec)

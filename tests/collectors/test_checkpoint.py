@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from checkpoint_cases import build
+from tensordict import TensorDict
 from mocks import TorchRLStyleCountingEnv, wait_until
 
 import rlharvest
@@ -177,6 +178,61 @@ def test_a_checkpoint_during_start_waits_for_a_batch_boundary():
         assert collector.is_running()
     finally:
         collector.async_shutdown(timeout=10)
+
+
+# ---------------------------------------------------------------------------------- replay buffers
+def assert_same_buffer(expected: dict, got: dict, ordered: bool) -> None:
+    assert expected["capacity"] == got["capacity"] and torch.equal(expected["counters"], got["counters"])
+    length = [int(expected["counters"][1])]
+    want, have = (TensorDict.from_dict(state["frames"], batch_size=length) for state in (expected, got))
+    if ordered:
+        assert_identical(want, have)
+    else:  # the same frames; workers writing themselves interleave their blocks in any order
+        assert sorted(map(_row, want.unbind(0))) == sorted(map(_row, have.unbind(0)))
+
+
+def _row(frame: TensorDict) -> tuple:
+    return tuple(value for key in sorted(frame.keys(True, True), key=str)
+                 for value in frame.get(key).flatten().tolist())
+
+
+@pytest.mark.parametrize("case", ["buffer", "multisync_buffer"])
+def test_replay_buffer_resumes_exactly_in_a_fresh_process(case, tmp_path):
+    """The buffer (frames, write cursor, counters) is in the checkpoint: after the load and more batches it
+    equals the uninterrupted run's, and (Collector: the process's generator is restored) samples alike."""
+    collector = build(case)
+    try:
+        iterator = iter(collector)
+        for _ in range(2):
+            next(iterator)
+        state = collector.state_dict()
+        for _ in range(3):
+            next(iterator)
+        expected = collector.replay_buffer.state_dict()
+        sample = collector.replay_buffer.sample(6)
+    finally:
+        collector.shutdown()
+    saved = state[CHECKPOINT_KEY]["replay_buffer"]["plain"]
+    assert int(saved["counters"][2]) == (16 if case == "buffer" else 24)  # the writes before the checkpoint
+    assert all(CHECKPOINT_KEY not in state[key] or state[key][CHECKPOINT_KEY]["replay_buffer"] is None
+               for key in state if key.startswith("worker"))  # held once, by the parent
+    resumed = resume_in_fresh_process(case, state, tmp_path, 3)
+    assert int(expected["counters"][2]) == (40 if case == "buffer" else 60)  # it wrapped around
+    assert_same_buffer(expected, resumed["buffer"], ordered=case == "buffer")
+    if case == "buffer":
+        assert_identical(sample, resumed["sample"])
+
+
+def test_a_collector_without_the_checkpoints_buffer_refuses_it():
+    source = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, replay_buffer=ReplayBuffer(capacity=8))
+    next(iter(source))
+    state = source.state_dict()
+    source.shutdown()
+    other = Collector(CountingEnv(), frames_per_batch=4, total_frames=8)
+    with pytest.raises(CheckpointMismatchError, match=r"replay_buffer: checkpoint 'rlharvest.data.replay_buffer."
+                                                      r"ReplayBuffer', this collector None"):
+        other.load_state_dict(state)
+    other.shutdown()
 
 
 # ---------------------------------------------------------------------------------- collectors with workers
