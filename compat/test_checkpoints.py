@@ -57,3 +57,47 @@ def test_a_torchrl_format_checkpoint_still_loads():
         assert len(list(restored)) == 4
     finally:
         restored.shutdown()
+
+
+def _torchrl_buffer():
+    from torchrl.data import LazyTensorStorage, SamplerWithoutReplacement, TensorDictReplayBuffer
+
+    return TensorDictReplayBuffer(storage=LazyTensorStorage(20), sampler=SamplerWithoutReplacement(), batch_size=4)
+
+
+def test_a_torchrl_replay_buffer_is_restored_through_its_state_dict():
+    """A TorchRL buffer's own state_dict (storage, writer cursor, the sampler's permutation in progress)
+    is in the checkpoint: after the load, the buffer and its samples are the uninterrupted run's."""
+    from rlharvest.collectors import Collector
+    from rlharvest.envs import CountingEnv
+
+    def make():
+        collector = Collector(CountingEnv(max_steps=5, batch_size=(2,)), None, frames_per_batch=6, total_frames=90,
+                              replay_buffer=_torchrl_buffer())
+        collector.set_seed(3)
+        return collector
+
+    def run(collector, batches):
+        iterator = iter(collector)
+        for _ in range(batches):
+            next(iterator)
+        return collector.replay_buffer.sample().clone()  # advances the sampler's permutation
+
+    source = make()
+    run(source, 2)
+    state = source.state_dict()
+    expected = [run(source, 3), run(source, 7)]
+    contents = source.replay_buffer[:].clone()
+    source.shutdown()
+    assert "packed" in state[CHECKPOINT_KEY]["replay_buffer"]
+    restored = make()
+    restored.load_state_dict(state)
+    got = [run(restored, 3), run(restored, 7)]
+    try:
+        # TorchRL's buffer counts items along the batch's first dim (the env's): 2 per batch, 24 written into
+        # 20 places: the same places were overwritten (the writer's cursor was restored)
+        assert len(restored.replay_buffer) == len(contents) == 20 and (restored.replay_buffer[:] == contents).all()
+        for want, have in zip(expected, got, strict=True):
+            assert (want == have).all()
+    finally:
+        restored.shutdown()
