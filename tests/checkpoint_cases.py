@@ -32,6 +32,16 @@ def _policy(bias: float = 0.25) -> torch.nn.Module:
     return TensorDictModule(torch.nn.Sequential(linear, torch.nn.Tanh()), in_keys=["observation"], out_keys=["action"])
 
 
+def _ray(sync: bool):
+    from rlharvest.collectors.distributed import RayCollector
+
+    if sync:
+        return RayCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(),
+                            frames_per_batch=24, total_frames=240, sync=True)
+    return RayCollector([functools.partial(counting_worker_env, w) for w in range(2)], CountingPolicy(),
+                        frames_per_batch=4, total_frames=48, sync=False)
+
+
 def _distributed(collector_class: str = "DistributedCollector", **kwargs):
     from rlharvest.collectors import distributed
     from rlharvest.transport.ports import free_port_block
@@ -66,12 +76,17 @@ CASES = {
     "multisync_buffer": lambda: MultiSyncCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2,
                                                    None, frames_per_batch=12, total_frames=120,
                                                    replay_buffer=ReplayBuffer(capacity=24)),
+    # Ray actors (the session's Ray: a fresh process connects to it through RAY_ADDRESS)
+    "ray": lambda: _ray(sync=True),
+    "ray_async": lambda: _ray(sync=False),
     # AsyncCollector: one worker in a background process, its batch in flight at every checkpoint
     "async": lambda: AsyncCollector(functools.partial(counting_worker_env, 0), CountingPolicy(), frames_per_batch=4,
                                     total_frames=48),
 }
 
 SEED = 5
+#: the cases whose resumed run collects to the end (no frame lost or repeated)
+ASYNC_CASES = ("multiasync", "async", "ray_async")
 
 
 def build(case: str):
@@ -98,7 +113,7 @@ def main() -> None:
             torch.save({"buffer": buffer.state_dict(), "sample": buffer.sample(6)}, out)
             return
         collected = [next(iterator).clone() for _ in range(int(batches))]
-        collected += [batch.clone() for batch in iterator] if case in ("multiasync", "async") else []
+        collected += [batch.clone() for batch in iterator] if case in ASYNC_CASES else []
         torch.save({"batches": collected, "frames": collector.stats()["frames"]}, out)
     finally:
         collector.shutdown()

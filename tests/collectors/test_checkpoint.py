@@ -30,14 +30,14 @@ ROOT = pathlib.Path(rlharvest.__file__).resolve().parents[1]
 TRAJ_IDS = ("collector", "traj_ids")
 
 
-def resume_in_fresh_process(case: str, state: dict, tmp_path: pathlib.Path, batches: int) -> dict:
+def resume_in_fresh_process(case: str, state: dict, tmp_path: pathlib.Path, batches: int, timeout: float = 100) -> dict:
     """Build ``case`` in a new Python process, load ``state`` from a file, collect ``batches``."""
     checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "batches.pt"
     torch.save(state, checkpoint)
     path = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", "import checkpoint_cases; checkpoint_cases.main()", case,
                            str(checkpoint), str(out), str(batches)],
-                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=100)
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return torch.load(out, weights_only=False)
 
@@ -287,6 +287,10 @@ def test_rpc_sync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
 
 @pytest.mark.parametrize("case", ["multiasync", "async"])
 def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
+    check_async_resume(case, tmp_path)
+
+
+def check_async_resume(case: str, tmp_path, timeout: float = 100) -> None:
     collector = build(case)
     before = []
     iterator = iter(collector)
@@ -294,13 +298,14 @@ def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
         before.append(next(iterator).clone())
     state = collector.state_dict()
     collector.shutdown()
-    pending = state[CHECKPOINT_KEY]["pending"]
+    section = state[0]["rlharvest_collector"][CHECKPOINT_KEY] if isinstance(state, list) else state[CHECKPOINT_KEY]
+    pending = section["pending"]
     assert pending  # a rollout was in flight: its batch is in the checkpoint, not lost
-    resumed = resume_in_fresh_process(case, state, tmp_path, 0)
+    resumed = resume_in_fresh_process(case, state, tmp_path, 0, timeout)
     assert resumed["frames"] == 48  # total_frames exactly
     batches = before + resumed["batches"]
     assert sum(batch.numel() for batch in batches) == 48
-    per_worker: dict[int, list] = {0: [], 1: []} if case == "multiasync" else {0: []}
+    per_worker: dict[int, list] = {0: [], 1: []} if case != "async" else {0: []}
     for batch in batches:
         obs = batch["observation"].flatten()
         worker = int(obs[0]) // 10
@@ -312,6 +317,36 @@ def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
         ids = [value for _, traj in parts for value in traj]
         for i in range(1, len(ids)):  # an episode keeps its id across the checkpoint
             assert (ids[i] == ids[i - 1]) == (i % 5 != 0), (worker, ids)
+
+
+# ---------------------------------------------------------------------------------- Ray
+@pytest.fixture
+def ray_address(ray_session, monkeypatch):
+    """The session's Ray, which the fresh process connects to (its actors need the session's CPUs)."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
+    yield ray_session
+
+
+# a fresh driver connecting to Ray and starting actors takes a minute on a loaded 2-core machine
+RAY_TIMEOUT = 240
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(RAY_TIMEOUT + 60)
+def test_ray_sync_resumes_bit_for_bit_in_a_fresh_process(ray_address, tmp_path):
+    state, expected = interrupted("ray", 2, 3, change=new_weights)
+    assert isinstance(state, list) and len(state) == 2  # TorchRL's form: one state dict per actor
+    part = state[0]["rlharvest_collector"]
+    assert part["frames"] == 48 and part[CHECKPOINT_KEY]["layout"]["collector"] == "RayCollector"
+    resumed = resume_in_fresh_process("ray", state, tmp_path, 3, RAY_TIMEOUT)["batches"]
+    for want, got in zip(expected, resumed, strict=True):
+        assert_identical(want, got)  # actors count their own ids (k * W + i): exact too
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(RAY_TIMEOUT + 60)
+def test_ray_async_loses_and_repeats_no_frame(ray_address, tmp_path):
+    check_async_resume("ray_async", tmp_path, RAY_TIMEOUT)
 
 
 def test_worker_warnings_reach_the_parent_once_per_worker():
