@@ -15,7 +15,8 @@ import torch
 from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
-from rlharvest.collectors import AsyncCollector, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors import (AsyncBatchedCollector, AsyncCollector, Collector, MultiAsyncCollector,
+                                  MultiSyncCollector)
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv
 
@@ -79,6 +80,10 @@ CASES = {
     # Ray actors (the session's Ray: a fresh process connects to it through RAY_ADDRESS)
     "ray": lambda: _ray(sync=True),
     "ray_async": lambda: _ray(sync=False),
+    # one served policy, frames of both workers interleaved in flat batches (with "env_index")
+    "async_batched": lambda: AsyncBatchedCollector([functools.partial(counting_worker_env, w) for w in range(2)],
+                                                   policy=CountingPolicy(), frames_per_batch=6, total_frames=60,
+                                                   transition_chunk_size=4),
     # AsyncCollector: one worker in a background process, its batch in flight at every checkpoint
     "async": lambda: AsyncCollector(functools.partial(counting_worker_env, 0), CountingPolicy(), frames_per_batch=4,
                                     total_frames=48),
@@ -86,7 +91,7 @@ CASES = {
 
 SEED = 5
 #: the cases whose resumed run collects to the end (no frame lost or repeated)
-ASYNC_CASES = ("multiasync", "async", "ray_async")
+ASYNC_CASES = ("multiasync", "async", "ray_async", "async_batched")
 
 
 def build(case: str):

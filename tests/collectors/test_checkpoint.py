@@ -319,6 +319,34 @@ def check_async_resume(case: str, tmp_path, timeout: float = 100) -> None:
             assert (ids[i] == ids[i - 1]) == (i % 5 != 0), (worker, ids)
 
 
+def test_async_batched_loses_and_repeats_no_frame_and_continues_episodes(tmp_path):
+    """The frames assembled in the parent (the next batch's first ones), the chunks in flight and the
+    served policy's version are in the checkpoint: per env, the frames of the two runs are one run's."""
+    collector = build("async_batched")
+    iterator = iter(collector)
+    before = [next(iterator).clone() for _ in range(4)]
+    collector.update_policy_weights_()  # the served policy's version goes on after the load
+    state = collector.state_dict()
+    collector.shutdown()
+    section = state[CHECKPOINT_KEY]
+    assert section["server_version"] == 1 and "served_policy" in section
+    resumed = resume_in_fresh_process("async_batched", state, tmp_path, 0)
+    batches = before + resumed["batches"]
+    assert resumed["frames"] == 60 and [batch.numel() for batch in batches] == [6] * 10
+    assert resumed["batches"][-1]["policy_version"].eq(1).all()
+    per_env: dict[int, list] = {}
+    for batch in batches:
+        for env, obs, traj in zip(batch["env_index"].tolist(), batch["observation"].flatten().tolist(),
+                                  batch[TRAJ_IDS].tolist()):
+            per_env.setdefault(env, []).append((obs, traj))
+    for env, frames in per_env.items():  # env w's observations cycle 10w, ..., 10w + 4: none lost or repeated
+        assert [obs for obs, _ in frames] == [10 * env + i % 5 for i in range(len(frames))], (env, frames)
+        ids = [traj for _, traj in frames]
+        assert all((ids[i] == ids[i - 1]) == (i % 5 != 0) for i in range(1, len(ids))), (env, ids)
+    all_ids = [traj for frames in per_env.values() for _, traj in frames]
+    assert len(set(all_ids)) == sum(len(set(t for _, t in frames)) for frames in per_env.values())  # unique
+
+
 # ---------------------------------------------------------------------------------- Ray
 @pytest.fixture
 def ray_address(ray_session, monkeypatch):
