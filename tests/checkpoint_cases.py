@@ -64,6 +64,10 @@ CASES = {
     "gym_vector": lambda: Collector(GymEnv("CartPole-v1", num_envs=3), None, frames_per_batch=15, total_frames=150),
     "multisync": lambda: MultiSyncCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, None,
                                             frames_per_batch=12, total_frames=120, max_frames_per_traj=7),
+    # a worker killed and replaced, weights pushed, before the checkpoint (restarts spent: 1 of 2)
+    "multisync_restarts": lambda: MultiSyncCollector([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2,
+                                                     _policy(), frames_per_batch=12, total_frames=120,
+                                                     max_worker_restarts=2),
     # every action is 1: worker w's observations go 10w, ..., 10w + 4, then a new episode
     "multiasync": lambda: MultiAsyncCollector([functools.partial(counting_worker_env, w) for w in range(2)],
                                               CountingPolicy(), frames_per_batch=4, total_frames=48),

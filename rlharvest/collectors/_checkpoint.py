@@ -9,6 +9,7 @@ The format itself (versions, packing, errors) is ``rlharvest/checkpoint.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..checkpoint import (
@@ -23,6 +24,7 @@ from ..checkpoint import (
 )
 from ..envs.base import EnvBase
 from ..envs.state import EnvStateUnavailable
+from ._restarts import RestartCause
 
 __all__ = ["capture", "restore", "capture_remote", "restore_remote", "section_of"]
 
@@ -186,6 +188,9 @@ def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, 
                           "traj_offset": spec.traj_offset} if spec is not None else None
                          for spec in collector._fleet.specs],
         "replay_buffer": capture_buffer(collector.config.replay_buffer),
+        # the restart budget spent: max_worker_restarts counts over the run, across loads
+        "restart_causes": [dataclasses.asdict(cause) for cause in collector._fleet.restarts.causes],
+        "leaves": [dataclasses.asdict(cause) for cause in collector._fleet.restarts.leaves],
     }
     section.update(extra or {})
     return section
@@ -206,6 +211,9 @@ def check_remote(collector, state_dict: dict) -> dict | None:
 def restore_remote(collector, section: dict) -> None:
     """The parent's part: seeds a replacement or an added worker starts from, the seed chain."""
     restore_buffer(collector.config.replay_buffer, section.get("replay_buffer"))
+    restarts = collector._fleet.restarts
+    restarts.causes = [RestartCause(**cause) for cause in section.get("restart_causes", ())]
+    restarts.leaves = [RestartCause(**cause) for cause in section.get("leaves", ())]
     for worker, spec in enumerate(section["worker_specs"]):
         if spec is not None:
             collector._fleet.remember(worker, **spec)

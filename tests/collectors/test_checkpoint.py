@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import warnings
@@ -254,6 +255,37 @@ def test_multisync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
     state, expected = interrupted("multisync", 2, 3)
     assert set(state) >= {"worker0", "worker1", CHECKPOINT_KEY}
     resumed = resume_in_fresh_process("multisync", state, tmp_path, 3)["batches"]
+    for want, got in zip(expected, resumed, strict=True):
+        assert_identical(want, got, skip=[TRAJ_IDS])
+    first_new = int(state["traj_pool"]["traj_id"])
+    for want, got in zip(_relabel_new_ids(expected, first_new), _relabel_new_ids(resumed, first_new)):
+        assert torch.equal(want, got)
+
+
+def test_a_checkpoint_after_a_worker_restart_and_weight_updates_resumes_with_the_budget_spent():
+    """A worker killed and replaced (restart 1 of max_worker_restarts=2: its env takes another seed), new
+    weights pushed, then the checkpoint: the resumed collector yields the uninterrupted run's batches and
+    counts the restart spent (max_worker_restarts counts over the run, across loads)."""
+    def kill_and_update(collector) -> None:
+        iterator = iter(collector)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
+        wait_until(lambda: next(iterator) is not None and collector.stats()["restarts"] == 1, timeout=60,
+                   what="worker 1 replaced")
+        new_weights(collector)
+
+    state, expected = interrupted("multisync_restarts", 2, 3, change=kill_and_update)
+    section = state[CHECKPOINT_KEY]
+    assert [cause["worker"] for cause in section["restart_causes"]] == [1]
+    assert section["worker_specs"][1]["restart"] == 1
+    restored = build("multisync_restarts")
+    try:
+        restored.load_state_dict(state)
+        stats = restored.stats()
+        assert stats["restarts"] == 1 and "died" in stats["worker_1/restart_causes"]
+        iterator = iter(restored)
+        resumed = [next(iterator).clone() for _ in range(3)]
+    finally:
+        restored.shutdown()
     for want, got in zip(expected, resumed, strict=True):
         assert_identical(want, got, skip=[TRAJ_IDS])
     first_new = int(state["traj_pool"]["traj_id"])
