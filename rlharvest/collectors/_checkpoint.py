@@ -42,10 +42,24 @@ def capture_env_state(env: Any) -> dict[str, Any]:
     Raises:
         EnvStateUnavailable: for an env whose state cannot be captured, saying why.
     """
-    if not isinstance(env, EnvBase):  # by type: a foreign env's members are never called
-        raise EnvStateUnavailable(f"it is a {_type_name(env)}, not an rlharvest env (rlharvest captures the state "
-                                  "of its own envs and of gymnasium envs through GymEnv)")
-    return {"type": _type_name(env), "state": env.capture_state()}
+    if isinstance(env, EnvBase):
+        return {"type": _type_name(env), "state": env.capture_state()}
+    if _is_torchrl_gym(env):
+        from ..envs.gym import capture_gym_layers
+
+        return {"type": _type_name(env), "torchrl_gym_layers": capture_gym_layers(env._env)}
+    raise EnvStateUnavailable(f"it is a {_type_name(env)}, not an rlharvest env (rlharvest captures the state of its "
+                              "own envs, of gymnasium envs through GymEnv, and of TorchRL's GymEnv/GymWrapper "
+                              "without transforms)")
+
+
+#: TorchRL's envs whose whole stepping state is the gymnasium env they wrap (in ``_env``)
+_TORCHRL_GYM = {"torchrl.envs.libs.gym.GymEnv", "torchrl.envs.libs.gym.GymWrapper"}
+
+
+def _is_torchrl_gym(env: Any) -> bool:
+    """A TorchRL GymEnv or GymWrapper, told by its exact type (never by calling its members)."""
+    return _type_name(env) in _TORCHRL_GYM and hasattr(env, "__dict__") and "_env" in vars(env)
 
 
 def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
@@ -57,6 +71,11 @@ def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
     if captured["type"] != _type_name(env):
         raise EnvStateUnavailable(f"the checkpoint holds the state of a {captured['type']}, this env is a "
                                   f"{_type_name(env)}")
+    if "torchrl_gym_layers" in captured:
+        from ..envs.gym import restore_gym_layers
+
+        restore_gym_layers(vars(env)["_env"], captured["torchrl_gym_layers"])
+        return
     env.restore_state(captured["state"])
 
 
