@@ -165,7 +165,7 @@ class ReplayBuffer:
         Example:
             >>> from tensordict import TensorDict
             >>> rb = ReplayBuffer(capacity=8)
-            >>> rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3]))
+            >>> _ = rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3]))
             >>> copy = ReplayBuffer(capacity=8)
             >>> copy.load_state_dict(rb.state_dict())
             >>> copy[:]["x"].tolist(), copy.write_count
