@@ -68,7 +68,8 @@ def parent_watch(ctx) -> tuple[int | None, bool]:
 def prepare_worker_process(parent_pid: int | None, death_signal: bool, waited_on: bool = False) -> bool:
     """What every worker process does first; returns False when its parent already died.
 
-    Dies with the parent (PR_SET_PDEATHSIG) and leaves Ctrl-C to the parent. Collector workers and
+    Dies with the parent (PR_SET_PDEATHSIG) and leaves Ctrl-C and ``SIGUSR1`` (docs/checkpoints.md,
+    preemption) to the parent. Collector workers and
     nodes run under the worker scheduling policy (``SCHED_BATCH`` by default: waking them, e.g. for a
     weight update, must not preempt the learner). A process its parent *waits on* at every step
     (``waited_on``: a ParallelEnv sub-env) runs under the normal policy instead, also below a
@@ -86,6 +87,9 @@ def prepare_worker_process(parent_pid: int | None, death_signal: bool, waited_on
     else:
         use_worker_scheduling()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # SLURM's announcement of a preemption (--signal=USR1@...) is the learner's to handle
+    # (rlharvest.preemption); its default action would kill a worker that receives it too
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     return True
 
 

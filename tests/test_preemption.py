@@ -51,3 +51,50 @@ def test_a_signal_is_noted_and_the_run_saves_then_resumes_exactly(tmp_path, monk
     assert len(first) + len(rest) == len(reference) == 10
     for want, got in zip(reference, first + rest, strict=True):
         assert (want == got).all()
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_local_workers_do_not_die_of_the_learners_usr1(tmp_path, monkeypatch):
+    """SIGUSR1 (SLURM's --signal=USR1@...) may reach the workers too (a signal to the job's processes):
+    they ignore it, the learner saves at the next batch boundary and the run resumes exactly."""
+    from rlharvest.collectors import MultiSyncCollector
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+    def make_multi():
+        collector = MultiSyncCollector([CountingEnv] * 2, CountingPolicy(), frames_per_batch=8, total_frames=48)
+        collector.set_seed(1)
+        return collector
+
+    reference = make_multi()
+    expected = [batch.clone() for batch in reference]
+    reference.shutdown()
+    path, collector, first = tmp_path / "ckpt.pt", make_multi(), []
+    with PreemptionCheckpoint(path) as preemption:
+        for batch in collector:
+            first.append(batch.clone())
+            if len(first) == 2:
+                pids = collector.worker_pids()
+                assert all(_ignores(pid, signal.SIGUSR1) for pid in pids)
+                for pid in [*pids, os.getpid()]:
+                    os.kill(pid, signal.SIGUSR1)
+            if preemption.requested and len(first) == 3:  # a batch after the signal: the workers lived on
+                assert all(_ignores(pid, signal.SIGUSR1) for pid in collector.worker_pids())
+                with pytest.raises(SystemExit):
+                    preemption.save_and_exit(collector)
+                break
+    collector = make_multi()
+    with PreemptionCheckpoint(path) as preemption:
+        assert preemption.resume(collector)
+        rest = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert len(first) == 3 and len(first) + len(rest) == len(expected) == 6  # saved after the batch that followed
+    ids = ("collector", "traj_ids")  # new episodes' ids come from a shared counter, in the order workers get there
+    for want, got in zip(expected, first + rest, strict=True):
+        assert (want.exclude(ids) == got.exclude(ids)).all()

@@ -9,6 +9,7 @@ The format itself (versions, packing, errors) is ``rlharvest/checkpoint.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..checkpoint import (
@@ -23,6 +24,7 @@ from ..checkpoint import (
 )
 from ..envs.base import EnvBase
 from ..envs.state import EnvStateUnavailable
+from ._restarts import RestartCause
 
 __all__ = ["capture", "restore", "capture_remote", "restore_remote", "section_of"]
 
@@ -40,10 +42,24 @@ def capture_env_state(env: Any) -> dict[str, Any]:
     Raises:
         EnvStateUnavailable: for an env whose state cannot be captured, saying why.
     """
-    if not isinstance(env, EnvBase):  # by type: a foreign env's members are never called
-        raise EnvStateUnavailable(f"it is a {_type_name(env)}, not an rlharvest env (rlharvest captures the state "
-                                  "of its own envs and of gymnasium envs through GymEnv)")
-    return {"type": _type_name(env), "state": env.capture_state()}
+    if isinstance(env, EnvBase):
+        return {"type": _type_name(env), "state": env.capture_state()}
+    if _is_torchrl_gym(env):
+        from ..envs.gym import capture_gym_layers
+
+        return {"type": _type_name(env), "torchrl_gym_layers": capture_gym_layers(env._env)}
+    raise EnvStateUnavailable(f"it is a {_type_name(env)}, not an rlharvest env (rlharvest captures the state of its "
+                              "own envs, of gymnasium envs through GymEnv, and of TorchRL's GymEnv/GymWrapper "
+                              "without transforms)")
+
+
+#: TorchRL's envs whose whole stepping state is the gymnasium env they wrap (in ``_env``)
+_TORCHRL_GYM = {"torchrl.envs.libs.gym.GymEnv", "torchrl.envs.libs.gym.GymWrapper"}
+
+
+def _is_torchrl_gym(env: Any) -> bool:
+    """A TorchRL GymEnv or GymWrapper, told by its exact type (never by calling its members)."""
+    return _type_name(env) in _TORCHRL_GYM and hasattr(env, "__dict__") and "_env" in vars(env)
 
 
 def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
@@ -55,7 +71,40 @@ def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
     if captured["type"] != _type_name(env):
         raise EnvStateUnavailable(f"the checkpoint holds the state of a {captured['type']}, this env is a "
                                   f"{_type_name(env)}")
+    if "torchrl_gym_layers" in captured:
+        from ..envs.gym import restore_gym_layers
+
+        restore_gym_layers(vars(env)["_env"], captured["torchrl_gym_layers"])
+        return
     env.restore_state(captured["state"])
+
+
+def buffer_kind(buffer: Any) -> str | None:
+    """What the layout records of a collector's replay buffer: its type (None without one)."""
+    return None if buffer is None else _type_name(buffer)
+
+
+def capture_buffer(buffer: Any) -> Any:
+    """A snapshot of ``buffer``'s own ``state_dict()`` (None without a buffer or one without it).
+
+    rlharvest's :class:`~rlharvest.data.ReplayBuffer` returns copies as plain tensors, kept as they
+    are; any other buffer's (TorchRL's: storage, writer, sampler) is pickled now, so later writes
+    cannot change the checkpoint and ``torch.load(weights_only=True)`` still reads it.
+    """
+    if buffer is None or not callable(getattr(buffer, "state_dict", None)):
+        return None
+    from ..data import ReplayBuffer
+
+    if isinstance(buffer, ReplayBuffer):
+        return {"plain": buffer.state_dict()}
+    return {"packed": pack(buffer.state_dict())}
+
+
+def restore_buffer(buffer: Any, saved: Any) -> None:
+    """Put what :func:`capture_buffer` captured back into ``buffer``."""
+    if buffer is None or saved is None:
+        return
+    buffer.load_state_dict(saved["plain"] if "plain" in saved else unpack(saved["packed"]))
 
 
 def section_of(state_dict: dict) -> dict | None:
@@ -67,7 +116,8 @@ def section_of(state_dict: dict) -> dict | None:
 def layout(collector) -> dict[str, Any]:
     """What a checkpoint of ``collector`` must have been taken with to be continued exactly."""
     return {"collector": "Collector", "env_batch_size": list(collector.env.batch_size),
-            "frames_per_batch": int(collector.requested_frames_per_batch)}
+            "frames_per_batch": int(collector.requested_frames_per_batch),
+            "replay_buffer": buffer_kind(collector.config.replay_buffer)}
 
 
 def capture(collector, env_state: bool = True) -> dict[str, Any]:
@@ -84,6 +134,8 @@ def capture(collector, env_state: bool = True) -> dict[str, Any]:
         "seed_chain": list(collector._seed_chain) if collector._seed_chain is not None else None,
         "rng": capture_global_rng(),
         "env_name": repr(collector.env),
+        # a worker's buffer is its parent's (shared): the parent's checkpoint holds it once
+        "replay_buffer": capture_buffer(collector.config.replay_buffer) if collector.worker_idx is None else None,
     }
     if not env_state:
         section["env_skipped"] = SKIPPED
@@ -104,6 +156,7 @@ def restore(collector, section: dict, where: str) -> None:
     rollout = collector.rollout
     rollout.traj_counter.advance_to(section["traj_counter"])
     collector._seed_chain = tuple(section["seed_chain"]) if section["seed_chain"] is not None else None
+    restore_buffer(collector.config.replay_buffer, section.get("replay_buffer"))
     continued = _restore_episodes(collector, section, where)
     if section.get("trajectories") is not None and collector._trajectories is not None:
         held = unpack(section["trajectories"])
@@ -132,7 +185,8 @@ def _restore_episodes(collector, section: dict, where: str) -> bool:
 # ---------------------------------------------------------------------------------- collectors with workers
 def remote_layout(collector) -> dict[str, Any]:
     return {"collector": type(collector).__name__, "num_workers": int(collector.num_workers),
-            "frames_per_batch": int(collector.requested_frames_per_batch)}
+            "frames_per_batch": int(collector.requested_frames_per_batch),
+            "replay_buffer": buffer_kind(collector.config.replay_buffer)}
 
 
 def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -152,6 +206,10 @@ def capture_remote(collector, extra: dict[str, Any] | None = None) -> dict[str, 
         "worker_specs": [{"seed": spec.seed, "static_seed": spec.static_seed, "restart": spec.restart,
                           "traj_offset": spec.traj_offset} if spec is not None else None
                          for spec in collector._fleet.specs],
+        "replay_buffer": capture_buffer(collector.config.replay_buffer),
+        # the restart budget spent: max_worker_restarts counts over the run, across loads
+        "restart_causes": [dataclasses.asdict(cause) for cause in collector._fleet.restarts.causes],
+        "leaves": [dataclasses.asdict(cause) for cause in collector._fleet.restarts.leaves],
     }
     section.update(extra or {})
     return section
@@ -171,6 +229,10 @@ def check_remote(collector, state_dict: dict) -> dict | None:
 
 def restore_remote(collector, section: dict) -> None:
     """The parent's part: seeds a replacement or an added worker starts from, the seed chain."""
+    restore_buffer(collector.config.replay_buffer, section.get("replay_buffer"))
+    restarts = collector._fleet.restarts
+    restarts.causes = [RestartCause(**cause) for cause in section.get("restart_causes", ())]
+    restarts.leaves = [RestartCause(**cause) for cause in section.get("leaves", ())]
     for worker, spec in enumerate(section["worker_specs"]):
         if spec is not None:
             collector._fleet.remember(worker, **spec)

@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 
 from .._utils import TRAJ_IDS
 from ..config import CollectorConfig, positive_seconds
+from ..checkpoint import pack, unpack
 from ..errors import WorkerError
 from ..policies import ExplorationType
 from ..protocol import WorkerSpec
@@ -284,7 +285,11 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         return batch
 
     def _next_chunk(self) -> TensorDictBase:
-        """The frames of the first worker ready (as a flat private copy); that worker goes on at once."""
+        """The frames of the first worker ready (as a flat private copy); that worker goes on at once.
+        Chunks a loaded checkpoint holds (collected before it, not delivered yet) come first."""
+        if self._restored_batches:
+            worker, _, batch = self._restored_batches.pop(0)
+            return _flat_chunk(batch, worker)
         gather = self._gather
         for worker in gather.idle():
             gather.launch(worker, False)
@@ -293,7 +298,10 @@ class AsyncBatchedCollector(RemoteCollectorBase):
         except WorkerError as err:
             self._raise_server_error(err)
             raise
-        chunk = _flat_chunk(self._requests.handles[worker].fetch_batch(reply), worker)
+        batch = self._fetched_early.pop((worker, reply.request_id), None)  # by a checkpoint
+        if batch is None:
+            batch = self._requests.handles[worker].fetch_batch(reply)
+        chunk = _flat_chunk(batch, worker)
         gather.launch(worker, False)
         return chunk
 
@@ -319,6 +327,27 @@ class AsyncBatchedCollector(RemoteCollectorBase):
                 start = end + 1
             if start < rows.numel():
                 pieces.append(chunk[rows[start:]])
+
+    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
+    def _checkpoint_extra(self) -> dict:
+        """The frames assembled here and not delivered yet (the next batch's first frames, the pieces
+        of trajectories), and the served policy's weights and version (the workers' policy is a client)."""
+        extra = {"carry": pack(list(self._carry)), "partial": pack(self._partial),
+                 "complete": pack(list(self._complete)), "server_version": int(self._server.version)}
+        if isinstance(self._server.policy, torch.nn.Module):
+            extra["served_policy"] = self._server.policy_state_dict()
+        return extra
+
+    def _restore_checkpoint_extra(self, section: dict) -> None:
+        self._carry = collections.deque(unpack(section["carry"]))
+        self._carried = sum(chunk.numel() for chunk in self._carry)
+        self._partial = unpack(section["partial"])
+        self._complete = collections.deque(unpack(section["complete"]))
+        weights = section.get("served_policy")
+        if weights is not None and isinstance(self._server.policy, torch.nn.Module):
+            self._server.update_policy(lambda served: served.load_state_dict(weights))
+        self._server.version = int(section["server_version"])
+        self._policy_version = self._server.version
 
     # ------------------------------------------------------------------ running free
     def start(self) -> None:

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 __all__ = ["ReplayBuffer"]
 
@@ -155,6 +155,45 @@ class ReplayBuffer:
         with self._lock:
             self._counters[_CURSOR] = 0
             self._counters[_LENGTH] = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the buffer (docs/checkpoints.md): its frames, write cursor and counters, as
+        plain tensors (copies: later writes do not change it). Sampling draws from torch's global
+        generator; this buffer has no sampler state of its own.
+
+        Example:
+            >>> from tensordict import TensorDict
+            >>> rb = ReplayBuffer(capacity=8)
+            >>> _ = rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3]))
+            >>> copy = ReplayBuffer(capacity=8)
+            >>> copy.load_state_dict(rb.state_dict())
+            >>> copy[:]["x"].tolist(), copy.write_count
+            ([0, 1, 2], 3)
+        """
+        with self._lock:
+            length = len(self)
+            frames = None if self._storage is None else self._storage[:length].clone().to_dict()
+            return {"capacity": self.capacity, "counters": self._counters.clone(), "frames": frames}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned, in place (a process-safe buffer's shared storage
+        stays the one its workers write into).
+
+        Raises:
+            ValueError: for the state of a buffer of another capacity.
+        """
+        if int(state_dict["capacity"]) != self.capacity:
+            raise ValueError(f"ReplayBuffer.load_state_dict: the state is of a buffer of capacity "
+                             f"{state_dict['capacity']}, this one has capacity {self.capacity}")
+        frames = state_dict["frames"]
+        with self._lock:
+            if frames is not None:
+                rows = TensorDict.from_dict(frames, batch_size=[int(state_dict["counters"][_LENGTH])])
+                if rows.shape[0]:
+                    self.init_storage(rows)
+                    self._storage[: rows.shape[0]].update_(rows.select(*self._storage.keys(True, True)))
+            self._counters.copy_(state_dict["counters"])
 
     def __repr__(self) -> str:
         return f"ReplayBuffer(capacity={self.capacity}, len={len(self)}, write_count={self.write_count})"

@@ -179,26 +179,15 @@ class GymEnv(EnvBase):
             EnvStateUnavailable: naming the layer whose state cannot be copied (e.g. an
                 ``AsyncVectorEnv``'s processes).
         """
-        from .state import EnvStateUnavailable, instance_state
+        from .state import instance_state
 
-        layers = []
-        for layer in _gym_layers(self._env):
-            try:
-                layers.append(instance_state(layer, skip=("env", "env_fns")))
-            except EnvStateUnavailable as err:
-                raise EnvStateUnavailable(f"gymnasium layer {type(layer).__name__}: {err}") from None
-        return {"own": instance_state(self, skip=("_env",)), "layers": layers}
+        return {"own": instance_state(self, skip=("_env",)), "layers": capture_gym_layers(self._env)}
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        from .state import EnvStateUnavailable, restore_instance_state
+        from .state import restore_instance_state
 
-        layers = _gym_layers(self._env)
-        if len(layers) != len(state["layers"]):
-            raise EnvStateUnavailable(f"the checkpoint's gymnasium env has {len(state['layers'])} layers, this one "
-                                      f"{len(layers)} ({' > '.join(type(layer).__name__ for layer in layers)})")
+        restore_gym_layers(self._env, state["layers"])  # checks the layers first
         restore_instance_state(self, state["own"])
-        for layer, layer_state in zip(layers, state["layers"]):
-            restore_instance_state(layer, layer_state)
 
     def close(self, *, raise_if_closed: bool = True) -> None:
         if not self.is_closed:
@@ -209,6 +198,39 @@ class GymEnv(EnvBase):
         spec = getattr(self._env, "spec", None)
         name = spec.id if spec is not None else type(self._env).__name__
         return f"GymEnv({name!r}, batch_size={tuple(self.batch_size)})"
+
+
+def capture_gym_layers(env) -> list[dict[str, Any]]:
+    """The state of every layer of the gymnasium env ``env`` (wrappers, then the unwrapped env).
+
+    Raises:
+        EnvStateUnavailable: naming the layer whose state cannot be copied.
+    """
+    from .state import EnvStateUnavailable, instance_state
+
+    layers = []
+    for layer in _gym_layers(env):
+        try:
+            layers.append(instance_state(layer, skip=("env", "env_fns")))
+        except EnvStateUnavailable as err:
+            raise EnvStateUnavailable(f"gymnasium layer {type(layer).__name__}: {err}") from None
+    return layers
+
+
+def restore_gym_layers(env, states: list[dict[str, Any]]) -> None:
+    """Put what :func:`capture_gym_layers` returned back into ``env``.
+
+    Raises:
+        EnvStateUnavailable: when ``env`` has other layers than the captured one.
+    """
+    from .state import EnvStateUnavailable, restore_instance_state
+
+    layers = _gym_layers(env)
+    if len(layers) != len(states):
+        raise EnvStateUnavailable(f"the checkpoint's gymnasium env has {len(states)} layers, this one "
+                                  f"{len(layers)} ({' > '.join(type(layer).__name__ for layer in layers)})")
+    for layer, layer_state in zip(layers, states):
+        restore_instance_state(layer, layer_state)
 
 
 def _gym_layers(env) -> list:

@@ -402,6 +402,11 @@ class InferenceServer:
         stats["max_batch_frames"] = max(stats["max_batch_frames"], frames)
 
     # ------------------------------------------------------------------ weights and life cycle
+    def policy_state_dict(self) -> dict:
+        """A copy of the served policy's ``state_dict()``, taken between two policy calls (a checkpoint's)."""
+        with self._lock:
+            return {key: value.detach().clone() for key, value in self.policy.state_dict().items()}
+
     def update_policy(self, change: Callable[[Any], None] | None = None) -> int:
         """Run ``change(policy)`` between two policy calls (e.g. copy new weights in) and bump the
         version of the weights; returns the new version."""

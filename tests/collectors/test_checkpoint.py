@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import warnings
@@ -13,6 +14,7 @@ import warnings
 import pytest
 import torch
 from checkpoint_cases import build
+from tensordict import TensorDict
 from mocks import TorchRLStyleCountingEnv, wait_until
 
 import rlharvest
@@ -29,14 +31,14 @@ ROOT = pathlib.Path(rlharvest.__file__).resolve().parents[1]
 TRAJ_IDS = ("collector", "traj_ids")
 
 
-def resume_in_fresh_process(case: str, state: dict, tmp_path: pathlib.Path, batches: int) -> dict:
+def resume_in_fresh_process(case: str, state: dict, tmp_path: pathlib.Path, batches: int, timeout: float = 100) -> dict:
     """Build ``case`` in a new Python process, load ``state`` from a file, collect ``batches``."""
     checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "batches.pt"
     torch.save(state, checkpoint)
     path = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", "import checkpoint_cases; checkpoint_cases.main()", case,
                            str(checkpoint), str(out), str(batches)],
-                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=100)
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return torch.load(out, weights_only=False)
 
@@ -179,6 +181,61 @@ def test_a_checkpoint_during_start_waits_for_a_batch_boundary():
         collector.async_shutdown(timeout=10)
 
 
+# ---------------------------------------------------------------------------------- replay buffers
+def assert_same_buffer(expected: dict, got: dict, ordered: bool) -> None:
+    assert expected["capacity"] == got["capacity"] and torch.equal(expected["counters"], got["counters"])
+    length = [int(expected["counters"][1])]
+    want, have = (TensorDict.from_dict(state["frames"], batch_size=length) for state in (expected, got))
+    if ordered:
+        assert_identical(want, have)
+    else:  # the same frames; workers writing themselves interleave their blocks in any order
+        assert sorted(map(_row, want.unbind(0))) == sorted(map(_row, have.unbind(0)))
+
+
+def _row(frame: TensorDict) -> tuple:
+    return tuple(value for key in sorted(frame.keys(True, True), key=str)
+                 for value in frame.get(key).flatten().tolist())
+
+
+@pytest.mark.parametrize("case", ["buffer", "multisync_buffer"])
+def test_replay_buffer_resumes_exactly_in_a_fresh_process(case, tmp_path):
+    """The buffer (frames, write cursor, counters) is in the checkpoint: after the load and more batches it
+    equals the uninterrupted run's, and (Collector: the process's generator is restored) samples alike."""
+    collector = build(case)
+    try:
+        iterator = iter(collector)
+        for _ in range(2):
+            next(iterator)
+        state = collector.state_dict()
+        for _ in range(3):
+            next(iterator)
+        expected = collector.replay_buffer.state_dict()
+        sample = collector.replay_buffer.sample(6)
+    finally:
+        collector.shutdown()
+    saved = state[CHECKPOINT_KEY]["replay_buffer"]["plain"]
+    assert int(saved["counters"][2]) == (16 if case == "buffer" else 24)  # the writes before the checkpoint
+    assert all(CHECKPOINT_KEY not in state[key] or state[key][CHECKPOINT_KEY]["replay_buffer"] is None
+               for key in state if key.startswith("worker"))  # held once, by the parent
+    resumed = resume_in_fresh_process(case, state, tmp_path, 3)
+    assert int(expected["counters"][2]) == (40 if case == "buffer" else 60)  # it wrapped around
+    assert_same_buffer(expected, resumed["buffer"], ordered=case == "buffer")
+    if case == "buffer":
+        assert_identical(sample, resumed["sample"])
+
+
+def test_a_collector_without_the_checkpoints_buffer_refuses_it():
+    source = Collector(CountingEnv(), frames_per_batch=4, total_frames=8, replay_buffer=ReplayBuffer(capacity=8))
+    next(iter(source))
+    state = source.state_dict()
+    source.shutdown()
+    other = Collector(CountingEnv(), frames_per_batch=4, total_frames=8)
+    with pytest.raises(CheckpointMismatchError, match=r"replay_buffer: checkpoint 'rlharvest.data.replay_buffer."
+                                                      r"ReplayBuffer', this collector None"):
+        other.load_state_dict(state)
+    other.shutdown()
+
+
 # ---------------------------------------------------------------------------------- collectors with workers
 def _relabel_new_ids(batches: list, first_new: int) -> list:
     """Trajectory ids from ``first_new`` on renumbered by first appearance (workers take ids from a shared
@@ -198,6 +255,37 @@ def test_multisync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
     state, expected = interrupted("multisync", 2, 3)
     assert set(state) >= {"worker0", "worker1", CHECKPOINT_KEY}
     resumed = resume_in_fresh_process("multisync", state, tmp_path, 3)["batches"]
+    for want, got in zip(expected, resumed, strict=True):
+        assert_identical(want, got, skip=[TRAJ_IDS])
+    first_new = int(state["traj_pool"]["traj_id"])
+    for want, got in zip(_relabel_new_ids(expected, first_new), _relabel_new_ids(resumed, first_new)):
+        assert torch.equal(want, got)
+
+
+def test_a_checkpoint_after_a_worker_restart_and_weight_updates_resumes_with_the_budget_spent():
+    """A worker killed and replaced (restart 1 of max_worker_restarts=2: its env takes another seed), new
+    weights pushed, then the checkpoint: the resumed collector yields the uninterrupted run's batches and
+    counts the restart spent (max_worker_restarts counts over the run, across loads)."""
+    def kill_and_update(collector) -> None:
+        iterator = iter(collector)
+        os.kill(collector.worker_pids()[1], signal.SIGKILL)
+        wait_until(lambda: next(iterator) is not None and collector.stats()["restarts"] == 1, timeout=60,
+                   what="worker 1 replaced")
+        new_weights(collector)
+
+    state, expected = interrupted("multisync_restarts", 2, 3, change=kill_and_update)
+    section = state[CHECKPOINT_KEY]
+    assert [cause["worker"] for cause in section["restart_causes"]] == [1]
+    assert section["worker_specs"][1]["restart"] == 1
+    restored = build("multisync_restarts")
+    try:
+        restored.load_state_dict(state)
+        stats = restored.stats()
+        assert stats["restarts"] == 1 and "died" in stats["worker_1/restart_causes"]
+        iterator = iter(restored)
+        resumed = [next(iterator).clone() for _ in range(3)]
+    finally:
+        restored.shutdown()
     for want, got in zip(expected, resumed, strict=True):
         assert_identical(want, got, skip=[TRAJ_IDS])
     first_new = int(state["traj_pool"]["traj_id"])
@@ -231,6 +319,10 @@ def test_rpc_sync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
 
 @pytest.mark.parametrize("case", ["multiasync", "async"])
 def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
+    check_async_resume(case, tmp_path)
+
+
+def check_async_resume(case: str, tmp_path, timeout: float = 100) -> None:
     collector = build(case)
     before = []
     iterator = iter(collector)
@@ -238,13 +330,14 @@ def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
         before.append(next(iterator).clone())
     state = collector.state_dict()
     collector.shutdown()
-    pending = state[CHECKPOINT_KEY]["pending"]
+    section = state[0]["rlharvest_collector"][CHECKPOINT_KEY] if isinstance(state, list) else state[CHECKPOINT_KEY]
+    pending = section["pending"]
     assert pending  # a rollout was in flight: its batch is in the checkpoint, not lost
-    resumed = resume_in_fresh_process(case, state, tmp_path, 0)
+    resumed = resume_in_fresh_process(case, state, tmp_path, 0, timeout)
     assert resumed["frames"] == 48  # total_frames exactly
     batches = before + resumed["batches"]
     assert sum(batch.numel() for batch in batches) == 48
-    per_worker: dict[int, list] = {0: [], 1: []} if case == "multiasync" else {0: []}
+    per_worker: dict[int, list] = {0: [], 1: []} if case != "async" else {0: []}
     for batch in batches:
         obs = batch["observation"].flatten()
         worker = int(obs[0]) // 10
@@ -256,6 +349,64 @@ def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
         ids = [value for _, traj in parts for value in traj]
         for i in range(1, len(ids)):  # an episode keeps its id across the checkpoint
             assert (ids[i] == ids[i - 1]) == (i % 5 != 0), (worker, ids)
+
+
+def test_async_batched_loses_and_repeats_no_frame_and_continues_episodes(tmp_path):
+    """The frames assembled in the parent (the next batch's first ones), the chunks in flight and the
+    served policy's version are in the checkpoint: per env, the frames of the two runs are one run's."""
+    collector = build("async_batched")
+    iterator = iter(collector)
+    before = [next(iterator).clone() for _ in range(4)]
+    collector.update_policy_weights_()  # the served policy's version goes on after the load
+    state = collector.state_dict()
+    collector.shutdown()
+    section = state[CHECKPOINT_KEY]
+    assert section["server_version"] == 1 and "served_policy" in section
+    resumed = resume_in_fresh_process("async_batched", state, tmp_path, 0)
+    batches = before + resumed["batches"]
+    assert resumed["frames"] == 60 and [batch.numel() for batch in batches] == [6] * 10
+    assert resumed["batches"][-1]["policy_version"].eq(1).all()
+    per_env: dict[int, list] = {}
+    for batch in batches:
+        for env, obs, traj in zip(batch["env_index"].tolist(), batch["observation"].flatten().tolist(),
+                                  batch[TRAJ_IDS].tolist()):
+            per_env.setdefault(env, []).append((obs, traj))
+    for env, frames in per_env.items():  # env w's observations cycle 10w, ..., 10w + 4: none lost or repeated
+        assert [obs for obs, _ in frames] == [10 * env + i % 5 for i in range(len(frames))], (env, frames)
+        ids = [traj for _, traj in frames]
+        assert all((ids[i] == ids[i - 1]) == (i % 5 != 0) for i in range(1, len(ids))), (env, ids)
+    all_ids = [traj for frames in per_env.values() for _, traj in frames]
+    assert len(set(all_ids)) == sum(len(set(t for _, t in frames)) for frames in per_env.values())  # unique
+
+
+# ---------------------------------------------------------------------------------- Ray
+@pytest.fixture
+def ray_address(ray_session, monkeypatch):
+    """The session's Ray, which the fresh process connects to (its actors need the session's CPUs)."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
+    yield ray_session
+
+
+# a fresh driver connecting to Ray and starting actors takes a minute on a loaded 2-core machine
+RAY_TIMEOUT = 240
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(RAY_TIMEOUT + 60)
+def test_ray_sync_resumes_bit_for_bit_in_a_fresh_process(ray_address, tmp_path):
+    state, expected = interrupted("ray", 2, 3, change=new_weights)
+    assert isinstance(state, list) and len(state) == 2  # TorchRL's form: one state dict per actor
+    part = state[0]["rlharvest_collector"]
+    assert part["frames"] == 48 and part[CHECKPOINT_KEY]["layout"]["collector"] == "RayCollector"
+    resumed = resume_in_fresh_process("ray", state, tmp_path, 3, RAY_TIMEOUT)["batches"]
+    for want, got in zip(expected, resumed, strict=True):
+        assert_identical(want, got)  # actors count their own ids (k * W + i): exact too
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(RAY_TIMEOUT + 60)
+def test_ray_async_loses_and_repeats_no_frame(ray_address, tmp_path):
+    check_async_resume("ray_async", tmp_path, RAY_TIMEOUT)
 
 
 def test_worker_warnings_reach_the_parent_once_per_worker():

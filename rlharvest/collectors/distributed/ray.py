@@ -25,6 +25,9 @@ from .nodes import NodeCollector
 
 __all__ = ["RayCollector"]
 
+#: the key of the collector's own part of a checkpoint, in the first actor's state dict
+COLLECTOR_KEY = "rlharvest_collector"
+
 #: DistributedCollector's arguments that say where nodes run: a Ray cluster decides that
 _NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port", "mp_start_method", "bind_address",
             "authkey", "handshake_timeout")
@@ -199,21 +202,41 @@ class RayCollector(NodeCollector):
             self.shutdown()
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> list[OrderedDict]:
-        """One state dict per actor, in actor order."""
-        self._drain_async()
-        return [self._requests.request(worker, Command.STATE_DICT) for worker in self.active_workers]
+    def state_dict(self, *, env_state: bool = True) -> list[dict]:
+        """One state dict per actor, in actor order, as TorchRL's; the first also holds, under
+        ``"rlharvest_collector"``, this collector's own part (counters, layout, seeds, trajectory-id map,
+        batches not yielded yet, replay buffer): the list is a complete checkpoint that
+        :meth:`load_state_dict` continues exactly (docs/checkpoints.md). Rollouts in flight are
+        waited for first.
+
+        Args:
+            env_state: False leaves the envs' states and the episodes in flight out.
+        """
+        full = super().state_dict(env_state=env_state)
+        states = [full.pop(f"worker{worker}") for worker in self.active_workers]
+        if states:
+            states[0] = {**states[0], COLLECTOR_KEY: full}
+        return states
 
     def load_state_dict(self, state_dict: dict | list[dict], **kwargs) -> None:
-        """Load one state dict into every actor, or the ``i``-th of a list into actor ``i``.
+        """Continue from :meth:`state_dict`'s list (the collector's part included: exactly, as every
+        collector), or load TorchRL's: one state dict into every actor, or the ``i``-th of a list into
+        actor ``i`` (counters and weights; the collector's counters stay).
 
         Raises:
             ValueError: for a list that does not hold one state dict per actor.
+            CheckpointMismatchError: for a checkpoint of a newer format or of other arguments.
         """
         states = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict] * self.num_workers
         if len(states) != self.num_workers:
             raise ValueError(f"load_state_dict takes one state dict or {self.num_workers} (one per actor), "
                              f"got {len(states)}.")
+        collector_part = states[0].get(COLLECTOR_KEY) if isinstance(state_dict, (list, tuple)) else None
+        states = [{key: value for key, value in state.items() if key != COLLECTOR_KEY} for state in states]
+        if collector_part is not None:
+            full = {**collector_part, **{f"worker{worker}": state for worker, state in zip(self.active_workers, states)}}
+            super().load_state_dict(full)
+            return
         self._drain_async()
         for worker, state in enumerate(states):
             raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state)
