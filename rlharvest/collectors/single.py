@@ -104,8 +104,10 @@ class Collector(BaseCollector, metaclass=BackendDispatch):
         compact_obs: drop from ``("next", ...)`` the observations the next step's root holds.
 
     Example:
+        >>> import torch
         >>> from rlharvest.envs import CountingEnv
-        >>> collector = Collector(CountingEnv(max_steps=3), frames_per_batch=8, total_frames=16)
+        >>> step_up = lambda td: td.set("action", torch.ones(1, dtype=torch.int8))  # episodes of 4 steps
+        >>> collector = Collector(CountingEnv(max_steps=3), step_up, frames_per_batch=8, total_frames=16)
         >>> batch = next(iter(collector))
         >>> batch.names[-1], batch["collector", "traj_ids"].tolist()
         ('time', [0, 0, 0, 0, 1, 1, 1, 1])

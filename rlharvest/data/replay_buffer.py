@@ -32,7 +32,7 @@ class ReplayBuffer:
     Example:
         >>> from tensordict import TensorDict
         >>> rb = ReplayBuffer(capacity=100, batch_size=4)
-        >>> rb.extend(TensorDict({"x": torch.arange(10)}, batch_size=[10]))
+        >>> _ = rb.extend(TensorDict({"x": torch.arange(10)}, batch_size=[10]))
         >>> len(rb), rb.write_count, rb.sample().shape
         (10, 10, torch.Size([4]))
     """

@@ -234,8 +234,10 @@ class EnvBase:
                 flags are True.
 
         Example:
+            >>> import torch
             >>> from rlharvest.envs import CountingEnv
-            >>> CountingEnv(max_steps=2).rollout(10).batch_size
+            >>> step_up = lambda td: td.set("action", torch.ones(1, dtype=torch.int8))
+            >>> CountingEnv(max_steps=2).rollout(10, step_up).batch_size  # stops at the episode's end
             torch.Size([3])
         """
         if break_when_any_done and break_when_all_done:
