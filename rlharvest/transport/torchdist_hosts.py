@@ -111,9 +111,9 @@ class RemoteHosts:
     def host_of(self, worker: int) -> RemoteHost | None:
         return self._of.get(worker)
 
-    def route(self, workers: list[int]) -> tuple[list[int], dict[RemoteHost, list[int]]]:
-        """``workers`` (remote nodes) split into those sent their own copy and, per host with two or
-        more of them, the nodes sharing one."""
+    def route(self, workers: list[int], min_shared: int = 2) -> tuple[list[int], dict[RemoteHost, list[int]]]:
+        """``workers`` (remote nodes) split into those sent their own copy and, per host with
+        ``min_shared`` or more of them, the nodes sharing one."""
         by_host: dict[RemoteHost, list[int]] = {}
         direct = []
         for worker in workers:
@@ -124,7 +124,7 @@ class RemoteHosts:
                 by_host.setdefault(host, []).append(worker)
         shared = {}
         for host, targets in by_host.items():
-            if len(targets) > 1:
+            if len(targets) >= min_shared:
                 shared[host] = targets
             else:
                 direct.extend(targets)

@@ -59,7 +59,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                              f"process group and port), got {type(links).__name__}.")
         return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
                                 peer=links.peer, liveness=links.liveness, user_timeout=links.user_timeout,
-                                handshake_timeout=links.handshake_timeout)
+                                handshake_timeout=links.handshake_timeout, relay_silence=links.relay_silence)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:
