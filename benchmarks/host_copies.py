@@ -1,12 +1,12 @@
 """Bytes out of the learner's host per weight update, and update latency, with nodes on other hosts
 simulated by network namespaces (tests/netns.py; needs root and iproute2).
 
-    sudo .venv/bin/python benchmarks/host_copies.py [--code PATH ...] [--layouts 2 2x2] [--params 1000000]
+    sudo .venv/bin/python benchmarks/host_copies.py [--code PATH ...] [--layouts 2 2x2 1 2x1 4x1] [--params 1000000]
         [--output benchmarks/results/host-copies-DATE.json]
 
 For each rlharvest tree given with ``--code`` (default: this one; give an older checkout to measure
-"before") and each layout (``2``: 2 nodes on one remote host; ``2x2``: 2 remote hosts of 2 nodes,
-behind a switch; ``--rate 1gbit`` limits the learner's uplink to a network's speed), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
+"before") and each layout (``2``: 2 nodes on one remote host; ``HxN``: H remote hosts (up to 7) of N
+nodes, behind a switch, e.g. ``4x1`` for the relay between hosts; ``--rate 1gbit`` limits the learner's uplink to a network's speed), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
 learner's namespace: a ``DistributedCollector`` with ``"mp"`` nodes moved into the remote hosts, a
 policy of ``--params`` float32 weights, ``--updates`` synchronous updates (each followed by two
 batches). Per update: the bytes the learner's veth sent while ``update_policy_weights_()`` ran (its
