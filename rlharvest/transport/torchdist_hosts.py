@@ -54,6 +54,7 @@ class RemoteHost:
         carrier: the node whose slots the host's nodes map, None before the first update.
         slots: ``slot id -> name`` of the carrier's slots (named here, created by the carrier).
         orphans: slot names of carriers that are gone, for the next carrier to remove.
+        address: the address its nodes connected from.
     """
 
     index: int
@@ -61,6 +62,7 @@ class RemoteHost:
     carrier: int | None = None
     slots: dict[tuple, str] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
+    address: str = ""
     _ids: Any = field(default_factory=itertools.count)
 
     def retire_carrier(self) -> None:
@@ -95,7 +97,7 @@ class RemoteHosts:
             return
         host = self._by_key.get(key)
         if host is None:
-            host = self._by_key[key] = RemoteHost(len(self._by_key))
+            host = self._by_key[key] = RemoteHost(len(self._by_key), address=key[0])
         host.members.add(worker)
         self._of[worker] = host
 

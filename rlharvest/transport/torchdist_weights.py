@@ -277,7 +277,10 @@ class DistWeightSender(WeightSender):
         """The update to the first host's carrier over its group, forwarded carrier to carrier
         along the hosts of ``chain``; returns the targets still waiting per host, as ``_to_carrier``."""
         routes = {host: self._pick_carrier(host, targets) for host, targets in chain.items()}
-        links = [host for host, waiting in routes.items() if waiting]
+        # nodes that reached this process from its own address come first: their copy crosses no
+        # link, and the one copy out of this machine is then theirs, to the next host
+        here = {self.host, self.bind_host}
+        links = sorted((host for host, waiting in routes.items() if waiting), key=lambda h: h.address not in here)
         for index, host in enumerate(links):
             downstream = self._relay_at[links[index + 1].carrier] if index + 1 < len(links) else None
             self._announce_slot(host, kind, version, (index > 0, downstream, self.relay_silence))
