@@ -33,7 +33,8 @@ SCRIPT = ROOT / "tests" / "collectors" / "distributed" / "_node_scripts.py"
 PORT = 29500
 
 
-def run(code: Path, layout: str, params: int, updates: int, rate: str | None = None, heartbeat: float = 3.0) -> dict:
+def run(code: Path, layout: str, params: int, updates: int, rate: str | None = None, heartbeat: float = 3.0,
+        relay: bool = False) -> dict:
     hosts, per_host = (int(part) for part in layout.split("x")) if "x" in layout else (1, int(layout))
     with netns.Hosts(hosts + 1) as net:
         learner, remotes = net.hosts[0], net.hosts[1:]
@@ -51,7 +52,8 @@ def run(code: Path, layout: str, params: int, updates: int, rate: str | None = N
         result = learner.run([sys.executable, str(SCRIPT), "host-copies-main", "--port", str(PORT), "--host-ip",
                               learner.ip, "--ifname", learner.ifname, "--nodes", str(hosts * per_host),
                               "--params", str(params), "--updates", str(updates),
-                              "--heartbeat-timeout", str(heartbeat)], timeout=600, env=env)
+                              "--heartbeat-timeout", str(heartbeat), *(["--relay"] if relay else [])],
+                             timeout=600, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{code} {layout}: the main script failed\n{result.stdout}\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="write every row as JSON there too")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
                         help="of the nodes; the relay's silence bound is a third of it")
+    parser.add_argument("--relay", action="store_true",
+                        help="DistributedWeightSyncScheme(relay=True) (give only trees that have it)")
     parser.add_argument("--rate", help="limit the learner's uplink (tc tbf), e.g. 1gbit; default: none")
     args = parser.parse_args()
     netns.require()
@@ -82,7 +86,7 @@ def main() -> None:
     rows = []
     for layout in args.layouts:
         for code in args.code:
-            row = run(code.resolve(), layout, args.params, args.updates, args.rate, args.heartbeat_timeout)
+            row = run(code.resolve(), layout, args.params, args.updates, args.rate, args.heartbeat_timeout, args.relay)
             rows.append(row)
             if args.output is not None:
                 args.output.write_text(json.dumps({"params": args.params, "rows": rows}, indent=1) + "\n")

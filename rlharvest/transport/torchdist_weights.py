@@ -78,13 +78,13 @@ class DistWeightSender(WeightSender):
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
-                 handshake_timeout: float = 5.0, relay_silence: float = 3.0) -> None:
+                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = False) -> None:
         self.num_workers = num_workers
         self.host, self.bind_host, self.port = host, bind_host, port
         self.peer = peer
         self.liveness = liveness
         self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
-        self.relay_silence = relay_silence
+        self.relay_silence, self.relay = relay_silence, relay
         # Its own key, which reaches the nodes inside their spec (over their authenticated command channel).
         self.authkey = new_authkey()
         self.listener = self._listen()
@@ -266,6 +266,8 @@ class DistWeightSender(WeightSender):
     def _plan(self, remote: list[int]) -> tuple[list[int], dict, dict]:
         """``remote`` split into nodes sent their own copy, hosts sent one copy each, and hosts on the
         relay chain (every host whose nodes all listen for a relay, when there are two or more)."""
+        if not self.relay:
+            return (*self._hosts.route(remote), {})
         every = self._hosts.route(remote, min_shared=1)[1]
         chain = {h: t for h, t in every.items() if all(w in self._relay_at for w in t)}
         if len(chain) < 2:

@@ -328,6 +328,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--kill", choices=["none", "between", "during"], default="none")
     parser.add_argument("--kill-node", type=int, default=0)
+    parser.add_argument("--relay", action="store_true", help="DistributedWeightSyncScheme(relay=True)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
     parser.add_argument("--no-wait", action="store_true",
                         help="DistributedWeightSyncScheme(sync=False): updates return before the acknowledgements")
@@ -344,7 +345,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
         [_make_env] * args.nodes, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
         worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True,
-        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait)})
+        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait, relay=args.relay)})
     pids = collector.worker_pids()
     _emit(event="started", pids=pids, weight_bytes=4 * args.params)
     try:

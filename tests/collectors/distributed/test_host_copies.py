@@ -88,15 +88,16 @@ def check_updates(events: list[dict], nodes: int) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("hosts", [1, 2])
-def test_nodes_of_one_host_share_one_copy(require_netns, hosts):
-    """2 nodes on each of 1 or 2 other hosts: each update leaves host A once (<= 1.2x the weights), not
-    once per node; with 2 hosts, the second gets it from the first (the relay between hosts)."""
-    events = run_main(nodes=2, kill="none", hosts=hosts)
+@pytest.mark.parametrize("hosts, relay", [(1, False), (2, False), (2, True)])
+def test_nodes_of_one_host_share_one_copy(require_netns, hosts, relay):
+    """2 nodes on each of 1 or 2 other hosts: each update leaves host A once per host (<= 1.2x the
+    weights per host, not once per node); with the relay between hosts, once whatever the hosts."""
+    events = run_main(2, "none", hosts, 5, *(["--relay"] if relay else []))
+    copies = 1 if relay else hosts
     weight_bytes = events[0]["weight_bytes"]
     for update in check_updates(events, nodes=2 * hosts):
-        assert update["tx_bytes"] <= 1.2 * weight_bytes, (update["tx_bytes"], weight_bytes)
-        assert update["tx_bytes"] >= weight_bytes  # it did cross the link
+        assert update["tx_bytes"] <= 1.2 * copies * weight_bytes, (update["tx_bytes"], weight_bytes)
+        assert update["tx_bytes"] >= copies * weight_bytes  # it did cross the link, once per copy
     assert events[-2]["event"] == "stats" and events[-2]["restarts"] == 0
 
 
@@ -145,15 +146,15 @@ def test_updates_that_do_not_wait_for_acknowledgements(require_netns):
 
 # ---------------------------------------------------------------- a relay between hosts (docs/weights.md)
 HOSTS = 3  # remote hosts of one node each: the first takes an update from host A, the others from the one before
-# relay_silence is a third of the heartbeat timeout: 3 s, so that a loaded machine's pauses do not look like stalls
-SLOW_HEARTBEATS = ("--heartbeat-timeout", "9")
+# the relay on; relay_silence is a third of the heartbeat timeout: 3 s, so that a loaded machine's pauses do not look like stalls
+RELAY_ARGS = ("--relay", "--heartbeat-timeout", "9")
 
 
 @pytest.mark.timeout(180)
 def test_relay_sends_one_copy_whatever_the_hosts(require_netns):
     """3 remote hosts of one node: each update leaves host A once (<= 1.2x the weights), not once per
     host, and every node runs every update whole."""
-    events = run_main(1, "none", HOSTS, 5, *SLOW_HEARTBEATS)
+    events = run_main(1, "none", HOSTS, 5, *RELAY_ARGS)
     weight_bytes = events[0]["weight_bytes"]
     for update in check_updates(events, nodes=HOSTS):
         assert weight_bytes <= update["tx_bytes"] <= 1.2 * weight_bytes, (update["k"], update["tx_bytes"])
@@ -167,7 +168,7 @@ def test_relay_carrier_stopped_then_killed_during_an_update(require_netns, node)
     the hosts after it notice the silence of their upstream, take update 3 from the main process
     instead, and run it whole; the dead node is replaced beside the main process (shared memory) and
     later updates go down the chain of the remaining hosts again."""
-    events = run_main(1, "during", HOSTS, 5, "--kill-node", str(node), *SLOW_HEARTBEATS, orphans=f"rlh-w{node}-")
+    events = run_main(1, "during", HOSTS, 5, "--kill-node", str(node), *RELAY_ARGS, orphans=f"rlh-w{node}-")
     updates = check_updates(events, nodes=HOSTS)
     weight_bytes = events[0]["weight_bytes"]
     assert [e["restarts"] for e in updates] == [0, 0, 1, 1, 1], updates
@@ -184,7 +185,7 @@ def test_replacement_on_a_remote_host_gets_the_current_weights(require_netns, mo
     same host: it receives the current weights directly from the main process when it joins, then
     takes part in the chain again (every update after it leaves host A once)."""
     monkeypatch.setenv("RLH_TEST_REPLACE_IN_HOSTS", "1")
-    events = run_main(1, "between", HOSTS, 5, "--kill-node", "1", *SLOW_HEARTBEATS)
+    events = run_main(1, "between", HOSTS, 5, "--kill-node", "1", *RELAY_ARGS)
     updates = check_updates(events, nodes=HOSTS)
     weight_bytes = events[0]["weight_bytes"]
     assert [e["restarts"] for e in updates] == [0, 0, 1, 1, 1], updates
