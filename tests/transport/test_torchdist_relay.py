@@ -65,12 +65,28 @@ def test_a_silent_or_vanished_upstream_breaks_the_relay(ports):
     key, (port, _) = ports
     data = torch.ones(CHUNK_BYTES + 5, dtype=torch.uint8)
     upstream = open_downstream(("127.0.0.1", port.port), key, 3, 5.0, 10.0)
-    _send_all(upstream, data, upto=1)  # one chunk, then silence
+    sender = threading.Thread(target=_send_all, args=(upstream, data, 1))  # one chunk, then silence
+    sender.start()
     whole, _ = relay_in(port.accept(3, 10.0), torch.zeros_like(data), None, 1.0)
     assert not whole
+    sender.join(10.0)
     upstream.close()
+
+    def one_chunk_then_die(channel) -> None:
+        _send_all(channel, data, 1)
+        channel.close()
+
     upstream = open_downstream(("127.0.0.1", port.port), key, 4, 5.0, 10.0)
-    _send_all(upstream, data, upto=1)
-    upstream.close()  # it died after one chunk
+    sender = threading.Thread(target=one_chunk_then_die, args=(upstream,))
+    sender.start()
     whole, _ = relay_in(port.accept(4, 10.0), torch.zeros_like(data), None, 10.0)
     assert not whole
+    sender.join(10.0)
+
+
+def test_the_relay_is_asked_for():
+    from rlharvest.weight_update import DistributedWeightSyncScheme
+
+    assert DistributedWeightSyncScheme().relay is False and DistributedWeightSyncScheme(relay=True).relay is True
+    with pytest.raises(ValueError, match="relay must be True or False, got 'yes'"):
+        DistributedWeightSyncScheme(relay="yes")
