@@ -71,7 +71,7 @@ class DistWeightReceiver(WeightReceiver):
         self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
                                  self.user_timeout, info.get("handshake_timeout", 5.0))
         hello = ("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity())
-        if not hello[2] and self.links is not None:  # another host's carrier may forward updates to it
+        if info.get("relay") and not hello[2] and self.links is not None:  # another host's carrier may forward to it
             self._relay = RelayPort(local_address(self.conn), bytes.fromhex(info["authkey"]),
                                     info.get("handshake_timeout", 5.0), self.user_timeout)
             hello += (self._relay.port,)

@@ -118,7 +118,7 @@ class DistWeightSender(WeightSender):
 
     def connection_info(self) -> dict:
         return {"host": self.host, "port": self.listener.port, "authkey": self.authkey.hex(),
-                "handshake_timeout": self.listener.handshake_timeout}
+                "handshake_timeout": self.listener.handshake_timeout, "relay": self.relay}
 
     def connect(self, initial, timeout: float = 120.0) -> None:
         self._accept(list(range(self.num_workers)), timeout, "to connect its weight channel")
