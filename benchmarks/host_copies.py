@@ -1,12 +1,12 @@
 """Bytes out of the learner's host per weight update, and update latency, with nodes on other hosts
 simulated by network namespaces (tests/netns.py; needs root and iproute2).
 
-    sudo .venv/bin/python benchmarks/host_copies.py [--code PATH ...] [--layouts 2 2x2] [--params 1000000]
+    sudo .venv/bin/python benchmarks/host_copies.py [--code PATH ...] [--layouts 2 2x2 1 2x1 4x1] [--params 1000000]
         [--output benchmarks/results/host-copies-DATE.json]
 
 For each rlharvest tree given with ``--code`` (default: this one; give an older checkout to measure
-"before") and each layout (``2``: 2 nodes on one remote host; ``2x2``: 2 remote hosts of 2 nodes,
-behind a switch; ``--rate 1gbit`` limits the learner's uplink to a network's speed), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
+"before") and each layout (``2``: 2 nodes on one remote host; ``HxN``: H remote hosts (up to 7) of N
+nodes, behind a switch, e.g. ``4x1`` for the relay between hosts; ``--rate 1gbit`` limits the learner's uplink to a network's speed), it runs ``tests/collectors/distributed/_node_scripts.py host-copies-main`` in the
 learner's namespace: a ``DistributedCollector`` with ``"mp"`` nodes moved into the remote hosts, a
 policy of ``--params`` float32 weights, ``--updates`` synchronous updates (each followed by two
 batches). Per update: the bytes the learner's veth sent while ``update_policy_weights_()`` ran (its
@@ -33,7 +33,8 @@ SCRIPT = ROOT / "tests" / "collectors" / "distributed" / "_node_scripts.py"
 PORT = 29500
 
 
-def run(code: Path, layout: str, params: int, updates: int, rate: str | None = None) -> dict:
+def run(code: Path, layout: str, params: int, updates: int, rate: str | None = None, heartbeat: float = 3.0,
+        relay: bool = False) -> dict:
     hosts, per_host = (int(part) for part in layout.split("x")) if "x" in layout else (1, int(layout))
     with netns.Hosts(hosts + 1) as net:
         learner, remotes = net.hosts[0], net.hosts[1:]
@@ -50,7 +51,9 @@ def run(code: Path, layout: str, params: int, updates: int, rate: str | None = N
         load = os.getloadavg()[0]
         result = learner.run([sys.executable, str(SCRIPT), "host-copies-main", "--port", str(PORT), "--host-ip",
                               learner.ip, "--ifname", learner.ifname, "--nodes", str(hosts * per_host),
-                              "--params", str(params), "--updates", str(updates)], timeout=600, env=env)
+                              "--params", str(params), "--updates", str(updates),
+                              "--heartbeat-timeout", str(heartbeat), *(["--relay"] if relay else [])],
+                             timeout=600, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{code} {layout}: the main script failed\n{result.stdout}\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -71,6 +74,10 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--updates", type=int, default=11)
     parser.add_argument("--output", type=Path, help="write every row as JSON there too")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                        help="of the nodes; the relay's silence bound is a third of it")
+    parser.add_argument("--relay", action="store_true",
+                        help="DistributedWeightSyncScheme(relay=True) (give only trees that have it)")
     parser.add_argument("--rate", help="limit the learner's uplink (tc tbf), e.g. 1gbit; default: none")
     args = parser.parse_args()
     netns.require()
@@ -79,7 +86,7 @@ def main() -> None:
     rows = []
     for layout in args.layouts:
         for code in args.code:
-            row = run(code.resolve(), layout, args.params, args.updates, args.rate)
+            row = run(code.resolve(), layout, args.params, args.updates, args.rate, args.heartbeat_timeout, args.relay)
             rows.append(row)
             if args.output is not None:
                 args.output.write_text(json.dumps({"params": args.params, "rows": rows}, indent=1) + "\n")

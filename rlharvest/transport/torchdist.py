@@ -549,4 +549,5 @@ class TorchDistBackend(Backend):
         net = self.net
         return NodeWeightLinks(self.num_workers, self.liveness, host=net.advertised_host, bind_host=net.bind_host,
                                port=net.tcp_port + 2, peer=self.peer, user_timeout=net.user_timeout,
-                               handshake_timeout=net.handshake_timeout)
+                               handshake_timeout=net.handshake_timeout,
+                               relay_silence=min(net.user_timeout, net.heartbeat_timeout / 3))

@@ -54,6 +54,7 @@ class RemoteHost:
         carrier: the node whose slots the host's nodes map, None before the first update.
         slots: ``slot id -> name`` of the carrier's slots (named here, created by the carrier).
         orphans: slot names of carriers that are gone, for the next carrier to remove.
+        address: the address its nodes connected from.
     """
 
     index: int
@@ -61,6 +62,7 @@ class RemoteHost:
     carrier: int | None = None
     slots: dict[tuple, str] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
+    address: str = ""
     _ids: Any = field(default_factory=itertools.count)
 
     def retire_carrier(self) -> None:
@@ -95,7 +97,7 @@ class RemoteHosts:
             return
         host = self._by_key.get(key)
         if host is None:
-            host = self._by_key[key] = RemoteHost(len(self._by_key))
+            host = self._by_key[key] = RemoteHost(len(self._by_key), address=key[0])
         host.members.add(worker)
         self._of[worker] = host
 
@@ -111,9 +113,9 @@ class RemoteHosts:
     def host_of(self, worker: int) -> RemoteHost | None:
         return self._of.get(worker)
 
-    def route(self, workers: list[int]) -> tuple[list[int], dict[RemoteHost, list[int]]]:
-        """``workers`` (remote nodes) split into those sent their own copy and, per host with two or
-        more of them, the nodes sharing one."""
+    def route(self, workers: list[int], min_shared: int = 2) -> tuple[list[int], dict[RemoteHost, list[int]]]:
+        """``workers`` (remote nodes) split into those sent their own copy and, per host with
+        ``min_shared`` or more of them, the nodes sharing one."""
         by_host: dict[RemoteHost, list[int]] = {}
         direct = []
         for worker in workers:
@@ -124,7 +126,7 @@ class RemoteHosts:
                 by_host.setdefault(host, []).append(worker)
         shared = {}
         for host, targets in by_host.items():
-            if len(targets) > 1:
+            if len(targets) >= min_shared:
                 shared[host] = targets
             else:
                 direct.extend(targets)

@@ -22,6 +22,7 @@ from .channel import open_channel, shutdown_connection
 from .ports import boot_id, is_loopback
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import shm_identity, valid_segment_name
+from .torchdist_relay import CHUNK_BYTES, RelayPort, close as close_channel, forward, local_address, open_downstream, relay_in
 from .weight_pool import attach_named, create_named, unlink_named
 
 __all__ = ["NodeGroupLinks", "DistWeightReceiver"]
@@ -58,6 +59,7 @@ class DistWeightReceiver(WeightReceiver):
         self._buffers: list | None = None  # two (flat, view) pairs received over the process group
         self._in_use = 1
         self._thread: threading.Thread | None = None
+        self._relay: RelayPort | None = None  # where the carrier upstream connects (docs/weights.md, "A relay")
 
     def fileno(self) -> int:
         return self._wake_r
@@ -69,7 +71,12 @@ class DistWeightReceiver(WeightReceiver):
         info = self.info
         self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
                                  self.user_timeout, info.get("handshake_timeout", 5.0))
-        self.conn.send(("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity()))
+        hello = ("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity())
+        if info.get("relay") and not hello[2] and self.links is not None:  # another host's carrier may forward to it
+            self._relay = RelayPort(local_address(self.conn), bytes.fromhex(info["authkey"]),
+                                    info.get("handshake_timeout", 5.0), self.user_timeout)
+            hello += (self._relay.port,)
+        self.conn.send(hello)
         kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
         if kind != "init":
             raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
@@ -102,13 +109,15 @@ class DistWeightReceiver(WeightReceiver):
         return view
 
     def _carry(self, version: int, slot_id, name: str, layout: FlatLayout | None, unlink: list[str],
-               timeout: float) -> TensorDictBase:
+               relay: tuple | None = None, *, timeout: float) -> TensorDictBase:
         """As its host's carrier: receive the update into slot ``slot_id`` (created as ``name`` the
         first time), tell the main process it is there (the host's other nodes then map it), and run
         on it.
 
         The slot is one no node of this host runs on or waits for (the main process chose it), so
         nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
+        ``relay``: ``(upstream, downstream)``: whether the update comes from the carrier of another
+        host instead of the main process, and the address of the carrier to forward it to (or None).
         """
         if layout is not None:
             self._layout = layout
@@ -122,10 +131,37 @@ class DistWeightReceiver(WeightReceiver):
             self._segments[slot_id] = (mapping, view)
             self._owned[slot_id] = (handle, flat)
         _, flat = self._owned[slot_id]
-        self._recv_flat(flat, timeout)
+        if relay is None:
+            self._recv_flat(flat, timeout)
+        else:
+            self._relay_update(version, slot_id, flat, *relay, timeout=timeout)
         self.conn.send(("staged", version, slot_id))
         self._gen_id = slot_id
         return self._segments[slot_id][1]
+
+    def _relay_update(self, version: int, slot_id, flat: torch.Tensor, upstream: bool, downstream, silence: float,
+                      timeout: float) -> None:
+        """Take the update into ``flat`` on the relay between hosts (docs/weights.md): from the carrier
+        before this one (``upstream``) or else from the main process in chunks, forwarding each chunk to
+        the carrier at ``downstream``. A relay that breaks or stays silent ``silence`` seconds: the main
+        process sends the whole update instead, and the carrier after this one does the same."""
+        key, handshake = bytes.fromhex(self.info["authkey"]), self.info.get("handshake_timeout", 5.0)
+        out = open_downstream(downstream, key, version, min(handshake, silence), self.user_timeout)
+        if not upstream:
+            for start in range(0, flat.numel(), CHUNK_BYTES):
+                chunk = flat[start:start + CHUNK_BYTES]
+                self._recv_flat(chunk, timeout)
+                out = forward(out, memoryview(chunk.numpy()))
+            close_channel(out)
+            return
+        whole = False
+        channel = self._relay.accept(version, silence) if self._relay is not None else None
+        if channel is not None:
+            whole, out = relay_in(channel, flat, out, silence)
+        close_channel(out)
+        if not whole:
+            self.conn.send(("unrelayed", version, slot_id))
+            self._recv_flat(flat, timeout)
 
     def _recv_flat(self, flat: torch.Tensor, timeout: float) -> None:
         if self.links is None:
@@ -162,6 +198,8 @@ class DistWeightReceiver(WeightReceiver):
                 pass
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        if self._relay is not None:
+            self._relay.close()
         for (name, _), _ in self._owned.values():
             unlink_named(name)  # nodes still mapping a slot keep it; nobody maps it anew after its carrier left
         for segment, _ in self._segments.values():

@@ -8,6 +8,8 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
   host: a host's *carrier* receives it into a named shared-memory slot it created and reports it
   (``staged``), then the host's other nodes map that slot (``torchdist_hosts``, docs/weights.md, "One
   copy per host"); a node alone on its host receives it into its own alternating pair of buffers;
+  with two or more remote hosts, it leaves once, to the first host's carrier, and the carriers
+  forward it host to host (``torchdist_relay``, docs/weights.md, "A relay between hosts");
 * to a node on this host (it reached us through loopback, same kernel): through a named
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
@@ -39,6 +41,7 @@ from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts
 from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
+from .torchdist_relay import CHUNK_BYTES
 from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
@@ -57,6 +60,9 @@ class NodeWeightLinks(WeightLinks):
         peer: the group reaching a node, and the node's rank in it.
         user_timeout: seconds of silence after which a blocked socket fails.
         handshake_timeout: seconds a node has to authenticate on the weight port.
+        relay_silence: seconds a carrier waits for the carrier before it on the relay between hosts
+            (to connect, or between two chunks) before it takes the update from the main process;
+            below the heartbeat timeout, so that nodes waiting on a relay do not look dead.
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +71,7 @@ class NodeWeightLinks(WeightLinks):
     peer: Peer | None = None
     user_timeout: float = 10.0
     handshake_timeout: float = 5.0
+    relay_silence: float = 3.0
 
 
 class DistWeightSender(WeightSender):
@@ -75,12 +82,13 @@ class DistWeightSender(WeightSender):
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
-                 handshake_timeout: float = 5.0) -> None:
+                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = False) -> None:
         self.num_workers = num_workers
         self.host, self.bind_host, self.port = host, bind_host, port
         self.peer = peer
         self.liveness = liveness
         self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
+        self.relay_silence, self.relay = relay_silence, relay
         # Its own key, which reaches the nodes inside their spec (over their authenticated command channel).
         self.authkey = new_authkey()
         self.listener = self._listen()
@@ -105,6 +113,10 @@ class DistWeightSender(WeightSender):
         self._latest: tuple[int, tuple] | None = None
         #: replaced or added nodes whose weight channel has not connected yet (the listener stays open)
         self._awaited: set[int] = set()
+        #: ``worker -> (address, port)`` of a remote node's relay listener (docs/weights.md, "A relay between hosts")
+        self._relay_at: dict[int, tuple[str, int]] = {}
+        #: ``worker -> version``: carriers whose relay broke, which wait for the update from this process
+        self._unrelayed: dict[int, int] = {}
 
     def _listen(self) -> ChannelListener:
         return ChannelListener(listen(self.bind_host, self.port), self.authkey, "weight", self.handshake_timeout,
@@ -112,7 +124,7 @@ class DistWeightSender(WeightSender):
 
     def connection_info(self) -> dict:
         return {"host": self.host, "port": self.listener.port, "authkey": self.authkey.hex(),
-                "handshake_timeout": self.listener.handshake_timeout}
+                "handshake_timeout": self.listener.handshake_timeout, "relay": self.relay}
 
     def connect(self, initial, timeout: float = 120.0) -> None:
         self._accept(list(range(self.num_workers)), timeout, "to connect its weight channel")
@@ -141,8 +153,9 @@ class DistWeightSender(WeightSender):
                 self.conns[worker] = conn
                 self._awaited.discard(worker)
                 self.local[worker] = bool(hello[2]) and hello[3] == here
-                if not self.local[worker] and len(hello) == 5 and peer:
+                if not self.local[worker] and len(hello) >= 5 and peer:
                     self._hosts.join(worker, (peer[0], hello[3], hello[4]))
+                    self._relay_at.update({worker: (peer[0], hello[5])} if len(hello) == 6 else {})
                 continue
             self._check_peers([w for w in workers if w not in self.conns], what)
             if time.monotonic() > deadline:
@@ -165,7 +178,8 @@ class DistWeightSender(WeightSender):
         self._hosts.leave(worker)
         self._seen[worker] = set()
         self._layout_sent.discard(worker)
-        for state in (self._current, self._pending, self._unacked, self._staged, self._failures):
+        for state in (self._current, self._pending, self._unacked, self._staged, self._failures, self._relay_at,
+                      self._unrelayed):
             state.pop(worker, None)
         self._awaited.add(worker)
         if self.listener.closed:  # else it is still open for another awaited node: its port stays
@@ -199,10 +213,11 @@ class DistWeightSender(WeightSender):
         if remote:
             self._stage_flat(payload)
             self._latest = (version, ("pg", None))
-            direct, shared = self._hosts.route(remote)
+            direct, shared, chain = self._plan(remote)
             for worker in direct:
                 self._send_flat(worker, (kind, version, ("pg", self._layout_for(worker))))
             routes = {host: self._to_carrier(host, targets, kind, version) for host, targets in shared.items()}
+            routes.update(self._to_chain(chain, kind, version))
             self._relay(routes, kind, version, timeout)
         if kind == "init":  # initial weights are not acknowledged: the node runs on them once connected
             self._current.update({w: self._pending.pop(w) for w in workers if w in self._pending})
@@ -224,12 +239,23 @@ class DistWeightSender(WeightSender):
         """Send the update once to ``host``: to its carrier, the first live node of ``targets`` (the
         current carrier if it is one, so its slots are reused). Returns the targets still waiting,
         carrier first; nodes found dead are left out (``wait_acks`` reports them)."""
+        waiting = self._pick_carrier(host, targets)
+        if waiting:
+            self._announce_slot(host, kind, version, None)
+        return waiting
+
+    def _pick_carrier(self, host: RemoteHost, targets: list[int]) -> list[int]:
         alive = [w for w in targets if self._alive(w)]
         if not alive:
             return []
         if host.carrier not in alive:
             host.retire_carrier()
             host.carrier = alive[0]
+        return [host.carrier] + [w for w in alive if w != host.carrier]
+
+    def _announce_slot(self, host: RemoteHost, kind: str, version: int, relay: tuple | None) -> None:
+        """Tell ``host``'s carrier which slot to take the update into; from this process over its
+        group unless ``relay`` says it comes from another host's carrier."""
         carrier = host.carrier
         members = [w for w in host.members if w in self.conns]
         busy = {self._current.get(w) for w in members} | {self._pending.get(w) for w in members}
@@ -238,10 +264,51 @@ class DistWeightSender(WeightSender):
         self._pending[carrier] = slot_id
         body = ("pg-host", slot_id, host.slots[slot_id], self._layout_for(carrier), unlink)
         try:
-            self._send_flat(carrier, (kind, version, body))
+            if relay is None:
+                self._send_flat(carrier, (kind, version, body))
+            elif relay[0]:  # from the carrier before it
+                self.conns[carrier].send((kind, version, body + (relay,)))
+            else:  # the first of the chain: in chunks, which it forwards as they come
+                self.conns[carrier].send((kind, version, body + (relay,)))
+                group, rank = self.peer(carrier)
+                for start in range(0, self._flat.numel(), CHUNK_BYTES):
+                    chunk = self._flat[start:start + CHUNK_BYTES]
+                    self._works.append((carrier, group.send([chunk], rank, WEIGHTS_TAG)))
         except OSError:  # its channel broke: _relay finds it lost and picks another carrier
             pass
-        return [carrier] + [w for w in alive if w != carrier]
+
+    # ------------------------------------------------------------------ a relay between hosts
+    def _plan(self, remote: list[int]) -> tuple[list[int], dict, dict]:
+        """``remote`` split into nodes sent their own copy, hosts sent one copy each, and hosts on the
+        relay chain (every host whose nodes all listen for a relay, when there are two or more)."""
+        if not self.relay:
+            return (*self._hosts.route(remote), {})
+        every = self._hosts.route(remote, min_shared=1)[1]
+        chain = {h: t for h, t in every.items() if all(w in self._relay_at for w in t)}
+        if len(chain) < 2:
+            return (*self._hosts.route(remote), {})
+        direct, shared = self._hosts.route([w for w in remote if all(w not in t for t in chain.values())])
+        return direct, shared, chain
+
+    def _to_chain(self, chain: dict[RemoteHost, list[int]], kind: str, version: int) -> dict:
+        """The update to the first host's carrier over its group, forwarded carrier to carrier
+        along the hosts of ``chain``; returns the targets still waiting per host, as ``_to_carrier``."""
+        routes = {host: self._pick_carrier(host, targets) for host, targets in chain.items()}
+        # nodes that reached this process from its own address come first: their copy crosses no
+        # link, and the one copy out of this machine is then theirs, to the next host
+        here = {self.host, self.bind_host}
+        links = sorted((host for host, waiting in routes.items() if waiting), key=lambda h: h.address not in here)
+        for index, host in enumerate(links):
+            downstream = self._relay_at[links[index + 1].carrier] if index + 1 < len(links) else None
+            self._announce_slot(host, kind, version, (index > 0, downstream, self.relay_silence))
+        return routes
+
+    def _send_unrelayed(self, carrier: int, version: int) -> None:
+        """A carrier's relay broke: it waits for the update from this process, over its group."""
+        if self._unrelayed.pop(carrier, None) != version:
+            return
+        group, rank = self.peer(carrier)
+        self._works.append((carrier, group.send([self._flat], rank, WEIGHTS_TAG)))
 
     def _relay(self, routes: dict[RemoteHost, list[int]], kind: str, version: int, timeout: float) -> None:
         """Wait until each host's carrier holds the update, then let the host's other nodes map it.
@@ -256,6 +323,7 @@ class DistWeightSender(WeightSender):
                 carrier, *others = waiting[host]
                 state = self._carrier_state(carrier, version)
                 if state == "waiting":
+                    self._send_unrelayed(carrier, version)
                     continue
                 if state == "staged":
                     _, slot_id = self._staged[carrier]
@@ -322,6 +390,8 @@ class DistWeightSender(WeightSender):
             self._unacked.pop(worker, None)
             self._pending.pop(worker, None)
             self._failures[worker] = message[1]
+        elif message[0] == "unrelayed":
+            self._unrelayed[worker] = message[1]
         elif message[0] == "staged":
             _, version, slot_id = message
             self._staged[worker] = (version, slot_id)
@@ -390,7 +460,7 @@ class DistWeightSender(WeightSender):
 def _hello_worker(hello: Any, num_workers: int) -> int | None:
     """The worker index in a node's ``("hello", worker, local, boot_id, shm_identity)`` if it is a valid one
     (a node of an earlier release says no ``shm_identity``: it gets its own copy of each update)."""
-    if (isinstance(hello, tuple) and len(hello) in (4, 5) and hello[0] == "hello" and type(hello[1]) is int
-            and 0 <= hello[1] < num_workers):
+    if (isinstance(hello, tuple) and len(hello) in (4, 5, 6) and hello[0] == "hello" and type(hello[1]) is int
+            and 0 <= hello[1] < num_workers and (len(hello) < 6 or type(hello[5]) is int)):
         return hello[1]
     return None

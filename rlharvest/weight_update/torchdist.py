@@ -22,6 +22,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         backend: the process group's backend (informational: the collector's group is used).
         sync: ``send`` waits for every targeted node's acknowledgement.
         timeout: seconds to wait for acknowledgements (dead nodes are detected much sooner).
+        relay: with two or more remote hosts, send each update to one host only and let the hosts
+            forward it to each other (docs/weights.md, "A relay between hosts"): ~1x the weights out
+            of the learner whatever the number of hosts, at the cost of CPU on the hosts and, where
+            the learner's uplink is not the bottleneck, latency (docs/performance.md). Off by default.
 
     ``init_on_sender`` takes ``model_id``, ``num_workers``, ``context`` (the collector: its
     ``tcp_port`` + 2 is the weight channel's port) and optionally ``model`` or ``weights``.
@@ -33,9 +37,12 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     needs_workers = True
 
-    def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0) -> None:
+    def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0, relay: bool = False) -> None:
         super().__init__(sync=sync, timeout=timeout)
+        if not isinstance(relay, bool):
+            raise ValueError(f"relay must be True or False, got {relay!r}.")
         self.backend = backend
+        self.relay = relay
         self._explicit_weights: Any = None
 
     def init_on_sender(self, *, model_id: str = "policy", num_workers: int | None = None, context=None,
@@ -59,7 +66,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                              f"process group and port), got {type(links).__name__}.")
         return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
                                 peer=links.peer, liveness=links.liveness, user_timeout=links.user_timeout,
-                                handshake_timeout=links.handshake_timeout)
+                                handshake_timeout=links.handshake_timeout, relay_silence=links.relay_silence,
+                                relay=self.relay)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:

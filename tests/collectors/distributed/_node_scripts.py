@@ -215,11 +215,11 @@ def _enter_netns(path: str, ifname: str) -> None:
 def node_in_hosts(rank: int, *args, **kwargs) -> None:
     """Node target: a first node whose rank ``$RLH_TEST_NODE_HOSTS`` lists (``rank=netns-path@ifname``,
     comma-separated) enters that network namespace, then runs as any node; replacements stay beside
-    the main process."""
+    the main process (unless ``$RLH_TEST_REPLACE_IN_HOSTS`` is set: then they enter it too)."""
     from rlharvest.worker.nodes import node_main
 
     placement = dict(item.split("=", 1) for item in os.environ.get("RLH_TEST_NODE_HOSTS", "").split(",") if item)
-    if str(rank) in placement and kwargs.get("generation", 0) == 0:
+    if str(rank) in placement and (kwargs.get("generation", 0) == 0 or os.environ.get("RLH_TEST_REPLACE_IN_HOSTS")):
         path, ifname = placement[str(rank)].split("@")
         _enter_netns(path, ifname)
     node_main(rank, *args, **kwargs)
@@ -358,8 +358,9 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     hosts by ``$RLH_TEST_NODE_HOSTS``; ``--updates`` updates, each followed by one batch; prints the
     bytes that left through ``--ifname`` during each update, its seconds, and what every node ran.
 
-    ``--kill between|during``: node 0 (its host's carrier) is killed after update 2 and its batch, or
-    stopped before update 3 and killed while the main process waits for it to take the update."""
+    ``--kill between|during``: node ``--kill-node`` (0: its host's carrier) is killed after update 2 and
+    its batch, or stopped before update 3 and killed while the main process waits for it to take the
+    update."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host-ip", required=True)
@@ -368,6 +369,8 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=int, default=250_000)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--kill", choices=["none", "between", "during"], default="none")
+    parser.add_argument("--kill-node", type=int, default=0)
+    parser.add_argument("--relay", action="store_true", help="DistributedWeightSyncScheme(relay=True)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
     parser.add_argument("--no-wait", action="store_true",
                         help="DistributedWeightSyncScheme(sync=False): updates return before the acknowledgements")
@@ -384,7 +387,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
         [_make_env] * args.nodes, policy, bind_address=args.host_ip, tcp_port=args.port, sync=True,
         heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=2 * args.nodes, total_frames=-1,
         worker_timeout=60.0, max_worker_restarts=1 if args.kill != "none" else 0, track_policy_version=True,
-        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait)})
+        weight_sync_schemes={"policy": DistributedWeightSyncScheme(sync=not args.no_wait, relay=args.relay)})
     pids = collector.worker_pids()
     _emit(event="started", pids=pids, weight_bytes=4 * args.params)
     try:
@@ -392,7 +395,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
         next(batches)
         for k in range(1, args.updates + 1):
             if args.kill == "during" and k == 3:
-                _kill_soon(pids[0], delay=1.0)
+                _kill_soon(pids[args.kill_node], delay=1.0)
             with torch.no_grad():
                 policy.module.weight.fill_(float(k))
             before, start = _tx_bytes(args.ifname), time.perf_counter()
@@ -407,7 +410,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
                   versions=[b["policy_version"].reshape(args.nodes, -1).tolist() for b in ran],
                   policy_version=collector.policy_version)
             if args.kill == "between" and k == 2:
-                os.kill(pids[0], 9)
+                os.kill(pids[args.kill_node], 9)
                 while collector.stats()["restarts"] == 0:  # the next batches notice it and replace it
                     next(batches)
         if args.no_wait:  # the nodes take the last update by themselves: a few batches later, all run it

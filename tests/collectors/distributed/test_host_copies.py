@@ -1,5 +1,6 @@
 """One copy of each weight update per remote host (docs/weights.md, "One copy per host"), in network
-namespaces (tests/netns.py, ``Hosts``: host A and one or two others behind a switch).
+namespaces (tests/netns.py, ``Hosts``: host A and one to three others behind a switch); with two or more
+remote hosts, the relay between hosts (docs/weights.md, "A relay between hosts").
 
 The main process (``_node_scripts.py host-copies-main``) runs in host A with ``"mp"`` nodes, which
 ``node_in_hosts`` moves into the other hosts when first launched (their replacements start in host A). Every
@@ -42,9 +43,11 @@ def _ns_pids(host) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5, *extra: str) -> list[dict]:
+def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5, *extra: str, orphans: str | None = None
+             ) -> list[dict]:
     """Run the main script in host A with ``nodes`` nodes on each of ``hosts`` other hosts; its events,
-    and checks nothing is left behind."""
+    and checks nothing is left behind but the slots named ``orphans*`` (removed here): those of a
+    carrier killed with every node of its host, which stay until the host reboots (docs/weights.md)."""
     before = _segments()
     with netns.Hosts(hosts + 1) as net:
         a, remotes = net.hosts[0], net.hosts[1:]
@@ -60,6 +63,9 @@ def run_main(nodes: int, kill: str, hosts: int = 1, updates: int = 5, *extra: st
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
         wait_until(lambda: not any(_ns_pids(h) for h in net.hosts), timeout=10,
                    what=lambda: f"the exit of {[_ns_pids(h) for h in net.hosts]} (every host)")
+    for name in _segments() - before:
+        if orphans is not None and name.startswith(orphans):
+            os.unlink(f"/dev/shm/{name}")
     assert _segments() <= before, f"slots left in /dev/shm: {_segments() - before}"
     return events
 
@@ -82,15 +88,16 @@ def check_updates(events: list[dict], nodes: int) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("hosts", [1, 2])
-def test_nodes_of_one_host_share_one_copy(require_netns, hosts):
+@pytest.mark.parametrize("hosts, relay", [(1, False), (2, False), (2, True)])
+def test_nodes_of_one_host_share_one_copy(require_netns, hosts, relay):
     """2 nodes on each of 1 or 2 other hosts: each update leaves host A once per host (<= 1.2x the
-    weights per host, not once per node)."""
-    events = run_main(nodes=2, kill="none", hosts=hosts)
+    weights per host, not once per node); with the relay between hosts, once whatever the hosts."""
+    events = run_main(2, "none", hosts, 5, *(["--relay"] if relay else []))
+    copies = 1 if relay else hosts
     weight_bytes = events[0]["weight_bytes"]
     for update in check_updates(events, nodes=2 * hosts):
-        assert update["tx_bytes"] <= 1.2 * hosts * weight_bytes, (update["tx_bytes"], weight_bytes)
-        assert update["tx_bytes"] >= hosts * weight_bytes  # it did cross the link, once per host
+        assert update["tx_bytes"] <= 1.2 * copies * weight_bytes, (update["tx_bytes"], weight_bytes)
+        assert update["tx_bytes"] >= copies * weight_bytes  # it did cross the link, once per copy
     assert events[-2]["event"] == "stats" and events[-2]["restarts"] == 0
 
 
@@ -135,3 +142,52 @@ def test_updates_that_do_not_wait_for_acknowledgements(require_netns):
                 seen[node] = max(row)
     settled = next(e for e in events if e["event"] == "settled")
     assert settled["weight_min"] == settled["weight_max"] == [[5.0, 5.0], [5.0, 5.0]], settled
+
+
+# ---------------------------------------------------------------- a relay between hosts (docs/weights.md)
+HOSTS = 3  # remote hosts of one node each: the first takes an update from host A, the others from the one before
+# the relay on; relay_silence is a third of the heartbeat timeout: 3 s, so that a loaded machine's pauses do not look like stalls
+RELAY_ARGS = ("--relay", "--heartbeat-timeout", "9")
+
+
+@pytest.mark.timeout(180)
+def test_relay_sends_one_copy_whatever_the_hosts(require_netns):
+    """3 remote hosts of one node: each update leaves host A once (<= 1.2x the weights), not once per
+    host, and every node runs every update whole."""
+    events = run_main(1, "none", HOSTS, 5, *RELAY_ARGS)
+    weight_bytes = events[0]["weight_bytes"]
+    for update in check_updates(events, nodes=HOSTS):
+        assert weight_bytes <= update["tx_bytes"] <= 1.2 * weight_bytes, (update["k"], update["tx_bytes"])
+    assert events[-2]["event"] == "stats" and events[-2]["restarts"] == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("node", [0, 1])
+def test_relay_carrier_stopped_then_killed_during_an_update(require_netns, node):
+    """The first (0) or middle (1) host's carrier is stopped before update 3 and killed a second later:
+    the hosts after it notice the silence of their upstream, take update 3 from the main process
+    instead, and run it whole; the dead node is replaced beside the main process (shared memory) and
+    later updates go down the chain of the remaining hosts again."""
+    events = run_main(1, "during", HOSTS, 5, "--kill-node", str(node), *RELAY_ARGS, orphans=f"rlh-w{node}-")
+    updates = check_updates(events, nodes=HOSTS)
+    weight_bytes = events[0]["weight_bytes"]
+    assert [e["restarts"] for e in updates] == [0, 0, 1, 1, 1], updates
+    for update in updates:  # update 3: what the stopped carrier's socket took, then a copy per host after it
+        bound = 3.2 if update["k"] == 3 else 1.2
+        assert update["tx_bytes"] <= bound * weight_bytes, (update["k"], update["tx_bytes"], weight_bytes)
+    started, stats = events[0], events[-2]
+    assert stats["pids"][node] != started["pids"][node], (started, stats)
+
+
+@pytest.mark.timeout(240)
+def test_replacement_on_a_remote_host_gets_the_current_weights(require_netns, monkeypatch):
+    """Node 1 (the middle host) is killed between updates 2 and 3, and its replacement starts on the
+    same host: it receives the current weights directly from the main process when it joins, then
+    takes part in the chain again (every update after it leaves host A once)."""
+    monkeypatch.setenv("RLH_TEST_REPLACE_IN_HOSTS", "1")
+    events = run_main(1, "between", HOSTS, 5, "--kill-node", "1", *RELAY_ARGS)
+    updates = check_updates(events, nodes=HOSTS)
+    weight_bytes = events[0]["weight_bytes"]
+    assert [e["restarts"] for e in updates] == [0, 0, 1, 1, 1], updates
+    for update in updates:
+        assert update["tx_bytes"] <= 1.2 * weight_bytes, (update["k"], update["tx_bytes"], weight_bytes)
