@@ -42,7 +42,7 @@ from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts
 from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
 from .torchdist_relay import CHUNK_BYTES
-from .weight_pool import GenerationPool, NamedShmAllocator, copy_into
+from .weight_pool import GenerationBook, NamedShmAllocator
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
 
@@ -94,10 +94,8 @@ class DistWeightSender(WeightSender):
         self.listener = self._listen()
         self.conns: dict[int, Any] = {}
         self.local: dict[int, bool] = {}
-        self._pool: GenerationPool | None = None
-        self._current: dict[int, int] = {}
-        self._pending: dict[int, int] = {}
-        self._seen: dict[int, set] = {w: set() for w in range(num_workers)}
+        #: the generations of nodes on this host, and the host slots of the others (ids of both kinds)
+        self.book = GenerationBook(NamedShmAllocator)
         self._layout: FlatLayout | None = None
         self._flat: torch.Tensor | None = None
         self._view: TensorDictBase | None = None
@@ -168,17 +166,15 @@ class DistWeightSender(WeightSender):
     # ------------------------------------------------------------------ replacements
     def replace(self, worker: int) -> None:
         if worker >= self.num_workers:  # a node added after start-up (Backend.grow)
-            for added in range(self.num_workers, worker + 1):
-                self._seen[added] = set()
             self.num_workers = worker + 1
         conn = self.conns.pop(worker, None)
         if conn is not None:
             conn.close()
         self.local.pop(worker, None)
         self._hosts.leave(worker)
-        self._seen[worker] = set()
+        self.book.forget(worker)
         self._layout_sent.discard(worker)
-        for state in (self._current, self._pending, self._unacked, self._staged, self._failures, self._relay_at,
+        for state in (self._unacked, self._staged, self._failures, self._relay_at,
                       self._unrelayed):
             state.pop(worker, None)
         self._awaited.add(worker)
@@ -203,12 +199,10 @@ class DistWeightSender(WeightSender):
         if kind != "init":  # before sending: a carrier's acknowledgement may be read while relaying
             self._unacked.update({w: version for w in workers})
         if local:
-            generation = self._stage_shared(payload, local)
+            generation = self.book.stage(payload)
             self._latest = (version, ("shm", generation))
             for worker in local:
-                handle = None if generation.gen_id in self._seen[worker] else generation.handle
-                self._seen[worker].add(generation.gen_id)
-                self._pending[worker] = generation.gen_id
+                handle = self.book.hand(worker, generation.gen_id, generation.handle)
                 self.conns[worker].send((kind, version, ("shm", generation.gen_id, handle)))
         if remote:
             self._stage_flat(payload)
@@ -220,7 +214,8 @@ class DistWeightSender(WeightSender):
             routes.update(self._to_chain(chain, kind, version))
             self._relay(routes, kind, version, timeout)
         if kind == "init":  # initial weights are not acknowledged: the node runs on them once connected
-            self._current.update({w: self._pending.pop(w) for w in workers if w in self._pending})
+            for worker in workers:
+                self.book.acknowledged(worker)
 
     def _layout_for(self, worker: int) -> FlatLayout | None:
         """The layout, the first time ``worker`` gets a flat tensor (it keeps it)."""
@@ -258,10 +253,9 @@ class DistWeightSender(WeightSender):
         group unless ``relay`` says it comes from another host's carrier."""
         carrier = host.carrier
         members = [w for w in host.members if w in self.conns]
-        busy = {self._current.get(w) for w in members} | {self._pending.get(w) for w in members}
-        slot_id, _ = host.choose_slot(busy)
+        slot_id, _ = host.choose_slot(self.book.busy(members))
         unlink, host.orphans = host.orphans, []
-        self._pending[carrier] = slot_id
+        self.book.pending[carrier] = slot_id  # the carrier made the slot: it maps it without a handle
         body = ("pg-host", slot_id, host.slots[slot_id], self._layout_for(carrier), unlink)
         try:
             if relay is None:
@@ -332,7 +326,7 @@ class DistWeightSender(WeightSender):
                         self._map_slot(worker, kind, version, slot_id, handle)
                     del waiting[host]
                     continue
-                self._pending.pop(carrier, None)  # lost: the update goes to the next node of the host
+                self.book.dropped(carrier)  # lost: the update goes to the next node of the host
                 host.retire_carrier()
                 waiting[host] = self._to_carrier(host, others, kind, version) if others else []
                 if not waiting[host]:
@@ -361,11 +355,9 @@ class DistWeightSender(WeightSender):
         return "waiting"
 
     def _map_slot(self, worker: int, kind: str, version: int, slot_id: tuple, handle) -> None:
-        first = slot_id not in self._seen[worker]
-        self._seen[worker].add(slot_id)
-        self._pending[worker] = slot_id
+        handle = self.book.hand(worker, slot_id, handle)
         try:
-            self.conns[worker].send((kind, version, ("shm", slot_id, handle if first else None)))
+            self.conns[worker].send((kind, version, ("shm", slot_id, handle)))
         except OSError:
             pass  # its channel broke: wait_acks reports the node
 
@@ -380,29 +372,20 @@ class DistWeightSender(WeightSender):
         if message[0] == "ack":
             _, acked, gen_id = message
             if gen_id is not None:
-                self._current[worker] = gen_id
-                self._pending.pop(worker, None)
+                self.book.acknowledged(worker, gen_id)
             else:  # it runs on its own buffers
-                self._current.pop(worker, None)
+                self.book.current.pop(worker, None)
             if worker in self._unacked and acked >= self._unacked[worker]:
                 del self._unacked[worker]
         elif message[0] == "error":
             self._unacked.pop(worker, None)
-            self._pending.pop(worker, None)
+            self.book.dropped(worker)
             self._failures[worker] = message[1]
         elif message[0] == "unrelayed":
             self._unrelayed[worker] = message[1]
         elif message[0] == "staged":
             _, version, slot_id = message
             self._staged[worker] = (version, slot_id)
-
-    def _stage_shared(self, weights: TensorDictBase, workers: list[int]):
-        if self._pool is None:
-            self._pool = GenerationPool(FlatLayout.of(weights), NamedShmAllocator())
-        busy = set(self._current.values()) | set(self._pending.values())
-        generation, _ = self._pool.acquire(busy)
-        copy_into(generation, self._pool.keys, weights)
-        return generation
 
     def _stage_flat(self, weights: TensorDictBase) -> None:
         if self._layout is None:
@@ -420,8 +403,8 @@ class DistWeightSender(WeightSender):
 
     def deliver(self, payload, version: int, worker_ids: list[int]) -> None:
         self._finish_sends(120.0)  # the flat buffer may still be read by an unfinished (sync=False) send
-        if self._pending:  # a generation announced without acknowledgement may still be mapped in
-            self.wait_acks(version - 1, list(self._pending), 120.0)
+        if self.book.pending:  # a generation announced without acknowledgement may still be mapped in
+            self.wait_acks(version - 1, list(self.book.pending), 120.0)
         self._announce(payload, version, worker_ids, "update", 120.0)
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
@@ -453,8 +436,7 @@ class DistWeightSender(WeightSender):
             except OSError:
                 pass
         self.listener.close()
-        if self._pool is not None:
-            self._pool.close()
+        self.book.close()
 
 
 def _hello_worker(hello: Any, num_workers: int) -> int | None:
