@@ -2,18 +2,22 @@
 
 For each N in ``--workers`` (default 2, 4, 8, 16, 32), each collector kind in ``--kinds`` and each
 side (rlharvest, then TorchRL 0.12 when its venv exists; the order alternates from point to point),
-runs ``scale_point.py`` in a fresh process group with a time limit:
+runs ``scale_point.py`` in a fresh process group (one per side, kind and N: it measures, one collector
+after the other, in one interpreter, so that torch is imported once per N):
 
 * ``run``: constructor to first batch, frames/s, main-process CPU per batch, shutdown (counting env,
   one-parameter policy, 16 frames per worker per batch, ``--seconds`` of collection);
 * ``w1m`` (every N) and ``w25m`` (N in ``--w25m-workers``, default 2 and 8: 32 processes holding
-  25M parameters each, on 2 cores, take minutes to start): median ``update_policy_weights_()``.
+  25M parameters each, on 2 cores, take minutes to start): median ``update_policy_weights_()`` of
+  ``--repeats`` updates with CartPole and ``common.make_big_policy``.
 
-A point whose first batch is not in hand within ``--start-limit`` seconds is reported as "did not
-start within X s" and its process group is killed; a point that started gets ``--start-limit`` more
-seconds to finish.  ``--busy`` keeps every core busy with one spinning ``python -c`` loop per core
-for the whole run (started before, killed by pid after).  Each point records ``/proc/loadavg`` before
-it and the cores other processes used during its timed part (``background_cpu``).
+Limits: the point process gets ``--import-limit`` seconds to import torch and the side (and start
+the local Ray); then each collector gets ``--start-limit`` seconds from its constructor to its first
+batch, else it is reported as "did not start within X s" and the process group is killed (its later
+points too); once started, ``--start-limit`` more seconds to finish. ``--busy`` keeps every core busy
+with one spinning ``python -c`` loop per core for the whole run (started before, killed by pid
+after). Each point records ``/proc/loadavg`` before it and the cores other processes used during its
+timed part (``background_cpu``).
 
 Usage::
 
@@ -22,9 +26,10 @@ Usage::
     .venv/bin/python benchmarks/scale.py --plot-only benchmarks/results/scale-quiet.json
 
 Prints a table, writes the JSON and an SVG plot (``--plot``, default ``docs/img/scale-<mode>.svg``).
-Bound: the default grid (6 kinds x 5 N x run+w1m, w25m at 2 and 8, rlharvest only) is about 80
-points; with a 90 s limit per point the worst case is bounded by ``--budget`` (default 1200 s): points
-not reached are reported as skipped.
+Bound: ``--budget`` (default 1200 s) caps the whole grid; points not reached are reported as
+skipped. The default grid (6 kinds x 5 N, rlharvest and TorchRL, 25M at N = 2 and 8) is 60 point
+processes: on a quiet 2-core host it fits the budget only for rlharvest; on a shared host, narrow it
+(``--workers 2,8,32 --torchrl-workers 2,32 --w25m-workers 2``: docs/performance.md says what ran).
 """
 
 from __future__ import annotations
@@ -107,9 +112,10 @@ def run_child(python: str, side: str, kind: str, workers: int, whats: list[str],
               "started": f"started, then did not finish within {args.start_limit:.0f} s more",
               "result": "the point process ended before this point"}
     for what in whats[len(results):]:
-        error = errors[state] if (state != "result" or proc.returncode) else errors["result"]
-        results.append({**info, "what": what, "error": error, "stderr_tail": tail})
-        state = "result"
+        results.append({**info, "what": what, "error": errors[state], "stderr_tail": tail})
+        if state != "result":
+            errors["result"] = f"not run: the point before it in its process failed ({errors[state]})"
+            state = "result"
     return results
 
 
@@ -126,18 +132,22 @@ def stop_spinners(spinners: list[subprocess.Popen]) -> None:
 
 
 def plan(args: argparse.Namespace, sides: dict[str, str]) -> list[tuple[str, str, int, list[str]]]:
-    """(side, kind, workers, whats) in run order: by N, then kind, the sides alternating."""
+    """(side, kind, workers, whats) in run order: by N then kind (``--order workers``) or by kind then
+    N (``--order kind``: under ``--budget``, whole curves of the first kinds), the sides alternating."""
     points = []
     flip = False
-    for workers in args.workers:
-        for kind in args.kinds:
-            whats = ["run", "w1m"] + (["w25m"] if workers in args.w25m_workers else [])
-            names = list(sides)
-            for side in (reversed(names) if flip else names):
-                if side == "torchrl" and workers not in args.torchrl_workers:
-                    continue
-                points.append((side, kind, workers, whats))
-            flip = not flip
+    order = getattr(args, "order", "workers")
+    pairs = ([(w, k) for w in args.workers for k in args.kinds] if order == "workers"
+             else [(w, k) for k in args.kinds for w in args.workers])
+    for workers, kind in pairs:
+        whats = ["run", "w1m"] + (["w25m"] if workers in args.w25m_workers else [])
+        names = list(sides)
+        for side in (reversed(names) if flip else names):
+            if side == "torchrl" and (workers not in args.torchrl_workers
+                                      or kind not in (getattr(args, "torchrl_kinds", None) or args.kinds)):
+                continue
+            points.append((side, kind, workers, whats))
+        flip = not flip
     return points
 
 
@@ -175,6 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=KINDS)
     parser.add_argument("--w25m-workers", type=ints, default=(2, 8), help="N values with a 25M update")
     parser.add_argument("--torchrl-workers", type=ints, default=WORKERS, help="N values run on TorchRL's side")
+    parser.add_argument("--torchrl-kinds", type=lambda t: tuple(t.split(",")), help="kinds run on TorchRL's side")
     parser.add_argument("--torchrl-python", default=str(REPO / ".venv-torchrl" / "bin" / "python"))
     parser.add_argument("--no-torchrl", action="store_true")
     parser.add_argument("--seconds", type=float, default=3.0, help="collection after the first batch (run)")
@@ -183,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--import-limit", type=float, default=180.0,
                         help="seconds for the point's imports (and local Ray) before the start limit counts")
     parser.add_argument("--budget", type=float, default=1200.0, help="seconds for the whole grid")
+    parser.add_argument("--order", choices=("workers", "kind"), default="workers",
+                        help="run the grid N by N, or kind by kind (whole curves first under --budget)")
     parser.add_argument("--busy", action="store_true", help="keep every core busy during the run")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--plot", type=Path)
