@@ -157,6 +157,14 @@ def fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return f"{value * scale:.{digits}f}"
 
 
+def row_load(row: dict[str, dict[str, Any]]) -> str:
+    """The 1-minute load average before the row's point process (``-`` for a skipped point)."""
+    for result in row.values():
+        if result.get("loadavg_before"):
+            return result["loadavg_before"].split()[0]
+    return "-"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """One row per (side, kind, N): the run figures and the update latencies."""
     rows: dict[tuple, dict[str, Any]] = {}
@@ -165,7 +173,7 @@ def table(results: list[dict[str, Any]]) -> str:
         row = rows.setdefault(key, {})
         row[result["what"]] = result
     header = (f"{'kind':18} {'N':>3} {'side':9} {'first s':>8} {'shut s':>7} {'frames/s':>9} {'cpu ms/b':>8} "
-              f"{'us/frame':>8} {'1M ms':>7} {'25M ms':>7} {'bg':>5}  notes")
+              f"{'us/frame':>8} {'1M ms':>7} {'25M ms':>7} {'bg':>5} {'load1':>5}  notes")
     out = [header, "-" * len(header)]
     for (kind, workers, side), row in sorted(rows.items()):
         run, w1, w25 = row.get("run", {}), row.get("w1m", {}), row.get("w25m", {})
@@ -174,7 +182,7 @@ def table(results: list[dict[str, Any]]) -> str:
                    f"{fmt(run.get('shutdown_s')):>7} {fmt(run.get('frames_per_s'), digits=0):>9} "
                    f"{fmt(run.get('main_cpu_ms_per_batch')):>8} {fmt(run.get('main_cpu_us_per_frame'), digits=0):>8} "
                    f"{fmt(w1.get('update_s'), 1e3, 1):>7} {fmt(w25.get('update_s'), 1e3, 1):>7} "
-                   f"{fmt(run.get('background_cpu')):>5}  {notes}")
+                   f"{fmt(run.get('background_cpu')):>5} {(row_load(row)):>5}  {notes}")
     return "\n".join(out)
 
 

@@ -157,18 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     common.NUM_WORKERS = args.workers  # read by the sides' build_collector at call time
     common.RAY_INIT["num_cpus"] = args.workers  # one CPU per actor (the default remote config)
     common.init_ray(args.kind)
-    failed = False
+    failed = None
     for what in args.what.split(","):
         if what not in WHATS:
             raise SystemExit(f"--what must name some of {sorted(WHATS)}, got {what!r}")
+        if failed is not None:  # the clean-up after a failure may have taken the local Ray with it
+            _emit({"side": args.side, "kind": args.kind, "workers": args.workers, "what": what,
+                   "error": f"not run: the point before it in its process failed ({failed:.120})"})
+            continue
         result = run_point(side, args.kind, args.workers, what, args.seconds, args.repeats)
         _emit(result)
-        failed = failed or "error" in result
+        failed = result.get("error")
     if args.kind.startswith("ray_"):
         import ray
 
         ray.shutdown()
-    return 1 if failed else 0
+    return 1 if failed is not None else 0
 
 
 if __name__ == "__main__":
