@@ -71,8 +71,10 @@ def render(report: dict[str, Any]) -> str:
     width = cols * (PANEL_W + MARGIN_L) + 20
     legend_h = 20 * (len(kinds) // 3 + 2)
     height = rows * (PANEL_H + MARGIN_T + MARGIN_B) + legend_h + 30
-    title = (f"Scaling with workers, {report['mode']} host ({report['cpus']} cores), {report['date']}; "
-             f"load average {report['loadavg_start']} at start; x = workers")
+    mode = "--busy: one spinning process per core" if report["mode"] == "busy" else "no --busy"
+    loads = sorted(float(r["loadavg_before"].split()[0]) for r in results if r.get("loadavg_before"))
+    load = f"1-min load {loads[0]:g}-{loads[-1]:g} before the points" if loads else f"load {report['loadavg_start']}"
+    title = f"Scaling with workers ({mode}), {report['cpus']} cores, {report['date']}; {load}; x = workers"
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif">', f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="10" y="18" font-size="13">{title}</text>']
