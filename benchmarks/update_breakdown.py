@@ -184,12 +184,13 @@ def analyse(by_pid: dict[int, list[dict]], main_pid: int) -> dict[str, float]:
         add("previous update's acks (in deliver, before staging)", first["stage_start"] - first["deliver_start"])
         add("copy into a shared-memory generation (stage)", first["stage_end"] - first["stage_start"])
         add("notices written (stage end -> deliver returns)", first["deliver_end"] - first["stage_end"])
+        first.setdefault("notice_write", first["deliver_end"])
         acks = [e["t"] for e in window if e["e"] == "ack_read" and e["v"] == version and e["t"] <= first["send_end"]]
         for events in nodes:
             node = _node_times(events, version)
             if node is None:
                 continue
-            add("node: notice on the wire (deliver_end -> reader thread has it)", node["notice_read"] - first["deliver_end"])
+            add("node: first notice written -> its reader thread has one", node["notice_read"] - first["notice_write"])
             add("node: wait for a step boundary (reader -> loop takes it)", node["receive_start"] - node["notice_read"])
             add("node: map generation (receive)", node["receive_end"] - node["receive_start"])
             add("node: swap tensors (apply_weights)", node["apply_end"] - node["apply_start"])
