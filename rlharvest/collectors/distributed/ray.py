@@ -5,7 +5,8 @@ Everything but where the workers run is :class:`~.nodes.NodeCollector`'s: trajec
 pushes (``update_after_each_batch``, ``max_weight_update_interval``), ``start()``/``pause()`` into a
 replay buffer, and the collector logic of RemoteCollectorBase. The actors are the workers of the
 ``ray`` backend (``rlharvest.transport.ray``); weights go through RayWeightSyncScheme (docs/ray.md).
-Only this collector can add workers once running (:meth:`RayCollector.add_collectors`, as TorchRL).
+Workers join and leave a running collection (:meth:`RayCollector.add_collectors`, as TorchRL, and
+``remove_collectors``, as every collector with workers: docs/elastic.md).
 """
 
 from __future__ import annotations

@@ -109,6 +109,11 @@ class DistributedSyncCollector(NodeCollector):
         if self._pushing:  # the replacement runs free like the others
             self._requests.request(worker, Command.RUN_FREE)
 
+    def _grown(self, count: int) -> None:
+        super()._grown(count)
+        for worker in range(self.num_workers - count, self.num_workers):  # the new nodes run free like the others
+            self._after_replacement(worker)
+
     def _push_weights(self) -> None:
         scheme = self._sender_schemes.get("policy")
         if scheme is not None:

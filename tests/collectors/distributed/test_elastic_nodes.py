@@ -69,6 +69,22 @@ def test_a_free_running_node_is_paused_before_it_leaves():
     check_trajectories(batches, 64)
 
 
+def test_a_free_running_collector_grows_by_the_new_nodes_share():
+    collector = make(DistributedSyncCollector, 2, frames_per_batch=8, total_frames=64)
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        if len(batches) == 2:
+            collector.add_collectors([counting_env])
+            assert collector.active_workers == [0, 1, 2] and collector.requested_frames_per_batch == 12
+    pids = [pid for pid in collector.worker_pids() if pid is not None]
+    collector.shutdown()
+    assert [b.numel() for b in batches] == [8, 8] + [12] * 4
+    check_trajectories(batches, 64)  # the new node's ids were never used: a shared id would break the count
+    assert len(pids) == 3 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                                      for pid in pids)
+
+
 # ---------------------------------------------------------------------------------- nodes that join
 def set_weight(policy, value: float) -> None:
     with torch.no_grad():
