@@ -415,3 +415,29 @@ def test_node_job_cancelled_during_collection_is_replaced_by_a_new_job(in_tmp):
     assert stats["restarts"] == 0 and stats["workers"] == 2, stats
     check_counting_batches(batches, 8, 8 * len(batches))
     assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=3)
+
+
+@pytest.mark.timeout(150)
+def test_add_collectors_submits_a_new_node_job(in_tmp):
+    """add_collectors goes through the collector's own launcher: with "submitit" each new node is a new
+    SLURM job, which joins on the current weights and fills its share of every sync batch from the next
+    batch on (docs/elastic.md)."""
+    policy = CountingPolicy(1.0)
+    collector = make([lambda: CountingEnv(max_steps=50)], policy=policy, frames_per_batch=8, total_frames=40,
+                     sync=True)
+    try:
+        iterator = iter(collector)
+        batches = [next(iterator).clone()]
+        with torch.no_grad():
+            policy.weight.fill_(2.0)
+        collector.update_policy_weights_()
+        collector.add_collectors([lambda: CountingEnv(max_steps=50)])
+        assert len(submitted_job_ids(in_tmp)) == 2 and collector.requested_frames_per_batch == 16
+        batches += [batch.clone() for batch in iterator]
+    finally:
+        shutdown_seconds = timed_shutdown(collector)
+    assert [tuple(b.shape) for b in batches] == [(1, 8), (2, 8), (2, 8)]  # total_frames=40 exactly
+    assert all((b["action"] == 2).all() for b in batches[1:])  # the new node started on the current weights
+    ids = [set(torch.cat([b["collector", "traj_ids"][node] for b in batches[node:]]).tolist()) for node in (0, 1)]
+    assert ids[0].isdisjoint(ids[1])  # the new node's trajectory ids were never used
+    assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=2)
