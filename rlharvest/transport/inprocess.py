@@ -106,6 +106,9 @@ class InProcessBackend(Backend):
         'shared'
     """
 
+    #: a worker thread needs nothing of the backend but its handle slot: workers can be added
+    growable = True
+
     def __init__(self, num_workers: int, target: WorkerTarget) -> None:
         super().__init__(num_workers)
         self.target = target

@@ -69,7 +69,10 @@ def test_a_backend_that_cannot_grow_refuses_before_starting_anything():
 
     from rlharvest.transport.inprocess import InProcessBackend
 
-    fleet, spec = _grow_fleet(InProcessBackend)
+    class FixedInProcess(InProcessBackend):
+        growable = False
+
+    fleet, spec = _grow_fleet(FixedInProcess)
     try:
         with pytest.raises(NotImplementedError, match="cannot add workers"):
             fleet.grow([dataclasses.replace(spec, worker_idx=1)])
@@ -84,10 +87,7 @@ def test_a_growable_backend_adds_workers_and_undoes_a_failed_growth():
     from rlharvest.errors import WorkerError
     from rlharvest.transport.inprocess import InProcessBackend
 
-    class GrowableInProcess(InProcessBackend):
-        growable = True
-
-    fleet, spec = _grow_fleet(GrowableInProcess)
+    fleet, spec = _grow_fleet(InProcessBackend)
     try:
         with pytest.raises(ValueError, match="indices 1..1"):
             fleet.grow([dataclasses.replace(spec, worker_idx=2)])

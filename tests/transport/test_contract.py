@@ -61,6 +61,8 @@ class Setup:
     shared_ids: bool
     #: workers get a stateless policy and their weights from the scheme (else the policy itself)
     stateless: bool = True
+    #: what the backend needs of a worker added later (``Backend.grow``)
+    grow_options: list | None = None
 
 
 def network(port: int, key: bool = True) -> NetworkConfig:
@@ -76,7 +78,9 @@ SETUPS = {
                        shared_ids=False),
     "rpc": Setup(lambda count, port: RPCBackend(count, node_main, RPC_CALLS, network(port, key=False), launcher="mp"),
                  shared_ids=False, stateless=False),
-    "ray": Setup(lambda count, port: RayBackend(count, run_worker), shared_ids=False),
+    # half a CPU per actor: three fit the test session's two CPUs
+    "ray": Setup(lambda count, port: RayBackend(count, run_worker, [{"num_cpus": 0.5}] * count), shared_ids=False,
+                 grow_options=[{"num_cpus": 0.5}]),
 }
 #: backends that need a service of the session (the ``ray`` marker selects, or deselects, them)
 MARKS = {"ray": [pytest.mark.ray]}
@@ -104,8 +108,10 @@ class Harness:
         if counter is not None:
             kwargs["traj_pool"] = counter
         policy = stateless_copy(self.policy) if self.setup.stateless else self.policy
-        specs = [WorkerSpec(w, Collector, env_fn(w), dict(kwargs), policy=policy,
-                            weight_recv_schemes={"policy": self.scheme}) for w in range(count)]
+        self._spec_of = lambda w, env, version=0: WorkerSpec(w, Collector, env, dict(kwargs), policy=policy,
+                                                              weight_recv_schemes={"policy": self.scheme},
+                                                              policy_version=version)
+        specs = [self._spec_of(w, env_fn(w)) for w in range(count)]
         self.fleet = Fleet(self.backend, {"policy": self.scheme}, timeout=30.0)
         self.backend.expect_replacements()  # the contract includes replacing workers
         self.fleet.start(specs)
@@ -138,6 +144,14 @@ class Harness:
         if not self.setup.shared_ids:  # past every id the worker it replaces handed out
             changes["traj_offset"] = self.local_max[worker] + 1
         self.fleet.replace(worker, **changes)
+
+    def grow(self, env_fn) -> int:
+        """Add a worker after the others (its index), on the current weights and version."""
+        worker = len(self.fleet)
+        self.fleet.grow([self._spec_of(worker, env_fn, self.scheme.version)], self.setup.grow_options)
+        self.seen_ids[worker] = set()
+        self.local_max.append(-1)
+        return worker
 
     def close(self) -> None:
         self.fleet.stop(10.0)
@@ -218,6 +232,35 @@ def test_replace_a_dead_worker(harness):
     assert info.value.worker_idx == 1
     fleet.replace(1)
     assert fleet.collect(1)["observation"] == [0, 1, 2, 0]
+
+
+def test_add_one_worker(harness):
+    fleet = harness(count=2)
+    fleet.collect(0)
+    fleet.collect(1)
+    fleet.set_weight(0.0)
+    used = set().union(*fleet.seen_ids.values())
+    added = fleet.grow(lambda: CountingEnv(max_steps=2))
+    assert added == 2 and fleet.fleet.active == [0, 1, 2]
+    fresh = fleet.collect(added)
+    assert fresh["action"] == [0.0] * FRAMES and fresh["policy_version"] == [1] * FRAMES  # current weights
+    assert fresh["observation"] == [0] * FRAMES  # a fresh env, never stepped up by the former weights
+    if fleet.setup.shared_ids:  # (nodes count their own ids: collectors give an added node a fresh segment)
+        assert not used & set(fresh[("collector", "traj_ids")])
+    fleet.set_weight(1.0)  # the added worker acknowledges updates like the others
+    assert all(fleet.collect(worker)["action"] == [1.0] * FRAMES for worker in (0, 1, 2))
+
+
+def test_remove_one_worker(harness):
+    fleet = harness(count=3)
+    fleet.collect(1)
+    leaving = fleet.requests.handles[1]
+    fleet.fleet.remove([1], timeout=20.0)
+    assert not leaving.is_alive() and fleet.fleet.active == [0, 2]
+    fleet.set_weight(0.0)  # an update goes to the others, who acknowledge it
+    assert fleet.collect(0)["action"] == [0.0] * FRAMES and fleet.collect(2)["action"] == [0.0] * FRAMES
+    with pytest.raises(ValueError, match="would leave no"):
+        fleet.fleet.remove([0, 2])
 
 
 def test_errors_carried_back(harness):
