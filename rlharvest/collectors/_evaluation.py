@@ -311,9 +311,10 @@ def run_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, 
                 schemes: dict | None) -> tuple[Callable[[], Any], bool]:
     """How the backend's run is built, and whether it is built with the evaluator (else by the
     first evaluation). The collector's arguments are the same for every backend."""
-    collect = dict(frames_per_batch=config.frames_per_batch, total_frames=-1, max_frames_per_traj=config.max_steps,
-                   trajs_per_batch=config.num_trajectories, traj_format="padded",
-                   exploration_type=config.exploration_type, **config.collector_kwargs)
+    # collector_kwargs may set what has a default here (traj_format="cat": metrics read flat batches too)
+    collect = {**dict(frames_per_batch=config.frames_per_batch, total_frames=-1, max_frames_per_traj=config.max_steps,
+                      trajs_per_batch=config.num_trajectories, traj_format="padded",
+                      exploration_type=config.exploration_type), **config.collector_kwargs}
     if config.backend == "ray":
         from .distributed.ray_eval import RayEvalWorker, RayEvalRun
 

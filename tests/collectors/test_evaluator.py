@@ -63,6 +63,16 @@ def test_evaluate_reports_torchrl_keys_and_the_weights_it_was_given(backend):
         evaluator.shutdown()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collector_kwargs_may_set_the_trajectory_format(backend):
+    evaluator = make(backend, collector_kwargs={"traj_format": "cat"})  # flat batches: the same metrics
+    try:
+        assert_weights(evaluator.evaluate(), 1)
+        assert_weights(evaluator.evaluate(weight_policy(0.0)), 0)
+    finally:
+        evaluator.shutdown()
+
+
 def test_process_weights_travel_through_the_default_scheme():
     evaluator = make("process")
     try:
