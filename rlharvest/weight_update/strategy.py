@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -137,6 +138,10 @@ def _swapped_tensors(module: torch.nn.Module, weights: TensorDictBase, binding: 
 class WeightStrategy:
     """How a scheme extracts and applies weights (docs/weights.md, "Strategies").
 
+    With ``"tensordict"``, a module that defines ``get_extra_state()`` (running statistics kept
+    outside its parameters and buffers) has that state under ``"__extra_state__"``, and
+    :meth:`apply_weights` gives it back to the destination's ``set_extra_state()``.
+
     Args:
         extract_as: ``"tensordict"`` (default) or ``"state_dict"`` (experimental).
 
@@ -162,6 +167,9 @@ class WeightStrategy:
             td = weights_of(source)
             if self.extract_as == "state_dict":
                 return dict(td.flatten_keys(".").items())
+            extra = _extra_state_of(source) if isinstance(source, torch.nn.Module) else None
+            if extra:  # what the module keeps outside its parameters and buffers (running statistics)
+                td.set(EXTRA_STATE, TensorDict(dict(extra), batch_size=[]))
             return td
         warnings.warn(f"Cannot extract weights from {type(source).__name__}; returning empty weights.")
         return {} if self.extract_as == "state_dict" else TensorDict({}, batch_size=[])
@@ -178,11 +186,17 @@ class WeightStrategy:
         if weights is None:
             return
         weights = weights_of(weights)
+        extra = None
+        if EXTRA_STATE in weights.keys():  # (the given weights keep it: they may be applied again)
+            extra = weights.get(EXTRA_STATE).clone().flatten_keys(".").to_dict()
+            weights = weights.exclude(EXTRA_STATE)
         if isinstance(destination, torch.nn.Module):
             if inplace:
                 copy_weights_(TensorDict.from_module(destination), weights)
             else:
                 swap_weights(destination, weights)
+            if extra is not None:
+                destination.set_extra_state(extra)
             return
         if isinstance(destination, (TensorDictBase, dict)):
             if not inplace:
@@ -192,6 +206,21 @@ class WeightStrategy:
         if weights.is_empty():
             return
         raise ValueError(f"Cannot apply weights to a {type(destination).__name__}.")
+
+
+#: the key under which ``WeightStrategy.extract_weights`` keeps a module's ``get_extra_state()``
+EXTRA_STATE = "__extra_state__"
+
+
+def _extra_state_of(module: torch.nn.Module) -> Any:
+    """``module.get_extra_state()`` when the module defines it (a mapping of tensors), else None."""
+    if type(module).get_extra_state is torch.nn.Module.get_extra_state:
+        return None
+    try:
+        extra = module.get_extra_state()
+    except RuntimeError:
+        return None
+    return extra if isinstance(extra, Mapping) else None
 
 
 def materialize(model: torch.nn.Module, weights: TensorDictBase, device=None) -> None:

@@ -407,3 +407,34 @@ def test_weight_strategy():
     strategy.apply_weights(object(), {})  # empty weights: fine
     with pytest.raises(KeyError, match="weight keys"):
         strategy.apply_weights(module, {"nope": torch.ones(1)})
+
+
+class _RunningStats(torch.nn.Module):
+    """Statistics kept outside the parameters and buffers, through get/set_extra_state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.mean = torch.zeros(2)
+
+    def get_extra_state(self):
+        return {"mean": self.mean.clone()}
+
+    def set_extra_state(self, state) -> None:
+        self.mean = state["mean"]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_modules_extra_state_travels_with_its_weights(inplace):
+    source, destination = _RunningStats(), _RunningStats()
+    source.mean.fill_(3.0)
+    strategy = WeightStrategy()
+    weights = strategy.extract_weights(source)
+    assert weights["__extra_state__", "mean"].tolist() == [3.0, 3.0]
+    assert "__extra_state__" not in strategy.extract_weights(torch.nn.Linear(2, 2)).keys()
+    strategy.apply_weights(destination, weights, inplace=inplace)
+    assert destination.mean.tolist() == [3.0, 3.0]
+    assert torch.equal(destination.linear.weight, source.linear.weight)
+    destination.mean.zero_()
+    strategy.apply_weights(destination, weights, inplace=inplace)  # the weights kept it: applied again
+    assert destination.mean.tolist() == [3.0, 3.0]
