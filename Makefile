@@ -34,7 +34,7 @@ services:
 	./ci/slurm_up.sh
 
 test: setup setup-torchrl services
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q
 
 # rlharvest's collectors with TorchRL 0.14.1's envs, policies and replay buffers (compat/).
