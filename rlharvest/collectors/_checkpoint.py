@@ -22,8 +22,7 @@ from ..checkpoint import (
     unpack,
     warn_restart,
 )
-from ..envs.base import EnvBase
-from ..envs.state import EnvStateUnavailable
+from ..envs.state import EnvStateUnavailable, capture_env_state, restore_env_state, type_name
 from ._restarts import RestartCause
 
 __all__ = ["capture", "restore", "capture_remote", "restore_remote", "section_of"]
@@ -32,56 +31,9 @@ __all__ = ["capture", "restore", "capture_remote", "restore_remote", "section_of
 SKIPPED = "state_dict(env_state=False) left the env state out of the checkpoint"
 
 
-def _type_name(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def capture_env_state(env: Any) -> dict[str, Any]:
-    """The state of ``env`` (its type and its :meth:`~rlharvest.envs.EnvBase.capture_state`).
-
-    Raises:
-        EnvStateUnavailable: for an env whose state cannot be captured, saying why.
-    """
-    if isinstance(env, EnvBase):
-        return {"type": _type_name(env), "state": env.capture_state()}
-    if _is_torchrl_gym(env):
-        from ..envs.gym import capture_gym_layers
-
-        return {"type": _type_name(env), "torchrl_gym_layers": capture_gym_layers(env._env)}
-    raise EnvStateUnavailable(f"it is a {_type_name(env)}, not an rlharvest env (rlharvest captures the state of its "
-                              "own envs, of gymnasium envs through GymEnv, and of TorchRL's GymEnv/GymWrapper "
-                              "without transforms)")
-
-
-#: TorchRL's envs whose whole stepping state is the gymnasium env they wrap (in ``_env``)
-_TORCHRL_GYM = {"torchrl.envs.libs.gym.GymEnv", "torchrl.envs.libs.gym.GymWrapper"}
-
-
-def _is_torchrl_gym(env: Any) -> bool:
-    """A TorchRL GymEnv or GymWrapper, told by its exact type (never by calling its members)."""
-    return _type_name(env) in _TORCHRL_GYM and hasattr(env, "__dict__") and "_env" in vars(env)
-
-
-def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
-    """Put what :func:`capture_env_state` returned back into ``env``.
-
-    Raises:
-        EnvStateUnavailable: when ``env`` is not of the type the state was captured from.
-    """
-    if captured["type"] != _type_name(env):
-        raise EnvStateUnavailable(f"the checkpoint holds the state of a {captured['type']}, this env is a "
-                                  f"{_type_name(env)}")
-    if "torchrl_gym_layers" in captured:
-        from ..envs.gym import restore_gym_layers
-
-        restore_gym_layers(vars(env)["_env"], captured["torchrl_gym_layers"])
-        return
-    env.restore_state(captured["state"])
-
-
 def buffer_kind(buffer: Any) -> str | None:
     """What the layout records of a collector's replay buffer: its type (None without one)."""
-    return None if buffer is None else _type_name(buffer)
+    return None if buffer is None else type_name(buffer)
 
 
 def capture_buffer(buffer: Any) -> Any:

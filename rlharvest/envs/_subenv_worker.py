@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import os
+import pickle
 import random
 import select
 from dataclasses import dataclass, field
@@ -30,9 +31,11 @@ from .._processes import prepare_worker_process
 from .._utils import NestedKey, unravel_key, unwrap
 from ..errors import RemoteFailure
 from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
+from .state import (EnvStateUnavailable, capture_env_state, process_generators, restore_env_state,
+                    restore_process_generators)
 
-__all__ = ["SubEnvCommand", "Status", "ReplyBoard", "Buffers", "SubEnvDescription", "FirstStep", "SubEnvRunner",
-           "build_env", "subenv_main", "value_meta"]
+__all__ = ["SubEnvCommand", "Status", "ReplyBoard", "Unavailable", "Buffers", "SubEnvDescription", "FirstStep",
+           "SubEnvRunner", "build_env", "subenv_main", "value_meta"]
 
 #: root-level done flags: they travel in their own buffers, never as observations
 FLAGS = ("done", "terminated", "truncated")
@@ -52,10 +55,12 @@ class SubEnvCommand(enum.IntEnum):
     SEED = 4        # payload (seed, static_seed) -> the next seed
     ATTACH = 5      # payload Buffers
     CLOSE = 6
+    CAPTURE = 7     # -> the sub-env's state, pickled (or why it cannot be captured)
+    RESTORE = 8     # payload: what CAPTURE returned -> None, or why it cannot be restored
 
 
 #: commands followed by a pickled payload on the command connection
-PAYLOAD_COMMANDS = frozenset({SubEnvCommand.SEED, SubEnvCommand.ATTACH})
+PAYLOAD_COMMANDS = frozenset({SubEnvCommand.SEED, SubEnvCommand.ATTACH, SubEnvCommand.RESTORE})
 
 
 class Status(enum.IntEnum):
@@ -80,6 +85,13 @@ class ReplyBoard:
         self.remaining = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.lock = ctx.Lock()
         self.reply_r, self.reply_w = ctx.Pipe(duplex=False)
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A sub-env's answer to CAPTURE or RESTORE when its state cannot be captured or restored."""
+
+    reason: str
 
 
 @dataclass
@@ -245,6 +257,8 @@ class SubEnvRunner:
             SubEnvCommand.SEED: lambda payload: self.set_seed(*payload),
             SubEnvCommand.ATTACH: self.attach,
             SubEnvCommand.CLOSE: lambda _: self.close(),
+            SubEnvCommand.CAPTURE: lambda _: self.capture(),
+            SubEnvCommand.RESTORE: self.restore,
         }
 
     # ------------------------------------------------------------------ setup
@@ -373,6 +387,39 @@ class SubEnvRunner:
             n_envs = int(np.prod(self.batch_size)) if self.batch_size else 1
             out = seed if static_seed else seed + n_envs
         return int(out)
+
+    def capture(self) -> bytes | Unavailable:
+        """This sub-env's state (docs/checkpoints.md), pickled now: a snapshot that later steps
+        cannot change, and one message through the pipe (not one shared-memory file per tensor).
+
+        It holds the env's own state, the root the next step acts on and, in a ParallelEnv process,
+        the process's global generators. An env whose state cannot be captured gives an
+        :class:`Unavailable` saying why (the batched env names the sub-env).
+        """
+        try:
+            state = {"env": capture_env_state(self.env), "root": self.root}
+        except EnvStateUnavailable as err:
+            return Unavailable(str(err))
+        if self.reseed_process:
+            state["generators"] = process_generators()
+        try:
+            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # a root entry that pickle cannot write (non-tensor data of some kind)
+            return Unavailable(f"its root values cannot be pickled: {type(err).__name__}: {err}")
+
+    def restore(self, captured: bytes) -> Unavailable | None:
+        """Continue from what :meth:`capture` returned: the env, its root (published to the root
+        buffer), then the process's generators (last: nothing after them draws)."""
+        state = pickle.loads(captured)
+        try:
+            restore_env_state(self.env, state["env"])
+        except EnvStateUnavailable as err:
+            return Unavailable(str(err))
+        self.root = state["root"]
+        self._publish_root()
+        if self.reseed_process and "generators" in state:
+            restore_process_generators(state["generators"])
+        return None
 
     def close(self) -> None:
         env = self.env

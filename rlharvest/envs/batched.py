@@ -28,10 +28,12 @@ from ._subenv_worker import (
     SubEnvCommand,
     SubEnvDescription,
     SubEnvRunner,
+    Unavailable,
     build_env,
 )
 from .base import EnvBase
 from .specs import Composite, TensorSpec, Unbounded
+from .state import EnvStateUnavailable
 
 __all__ = ["BatchedEnvConfig", "BatchedEnvBase", "SerialEnv", "SubEnvPool"]
 
@@ -263,6 +265,7 @@ class BatchedEnvBase(EnvBase):
                     f"{other.signature()} and {first.signature()} differ (keys, shapes and dtypes must agree).")
         workers = self.num_workers
         self.description = first
+        self._sub_env_names = [description.name for description in descriptions]
         self.sub_batch_size = torch.Size(first.batch_size)
         self.batch_size = torch.Size([workers, *self.sub_batch_size])
         self.has_truncated = first.has_truncated
@@ -378,16 +381,44 @@ class BatchedEnvBase(EnvBase):
         self._pending_rows[...] = False  # the next reset must be a real one, with the new seeds
         return seed
 
+    # ------------------------------------------------------------------ state (docs/checkpoints.md)
     def capture_state(self) -> dict[str, Any]:
-        """Not captured: the sub-envs live behind a pool (in worker processes for ParallelEnv).
+        """Every sub-env's state, asked of it where it runs (its env, the root its next step acts on,
+        a ParallelEnv process's global generators), and this env's own between-step bookkeeping:
+        the root it returned last and which rows were reset after their last step.
 
         Raises:
-            EnvStateUnavailable: always.
+            EnvStateUnavailable: naming the first sub-env whose state cannot be captured.
         """
-        from .state import EnvStateUnavailable
+        self._check_open()
+        answers = self._pool.run(SubEnvCommand.CAPTURE, self._everyone)
+        for worker in self._everyone:
+            if isinstance(answers[worker], Unavailable):
+                raise EnvStateUnavailable(f"its sub-env {worker} ({self._sub_env_names[worker]}) cannot be captured: "
+                                          f"{answers[worker].reason}")
+        return {"num_workers": self.num_workers, "sub_envs": [answers[worker] for worker in self._everyone],
+                "root": None if self._root is None else {key: value.clone() for key, value in self._root.items()},
+                "pending": self._pending_rows.copy()}
 
-        raise EnvStateUnavailable(f"its sub-envs run behind a {type(self._pool).__name__}, whose state "
-                                  "rlharvest does not capture")
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`capture_state` returned, each sub-env where it runs.
+
+        Raises:
+            EnvStateUnavailable: for another number of sub-envs, or naming the first sub-env that
+                cannot take its state back (then reset the env: sub-envs before it were restored).
+        """
+        self._check_open()
+        if state["num_workers"] != self.num_workers:
+            raise EnvStateUnavailable(f"the checkpoint holds {state['num_workers']} sub-envs, this "
+                                      f"{type(self).__name__} has {self.num_workers}")
+        for worker, captured in zip(self._everyone, state["sub_envs"]):
+            answer = self._pool.run(SubEnvCommand.RESTORE, [worker], captured).get(worker)
+            if isinstance(answer, Unavailable):
+                raise EnvStateUnavailable(f"its sub-env {worker} ({self._sub_env_names[worker]}) cannot be "
+                                          f"restored: {answer.reason}")
+        root = state["root"]
+        self._root = None if root is None else {key: value.clone() for key, value in root.items()}
+        self._pending_rows[...] = state["pending"]
 
     def _check_open(self) -> None:
         if self.is_closed:
