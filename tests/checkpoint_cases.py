@@ -2,23 +2,34 @@
 
 ``python -c "import checkpoint_cases; checkpoint_cases.main()" CASE CHECKPOINT OUT BATCHES`` builds
 collector CASE, seeds it with another seed (the checkpoint must override it), loads CHECKPOINT,
-collects BATCHES batches and ``torch.save``s them to OUT (docs/checkpoints.md).
+collects BATCHES batches and ``torch.save``s them to OUT (docs/checkpoints.md), with the pids of the
+processes it started (a ParallelEnv's sub-envs, workers): the test checks none survives.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
 import sys
+import threading
 import warnings
 
+import psutil
 import torch
 from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
+import rlharvest
+from rlharvest.checkpoint import EpisodeRestartWarning
 from rlharvest.collectors import (AsyncBatchedCollector, AsyncCollector, Collector, MultiAsyncCollector,
                                   MultiSyncCollector)
 from rlharvest.data import ReplayBuffer
-from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv
+from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv, ParallelEnv, SerialEnv
+
+TESTS = pathlib.Path(__file__).resolve().parent
+TRAJ_IDS = ("collector", "traj_ids")
 
 
 def counting_worker_env(worker: int) -> CountingEnv:
@@ -43,12 +54,69 @@ def _ray(sync: bool):
                         frames_per_batch=4, total_frames=48, sync=False)
 
 
-def _distributed(collector_class: str = "DistributedCollector", **kwargs):
+def _distributed(collector_class: str = "DistributedCollector", sync: bool = True, **kwargs):
+    """Two nodes started by the mp launcher: sync, continuous envs and a policy with weights; async,
+    the counting envs of the async cases (one cycle 10w, ..., 10w + 4 per node)."""
     from rlharvest.collectors import distributed
     from rlharvest.transport.ports import free_port_block
 
-    return getattr(distributed, collector_class)([functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(), launcher="mp",
-                                tcp_port=free_port_block(3), frames_per_batch=24, total_frames=240, **kwargs)
+    if sync:
+        envs, policy, frames = [functools.partial(ContinuousMockEnv, batch_size=(2,))] * 2, _policy(), dict(
+            frames_per_batch=24, total_frames=240)
+    else:
+        envs, policy, frames = [functools.partial(counting_worker_env, w) for w in range(2)], CountingPolicy(), dict(
+            frames_per_batch=4, total_frames=48)
+    return getattr(distributed, collector_class)(envs, policy, launcher="mp", tcp_port=free_port_block(3), sync=sync,
+                                                 **frames, **kwargs)
+
+
+class NoisyEnv(ContinuousMockEnv):
+    """ContinuousMockEnv (resets drawn from its own generator) whose steps add noise drawn from the
+    process's global torch generator: in a ParallelEnv, the sub-env process's."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=6)
+
+    def _step_arrays(self, actions):
+        observations, reward, terminated, truncated = super()._step_arrays(actions)
+        self.obs = self.obs + 0.01 * torch.randn(self.obs.shape)
+        return {"observation": self.obs}, reward, terminated, truncated
+
+
+class UncapturableCountingEnv(CountingEnv):
+    """A CountingEnv holding a lock, which cannot be copied: its state cannot be captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def cartpole() -> GymEnv:
+    return GymEnv("CartPole-v1", max_episode_steps=12)
+
+
+_BATCHED = {"serial": SerialEnv, "parallel": ParallelEnv}
+_SUB_ENVS = {"gym": (cartpole, None), "noisy": (NoisyEnv, _policy)}
+
+
+def batched_env(kind: str, sub_env: str):
+    """A SerialEnv or ParallelEnv of two sub-envs ``sub_env``."""
+    return _BATCHED[kind](2, _SUB_ENVS[sub_env][0])
+
+
+def _batched_case(collector: str, kind: str, sub_env: str):
+    """``collector`` over a batched env of ``kind`` (serial/parallel) of two ``sub_env`` (gym/noisy)."""
+    policy = _SUB_ENVS[sub_env][1]
+    policy = policy() if policy is not None else None  # gym: random actions (the process's generator)
+    make = functools.partial(batched_env, kind, sub_env)
+    if collector == "collector":
+        return Collector(make(), policy, frames_per_batch=10, total_frames=100)
+    return MultiSyncCollector([make] * 2, policy, frames_per_batch=20, total_frames=200)
+
+
+#: Collector and MultiSyncCollector over SerialEnv/ParallelEnv of CartPole or NoisyEnv
+BATCHED_CASES = {f"{collector}_{kind}_{sub_env}": functools.partial(_batched_case, collector, kind, sub_env)
+                 for collector in ("collector", "multisync") for kind in _BATCHED for sub_env in _SUB_ENVS}
 
 
 CASES = {
@@ -73,6 +141,9 @@ CASES = {
                                               CountingPolicy(), frames_per_batch=4, total_frames=48),
     "distributed": lambda: _distributed(sync=True, max_worker_restarts=1),
     "rpc": lambda: _distributed("RPCCollector", sync=True),
+    # async nodes: each node's batch goes out as it is ready, one in flight at every checkpoint
+    "distributed_async": lambda: _distributed(sync=False),
+    "rpc_async": lambda: _distributed("RPCCollector", sync=False),
     # a replay buffer that wraps around (capacity 20 < the frames written): iteration yields None
     "buffer": lambda: Collector(ContinuousMockEnv(batch_size=(2,)), _policy(), frames_per_batch=8, total_frames=80,
                                 replay_buffer=ReplayBuffer(capacity=20)),
@@ -91,11 +162,12 @@ CASES = {
     # AsyncCollector: one worker in a background process, its batch in flight at every checkpoint
     "async": lambda: AsyncCollector(functools.partial(counting_worker_env, 0), CountingPolicy(), frames_per_batch=4,
                                     total_frames=48),
+    **BATCHED_CASES,
 }
 
 SEED = 5
 #: the cases whose resumed run collects to the end (no frame lost or repeated)
-ASYNC_CASES = ("multiasync", "async", "ray_async", "async_batched")
+ASYNC_CASES = ("multiasync", "async", "ray_async", "async_batched", "distributed_async", "rpc_async")
 
 
 def build(case: str):
@@ -113,16 +185,74 @@ def main() -> None:
     try:
         collector.set_seed(SEED + 1000)  # whatever it is seeded with, the checkpoint decides
         torch.manual_seed(1234)
-        collector.load_state_dict(torch.load(checkpoint))  # weights_only: the checkpoint is plain
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", EpisodeRestartWarning)
+            collector.load_state_dict(torch.load(checkpoint))  # weights_only: the checkpoint is plain
+        for warning in caught:  # shown as they would be; the restarts also go to the test
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+        restarts = [str(w.message) for w in caught if issubclass(w.category, EpisodeRestartWarning)]
         iterator = iter(collector)
         if collector.replay_buffer is not None:  # the buffer after those batches, and a sample of it
             for _ in range(int(batches)):
                 next(iterator)
             buffer = collector.replay_buffer
-            torch.save({"buffer": buffer.state_dict(), "sample": buffer.sample(6)}, out)
+            torch.save({"buffer": buffer.state_dict(), "sample": buffer.sample(6), "restarts": restarts}, out)
             return
         collected = [next(iterator).clone() for _ in range(int(batches))]
         collected += [batch.clone() for batch in iterator] if case in ASYNC_CASES else []
-        torch.save({"batches": collected, "frames": collector.stats()["frames"]}, out)
+        started = [child.pid for child in psutil.Process().children(recursive=True)]
+        torch.save({"batches": collected, "frames": collector.stats()["frames"], "children": started,
+                    "restarts": restarts}, out)
     finally:
         collector.shutdown()
+
+
+# ---------------------------------------------------------------------------------- the tests' side
+def resume_in_fresh_process(case: str, state, tmp_path: pathlib.Path, batches: int, timeout: float = 100) -> dict:
+    """Build ``case`` in a new Python process, load ``state`` from a file, collect ``batches``."""
+    checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "batches.pt"
+    torch.save(state, checkpoint)
+    root = pathlib.Path(rlharvest.__file__).resolve().parents[1]  # the rlharvest this process runs
+    path = os.pathsep.join(filter(None, [str(TESTS), str(root), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", "import checkpoint_cases; checkpoint_cases.main()", case,
+                           str(checkpoint), str(out), str(batches)],
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return torch.load(out, weights_only=False)
+
+
+def assert_identical(expected, got, skip=()) -> None:
+    keys = set(expected.keys(True, True)) - set(skip)
+    assert keys == set(got.keys(True, True)) - set(skip)
+    for key in keys:
+        a, b = expected.get(key), got.get(key)
+        assert a.dtype == b.dtype and torch.equal(a, b), (key, a, b)
+
+
+def interrupted(case: str, before: int, after: int, change=None):
+    """Run ``case`` for ``before`` batches, checkpoint it, then ``after`` more: (checkpoint, those batches)."""
+    collector = build(case)
+    try:
+        iterator = iter(collector)
+        for _ in range(before):
+            next(iterator)
+        if change is not None:
+            change(collector)
+        state = collector.state_dict()
+        return state, [next(iterator).clone() for _ in range(after)]
+    finally:
+        collector.shutdown()
+
+
+def relabel_new_ids(batches: list, first_new: int) -> list:
+    """Trajectory ids from ``first_new`` on renumbered by first appearance (workers take ids from a shared
+    counter in whatever order they get to it); ids of episodes that continue keep their value."""
+    mapping: dict[int, int] = {}
+    out = []
+    for batch in batches:
+        ids = batch[TRAJ_IDS].clone()
+        for index, value in enumerate(ids.flatten().tolist()):
+            if value >= first_new:
+                ids.view(-1)[index] = mapping.setdefault(value, first_new + len(mapping))
+        out.append(ids)
+    return out

@@ -7,17 +7,15 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
-from checkpoint_cases import build
+from checkpoint_cases import (TRAJ_IDS, assert_identical, build, interrupted, relabel_new_ids,
+                              resume_in_fresh_process)
 from tensordict import TensorDict
 from mocks import TorchRLStyleCountingEnv, wait_until
 
-import rlharvest
 from rlharvest import WorkerError
 from rlharvest.checkpoint import CHECKPOINT_KEY, FORMAT_VERSION, CheckpointMismatchError, EpisodeRestartWarning
 from rlharvest.collectors import Collector, MultiSyncCollector
@@ -25,45 +23,6 @@ from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 
 pytestmark = pytest.mark.timeout(120)
-
-TESTS = pathlib.Path(__file__).resolve().parents[1]
-ROOT = pathlib.Path(rlharvest.__file__).resolve().parents[1]
-TRAJ_IDS = ("collector", "traj_ids")
-
-
-def resume_in_fresh_process(case: str, state: dict, tmp_path: pathlib.Path, batches: int, timeout: float = 100) -> dict:
-    """Build ``case`` in a new Python process, load ``state`` from a file, collect ``batches``."""
-    checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "batches.pt"
-    torch.save(state, checkpoint)
-    path = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", "import checkpoint_cases; checkpoint_cases.main()", case,
-                           str(checkpoint), str(out), str(batches)],
-                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr
-    return torch.load(out, weights_only=False)
-
-
-def assert_identical(expected, got, skip=()) -> None:
-    keys = set(expected.keys(True, True)) - set(skip)
-    assert keys == set(got.keys(True, True)) - set(skip)
-    for key in keys:
-        a, b = expected.get(key), got.get(key)
-        assert a.dtype == b.dtype and torch.equal(a, b), (key, a, b)
-
-
-def interrupted(case: str, before: int, after: int, change=None):
-    """Run ``case`` for ``before`` batches, checkpoint it, then ``after`` more: (checkpoint, those batches)."""
-    collector = build(case)
-    try:
-        iterator = iter(collector)
-        for _ in range(before):
-            next(iterator)
-        if change is not None:
-            change(collector)
-        state = collector.state_dict()
-        return state, [next(iterator).clone() for _ in range(after)]
-    finally:
-        collector.shutdown()
 
 
 def new_weights(collector) -> None:
@@ -237,20 +196,6 @@ def test_a_collector_without_the_checkpoints_buffer_refuses_it():
 
 
 # ---------------------------------------------------------------------------------- collectors with workers
-def _relabel_new_ids(batches: list, first_new: int) -> list:
-    """Trajectory ids from ``first_new`` on renumbered by first appearance (workers take ids from a shared
-    counter in whatever order they get to it); ids of episodes that continue keep their value."""
-    mapping: dict[int, int] = {}
-    out = []
-    for batch in batches:
-        ids = batch[TRAJ_IDS].clone()
-        for index, value in enumerate(ids.flatten().tolist()):
-            if value >= first_new:
-                ids.view(-1)[index] = mapping.setdefault(value, first_new + len(mapping))
-        out.append(ids)
-    return out
-
-
 def test_multisync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
     state, expected = interrupted("multisync", 2, 3)
     assert set(state) >= {"worker0", "worker1", CHECKPOINT_KEY}
@@ -258,7 +203,7 @@ def test_multisync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
     for want, got in zip(expected, resumed, strict=True):
         assert_identical(want, got, skip=[TRAJ_IDS])
     first_new = int(state["traj_pool"]["traj_id"])
-    for want, got in zip(_relabel_new_ids(expected, first_new), _relabel_new_ids(resumed, first_new)):
+    for want, got in zip(relabel_new_ids(expected, first_new), relabel_new_ids(resumed, first_new)):
         assert torch.equal(want, got)
 
 
@@ -289,7 +234,7 @@ def test_a_checkpoint_after_a_worker_restart_and_weight_updates_resumes_with_the
     for want, got in zip(expected, resumed, strict=True):
         assert_identical(want, got, skip=[TRAJ_IDS])
     first_new = int(state["traj_pool"]["traj_id"])
-    for want, got in zip(_relabel_new_ids(expected, first_new), _relabel_new_ids(resumed, first_new)):
+    for want, got in zip(relabel_new_ids(expected, first_new), relabel_new_ids(resumed, first_new)):
         assert torch.equal(want, got)
 
 
@@ -317,7 +262,7 @@ def test_rpc_sync_resumes_bit_for_bit_in_a_fresh_process(tmp_path):
         assert_identical(want, got)
 
 
-@pytest.mark.parametrize("case", ["multiasync", "async"])
+@pytest.mark.parametrize("case", ["multiasync", "async", "distributed_async", "rpc_async"])
 def test_async_collectors_lose_and_repeat_no_frame(case, tmp_path):
     check_async_resume(case, tmp_path)
 
