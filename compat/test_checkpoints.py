@@ -1,11 +1,12 @@
 """Checkpoints with TorchRL's envs and policies (docs/checkpoints.md): TorchRL has no general protocol
 for an env's state; rlharvest captures TorchRL's GymEnv (the gymnasium env it wraps), whose episodes
-continue exactly after a load. Other TorchRL envs (transformed, batched) restart their episodes, with
+continue exactly after a load, also as the sub-envs of rlharvest's SerialEnv/ParallelEnv. Other TorchRL envs (transformed, batched) restart their episodes, with
 new trajectory ids and one warning naming the env; the rest of the checkpoint (weights, counters,
 generators) is restored, and a checkpoint of TorchRL's own format still loads."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -51,8 +52,27 @@ def test_a_torchrl_gym_env_continues_its_episodes_exactly(kind):
     """TorchRL's GymEnv: the wrapped gymnasium env's layers (TimeLimit's count, CartPole's physics and
     np_random) are captured, so the batches after the load are the uninterrupted run's, bit for bit
     (an epsilon-greedy policy: the process's generators are restored too)."""
+    check_exact_resume(kind, gym_env)
+
+
+def rlharvest_batched(kind: str):
+    """rlharvest's SerialEnv or ParallelEnv of two TorchRL GymEnvs."""
+    from rlharvest.envs import ParallelEnv, SerialEnv
+
+    return {"serial": SerialEnv, "parallel": ParallelEnv}[kind](2, gym_env)
+
+
+@pytest.mark.parametrize("kind, batched", [("collector", "serial"), ("collector", "parallel"),
+                                           ("multisync", "parallel")])
+def test_torchrl_gym_envs_in_rlharvest_batched_envs_continue_exactly(kind, batched):
+    """rlharvest's SerialEnv/ParallelEnv ask each sub-env for its state where it runs: a TorchRL
+    GymEnv's is captured as above, so its episodes continue bit for bit there too."""
+    check_exact_resume(kind, functools.partial(rlharvest_batched, batched))
+
+
+def check_exact_resume(kind: str, env_fn) -> None:
     def make():
-        collector = make_collector(kind, gym_env, q_value_actor(), frames_per_batch=20, total_frames=200)
+        collector = make_collector(kind, env_fn, q_value_actor(), frames_per_batch=20, total_frames=200)
         collector.set_seed(4)
         return collector
 
