@@ -1,9 +1,11 @@
 """How big a collector's checkpoint is, and how long saving and loading it take (docs/checkpoints.md).
 
-    .venv/bin/python benchmarks/checkpoint.py [--collectors single multisync distributed] [--repeats 3]
+    .venv/bin/python benchmarks/checkpoint.py [--collectors single multisync distributed parallel_env] [--repeats 3]
 
 Each collector is the demo's (``rlharvest demo``: CartPole-v1 through ``GymEnv``, the PPO policy, 2048
-frames per batch, 2 workers or nodes, ``launcher="mp"``), built by the demo's own ``build_collector``.
+frames per batch, 2 workers or nodes, ``launcher="mp"``), built by the demo's own ``build_collector``;
+``parallel_env`` and ``serial_env`` are a ``Collector`` over a ``ParallelEnv``/``SerialEnv`` of two
+of the demo's CartPoles.
 After two batches: bytes of ``torch.save(collector.state_dict())`` (with the envs' states, and with
 ``env_state=False``); seconds of ``state_dict()`` + ``torch.save`` to a file (save), and of
 ``torch.load`` + ``load_state_dict()`` into a second collector built with the same arguments (load),
@@ -20,12 +22,21 @@ import time
 
 import torch
 
+from rlharvest.collectors import Collector
 from rlharvest.demo.ppo import PPOConfig, make_policy
-from rlharvest.demo.run import build_collector
+from rlharvest.demo.run import build_collector, make_env
+from rlharvest.envs import ParallelEnv, SerialEnv
+
+#: a Collector over a batched env of two of the demo's envs
+BATCHED = {"parallel_env": ParallelEnv, "serial_env": SerialEnv}
 
 
 def _build(name: str):
     policy = make_policy(4, 2, PPOConfig().hidden)
+    if name in BATCHED:
+        collector = Collector(BATCHED[name](2, make_env), policy, frames_per_batch=2048, total_frames=2048 * 100)
+        collector.set_seed(0)
+        return collector
     workers = 1 if name == "single" else 2
     collector = build_collector(name, policy, workers, 2048, 2048 * 100)
     collector.set_seed(0)
@@ -59,7 +70,8 @@ def measure(name: str, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--collectors", nargs="+", default=["single", "multisync", "distributed"])
+    parser.add_argument("--collectors", nargs="+", default=["single", "multisync", "distributed"],
+                        choices=["single", "multisync", "distributed", "rpc", *BATCHED])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
