@@ -388,9 +388,10 @@ class BatchedEnvBase(EnvBase):
         the root it returned last and which rows were reset after their last step.
 
         Raises:
-            EnvStateUnavailable: naming the first sub-env whose state cannot be captured.
+            EnvStateUnavailable: naming the first sub-env whose state cannot be captured, or when the
+                env is closed.
         """
-        self._check_open()
+        self._check_captured_open()
         answers = self._pool.run(SubEnvCommand.CAPTURE, self._everyone)
         for worker in self._everyone:
             if isinstance(answers[worker], Unavailable):
@@ -405,9 +406,10 @@ class BatchedEnvBase(EnvBase):
 
         Raises:
             EnvStateUnavailable: for another number of sub-envs, or naming the first sub-env that
-                cannot take its state back (then reset the env: sub-envs before it were restored).
+                cannot take its state back (then reset the env: sub-envs before it were restored),
+                or when the env is closed.
         """
-        self._check_open()
+        self._check_captured_open()
         if state["num_workers"] != self.num_workers:
             raise EnvStateUnavailable(f"the checkpoint holds {state['num_workers']} sub-envs, this "
                                       f"{type(self).__name__} has {self.num_workers}")
@@ -419,6 +421,11 @@ class BatchedEnvBase(EnvBase):
         root = state["root"]
         self._root = None if root is None else {key: value.clone() for key, value in root.items()}
         self._pending_rows[...] = state["pending"]
+
+    def _check_captured_open(self) -> None:
+        """A closed env has no state to capture or restore: the caller restarts its episodes, saying so."""
+        if self.is_closed:
+            raise EnvStateUnavailable(f"the {type(self).__name__} is closed (its sub-envs are gone)")
 
     def _check_open(self) -> None:
         if self.is_closed:

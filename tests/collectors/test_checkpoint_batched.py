@@ -109,3 +109,14 @@ def test_a_state_of_another_number_of_sub_envs_is_refused():
     finally:
         source.close()
         other.close()
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHED))
+def test_a_closed_batched_env_has_no_state_to_capture(kind):
+    env = BATCHED[kind](2, CountingEnv)
+    state = env.capture_state()
+    env.close()
+    with pytest.raises(EnvStateUnavailable, match=f"the {BATCHED[kind].__name__} is closed"):
+        env.capture_state()
+    with pytest.raises(EnvStateUnavailable, match="is closed"):
+        env.restore_state(state)
