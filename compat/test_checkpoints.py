@@ -1,8 +1,9 @@
 """Checkpoints with TorchRL's envs and policies (docs/checkpoints.md): TorchRL has no general protocol
 for an env's state; rlharvest captures TorchRL's GymEnv (the gymnasium env it wraps), whose episodes
-continue exactly after a load, also as the sub-envs of rlharvest's SerialEnv/ParallelEnv. Other TorchRL envs (transformed, batched) restart their episodes, with
-new trajectory ids and one warning naming the env; the rest of the checkpoint (weights, counters,
-generators) is restored, and a checkpoint of TorchRL's own format still loads."""
+continue exactly after a load, also as the sub-envs of rlharvest's SerialEnv/ParallelEnv. Other
+TorchRL envs (transformed, batched) restart their episodes, with new trajectory ids and one warning
+naming the env; the rest of the checkpoint (weights, counters, generators) is restored, and a
+checkpoint of TorchRL's own format still loads."""
 
 from __future__ import annotations
 
