@@ -50,7 +50,7 @@ __all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Stream", "chunk_bytes", "chunk
            "RelayPort", "Forwarder", "receive", "local_address"]
 
 #: the largest chunk: small enough that hops overlap, large enough that a chunk's tag costs nothing
-MAX_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 1 << 20
 #: the smallest chunk: a small update is still cut in ~8 so the hops overlap, not into tiny writes
 MIN_CHUNK_BYTES = 256 << 10
 _CHUNKS = 8

@@ -92,6 +92,20 @@ def test_a_middle_carrier_checks_and_forwards_every_chunk_over_links_kept_betwee
         carrier.close()
 
 
+def test_a_link_whose_sender_died_gives_way_to_the_link_of_its_replacement(relay):
+    key, (port, _), main = relay
+    data = _data()
+    for version, links in ((1, main), (2, Links(relay_key(key), FROM_MAIN, 5.0, 10.0))):
+        stream = Stream.new(version, SIZE)
+        sender = _stream_from(links, port, data, stream)
+        got = _data(0)
+        assert receive(port.upstream(FROM_MAIN, 10.0), memoryview(got.numpy()), stream, port.key, 5.0)
+        assert torch.equal(got, data)
+        sender.wait(10.0)
+        links.close()  # the sender dies: its link ends
+        assert port.upstream(FROM_MAIN, 0.5) is None  # the dead link is not handed out
+
+
 def test_a_foreign_key_opens_no_link(relay):
     key, (port, _), _ = relay
     stranger = Links(relay_key(new_authkey()), FROM_MAIN, 1.0, 10.0)
