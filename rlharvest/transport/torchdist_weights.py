@@ -82,7 +82,7 @@ class DistWeightSender(WeightSender):
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
-                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = False) -> None:
+                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = True) -> None:
         self.num_workers = num_workers
         self.host, self.bind_host, self.port = host, bind_host, port
         self.peer = peer

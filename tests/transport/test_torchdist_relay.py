@@ -147,9 +147,9 @@ def test_a_silent_or_vanished_upstream_breaks_the_relay(relay):
     assert dying.failed
 
 
-def test_the_relay_is_asked_for():
+def test_the_relay_is_on_unless_turned_off():
     from rlharvest.weight_update import DistributedWeightSyncScheme
 
-    assert DistributedWeightSyncScheme().relay is False and DistributedWeightSyncScheme(relay=True).relay is True
+    assert DistributedWeightSyncScheme().relay is True and DistributedWeightSyncScheme(relay=False).relay is False
     with pytest.raises(ValueError, match="relay must be True or False, got 'yes'"):
         DistributedWeightSyncScheme(relay="yes")
