@@ -8,8 +8,9 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
   host: a host's *carrier* receives it into a named shared-memory slot it created and reports it
   (``staged``), then the host's other nodes map that slot (``torchdist_hosts``, docs/weights.md, "One
   copy per host"); a node alone on its host receives it into its own alternating pair of buffers;
-  with two or more remote hosts, it leaves once, to the first host's carrier, and the carriers
-  forward it host to host (``torchdist_relay``, docs/weights.md, "A relay between hosts");
+  with two or more remote hosts, it leaves once, streamed over a link to the first host's carrier,
+  and the carriers forward it host to host (``torchdist_relay``, docs/weights.md, "A relay between
+  hosts");
 * to a node on this host (it reached us through loopback, same kernel): through a named
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
