@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import os
 import queue
 import socket
+import struct
+import termios
 import threading
 import time
 from typing import Any, Callable
@@ -68,6 +71,7 @@ class DistWorkerHandle(WorkerHandle):
         self.heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
         self._last_check = time.monotonic()
+        self._unread = 0  # bytes waiting unread on the command socket at the last is_alive()
         self._closed = False
         self._steps = -1
         self._interrupts = 0
@@ -107,16 +111,35 @@ class DistWorkerHandle(WorkerHandle):
         return self.launched.pid
 
     def is_alive(self) -> bool:
-        """Cheap: the pool drains the channel (heartbeats included) before asking."""
+        """Cheap, and true to the node even while nobody drains its channel.
+
+        A caller busy elsewhere (the weight sender waiting for carriers or acknowledgements) does not
+        read heartbeats; they queue on the socket. Bytes waiting there that grew since the last look
+        are as good as a heartbeat read: the node is sending, so it is alive.
+        """
         now = time.monotonic()
         if now - self._last_check > self.heartbeat_timeout / 2:
             # Nobody looked at this node for a while (the caller was busy): heartbeats may be queued
             # unread, so restart the clock rather than declaring a healthy node dead.
             self._last_heard = max(self._last_heard, now)
         self._last_check = now
+        unread = self._unread_bytes()
+        if unread > self._unread:
+            self._last_heard = now
+        self._unread = unread
         if self._closed or not self.launched.is_alive():
             return False
         return now - self._last_heard < self.heartbeat_timeout
+
+    def _unread_bytes(self) -> int:
+        """Bytes received on the command socket that nobody read yet (FIONREAD); 0 once it is closed."""
+        if self._closed:
+            return 0
+        try:
+            raw = fcntl.ioctl(self.conn.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return 0
+        return struct.unpack("i", raw)[0]
 
     def exit_description(self) -> str:
         # a dropped connection usually means the node ended: say how, as its launcher saw it

@@ -22,7 +22,7 @@ from .channel import open_channel, shutdown_connection
 from .ports import boot_id, is_loopback
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import shm_identity, valid_segment_name
-from .torchdist_relay import CHUNK_BYTES, RelayPort, close as close_channel, forward, local_address, open_downstream, relay_in
+from .torchdist_relay import Forwarder, Links, RelayPort, Stream, local_address, receive
 from .weight_pool import attach_named, create_named, unlink_named
 
 __all__ = ["NodeGroupLinks", "DistWeightReceiver"]
@@ -60,6 +60,8 @@ class DistWeightReceiver(WeightReceiver):
         self._in_use = 1
         self._thread: threading.Thread | None = None
         self._relay: RelayPort | None = None  # where the carrier upstream connects (docs/weights.md, "A relay")
+        self._downstream: Links | None = None  # the link to the next carrier, kept between updates
+        self._forwarder: Forwarder | None = None  # the last update's forwarding, which reads its slot
 
     def fileno(self) -> int:
         return self._wake_r
@@ -75,6 +77,8 @@ class DistWeightReceiver(WeightReceiver):
         if info.get("relay") and not hello[2] and self.links is not None:  # another host's carrier may forward to it
             self._relay = RelayPort(local_address(self.conn), bytes.fromhex(info["authkey"]),
                                     info.get("handshake_timeout", 5.0), self.user_timeout)
+            self._downstream = Links(self._relay.key, self.worker_idx, info.get("handshake_timeout", 5.0),
+                                     self.user_timeout)
             hello += (self._relay.port,)
         self.conn.send(hello)
         kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
@@ -116,8 +120,9 @@ class DistWeightReceiver(WeightReceiver):
 
         The slot is one no node of this host runs on or waits for (the main process chose it), so
         nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
-        ``relay``: ``(upstream, downstream)``: whether the update comes from the carrier of another
-        host instead of the main process, and the address of the carrier to forward it to (or None).
+        ``relay``: ``(upstream, downstream, silence, nonce, chunk)``: the update comes on the relay
+        between hosts, from ``upstream`` (a carrier's index, or the main process), to be forwarded to the
+        carrier at ``downstream`` (or None); see :meth:`_relay_update`.
         """
         if layout is not None:
             self._layout = layout
@@ -139,26 +144,29 @@ class DistWeightReceiver(WeightReceiver):
         self._gen_id = slot_id
         return self._segments[slot_id][1]
 
-    def _relay_update(self, version: int, slot_id, flat: torch.Tensor, upstream: bool, downstream, silence: float,
-                      timeout: float) -> None:
-        """Take the update into ``flat`` on the relay between hosts (docs/weights.md): from the carrier
-        before this one (``upstream``) or else from the main process in chunks, forwarding each chunk to
-        the carrier at ``downstream``. A relay that breaks or stays silent ``silence`` seconds: the main
-        process sends the whole update instead, and the carrier after this one does the same."""
-        key, handshake = bytes.fromhex(self.info["authkey"]), self.info.get("handshake_timeout", 5.0)
-        out = open_downstream(downstream, key, version, min(handshake, silence), self.user_timeout)
-        if not upstream:
-            for start in range(0, flat.numel(), CHUNK_BYTES):
-                chunk = flat[start:start + CHUNK_BYTES]
-                self._recv_flat(chunk, timeout)
-                out = forward(out, memoryview(chunk.numpy()))
-            close_channel(out)
-            return
-        whole = False
-        channel = self._relay.accept(version, silence) if self._relay is not None else None
-        if channel is not None:
-            whole, out = relay_in(channel, flat, out, silence)
-        close_channel(out)
+    def _relay_update(self, version: int, slot_id, flat: torch.Tensor, upstream: int, downstream, silence: float,
+                      nonce: bytes, chunk: int, timeout: float) -> None:
+        """Take the update into ``flat`` on the relay between hosts (docs/weights.md): over the link
+        from ``upstream`` (the carrier before this one, or the main process), checking each chunk's tag
+        and forwarding it at once to the carrier at ``downstream`` (if any). A relay that breaks, stays
+        silent ``silence`` seconds or sends a bad chunk: the main process sends the whole update
+        instead, and the carrier after this one does the same (its link is closed)."""
+        if self._forwarder is not None:  # the previous update's forwarding reads the slot it came in
+            self._forwarder.wait()
+        data = memoryview(flat.numpy())
+        stream = Stream(version, nonce, flat.numel(), chunk)
+        out = None
+        if downstream is not None and self._downstream is not None:
+            address = (downstream[0], int(downstream[1]))
+            out = Forwarder(lambda: self._downstream.get(address), lambda: self._downstream.drop(address), data,
+                            stream, silence)
+        link = self._relay.upstream(upstream, silence) if self._relay is not None else None
+        whole = link is not None and receive(link, data, stream, self._relay.key, silence, out)
+        if link is not None and not whole:
+            self._relay.drop(upstream)  # out of step with its sender: the next update opens a new one
+        if out is not None:
+            out.finish(whole)
+            self._forwarder = out
         if not whole:
             self.conn.send(("unrelayed", version, slot_id))
             self._recv_flat(flat, timeout)
@@ -198,6 +206,10 @@ class DistWeightReceiver(WeightReceiver):
                 pass
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        if self._forwarder is not None:
+            self._forwarder.wait(2.0)
+        if self._downstream is not None:
+            self._downstream.close()
         if self._relay is not None:
             self._relay.close()
         for (name, _), _ in self._owned.values():

@@ -8,8 +8,9 @@ acknowledges the version once it applied (and cascaded) it. The payload travels
   host: a host's *carrier* receives it into a named shared-memory slot it created and reports it
   (``staged``), then the host's other nodes map that slot (``torchdist_hosts``, docs/weights.md, "One
   copy per host"); a node alone on its host receives it into its own alternating pair of buffers;
-  with two or more remote hosts, it leaves once, to the first host's carrier, and the carriers
-  forward it host to host (``torchdist_relay``, docs/weights.md, "A relay between hosts");
+  with two or more remote hosts, it leaves once, streamed over a link to the first host's carrier,
+  and the carriers forward it host to host (``torchdist_relay``, docs/weights.md, "A relay between
+  hosts");
 * to a node on this host (it reached us through loopback, same kernel): through a named
   shared-memory generation buffer (``weight_pool``), copied once by the sender whatever the number
   of local nodes, instead of through loopback TCP.
@@ -41,7 +42,7 @@ from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts
 from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
-from .torchdist_relay import CHUNK_BYTES
+from .torchdist_relay import FROM_MAIN, Forwarder, Links, Stream, relay_key
 from .weight_pool import GenerationBook, NamedShmAllocator
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
@@ -82,7 +83,7 @@ class DistWeightSender(WeightSender):
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
-                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = False) -> None:
+                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = True) -> None:
         self.num_workers = num_workers
         self.host, self.bind_host, self.port = host, bind_host, port
         self.peer = peer
@@ -115,6 +116,8 @@ class DistWeightSender(WeightSender):
         self._relay_at: dict[int, tuple[str, int]] = {}
         #: ``worker -> version``: carriers whose relay broke, which wait for the update from this process
         self._unrelayed: dict[int, int] = {}
+        #: links to the first carrier of the chain, kept from one update to the next
+        self._links = Links(relay_key(self.authkey), FROM_MAIN, handshake_timeout, user_timeout)
 
     def _listen(self) -> ChannelListener:
         return ChannelListener(listen(self.bind_host, self.port), self.authkey, "weight", self.handshake_timeout,
@@ -172,6 +175,7 @@ class DistWeightSender(WeightSender):
             conn.close()
         self.local.pop(worker, None)
         self._hosts.leave(worker)
+        self._links.drop(self._relay_at.get(worker))
         self.book.forget(worker)
         self._layout_sent.discard(worker)
         for state in (self._unacked, self._staged, self._failures, self._relay_at,
@@ -250,7 +254,8 @@ class DistWeightSender(WeightSender):
 
     def _announce_slot(self, host: RemoteHost, kind: str, version: int, relay: tuple | None) -> None:
         """Tell ``host``'s carrier which slot to take the update into; from this process over its
-        group unless ``relay`` says it comes from another host's carrier."""
+        group unless ``relay`` (``(upstream, downstream address, silence, stream)``) puts it on the
+        relay between hosts."""
         carrier = host.carrier
         members = [w for w in host.members if w in self.conns]
         slot_id, _ = host.choose_slot(self.book.busy(members))
@@ -260,16 +265,23 @@ class DistWeightSender(WeightSender):
         try:
             if relay is None:
                 self._send_flat(carrier, (kind, version, body))
-            elif relay[0]:  # from the carrier before it
-                self.conns[carrier].send((kind, version, body + (relay,)))
-            else:  # the first of the chain: in chunks, which it forwards as they come
-                self.conns[carrier].send((kind, version, body + (relay,)))
-                group, rank = self.peer(carrier)
-                for start in range(0, self._flat.numel(), CHUNK_BYTES):
-                    chunk = self._flat[start:start + CHUNK_BYTES]
-                    self._works.append((carrier, group.send([chunk], rank, WEIGHTS_TAG)))
+                return
+            upstream, downstream, silence, stream = relay
+            self.conns[carrier].send((kind, version, body + ((upstream, downstream, silence, stream.nonce,
+                                                              stream.chunk),)))
         except OSError:  # its channel broke: _relay finds it lost and picks another carrier
-            pass
+            return
+        if upstream == FROM_MAIN:  # the first of the chain: streamed over its link, tagged once here
+            self._stream_to(carrier, stream, silence)
+
+    def _stream_to(self, carrier: int, stream: Stream, silence: float) -> None:
+        """The update to ``carrier`` over the link to its relay port, from a thread (``_finish_sends``
+        waits for it before the flat buffer is written again)."""
+        address = self._relay_at[carrier]
+        forwarder = Forwarder(lambda: self._links.get(address), lambda: self._links.drop(address),
+                              memoryview(self._flat.numpy()), stream, silence, key=self._links.key)
+        forwarder.put_all()
+        self._works.append((carrier, forwarder))
 
     # ------------------------------------------------------------------ a relay between hosts
     def _plan(self, remote: list[int]) -> tuple[list[int], dict, dict]:
@@ -285,16 +297,19 @@ class DistWeightSender(WeightSender):
         return direct, shared, chain
 
     def _to_chain(self, chain: dict[RemoteHost, list[int]], kind: str, version: int) -> dict:
-        """The update to the first host's carrier over its group, forwarded carrier to carrier
-        along the hosts of ``chain``; returns the targets still waiting per host, as ``_to_carrier``."""
+        """The update to the first host's carrier over a link from this process, forwarded carrier to
+        carrier along the hosts of ``chain``; returns the targets still waiting per host, as
+        ``_to_carrier``."""
         routes = {host: self._pick_carrier(host, targets) for host, targets in chain.items()}
         # nodes that reached this process from its own address come first: their copy crosses no
         # link, and the one copy out of this machine is then theirs, to the next host
         here = {self.host, self.bind_host}
         links = sorted((host for host, waiting in routes.items() if waiting), key=lambda h: h.address not in here)
+        stream = Stream.new(version, self._flat.numel())  # its nonce binds every chunk's tag to this update
         for index, host in enumerate(links):
+            upstream = links[index - 1].carrier if index > 0 else FROM_MAIN
             downstream = self._relay_at[links[index + 1].carrier] if index + 1 < len(links) else None
-            self._announce_slot(host, kind, version, (index > 0, downstream, self.relay_silence))
+            self._announce_slot(host, kind, version, (upstream, downstream, self.relay_silence, stream))
         return routes
 
     def _send_unrelayed(self, carrier: int, version: int) -> None:
@@ -436,6 +451,7 @@ class DistWeightSender(WeightSender):
             except OSError:
                 pass
         self.listener.close()
+        self._links.close()
         self.book.close()
 
 

@@ -24,8 +24,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         timeout: seconds to wait for acknowledgements (dead nodes are detected much sooner).
         relay: with two or more remote hosts, send each update to one host only and let the hosts
             forward it to each other (docs/weights.md, "A relay between hosts"): ~1x the weights out
-            of the learner whatever the number of hosts, at the cost of CPU on the hosts and, where
-            the learner's uplink is not the bottleneck, latency (docs/performance.md). Off by default.
+            of the learner whatever the number of hosts, and behind network-speed uplinks about the
+            latency of an update to one host, at the cost of CPU on the hosts (docs/performance.md).
+            On by default (it takes effect only with two or more remote hosts); ``False`` sends each
+            remote host its own copy and opens no relay port on the nodes.
 
     ``init_on_sender`` takes ``model_id``, ``num_workers``, ``context`` (the collector: its
     ``tcp_port`` + 2 is the weight channel's port) and optionally ``model`` or ``weights``.
@@ -37,7 +39,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     needs_workers = True
 
-    def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0, relay: bool = False) -> None:
+    def __init__(self, backend: str = "gloo", sync: bool = True, timeout: float = 3600.0, relay: bool = True) -> None:
         super().__init__(sync=sync, timeout=timeout)
         if not isinstance(relay, bool):
             raise ValueError(f"relay must be True or False, got {relay!r}.")

@@ -370,7 +370,7 @@ def host_copies_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--kill", choices=["none", "between", "during"], default="none")
     parser.add_argument("--kill-node", type=int, default=0)
-    parser.add_argument("--relay", action="store_true", help="DistributedWeightSyncScheme(relay=True)")
+    parser.add_argument("--relay", action="store_true", help="DistributedWeightSyncScheme(relay=True); without it relay=False")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
     parser.add_argument("--no-wait", action="store_true",
                         help="DistributedWeightSyncScheme(sync=False): updates return before the acknowledgements")
