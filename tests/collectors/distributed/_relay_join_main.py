@@ -52,13 +52,14 @@ def _update(collector, policy, batches, k: int, ifname: str) -> None:
           versions=[r["versions"] for r in ran])
 
 
-def _batches_until(batches, done, limit: int, what: str):
-    """Collect (gently: the machine is shared) until ``done(batch)``; fails after ``limit`` batches."""
-    for _ in range(limit):
+def _batches_until(batches, done, limit: int, what: str, pause: float = 0.05):
+    """Collect, ``pause`` s apart (the machine is shared), until ``done(batch)``: that batch and how many
+    were collected; fails after ``limit`` batches."""
+    for count in range(1, limit + 1):
         batch = next(batches)
         if done(batch):
-            return batch
-        time.sleep(0.05)
+            return batch, count
+        time.sleep(pause)
     raise RuntimeError(f"no batch with {what} within {limit} batches")
 
 
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         empty = sorted(set(range(SLOTS)) - set(collector.active_workers))
         before = _tx_bytes(args.ifname)
         _emit(event="join-me", empty=empty)
-        batch = _batches_until(batches, lambda b: b.shape[0] == SLOTS, 2000, "a node in every slot")
-        _emit(event="joined", tx_bytes=_tx_bytes(args.ifname) - before, empty=empty,
+        start = time.monotonic()
+        # slowly: the bytes counted while the node joins are its copy plus ~1 KB of commands per batch
+        batch, count = _batches_until(batches, lambda b: b.shape[0] == SLOTS, 400, "a node in every slot", pause=0.5)
+        _emit(event="joined", tx_bytes=_tx_bytes(args.ifname) - before, batches=count,
+              seconds=time.monotonic() - start, empty=empty,
               active=collector.active_workers, policy_version=collector.policy_version, **_ran(batch, SLOTS))
         for k in range(3, args.updates + 1):
             _update(collector, policy, batches, k, args.ifname)

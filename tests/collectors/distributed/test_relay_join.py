@@ -68,9 +68,9 @@ def _check_joined(joined: dict, weight_bytes: int) -> None:
     rows = len(joined["weight_min"])
     assert joined["weight_min"] == [[2.0] * len(joined["weight_min"][0])] * rows, f"a node does not run update 2: {joined}"
     assert joined["versions"] == [[2] * len(joined["versions"][0])] * rows, f"a node does not run version 2: {joined}"
-    # its one direct copy of the current weights (the chain carries only updates) and its spec, whose
-    # policy holds the weights too
-    assert weight_bytes <= joined["tx_bytes"] <= 1.5 * weight_bytes, (joined["tx_bytes"], weight_bytes)
+    # one direct copy of the current weights (the chain carries only updates), its spec (a policy without
+    # its weights) and ~1 KB of commands for each batch collected, slowly, while it joined
+    assert weight_bytes <= joined["tx_bytes"] <= 1.3 * weight_bytes, (joined["tx_bytes"], weight_bytes)
 
 
 @pytest.mark.timeout(300)
@@ -105,6 +105,7 @@ def test_a_node_on_a_new_host_joins_with_the_current_weights_and_then_relays(req
     events = lines.events
     # the figures, for docs/performance.md (pytest -s shows them)
     print(json.dumps({"weight_bytes": weight_bytes, "join_tx_bytes": joined["tx_bytes"],
+                      "join_batches": joined["batches"], "join_seconds": round(joined["seconds"], 1),
                       "update_tx_bytes": [e["tx_bytes"] for e in events if e["event"] == "update"],
                       "update_seconds": [round(e["seconds"], 3) for e in events if e["event"] == "update"]}))
     assert (stats["restarts"], stats["preemptions"]) == (0, 1), stats
