@@ -52,13 +52,19 @@ class TrajIdMap:
         return self._next[worker]
 
     def map_(self, ids: torch.Tensor, worker: int) -> torch.Tensor:
-        """Map ``worker``'s local ``ids`` in place (-1, a step not collected, stays -1); returns them."""
-        valid = ids != -1
-        if valid.any():
-            self._next[worker] = max(self._next[worker], int(ids[valid].max()) + 1)
+        """Map ``worker``'s local ``ids`` in place (-1, a step not collected, stays -1); returns them.
+
+        Called for every worker's batch in the parent, so it stays at a few tensor operations per
+        segment: every segment starts at a local id >= 0, so ``ids >= first`` already leaves -1 out,
+        and the largest id (-1 below every collected one) says whether any step was collected."""
+        if ids.numel():
+            largest = int(ids.max())
+            if largest != -1:
+                self._next[worker] = max(self._next[worker], largest + 1)
         mapped = ids
         for first, base, stride in self._segments[worker]:  # later segments override earlier ones
-            mapped = torch.where(valid & (ids >= first), base + (ids - first) * stride + worker, mapped)
+            shifted = torch.add(base - first * stride + worker, ids, alpha=stride)
+            mapped = torch.where(ids >= first, shifted, mapped)
         ids.copy_(mapped)
         return ids
 

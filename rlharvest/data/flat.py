@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatLayout", "copy_leaves_", "flat_leaves", "freeze", "is_frozen", "is_dense"]
+__all__ = ["FlatBatch", "FlatLayout", "FlatUnpacker", "copy_leaves_", "flat_leaves", "freeze", "is_frozen", "is_dense"]
 
 #: every leaf starts on a cache line: a copy into a buffer whose leaves straddle lines is ~1.5x
 #: slower when the buffer is out of cache, as weight buffers are between two updates (docs/weights.md)
@@ -149,3 +149,76 @@ class FlatLayout:
 
     def describe(self) -> str:
         return ", ".join(f"{k}: {tuple(s)} {d}" for k, d, s, _, _ in self.entries)
+
+
+class FlatBatch:
+    """A dense CPU TensorDict packed as one byte array and its :class:`FlatLayout`: what a batch
+    travels as when it is pickled (Ray replies).
+
+    Pickling a TensorDict pickles each leaf through torch's own reducer, a ``torch.save`` per
+    storage: ~0.1-0.2 ms per leaf to load, on the receiving side, for every worker and every batch
+    (the learner of a Ray collector spent most of its time there). A numpy array pickles as one
+    buffer (out of band with pickle protocol 5, as Ray uses), and the layout is a small tuple.
+
+    Example:
+        >>> import pickle
+        >>> td = TensorDict({"a": torch.arange(3), ("b", "c"): torch.ones(3, 2)}, [3], names=["time"])
+        >>> packed = pickle.loads(pickle.dumps(FlatBatch.of(td)))
+        >>> out = packed.unpack()
+        >>> bool((out == td).all()), out.names, out.device
+        (True, ['time'], None)
+    """
+
+    __slots__ = ("layout", "device", "data")
+
+    def __init__(self, layout: FlatLayout, device: torch.device | None, data) -> None:
+        self.layout = layout
+        self.device = device
+        self.data = data  # numpy uint8 array of layout.total_bytes
+
+    @classmethod
+    def packable(cls, td: TensorDictBase) -> bool:
+        """Whether ``td`` can be packed: dense (see :func:`is_dense`), on the CPU, no leaf needing grad."""
+        if not is_dense(td) or (td.device is not None and td.device.type != "cpu"):
+            return False
+        return all(leaf.device.type == "cpu" and not leaf.requires_grad for leaf in flat_leaves(td)[1])
+
+    @classmethod
+    def of(cls, td: TensorDictBase) -> FlatBatch:
+        """A private packed copy of ``td`` (which must be :meth:`packable`)."""
+        layout = FlatLayout.of(td)
+        flat = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # zeroed: no stale bytes between leaves
+        for key, dtype, shape, offset, nbytes in layout.entries:
+            flat[offset : offset + nbytes].view(dtype).view(shape).copy_(td.get(key))
+        return cls(layout, td.device, flat.numpy())
+
+    def unpack(self) -> TensorDictBase:
+        """A TensorDict of private (writable) tensors, equal to the packed one: same keys, dtypes,
+        shapes, batch size, names and device."""
+        return FlatUnpacker().unpack(self)
+
+    def __reduce__(self):
+        return FlatBatch, (self.layout, self.device, self.data)
+
+
+class FlatUnpacker:
+    """Unpacks :class:`FlatBatch` es of one source, keeping a buffer and its TensorDict view for the
+    last layout seen: each batch is then one copy into that buffer and a ``clone()`` of the view
+    (~30 us for a 9-leaf batch), instead of building a TensorDict of views (~120 us: key checks,
+    names) per batch."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None  # (layout, device) of the buffer
+        self._flat: torch.Tensor | None = None
+        self._view: TensorDictBase | None = None
+
+    def unpack(self, packed: FlatBatch) -> TensorDictBase:
+        """A private copy of ``packed`` (see :meth:`FlatBatch.unpack`)."""
+        key = (packed.layout, packed.device)
+        if key != self._key:
+            self._flat, self._view = packed.layout.allocate()
+            if packed.device is None:
+                self._view.clear_device_()
+            self._key = key
+        self._flat.numpy()[:] = packed.data  # what was unpickled may be read-only (Ray's buffers)
+        return self._view.clone()

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import multiprocessing.connection as mpc
 import os
 import pickle
 import queue
+import select
 import socket
 import threading
 import time
@@ -120,8 +122,16 @@ class Channel:
     def recv(self) -> Any:
         return pickle.loads(self.recv_bytes())  # authenticated bytes only (recv_bytes checked the tag)
 
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self._conn.poll(timeout)
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message (or the end of the connection) is there to read, waiting up to
+        ``timeout`` seconds (None: until there is). One ``poll(2)`` on the socket: the parent polls
+        every node's channel at every reply, and ``Connection.poll`` builds a selector each time."""
+        fd = self._conn.fileno()  # OSError once closed, as Connection.poll
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if timeout is None:
+            return bool(poller.poll())
+        return bool(poller.poll(math.ceil(timeout * 1e3) if timeout > 0 else 0))
 
     def fileno(self) -> int:
         return self._conn.fileno()

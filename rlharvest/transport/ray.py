@@ -10,7 +10,8 @@
   which returns as soon as replies are ready (or after a second, with the worker's progress), and
   rings a pipe the worker pool waits on. A dead actor fails that call: the handle knows within
   moments, and the pool raises ``WorkerError`` naming it.
-* A batch travels inside its reply (a private copy: the loop reuses its buffer for the next rollout).
+* A batch travels inside its reply (a private copy: the loop reuses its buffer for the next rollout),
+  packed in one byte buffer when it is dense and on the CPU (``FlatBatch``: cheap to unpickle).
 * Running free, batches are pushed unasked, so both ends bound them: an actor starts its next rollout
   only while fewer than ``_FREE_WINDOW`` of its batches wait to be pulled, and the parent pulls no
   more while that many wait to be taken. Without the bound, a parent slower than its actors pulled
@@ -34,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 from tensordict import TensorDictBase
 
+from ..data.flat import FlatBatch, FlatUnpacker
 from ..protocol import FREE_BATCH, READY, WorkerSpec
 from .base import Backend, WorkerEndpoint, WorkerHandle, WorkerTarget
 from .pipes import Doorbell
@@ -190,8 +192,11 @@ class RayWorkerEndpoint(WorkerEndpoint):
             if idle is not None:
                 idle()
 
-    def publish_batch(self, batch: TensorDictBase) -> TensorDictBase:
-        return batch.clone()  # serialised when the reply leaves, after the next rollout may have begun
+    def publish_batch(self, batch: TensorDictBase) -> FlatBatch | TensorDictBase:
+        """A private copy (the reply is serialised when it leaves, after the next rollout may have
+        begun), packed in one buffer when it can be: unpickling it in the parent is then one copy,
+        not a ``torch.load`` per leaf (docs/performance.md, "Learner CPU per batch")."""
+        return FlatBatch.of(batch) if FlatBatch.packable(batch) else batch.clone()
 
     def wait_handle(self) -> Doorbell:
         return self._doorbell
@@ -327,6 +332,7 @@ class RayWorkerHandle(WorkerHandle):
         self._interrupts = 0
         self._progress = -1
         self._replies: collections.deque = collections.deque()
+        self._unpacker = FlatUnpacker()  # batches are unpacked by the caller's thread, one at a time
         self._pushed_held = 0  # pushed batches among _replies (guarded by _taken)
         self._taken = threading.Condition()
         self._doorbell = Doorbell()
@@ -449,7 +455,8 @@ class RayWorkerHandle(WorkerHandle):
         return self._interrupts
 
     def fetch_batch(self, reply: Any) -> TensorDictBase:
-        return reply.value
+        value = reply.value
+        return self._unpacker.unpack(value) if isinstance(value, FlatBatch) else value
 
     def terminate(self, deadline: float) -> None:
         """Give the worker loop until ``deadline`` to end by itself, then kill the actor and wait (a
