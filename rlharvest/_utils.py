@@ -113,6 +113,13 @@ class CloudpickleWrapper:
         return f"CloudpickleWrapper({self.payload!r})"
 
 
+def wrap_callable(value: Any) -> Any:
+    """Cloudpickle user callables so lambdas survive the spawn/forkserver start methods."""
+    if value is None or isinstance(value, CloudpickleWrapper):
+        return value
+    return CloudpickleWrapper(value)
+
+
 def unwrap(obj: Any) -> Any:
     """The payload of a CloudpickleWrapper, or the object itself."""
     return obj.payload if isinstance(obj, CloudpickleWrapper) else obj
@@ -130,7 +137,8 @@ def deprecated_alias(new_cls: type, old_name: str) -> type:
             return isinstance(instance, new_cls)
 
         def __subclasscheck__(cls, subclass):
-            return issubclass(subclass, new_cls)
+            # by the MRO: asking new_cls's metaclass (an ABCMeta) would ask its subclasses, this one included
+            return new_cls in getattr(subclass, "__mro__", ())
 
     def __init__(self, *args, **kwargs):
         warnings.warn(

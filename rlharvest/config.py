@@ -421,8 +421,22 @@ class CollectorConfig:
                 changes[spec.name] = type(value)([*value] + [value[0]] * count)
         return replace(self, **changes) if changes else self
 
+    def worker_config(self, index: int, **overrides: Any) -> CollectorConfig:
+        """The config of worker ``index``'s collector, typed (docs/architecture.md): every field as the
+        field's rule gives it to workers (this worker's entry of a per-worker sequence, a flag, a
+        pickled hook), the fields only this collector uses back at their defaults, then ``overrides``."""
+        changes: dict[str, Any] = {}
+        for spec in fields(self):
+            value = spec.metadata["worker"](getattr(self, spec.name), index)
+            if value is _OMIT:
+                value = spec.default_factory() if callable(spec.default_factory) else spec.default
+            changes[spec.name] = value
+        changes.update(overrides)
+        return replace(self, **changes)
+
     def for_worker(self, index: int, **overrides: Any) -> dict[str, Any]:
-        """The keyword arguments of worker ``index``'s collector.
+        """The keyword arguments of worker ``index``'s collector when it is a class of the user's own
+        (ours are given :meth:`worker_config`, typed).
 
         Every field workers take (with this worker's entry of a per-worker sequence), then
         ``overrides``. Values equal to a field's default are left out: the worker's collector

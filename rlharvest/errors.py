@@ -14,7 +14,16 @@ import importlib
 import traceback
 from dataclasses import dataclass
 
-__all__ = ["WorkerError", "WorkerTimeoutError", "RemoteFailure"]
+__all__ = ["CollectorShutdownError", "WorkerError", "WorkerTimeoutError", "RemoteFailure"]
+
+
+class CollectorShutdownError(RuntimeError):
+    """A call on a collector that was shut down (``shutdown()``, ``async_shutdown()``, or the end of a
+    ``RayCollector``'s iteration): build a new collector to collect again.
+
+    Example:
+        >>> raise CollectorShutdownError("MultiSyncCollector is shut down")  # doctest: +SKIP
+    """
 
 
 class WorkerError(RuntimeError):

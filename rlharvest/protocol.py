@@ -86,7 +86,12 @@ class WorkerSpec:
     collector_class: Any
     create_env_fn: Any
     collector_kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of the worker's collector (from ``CollectorConfig.for_worker``)."""
+    """Keyword arguments of the worker's collector when it is a class of the user's own (from
+    ``CollectorConfig.for_worker``); empty when ``options`` is given."""
+    options: Any = None
+    """The typed options of the worker's collector when it is one of rlharvest's, parsed and validated
+    in the parent (``collector_class.from_options`` builds it: nothing is parsed again in the worker);
+    None for a class of the user's own, built from ``collector_kwargs``."""
     policy: Any = None
     policy_factory: Any = None
     weight_recv_schemes: dict | None = None
@@ -123,6 +128,12 @@ class WorkerSpec:
             value = (value ^ word) * 0xBF58476D1CE4E5B9 % 2**64
             value = (value ^ (value >> 31)) * 0x94D049BB133111EB % 2**64
         return int(value >> 33)  # 31 bits: every env's seed() takes it
+
+    def with_hooks(self, hooks: dict) -> WorkerSpec:
+        """This spec with the pre/post-collect ``hooks`` (``{name: hook}``) given to its collector."""
+        if self.options is not None:
+            return dataclasses.replace(self, options=self.options.with_hooks(hooks))
+        return dataclasses.replace(self, collector_kwargs={**self.collector_kwargs, **hooks})
 
     def replacement(self, **changes: Any) -> WorkerSpec:
         """The spec of a new worker taking this one's place (same index), with ``changes`` applied."""

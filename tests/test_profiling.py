@@ -9,6 +9,7 @@ import pytest
 
 from rlharvest.collectors import Collector, ProfileConfig
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,7 +80,7 @@ def test_disable_profile_stops_profiling_here_and_in_workers(tmp_path):
     collector.disable_profile()  # not profiling: nothing to do
     collector.enable_profile(num_rollouts=3, warmup_rollouts=1, save_path=str(tmp_path / "single.json"))
     collector.disable_profile()
-    assert collector.profile_config is None and collector._profiler is None
+    assert collector.profile_config is None and engine_of(collector).profiler is None
     next(iter(collector))
     collector.shutdown()
     multi = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=4, total_frames=-1)

@@ -1,26 +1,72 @@
-"""``Collector(..., backend=...)``: one constructor for every place rollouts can run.
+"""``Collector(..., backend=...)`` and ``MultiCollector(..., sync=...)``: the one dispatch mechanism.
 
-Calling :class:`~rlharvest.collectors.Collector` itself with ``backend``, ``backend_options``,
+``BaseCollector.__new__`` hands every construction to :func:`construct`. Calling
+:class:`~rlharvest.collectors.Collector` itself with ``backend``, ``backend_options``,
 ``num_collectors`` or ``sync`` builds the collector of that backend (``"direct"`` = the in-process
-Collector, ``"process"`` = worker processes, ``"distributed"``, ``"rpc"``, ``"submitit"``) and returns
-it; subclasses and the concrete collectors refuse these four arguments. Without ``backend``, an
+Collector, ``"process"`` = worker processes, ``"distributed"``, ``"rpc"``, ``"submitit"``, ``"ray"``)
+and returns it; subclasses of Collector refuse these four arguments. ``MultiCollector(sync=...)``
+builds a ``MultiSyncCollector`` (default) or a ``MultiAsyncCollector``. Without ``backend``, an
 enclosing ``service_backend(...)`` context picks it (rlharvest's, or TorchRL's). The rules are TorchRL
 0.14's (docs/torchrl-compatibility.md).
+
+The public classes say which name they answer to (``BaseCollector.__init_subclass__(dispatch=...)``);
+this module imports none of them.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from .._service_backend import current_service_backend
 
-__all__ = ["BackendDispatch", "BACKENDS"]
+__all__ = ["BACKENDS", "construct", "register"]
 
 #: backend names, and the spellings that mean the same
 BACKENDS = ("direct", "process", "distributed", "rpc", "submitit", "ray")
 _ALIASES = {"multiprocessing": "process", "threading": "thread"}
 _SELECTORS = ("backend_options", "num_collectors", "num_workers", "sync")
+
+#: ``{name: class}``: ``"direct"``, ``"process"`` (MultiCollector), ``"process-sync"``,
+#: ``"process-async"``, ``"distributed"``, ``"rpc"``, ``"ray"``
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str, cls: type) -> None:
+    """``cls`` answers to ``name`` (called once per public class, at its definition)."""
+    _REGISTRY[name] = cls
+
+
+def construct(cls: type, args: tuple, kwargs: dict) -> Any:
+    """What ``cls(*args, **kwargs)`` makes: an instance of ``cls`` not yet initialised (Python calls its
+    ``__init__`` next), one of a subclass of it (likewise), or a finished collector of another class
+    (then no ``__init__`` follows).
+
+    Raises:
+        TypeError, ValueError: for selector arguments that do not fit.
+    """
+    direct = _REGISTRY.get("direct")
+    process = _REGISTRY.get("process")
+    if cls is direct:
+        return _from_collector(cls, args, kwargs)
+    if direct is not None and issubclass(cls, direct):
+        selectors = [kwargs.get(name) for name in ("backend", "backend_options", "num_collectors", "sync")]
+        if any(value is not None for value in selectors):
+            raise TypeError(f"{cls.__name__} takes no backend, backend_options, num_collectors or sync: only "
+                            "Collector(...) itself dispatches on them.")
+    if process is not None and issubclass(cls, process):
+        return object.__new__(_process_class(cls, kwargs.get("sync")))
+    return object.__new__(cls)
+
+
+def _process_class(cls: type, sync: Any) -> type:
+    """``MultiCollector`` picks by ``sync``; its subclasses check that ``sync`` does not contradict them."""
+    if cls is _REGISTRY["process"]:
+        return _REGISTRY["process-async" if sync is False else "process-sync"]
+    own = issubclass(cls, _REGISTRY["process-sync"])
+    if sync is not None and bool(sync) != own:
+        raise TypeError(f"{cls.__name__} is {'' if own else 'a'}synchronous: sync={sync!r} contradicts it "
+                        "(use MultiCollector(..., sync=...) to choose).")
+    return cls
 
 
 def _check_num_collectors(value: Any) -> None:
@@ -77,83 +123,35 @@ def _env_fns(args: tuple, kwargs: dict, num_collectors: int | None) -> tuple[tup
     return args, kwargs, len(env_fns)
 
 
-def _direct_env_fn(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    in_args = bool(args)
-    env_fn = args[0] if in_args else kwargs.get("create_env_fn")
-    if not isinstance(env_fn, (list, tuple)):
-        return args, kwargs
-    if len(env_fn) != 1:
-        raise ValueError(f"backend='direct' needs exactly one env constructor, got {len(env_fn)}.")
-    if in_args:
-        return (env_fn[0], *args[1:]), kwargs
-    return args, {**kwargs, "create_env_fn": env_fn[0]}
-
-
-def _target(backend: str):
-    if backend == "process":
-        from .multi import MultiCollector
-
-        return MultiCollector
-    if backend == "rpc":
-        from .distributed import RPCCollector
-
-        return RPCCollector
-    if backend == "ray":
-        try:
-            from .distributed import RayCollector
-        except ImportError as err:  # the Ray backend lives in the optional extra
-            raise ImportError("backend='ray' needs rlharvest's Ray support: pip install 'rlharvest[ray]'") from err
-        return RayCollector
-    from .distributed import DistributedCollector
-
-    return DistributedCollector
-
-
-class BackendDispatch(type):
-    """Metaclass of Collector: ``Collector(...)`` with a backend selector builds that backend's collector."""
-
-    @property
-    def __signature__(cls):
-        signature = inspect.signature(cls.__init__)
-        parameters = list(signature.parameters.values())[1:]
-        if cls.__name__ == "Collector" and cls.__module__.endswith("collectors.single"):
-            keyword = inspect.Parameter.KEYWORD_ONLY
-            selectors = [inspect.Parameter(name, keyword, default=None)
-                         for name in ("backend", "backend_options", "num_collectors", "sync")]
-            variadic = [p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
-            parameters = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD] + selectors + variadic
-        return signature.replace(parameters=parameters)
-
-    def __call__(cls, *args, backend=None, backend_options=None, num_collectors=None, sync=None, **kwargs):
-        from .single import Collector
-
-        selectors = (backend, backend_options, num_collectors, sync)
-        if cls is not Collector:
-            if any(value is not None for value in selectors):
-                raise TypeError(f"{cls.__name__} takes no backend, backend_options, num_collectors or sync: only "
-                                "Collector(...) itself dispatches on them.")
-            return super().__call__(*args, **kwargs)
-        if len(args) > 2:
-            raise TypeError("Collector takes at most create_env_fn and policy positionally.")
-        _check_num_collectors(num_collectors)
-        name = _backend_name(backend, num_collectors)
-        options = _merged_options(backend_options, args, kwargs)
-        if name == "direct":
-            if num_collectors not in (None, 1):
-                raise ValueError(f"backend='direct' runs at most one collector, got num_collectors={num_collectors}.")
-            if sync is not None:
-                raise ValueError("sync only applies to collectors with workers (not backend='direct').")
-            if options:
-                raise ValueError("backend_options only apply to collectors with workers (not backend='direct').")
-            args, kwargs = _direct_env_fn(args, kwargs)
-            return super().__call__(*args, **kwargs)
-        if sync is not None and not isinstance(sync, bool):
-            raise TypeError(f"sync must be True, False or None, got {sync!r}")
-        kwargs = {**kwargs, **options}
-        args, kwargs, count = _env_fns(args, kwargs, num_collectors)
-        if name == "submitit":
-            if kwargs.setdefault("launcher", "submitit") != "submitit":
-                raise ValueError(f"backend='submitit' requires launcher='submitit', got {kwargs['launcher']!r}.")
-        if name == "ray":
-            kwargs["num_collectors"] = count
-        return _target(name)(*args, sync=bool(sync), **kwargs)
+def _from_collector(cls: type, args: tuple, kwargs: dict) -> Any:
+    """``Collector(...)``: itself (``"direct"``), or the collector of the backend asked for."""
+    backend, backend_options = kwargs.get("backend"), kwargs.get("backend_options")
+    num_collectors, sync = kwargs.get("num_collectors"), kwargs.get("sync")
+    if len(args) > 2:
+        raise TypeError("Collector takes at most create_env_fn and policy positionally.")
+    _check_num_collectors(num_collectors)
+    name = _backend_name(backend, num_collectors)
+    rest = {key: value for key, value in kwargs.items()
+            if key not in ("backend", "backend_options", "num_collectors", "sync")}
+    options = _merged_options(backend_options, args, rest)
+    if name == "direct":
+        if num_collectors not in (None, 1):
+            raise ValueError(f"backend='direct' runs at most one collector, got num_collectors={num_collectors}.")
+        if sync is not None:
+            raise ValueError("sync only applies to collectors with workers (not backend='direct').")
+        if options:
+            raise ValueError("backend_options only apply to collectors with workers (not backend='direct').")
+        return object.__new__(cls)  # Collector.__init__ follows, with these arguments
+    if sync is not None and not isinstance(sync, bool):
+        raise TypeError(f"sync must be True, False or None, got {sync!r}")
+    rest = {**rest, **options}
+    args, rest, count = _env_fns(args, rest, num_collectors)
+    if name == "submitit":
+        if rest.setdefault("launcher", "submitit") != "submitit":
+            raise ValueError(f"backend='submitit' requires launcher='submitit', got {rest['launcher']!r}.")
+    if name == "ray":
+        rest["num_collectors"] = count
+        if "ray" not in _REGISTRY:
+            raise ImportError("backend='ray' needs rlharvest's Ray support: pip install 'rlharvest[ray]'")
+    target = _REGISTRY["distributed" if name == "submitit" else name]
+    return target(*args, sync=bool(sync), **rest)

@@ -20,12 +20,10 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
-from ..envs.adapters import is_env
 from ..envs.factory import env_keys, make_env
-from .multi import MultiSyncCollector
 from .single import Collector
 
-__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "episode_metrics", "AfterInit", "run_builder"]
+__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "AfterInit"]
 
 #: where TorchRL's RewardSum transform writes the running return of each episode
 EPISODE_REWARD_KEY = ("next", "episode_reward")
@@ -292,55 +290,3 @@ class WorkerRun(TrajectoryRun):
 
     def dump_video(self, step: int) -> None:
         self.collector.map_fn("dump_video", list_of_kwargs=[{"step": step}])
-
-
-def _collector_class(collector_cls: type | str | None) -> type:
-    if collector_cls is None:
-        return EvalCollector
-    if isinstance(collector_cls, str):
-        from .. import collectors
-
-        if not isinstance(getattr(collectors, collector_cls, None), type):
-            raise ValueError(f"collector_cls {collector_cls!r} is not a class of rlharvest.collectors (e.g. "
-                             "'Collector').")
-        return getattr(collectors, collector_cls)
-    return collector_cls
-
-
-def run_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, collector_cls: Any,
-                schemes: dict | None) -> tuple[Callable[[], Any], bool]:
-    """How the backend's run is built, and whether it is built with the evaluator (else by the
-    first evaluation). The collector's arguments are the same for every backend."""
-    # collector_kwargs may set what has a default here (traj_format="cat": metrics read flat batches too)
-    collect = {**dict(frames_per_batch=config.frames_per_batch, total_frames=-1, max_frames_per_traj=config.max_steps,
-                      trajs_per_batch=config.num_trajectories, traj_format="padded",
-                      exploration_type=config.exploration_type), **config.collector_kwargs}
-    if config.backend == "ray":
-        from .distributed.ray_eval import RayEvalWorker, RayEvalRun
-
-        return (lambda: RayEvalRun(RayEvalWorker(
-            config.init_fn, env, policy_factory, num_gpus=config.num_gpus, reward_keys=config.reward_key,
-            num_trajectories=config.num_trajectories, frames_per_batch=config.frames_per_batch,
-            collector_kwargs=config.collector_kwargs, **config.ray_kwargs), config)), True
-    if config.backend == "process" or schemes is not None:
-        def build_worker() -> WorkerRun:
-            collector = MultiSyncCollector(
-                [env], policy_factory=policy_factory, collector_class=EvalCollector, weight_sync_schemes=schemes,
-                init_fn=config.init_fn, policy_device=config.device, **collect)
-            return WorkerRun(collector, config.reward_key, config.metrics_fn)
-        return build_worker, True
-
-    cls = _collector_class(collector_cls)
-
-    def build_local() -> LocalRun:
-        if cls is EvalCollector:
-            collector = cls(env, policy, policy_factory=policy_factory, policy_device=config.device, **collect)
-        else:  # another collector calls factories without the env: the env and policy are built here
-            built_env = make_env(env, None)
-            built_policy = policy if policy_factory is None else policy_factory(built_env)
-            collector = cls(built_env, built_policy, policy_device=config.device, **collect)
-        return LocalRun(collector, config.reward_key, config.metrics_fn)
-
-    # A constructor and a factory: both are built by whoever evaluates first (the background thread
-    # for trigger_eval), as TorchRL does, so that the env can live on a device of its own.
-    return build_local, not (policy_factory is not None and not is_env(env) and callable(env))

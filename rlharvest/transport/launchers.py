@@ -27,6 +27,7 @@ from .rendezvous import distributed_state_exists
 __all__ = [
     "DEFAULT_SLURM_CONF",
     "LAUNCHERS",
+    "TCP_PORT",
     "LaunchedNode",
     "LocalNode",
     "SlurmNode",
@@ -42,6 +43,8 @@ NodeTarget = Callable[..., None]
 #: SLURM parameters of node jobs (merged under ``slurm_kwargs``)
 DEFAULT_SLURM_CONF = {"timeout_min": 10, "slurm_partition": "train", "slurm_cpus_per_task": 32, "slurm_gpus_per_node": 0}
 LAUNCHERS = ("mp", "submitit", "submitit_delayed")
+#: default base port of the distributed collectors when neither ``tcp_port`` nor ``$TCP_PORT`` is set
+TCP_PORT = 10003
 #: where submitit keeps the jobs' pickles (they hold the collector's key): only its owner may enter it
 JOB_FOLDER = "log_test"
 _ALIVE_STATES = {"PENDING", "RUNNING", "UNKNOWN", "COMPLETING", "REQUEUED", "CONFIGURING", "RESIZING", "SUSPENDED"}

@@ -455,7 +455,7 @@ class RPCBackend(Backend):
         num_workers: how many nodes.
         target: what every node runs (the node entry point, ``rlharvest.worker.nodes.node_main``).
         calls: the functions the main process calls on nodes.
-        net: addresses, ports and timeouts (``collectors.distributed._network.NetworkConfig``).
+        net: addresses, ports and timeouts (``collectors.options.network.NetworkConfig``).
         launcher: ``"mp"``, ``"submitit"`` or ``"submitit_delayed"``.
         tensorpipe_options: merged over :data:`DEFAULT_TENSORPIPE_OPTIONS`.
         device_maps: TensorPipe device maps (``visible_devices``).

@@ -404,7 +404,7 @@ class TorchDistBackend(Backend):
     Args:
         num_workers: how many nodes.
         target: what every node runs (the node entry point, ``rlharvest.worker.nodes.node_main``).
-        net: addresses, ports, key and timeouts (``collectors.distributed._network.NetworkConfig``).
+        net: addresses, ports, key and timeouts (``collectors.options.network.NetworkConfig``).
         launcher: ``"mp"``, ``"submitit"`` or ``"submitit_delayed"``.
         backend: the process-group backend (``"gloo"``, ...).
         slurm_kwargs: SLURM parameters of the node jobs; start_method: of ``"mp"`` nodes.

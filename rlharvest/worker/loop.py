@@ -88,11 +88,15 @@ def _is_stateless(policy: Any) -> bool:
 
 
 def _build_collector(spec: WorkerSpec, policy: Any) -> WorkerCollector:
+    collector_class = unwrap(spec.collector_class)
+    if spec.options is not None:  # one of rlharvest's: typed options, parsed once in the parent
+        return collector_class.from_options(spec.options.in_worker(
+            create_env_fn=unwrap(spec.create_env_fn), policy=policy, policy_factory=unwrap(spec.policy_factory),
+            worker_idx=spec.worker_idx))
     kwargs = {name: unwrap(value) for name, value in spec.collector_kwargs.items()}
     if spec.replay_buffer is not None:
         kwargs["replay_buffer"] = spec.replay_buffer
         kwargs.setdefault("local_init_rb", True)
-    collector_class = unwrap(spec.collector_class)
     return collector_class(
         unwrap(spec.create_env_fn),
         policy,

@@ -193,9 +193,10 @@ def test_replay_buffer_hook_seeds_and_policy_factory():
     assert collector.set_seed(3) == 5
     before = []
     collector.set_pre_collect_hook(lambda: before.append(len(buffer)))  # set after start: still ours
-    assert _collect(collector) == [None, None, None]
-    assert len(buffer) == 60 and [b.numel() for b in seen] == [20, 20, 20] and before == [0, 20, 40]
+    assert list(collector) == [None, None, None]
     assert collector.stats()["frames"] == 60 and collector.stats()["workers"] == 2
+    collector.shutdown()
+    assert len(buffer) == 60 and [b.numel() for b in seen] == [20, 20, 20] and before == [0, 20, 40]
 
 
 def test_start_collects_into_the_replay_buffer_in_the_background():

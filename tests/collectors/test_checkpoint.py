@@ -21,6 +21,7 @@ from rlharvest.checkpoint import CHECKPOINT_KEY, FORMAT_VERSION, CheckpointMisma
 from rlharvest.collectors import Collector, MultiSyncCollector
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -241,7 +242,7 @@ def test_a_checkpoint_after_a_worker_restart_and_weight_updates_resumes_with_the
 def replace_node_and_update_weights(collector) -> None:
     """What happens while training: node 1 fails and is replaced (restart 1: another env seed, ids past
     its predecessor's), new weights are pushed."""
-    collector._fleet.recover(WorkerError("injected failure", worker_idx=1, noun="node"))
+    engine_of(collector).fleet.recover(WorkerError("injected failure", worker_idx=1, noun="node"))
     next(iter(collector))
     new_weights(collector)
 

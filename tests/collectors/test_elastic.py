@@ -17,6 +17,7 @@ from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as countin
 from rlharvest import WorkerError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,7 +25,7 @@ IDS = ("collector", "traj_ids")
 
 
 def worker_pid(collector, worker: int) -> int:
-    return collector._requests.handles[worker].process.pid
+    return engine_of(collector).requests.handles[worker].process.pid
 
 
 def test_a_sync_batch_shrinks_by_the_removed_share_and_indices_stay():
@@ -143,7 +144,7 @@ def test_added_workers_continue_the_seed_chain():
     with MultiSyncCollector([counting_env] * 2, weight_policy(1.0), frames_per_batch=4, total_frames=-1) as collector:
         last = collector.set_seed(5)
         collector.add_collectors([counting_env])
-        assert collector._fleet.specs[2].seed == last
+        assert engine_of(collector).fleet.specs[2].seed == last
 
 
 def test_an_async_worker_joins_and_yields_whole_batches():

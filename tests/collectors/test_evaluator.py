@@ -23,6 +23,7 @@ from rlharvest import WorkerError
 from rlharvest.collectors import Evaluator
 from rlharvest.collectors.evaluator import EvaluationPendingError, EvaluatorClosedError
 from rlharvest.weight_update import SharedMemWeightSyncScheme
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,7 @@ def test_collector_kwargs_may_set_the_trajectory_format(backend):
 def test_process_weights_travel_through_the_default_scheme():
     evaluator = make("process")
     try:
-        scheme = evaluator._run.collector._sender_schemes["policy"]
+        scheme = engine_of(evaluator._run.collector).weights.sender_schemes["policy"]
         assert isinstance(scheme, SharedMemWeightSyncScheme)
         sent = []
         send = scheme.send

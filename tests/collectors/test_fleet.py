@@ -9,6 +9,7 @@ from mocks import weight_policy
 
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +27,7 @@ def test_a_replaced_worker_runs_the_current_weights_and_version_with_fresh_ids()
         with torch.no_grad():
             policy.module.weight.fill_(0.0)
         c.update_policy_weights_()
-        c._fleet.replace(1, policy_version=c._policy_version)
+        engine_of(c).fleet.replace(1, policy_version=engine_of(c).weights.version)
         after = c.next()
         assert (after["action"] == 0).all() and (after["policy_version"] == 1).all()
         assert not set(before[_IDS].flatten().tolist()) & set(after[_IDS][1].tolist())
@@ -37,9 +38,9 @@ def test_a_replaced_worker_runs_the_current_weights_and_version_with_fresh_ids()
 def test_a_replacement_is_seeded_with_its_worker_seed():
     with MultiAsyncCollector(envs(), frames_per_batch=16, total_frames=-1) as c:
         c.set_seed(7)
-        assert [spec.seed for spec in c._fleet.specs] == [7, c._fleet.specs[1].seed] and c._fleet.specs[1].seed != 7
+        assert [spec.seed for spec in engine_of(c).fleet.specs] == [7, engine_of(c).fleet.specs[1].seed] and engine_of(c).fleet.specs[1].seed != 7
         first = c.cascade_execute("workers[1].rollout_batch", True)["action"].flatten().tolist()
-        c._fleet.replace(1)
+        engine_of(c).fleet.replace(1)
         again = c.cascade_execute("workers[1].rollout_batch", True)["action"].flatten().tolist()
         assert again == first and len(set(first)) == 2
 
@@ -47,7 +48,7 @@ def test_a_replacement_is_seeded_with_its_worker_seed():
 # ---------------------------------------------------------------------------------------------- growth
 def _grow_fleet(backend_class):
     from rlharvest.collectors import Collector
-    from rlharvest.collectors._fleet import Fleet
+    from rlharvest.collectors.engine.fleet import Fleet
     from rlharvest.protocol import WorkerSpec
     from rlharvest.worker import run_worker
 
@@ -135,8 +136,8 @@ def test_a_weight_scheme_that_cannot_serve_new_workers_refuses_the_growth():
 @pytest.mark.parametrize("max_restarts", [0, 2])
 def test_the_backend_is_told_before_start_whether_failed_workers_will_be_replaced(max_restarts):
     from rlharvest.collectors import Collector
-    from rlharvest.collectors._fleet import Fleet
-    from rlharvest.collectors._restarts import RestartPolicy
+    from rlharvest.collectors.engine.fleet import Fleet
+    from rlharvest.collectors.engine.restarts import RestartPolicy
     from rlharvest.protocol import WorkerSpec
     from rlharvest.transport.inprocess import InProcessBackend
     from rlharvest.worker import run_worker
@@ -162,7 +163,7 @@ def _no_env():
 def test_workers_started_without_waiting_queue_commands_and_raise_their_failure_to_build():
     from rlharvest import WorkerError
     from rlharvest.collectors import Collector
-    from rlharvest.collectors._fleet import Fleet
+    from rlharvest.collectors.engine.fleet import Fleet
     from rlharvest.protocol import Command, WorkerSpec
     from rlharvest.transport.inprocess import InProcessBackend
     from rlharvest.worker import run_worker

@@ -11,7 +11,7 @@ from mocks import ConstantObsEnv
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import Collector
-from rlharvest.collectors._requests import WorkerRequests
+from rlharvest.collectors.engine.requests import WorkerRequests
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import READY, Command, Reply, WorkerSpec
 from rlharvest.transport.base import WorkerHandle

@@ -17,7 +17,7 @@ from process_check import process_gone
 
 from rlharvest import WorkerError, WorkerTimeoutError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
-from rlharvest.collectors._restarts import RestartLimitError, RestartPolicy
+from rlharvest.collectors.engine.restarts import RestartLimitError, RestartPolicy
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import WorkerSpec
@@ -98,14 +98,13 @@ def test_a_failed_worker_is_replaced_and_no_frame_is_lost_or_doubled(tmp_path, c
                          total_frames=-1, max_worker_restarts=1) as collector, \
             caplog.at_level(logging.WARNING, logger="rlharvest.restarts"):
         batches = collect_past_restart(collector)
+        stats = collector.stats()
     assert marker.exists()
     check_counting_batches(batches, 8, 8 * len(batches))
     kind = {"kill": "died", "exit": "died", "raise": "exception"}[mode]
     assert [(c.worker, c.kind) for c in collector.restart_causes] == [(1, kind)]
     assert "restarting worker 1" in caplog.text
-    stats = collector.stats()
     assert stats["restarts"] == 1 and stats["worker_1/restarts"] == 1 and stats["worker_0/restarts"] == 0
-    collector.shutdown()
 
 
 @pytest.mark.parametrize("collector_class", COLLECTORS)

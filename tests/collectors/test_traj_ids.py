@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from rlharvest.collectors._traj_ids import TrajIdMap
+from rlharvest.collectors.engine.traj_ids import TrajIdMap
 
 
 def test_a_fixed_fleet_maps_k_to_k_times_w_plus_i():

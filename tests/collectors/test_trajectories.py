@@ -14,6 +14,7 @@ from rlharvest.collectors.distributed import RPCCollector
 from rlharvest.collectors.trajectories import TrajectoryAssembler
 from rlharvest.data import ReplayBuffer
 from rlharvest.transport.ports import free_port_block
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -155,7 +156,7 @@ def test_reset_drops_what_was_held_back():
     first = next(batches)
     # the first poll completed 3 trajectories (2 yielded, 1 ready) and started a 4th
     assert list(trajectories_of(first)) == [0, 1]
-    assembler = collector._trajectories
+    assembler = engine_of(collector).output.trajectories
     assert assembler.ready == 1 and assembler.in_flight_ids() == [3]
     collector.reset()
     assert assembler.ready == 0 and assembler.in_flight_ids() == []
@@ -170,7 +171,7 @@ def test_partial_reset_drops_only_the_reset_rows_episodes():
     batches = iter(collector)
     # two polls of 2 steps per row: trajectories 0 and 1 complete, 2 (row 0) and 3 (row 1) started
     assert trajectories_of(next(batches)) == {0: [0, 1, 2]}
-    assembler = collector._trajectories
+    assembler = engine_of(collector).output.trajectories
     assert assembler.ready == 1 and assembler.in_flight_ids() == [2, 3]
     collector.reset(index=0)
     assert assembler.in_flight_ids() == [3]
@@ -185,7 +186,7 @@ def test_reset_at_each_iter_discards_interrupted_episodes():
                    traj_format="cat", reset_at_each_iter=True) as collector:
         batches = list(collector)
         assert [list(trajectories_of(b).values()) for b in batches] == [[[0, 1, 2]]] * 4
-        assert collector._trajectories.in_flight_ids() == []
+        assert engine_of(collector).output.trajectories.in_flight_ids() == []
 
 
 def test_truncation_ends_a_trajectory_and_split_trajs_changes_nothing():
@@ -286,7 +287,7 @@ def test_workers_reset_drops_what_the_parent_held_back():
     try:
         batches = iter(collector)
         before = trajectories_of(next(batches))  # 4 steps per worker: 1 + 2 complete, worker 0's next in flight
-        assembler = collector._trajectories
+        assembler = engine_of(collector).output.trajectories
         held = assembler.in_flight_ids()
         assert len(before) == 3 and held
         collector.reset()

@@ -4,7 +4,7 @@ A backend is correct when these pass: it starts workers from their specs, carrie
 and batches, carries failures back, delivers weights and their acknowledgements, replaces one
 worker (same index, the current weights and version, fresh trajectory ids, the others untouched)
 and stops everything within one deadline. The tests drive a backend the way every collector does,
-through a :class:`~rlharvest.collectors._fleet.Fleet` (backend + worker pool + weight scheme).
+through a :class:`~rlharvest.collectors.engine.fleet.Fleet` (backend + worker pool + weight scheme).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from mocks import FaultyEnv, weight_policy
 
 from rlharvest import WorkerError
 from rlharvest.collectors import Collector
-from rlharvest.collectors._fleet import Fleet
-from rlharvest.collectors._specs import stateless_copy
+from rlharvest.collectors.engine.fleet import Fleet
+from rlharvest.collectors.options.local import LocalOptions
+from rlharvest.config import CollectorConfig
+from rlharvest.collectors.options.common import stateless_copy
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import Command, WorkerSpec
-from rlharvest.collectors.distributed._network import NetworkConfig
+from rlharvest.collectors.options.network import NetworkConfig
 from rlharvest.transport.inprocess import InProcessBackend
 from rlharvest.transport.mp import MPBackend, mp_context
 from rlharvest.transport.ray import RayBackend
@@ -104,11 +106,10 @@ class Harness:
 
     def _start(self, count: int, env_fn, frames: int) -> None:
         counter = self.backend.trajectory_counter() if self.setup.shared_ids else None
-        kwargs = {"frames_per_batch": frames, "track_policy_version": True}
-        if counter is not None:
-            kwargs["traj_pool"] = counter
+        options = LocalOptions(config=CollectorConfig(frames_per_batch=frames, track_policy_version=True),
+                               create_env_fn=None, trajectory_counter=counter)
         policy = stateless_copy(self.policy) if self.setup.stateless else self.policy
-        self._spec_of = lambda w, env, version=0: WorkerSpec(w, Collector, env, dict(kwargs), policy=policy,
+        self._spec_of = lambda w, env, version=0: WorkerSpec(w, Collector, env, options=options, policy=policy,
                                                               weight_recv_schemes={"policy": self.scheme},
                                                               policy_version=version)
         specs = [self._spec_of(w, env_fn(w)) for w in range(count)]

@@ -11,6 +11,7 @@ from rlharvest.collectors import Collector, VanillaWeightUpdater, WeightUpdaterB
 from rlharvest.envs import CountingEnv
 from rlharvest.weight_update import NoWeightSyncScheme, RemoteModuleWeightUpdater, WeightStrategy
 from rlharvest.weight_update.schemes import WeightSyncScheme
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,7 +66,7 @@ def test_update_with_a_copied_policy_refreshes_from_the_original():
     policy = bias_policy(0.0)
     collector = Collector(CountingEnv(max_steps=100), policy, frames_per_batch=4)
     collector.policy = __import__("copy").deepcopy(policy)  # as if moved to another device
-    collector._rollout.policy_step = __import__("rlharvest.policies", fromlist=["x"]).make_policy_step(
+    collector.rollout.policy_step = __import__("rlharvest.policies", fromlist=["x"]).make_policy_step(
         collector.policy, collector.env, {"observation"}, None)
     with torch.no_grad():
         policy.module.bias.fill_(7)
@@ -295,7 +296,7 @@ def test_weight_updater_base_members():
         updater.register_collector(second)
     assert updater.collector is first and updater.collectors == [first]
     updater.increment_version()
-    assert first._policy_version == 1
+    assert engine_of(first).weights.version == 1
     with pytest.raises(NotImplementedError):
         WeightUpdaterBase()._sync_weights_with_worker(server_weights=weights)
     assert WeightUpdaterBase().all_worker_ids() is None

@@ -9,7 +9,7 @@ import pytest
 from mocks import CountingPolicy, FaultyEnv
 
 from rlharvest.collectors import Collector
-from rlharvest.collectors._requests import WorkerRequests
+from rlharvest.collectors.engine.requests import WorkerRequests
 from rlharvest.envs import CountingEnv
 from rlharvest.protocol import FREE_BATCH, READY, Command, Message, WorkerSpec
 from rlharvest.transport.inprocess import InProcessBackend

@@ -1,39 +1,31 @@
 """RayCollector: one Ray actor per env constructor, each running the worker loop around its own collector.
 
-Everything but where the workers run is :class:`~.nodes.NodeCollector`'s: trajectory ids
-(``k * W + i``; in segments once actors are added, ``collectors/_traj_ids.py``), automatic weight
-pushes (``update_after_each_batch``, ``max_weight_update_interval``), ``start()``/``pause()`` into a
-replay buffer, and the collector logic of RemoteCollectorBase. The actors are the workers of the
-``ray`` backend (``rlharvest.transport.ray``); weights go through RayWeightSyncScheme (docs/ray.md).
-Workers join and leave a running collection (:meth:`RayCollector.add_collectors`, as TorchRL, and
-``remove_collectors``, as every collector with workers: docs/elastic.md).
+The actors are the workers of the ``ray`` backend (``rlharvest.transport.ray``); weights go through
+RayWeightSyncScheme (docs/ray.md). Everything else is the engine's
+(:class:`~rlharvest.collectors.engine.engine.CollectionEngine`): trajectory ids, automatic weight
+pushes, ``start()``/``pause()`` into a replay buffer, actors that join and leave (docs/elastic.md).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-from tensordict import TensorDictBase
-
+from ...policies import ExplorationType
 from ...protocol import Command
 from ...transport.ray import ensure_ray, require_ray
-from .._signatures import bind_arguments, derived_signature, keyword, method_signature
-from ..options.nodes import RayOptions, remote_configs_of
-from .torchdist import DistributedCollector
-from .nodes import NodeCollector
+from .. import _workers
+from ..base import BaseCollector
+from ..engine.checkpoint import as_actor_list, from_actor_list
+from ..engine.engine import CollectionEngine
+from ..options.ray import RayOptions
+from ..single import Collector
+from . import _node_api
 
 __all__ = ["RayCollector"]
 
-#: the key of the collector's own part of a checkpoint, in the first actor's state dict
-COLLECTOR_KEY = "rlharvest_collector"
 
-#: DistributedCollector's arguments that say where nodes run: a Ray cluster decides that
-_NOT_RAY = ("slurm_kwargs", "backend", "update_interval", "launcher", "tcp_port", "mp_start_method", "bind_address",
-            "authkey", "handshake_timeout")
-
-class RayCollector(NodeCollector):
+class RayCollector(BaseCollector, dispatch="ray"):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
     Takes DistributedCollector's arguments except those saying where nodes run (``launcher``,
@@ -63,48 +55,101 @@ class RayCollector(NodeCollector):
         [(2, 4), (2, 4)]
     """
 
-    __signature__ = derived_signature(
-        DistributedCollector.__init__, drop=_NOT_RAY, after="sync",
-        add=(keyword("ray_init_config", annotation="dict | None"),
-             keyword("remote_configs", annotation="dict | list[dict] | None"),
-             keyword("num_collectors", annotation="int | None")))
-    __signature__ = __signature__.replace(parameters=[
-        *__signature__.parameters.values(), keyword("trust_policy", annotation="bool | None"),
-        keyword("use_env_creator", False, "bool"), keyword("no_cuda_sync", annotation="bool | None"),
-        keyword("trajs_per_batch", annotation="int | None"), keyword("traj_format", annotation="str | None"),
-        keyword("pre_collect_hook"),
-        keyword("post_collect_hook")])
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        policy: Callable | None = None,
+        *,
+        policy_factory: Callable | Sequence[Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        env_device=None,
+        policy_device=None,
+        max_frames_per_traj: int = -1,
+        init_random_frames: int = -1,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool = False,
+        exploration_type=ExplorationType.RANDOM,
+        collector_class: Any = Collector,
+        collector_kwargs: dict | Sequence[dict] | None = None,
+        num_workers_per_collector: int = 1,
+        sync: bool = False,
+        ray_init_config: dict | None = None,
+        remote_configs: dict | list[dict] | None = None,
+        num_collectors: int | None = None,
+        update_after_each_batch: bool = False,
+        max_weight_update_interval: int = -1,
+        weight_updater=None,
+        weight_sync_schemes: dict | None = None,
+        weight_recv_schemes: dict | None = None,
+        replay_buffer=None,
+        track_policy_version: Any = False,
+        worker_timeout: float = 120.0,
+        heartbeat_timeout: float = 10.0,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
+        trust_policy: bool | None = None,
+        use_env_creator: bool = False,
+        no_cuda_sync: bool | None = None,
+        trajs_per_batch: int | None = None,
+        traj_format: str | None = None,
+        pre_collect_hook=None,
+        post_collect_hook=None,
+    ) -> None:
+        self._build(RayOptions.parse(
+            type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device, policy_device=policy_device,
+            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
+            exploration_type=exploration_type, collector_class=collector_class,
+            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector,
+            sync=sync, ray_init_config=ray_init_config, remote_configs=remote_configs,
+            num_collectors=num_collectors, update_after_each_batch=update_after_each_batch,
+            max_weight_update_interval=max_weight_update_interval, weight_updater=weight_updater,
+            weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes,
+            replay_buffer=replay_buffer, track_policy_version=track_policy_version,
+            worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+            max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
+            preemption_grace=preemption_grace, trust_policy=trust_policy, use_env_creator=use_env_creator,
+            no_cuda_sync=no_cuda_sync, trajs_per_batch=trajs_per_batch, traj_format=traj_format,
+            pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook
+        ))
 
-    noun = "actor"
-
-    def __init__(self, *args, **kwargs) -> None:
-        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
-        self._construct(arguments)
-
-    __init__.__signature__ = method_signature(__signature__)
-
-    # ------------------------------------------------------------------ construction
-    def _parse(self, arguments: dict[str, Any]) -> RayOptions:
-        options = RayOptions.parse(type(self).__name__, **arguments)
+    def _build(self, options: RayOptions) -> None:
         ensure_ray(options.ray_init_config)
-        return options
+        self._engine = CollectionEngine(options, self)
+        self._engine.start()
 
-    @property
-    def _wait_until_built(self) -> bool:
-        # Async: iteration starts each actor's first rollout as soon as it is built and yields the
-        # first batch ready, so the constructor does not wait for the slowest actor (docs/ray.md).
-        return self._sync
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.WORKER_METHODS["num_workers"]
+    active_workers = _workers.WORKER_METHODS["active_workers"]
+    restart_causes = _workers.WORKER_METHODS["restart_causes"]
+    remove_collectors = _workers.remove_collectors
+    policy = _node_api.option("policy", "The policy run on every actor, and the main-side source of weights.")
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.option("collector_class", "The collector each actor runs.")
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.option("num_workers_per_collector")
+    update_after_each_batch = _node_api.option("update_after_each_batch")
+    max_weight_update_interval = _node_api.option("max_weight_update_interval")
+    push_legacy_weights = _node_api.push_legacy_weights
 
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property
     def num_collectors(self) -> int:
-        return self.num_workers
+        return self._engine.num_workers
 
     @property
     def remote_collectors(self) -> list:
         """The Ray actor handles of the workers, in worker order (each runs one collector)."""
-        pool = self._requests
-        return [handle.actor for handle in pool.handles] if pool is not None and not self._closed else []
+        return [handle.actor for handle in self._engine.handles()]
 
     def local_policy(self):
         """The policy of this process (the source of the actors' weights)."""
@@ -151,96 +196,41 @@ class RayCollector(NodeCollector):
             >>> collector.num_collectors, collector.requested_frames_per_batch          # doctest: +SKIP
             (2, 8)
         """
-        count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 1
-        self._add_nodes(create_env_fn, num_envs, policy, collector_kwargs,
-                        lambda: remote_configs_of(remote_configs, count, f"new {self.noun} (one per entry of "
-                                                                         "create_env_fn)"))
+        self._open("add_collectors()").add_workers(create_env_fn, num_envs, policy, collector_kwargs, remote_configs)
 
-    def stats(self, workers: str = "aggregate", *, timeout: float | None = 10.0) -> dict[str, int | float | bool]:
-        """Progress as plain scalars, as :meth:`MultiCollector.stats <rlharvest.collectors.MultiCollector.stats>`,
-        with TorchRL's Ray additions: every call asks each actor for its own snapshot (so that a hung
-        actor cannot block a monitoring thread, it waits at most ``timeout`` seconds), and
-        ``workers_alive`` counts the actors that answered. ``"aggregate"`` and ``"both"`` add
-        ``worker_frames``, the sum of the actors' ``frames`` (how many frames they collected, including
-        those a replay buffer received directly); ``"per_worker"`` and ``"both"`` add each actor's snapshot
-        as ``worker_<i>/<key>``.
-
-        Args:
-            workers: ``"aggregate"``, ``"per_worker"`` or ``"both"``.
-            timeout: seconds to wait for the actors' snapshots (None: no limit); an actor that does not
-                answer in time, or died, is left out.
-
-        Raises:
-            ValueError: for another ``workers`` value, or a negative ``timeout``.
-
-        Example:
-            >>> collector.stats(timeout=1.0)["worker_frames"]          # doctest: +SKIP
-            200
-        """
-        if workers not in ("aggregate", "per_worker", "both"):
-            raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-        snapshots = self._broadcast.stats_within(timeout) if self._broadcast is not None and not self._closed else {}
-        stats = super().stats("aggregate") if workers != "per_worker" else {}
-        active = self.active_workers
-        stats["workers"] = len(active)
-        stats["workers_alive"] = len(snapshots)
-        if self._fleet is not None:  # kept here, no actor is asked
-            stats.update(self._fleet.restarts.stats(self.num_workers))
-            stats["workers_removed"] = self.num_workers - len(active)
-        if workers != "per_worker" and snapshots:
-            stats["worker_frames"] = int(sum(snapshot.get("frames", 0) for snapshot in snapshots.values()))
-        if workers != "aggregate":
-            for actor, snapshot in sorted(snapshots.items()):
-                stats.update({f"worker_{actor}/{key}": value for key, value in snapshot.items()})
-        return stats
-
-    # ------------------------------------------------------------------ iteration
-    def _iterate(self) -> Iterator[TensorDictBase | None]:
-        yield from super()._iterate()
-        if self._reached_total():  # TorchRL's RayCollector releases its actors at the end of iteration
-            self.shutdown()
-
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (TorchRL's list of actor states)
     def state_dict(self, *, env_state: bool = True) -> list[dict]:
         """One state dict per actor, in actor order, as TorchRL's; the first also holds, under
         ``"rlharvest_collector"``, this collector's own part (counters, layout, seeds, trajectory-id map,
         batches not yielded yet, replay buffer): the list is a complete checkpoint that
-        :meth:`load_state_dict` continues exactly (docs/checkpoints.md). Rollouts in flight are
-        waited for first.
+        :meth:`load_state_dict` continues exactly (docs/checkpoints.md).
 
         Args:
             env_state: False leaves the envs' states and the episodes in flight out.
         """
-        full = super().state_dict(env_state=env_state)
-        states = [full.pop(f"worker{worker}") for worker in self.active_workers]
-        if states:
-            states[0] = {**states[0], COLLECTOR_KEY: full}
-        return states
+        return as_actor_list(super().state_dict(env_state=env_state), self.active_workers)
 
     def load_state_dict(self, state_dict: dict | list[dict], **kwargs) -> None:
-        """Continue from :meth:`state_dict`'s list (the collector's part included: exactly, as every
-        collector), or load TorchRL's: one state dict into every actor, or the ``i``-th of a list into
-        actor ``i`` (counters and weights; the collector's counters stay).
+        """Continue from :meth:`state_dict`'s list (exactly, as every collector), or load TorchRL's: one
+        state dict into every actor, or the ``i``-th of a list into actor ``i`` (counters and weights; the
+        collector's counters stay).
 
         Raises:
             ValueError: for a list that does not hold one state dict per actor.
             CheckpointMismatchError: for a checkpoint of a newer format or of other arguments.
         """
+        engine = self._open("load_state_dict()")
         states = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict] * self.num_workers
         if len(states) != self.num_workers:
             raise ValueError(f"load_state_dict takes one state dict or {self.num_workers} (one per actor), "
                              f"got {len(states)}.")
-        collector_part = states[0].get(COLLECTOR_KEY) if isinstance(state_dict, (list, tuple)) else None
-        states = [{key: value for key, value in state.items() if key != COLLECTOR_KEY} for state in states]
-        if collector_part is not None:
-            full = {**collector_part, **{f"worker{worker}": state for worker, state in zip(self.active_workers, states)}}
+        full = from_actor_list(states, self.active_workers) if isinstance(state_dict, (list, tuple)) else None
+        if full is not None:
             super().load_state_dict(full)
             return
-        self._drain_async()
+        engine.loop.drain()
         for worker, state in enumerate(states):
-            raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state)
+            raised = engine.requests.request(worker, Command.LOAD_STATE_DICT, state)
             for category, message in raised or ():  # an actor's episode that restarts (docs/checkpoints.md)
                 warnings.warn(message, category, stacklevel=2)
 
@@ -261,7 +251,3 @@ class RayCollector(NodeCollector):
         if isinstance(timeout, bool):
             timeout, shutdown_ray = None, timeout
         self.shutdown(timeout=timeout, shutdown_ray=shutdown_ray, close_env=close_env)
-
-    def __repr__(self) -> str:
-        mode = "sync" if self._sync else "async"
-        return f"RayCollector(actors={self.num_workers}, {mode}, frames={self._frames})"

@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from ...policies import ExplorationType
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, require_ray
 from .._evaluation import AfterInit, EvalCollector, TrajectoryRun, episode_metrics
+from .ray import RayCollector
 
 __all__ = ["RayEvalWorker"]
 
@@ -186,8 +187,6 @@ class RayEvalWorker:
         if self._run is not None and self._run_key == key:
             return self._run
         self._stop_run()
-        from .ray import RayCollector
-
         kwargs = dict(self._collector_kwargs)
         collector = RayCollector(
             [self._env_maker], policy_factory=self._policy_maker, num_collectors=1, sync=False,

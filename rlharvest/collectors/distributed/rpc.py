@@ -1,24 +1,27 @@
 """RPCCollector: nodes driven over torch.distributed.rpc (TensorPipe).
 
-Everything but the wire is :class:`~.nodes.NodeCollector`'s: trajectory ids (``k * W + i``),
-automatic weight pushes, launchers (DistributedCollector's arguments, ``options/nodes.py``). Its nodes are
-the workers of the ``rpc`` backend (``rlharvest.transport.rpc``): they run the worker loop in pull
-mode (one RPC per command) and receive weights through RPCWeightSyncScheme.
+Its nodes are the workers of the ``rpc`` backend (``rlharvest.transport.rpc``): they run the worker loop
+in pull mode (one RPC per command) and receive weights through RPCWeightSyncScheme. A face over
+:class:`~rlharvest.collectors.engine.engine.CollectionEngine`.
 """
 
 from __future__ import annotations
 
-from ...weight_update.rpc import RPCWeightSyncScheme
-from .._specs import has_weights
-from .._signatures import bind_arguments, derived_signature, keyword, method_signature
-from ..options.nodes import RPCOptions
-from .torchdist import DistributedCollector
-from .nodes import NodeCollector
+from typing import Any, Callable, Sequence
+
+from ...policies import ExplorationType
+from .. import _workers
+from ..base import BaseCollector
+from ..engine.engine import CollectionEngine
+from ..engine.extras import RPCReferences
+from ..options.rpc import RPCOptions
+from ..single import Collector
+from . import _node_api
 
 __all__ = ["RPCCollector"]
 
 
-class RPCCollector(NodeCollector):
+class RPCCollector(BaseCollector, dispatch="rpc"):
     """Collect with one node per env constructor, commanded over torch RPC.
 
     Takes DistributedCollector's arguments except ``update_interval``, plus:
@@ -46,82 +49,106 @@ class RPCCollector(NodeCollector):
         [(2, 5), (2, 5)]
     """
 
-    __signature__ = derived_signature(
-        DistributedCollector.__init__, drop=("update_interval", "authkey", "handshake_timeout"), after="tcp_port",
-        add=(keyword("visible_devices", annotation="Sequence | None"), keyword("tensorpipe_options", annotation="dict | None"),
-             keyword("trajs_per_batch", annotation="int | None"), keyword("trajs_per_write", annotation="int | None"),
-             keyword("traj_format", annotation="str | None")))
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        policy: Callable | None = None,
+        *,
+        policy_factory: Callable | Sequence[Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        env_device=None,
+        policy_device=None,
+        max_frames_per_traj: int = -1,
+        init_random_frames: int = -1,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool = False,
+        exploration_type=ExplorationType.RANDOM,
+        collector_class: Any = Collector,
+        collector_kwargs: dict | Sequence[dict] | None = None,
+        num_workers_per_collector: int = 1,
+        sync: bool = False,
+        slurm_kwargs: dict | None = None,
+        backend: str = 'gloo',
+        update_after_each_batch: bool = False,
+        max_weight_update_interval: int = -1,
+        launcher: str = 'submitit',
+        tcp_port: int | None = None,
+        visible_devices: Sequence | None = None,
+        tensorpipe_options: dict | None = None,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: str | None = None,
+        weight_updater=None,
+        weight_sync_schemes: dict | None = None,
+        weight_recv_schemes: dict | None = None,
+        replay_buffer=None,
+        track_policy_version: Any = False,
+        worker_timeout: float = 120.0,
+        heartbeat_timeout: float = 10.0,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
+        mp_start_method: str | None = None,
+        bind_address: str | None = None,
+    ) -> None:
+        self._build(RPCOptions.parse(
+            type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device, policy_device=policy_device,
+            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
+            exploration_type=exploration_type, collector_class=collector_class,
+            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector,
+            sync=sync, slurm_kwargs=slurm_kwargs, backend=backend,
+            update_after_each_batch=update_after_each_batch,
+            max_weight_update_interval=max_weight_update_interval, launcher=launcher, tcp_port=tcp_port,
+            visible_devices=visible_devices, tensorpipe_options=tensorpipe_options,
+            trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
+            weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
+            weight_recv_schemes=weight_recv_schemes, replay_buffer=replay_buffer,
+            track_policy_version=track_policy_version, worker_timeout=worker_timeout,
+            heartbeat_timeout=heartbeat_timeout, max_worker_restarts=max_worker_restarts,
+            restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
+            bind_address=bind_address
+        ))
 
-    def __init__(self, *args, **kwargs) -> None:
-        arguments = bind_arguments(type(self).__name__, self.__signature__, args, kwargs)
-        self.collector_rrefs: list = []
-        self.collector_infos: list = []
-        self._retired_rrefs: list = []
-        self._construct(arguments)
+    def _build(self, options: RPCOptions) -> None:
+        self._engine = CollectionEngine(options, self)
+        self._engine.start()
 
-    __init__.__signature__ = method_signature(__signature__)
-
-    _stateless_nodes = False  # RPC nodes get the policy with its weights (no initial sync)
-
-    def _parse(self, arguments: dict) -> RPCOptions:
-        # No automatic pushes every update_interval batches; torch RPC authenticates nobody (docs/security.md).
-        return RPCOptions.parse(type(self).__name__, update_interval=None, **arguments)
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.WORKER_METHODS["num_workers"]
+    active_workers = _workers.WORKER_METHODS["active_workers"]
+    restart_causes = _workers.WORKER_METHODS["restart_causes"]
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+    policy = _node_api.option("policy", "The policy run on every node, and the main-side source of weights.")
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.option("collector_class", "The collector each node runs.")
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.option("num_workers_per_collector")
+    update_after_each_batch = _node_api.option("update_after_each_batch")
+    max_weight_update_interval = _node_api.option("max_weight_update_interval")
+    update_interval = _node_api.option("update_interval")
+    push_legacy_weights = _node_api.push_legacy_weights
+    launcher = _node_api.option("launcher", "How nodes are started (``\"mp\"``, ``\"submitit\"``, ...).")
+    slurm_kwargs = _node_api.option("slurm_kwargs")
+    tcp_port = _node_api.tcp_port
+    visible_devices = _node_api.option("visible_devices")
+    tensorpipe_options = _node_api.option("tensorpipe_options")
 
     @property
-    def visible_devices(self):
-        return self._options.visible_devices
+    def collector_rrefs(self) -> list:
+        """A remote reference to each node's collector (e.g. for an ``RPCWeightUpdater``), in node order."""
+        return self._engine.extra(RPCReferences).rrefs
 
     @property
-    def tensorpipe_options(self) -> dict:
-        return self._options.tensorpipe_options
-
-    def _setup_schemes(self, weight_updater, schemes) -> None:
-        weighted = has_weights(self.policy) or self.policy_factory is not None
-        if weight_updater is None and schemes is None:
-            schemes = {"policy": RPCWeightSyncScheme()} if weighted else {}
-        self._legacy = weight_updater is not None
-        self._sender_schemes = {} if self._legacy else dict(schemes or {})
-        self._weight_sync_schemes = None if self._legacy else self._sender_schemes
-
-    def _start_nodes(self, count: int) -> None:
-        super()._start_nodes(count)
-        handles = self._requests.handles
-        self.collector_infos = [h.info for h in handles]
-        self.collector_rrefs = [h.collector_rref(self._worker_timeout) for h in handles]
-
-    def _before_replacement(self, worker: int) -> None:
-        super()._before_replacement(worker)
-        # The old node's RRef is deleted only once the agent is gone: deleting it now would message
-        # an owner that left the group.
-        self._retired_rrefs.append(self.collector_rrefs[worker])
-
-    def _grown(self, count: int) -> None:
-        super()._grown(count)
-        for handle in self._requests.handles[-count:]:  # what users see lists the new nodes too
-            self.collector_infos.append(handle.info)
-            self.collector_rrefs.append(handle.collector_rref(self._worker_timeout))
-
-    def _after_replacement(self, worker: int) -> None:
-        handle = self._requests.handles[worker]  # a new RPC name: what users see follows it
-        self.collector_infos[worker] = handle.info
-        self.collector_rrefs[worker] = handle.collector_rref(self._worker_timeout)
-
-    # ------------------------------------------------------------------ running free
-    def start(self) -> None:
-        """Collect in the background into the replay buffer until :meth:`async_shutdown`.
-
-        RPC nodes only act on calls (nothing on a node runs between two of them), so a thread of this
-        process keeps requesting batches, as iteration does, and writes them into the buffer.
-
-        Raises:
-            RuntimeError: without a replay buffer, or when already running.
-        """
-        self._start_thread()
-
-    def _pause_impl(self):
-        yield from self._pause_thread()
-
-    def _close_workers(self, timeout: float) -> None:
-        self.collector_rrefs = []  # the nodes' RRefs go while their owners still answer
-        super()._close_workers(timeout)
-        self._retired_rrefs = []
+    def collector_infos(self) -> list:
+        """The RPC worker info of each node, in node order."""
+        return self._engine.extra(RPCReferences).infos

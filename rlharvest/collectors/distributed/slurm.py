@@ -12,7 +12,8 @@ import time
 from typing import Any, Callable
 
 from ...transport.channel import AUTHKEY_ENV, new_authkey
-from ...transport.launchers import _ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, SlurmNode, main_host_ip, submit_jobs
+from ...transport.launchers import (_ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, SlurmNode, main_host_ip,
+                                   submit_jobs)
 from ...worker.nodes import node_main
 
 __all__ = ["DEFAULT_SLURM_CONF", "DEFAULT_SLURM_CONF_MAIN", "TCP_PORT", "LAUNCHERS", "submitit_delayed_launcher"]
@@ -20,8 +21,6 @@ __all__ = ["DEFAULT_SLURM_CONF", "DEFAULT_SLURM_CONF_MAIN", "TCP_PORT", "LAUNCHE
 #: SLURM parameters of the main job submitted by :func:`submitit_delayed_launcher`
 DEFAULT_SLURM_CONF_MAIN = {"timeout_min": 10, "slurm_partition": "train", "slurm_cpus_per_task": 32,
                            "slurm_gpus_per_node": 1}
-#: default base port when neither ``tcp_port`` nor the ``TCP_PORT`` environment variable is set
-TCP_PORT = 10003
 
 
 def submitit_delayed_launcher(

@@ -1,33 +1,28 @@
 """DistributedSyncCollector: always synchronous, free-running nodes (docs/collection.md).
 
-Nodes collect continuously and push every batch to the main process without waiting for
-instructions; each yielded batch stacks the next batch of every node (``(W, ...)``), so nodes
-collect the next one while the caller trains. Weights (when the policy is a module) are pushed
-without waiting before batches 0, k, 2k, ... (k = ``update_interval``).
+Nodes collect continuously and push every batch to the main process without waiting for instructions;
+each yielded batch stacks the next batch of every node (``(W, ...)``), so nodes collect the next one
+while the caller trains. Weights (when the policy is a module) are pushed without waiting before
+batches 0, k, 2k, ... (k = ``update_interval``). ``update_policy_weights_``, ``set_seed`` and
+checkpoints are refused (as TorchRL does): the nodes never stand still.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Sequence
 
-from tensordict import TensorDictBase
-
-from ...protocol import Command
-from ...weight_update.torchdist import DistributedWeightSyncScheme
-from .._specs import has_weights
-from .._fleet import Fleet
-from .._signatures import bind_arguments, derived_signature, method_signature
+from ...policies import ExplorationType
+from .. import _workers
 from ..base import BaseCollector
-from ..remote import valid_part
-from ..gather import Pushed
-from ..options.nodes import TorchDistOptions
-from .torchdist import DistributedCollector
-from .nodes import NodeCollector
+from ..engine.engine import CollectionEngine
+from ..options.torchdist import TorchDistOptions
+from ..single import Collector
+from . import _node_api
 
 __all__ = ["DistributedSyncCollector"]
 
 
-class DistributedSyncCollector(NodeCollector):
+class DistributedSyncCollector(BaseCollector):
     """Synchronous collection from free-running nodes over a torch.distributed process group.
 
     Takes DistributedCollector's arguments except ``sync``, ``update_after_each_batch`` and the
@@ -42,111 +37,84 @@ class DistributedSyncCollector(NodeCollector):
         [(2, 5), (2, 5)]
     """
 
-    #: whether the nodes were told to run free (a class attribute: shutdown after a failed start reads it)
-    _pushing = False
-    #: iteration itself runs the nodes free; there is no start() into a replay buffer (as TorchRL)
-    _supports_run_free = False
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        policy: Callable | None = None,
+        *,
+        policy_factory: Callable | Sequence[Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        device=None,
+        storing_device=None,
+        env_device=None,
+        policy_device=None,
+        max_frames_per_traj: int = -1,
+        init_random_frames: int = -1,
+        reset_at_each_iter: bool = False,
+        postproc: Callable | None = None,
+        split_trajs: bool = False,
+        exploration_type=ExplorationType.RANDOM,
+        collector_class: Any = Collector,
+        collector_kwargs: dict | Sequence[dict] | None = None,
+        num_workers_per_collector: int = 1,
+        slurm_kwargs: dict | None = None,
+        backend: str = 'gloo',
+        max_weight_update_interval: int = -1,
+        update_interval: int | None = 1,
+        launcher: str = 'submitit',
+        tcp_port: int | None = None,
+        track_policy_version: Any = False,
+        worker_timeout: float = 120.0,
+        heartbeat_timeout: float = 10.0,
+        max_worker_restarts: int = 0,
+        restart_delay: float = 0.0,
+        preemption_grace: float = 5.0,
+        mp_start_method: str | None = None,
+        bind_address: str | None = None,
+        authkey: bytes | str | None = None,
+        handshake_timeout: float = 5.0,
+    ) -> None:
+        self._build(TorchDistOptions.parse_free_running(
+            type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device, policy_device=policy_device,
+            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
+            exploration_type=exploration_type, collector_class=collector_class,
+            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector,
+            slurm_kwargs=slurm_kwargs, backend=backend,
+            max_weight_update_interval=max_weight_update_interval, update_interval=update_interval,
+            launcher=launcher, tcp_port=tcp_port, track_policy_version=track_policy_version,
+            worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+            max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
+            preemption_grace=preemption_grace, mp_start_method=mp_start_method, bind_address=bind_address,
+            authkey=authkey, handshake_timeout=handshake_timeout
+        ))
 
-    __signature__ = derived_signature(
-        DistributedCollector.__init__, defaults={"update_interval": 1},
-        drop=("sync", "update_after_each_batch", "weight_updater", "weight_sync_schemes", "weight_recv_schemes",
-              "replay_buffer"))
+    def _build(self, options: TorchDistOptions) -> None:
+        self._engine = CollectionEngine(options, self)
+        self._engine.start()
 
-    def __init__(self, *args, **kwargs) -> None:
-        self._construct(bind_arguments(type(self).__name__, self.__signature__, args, kwargs))
-
-    def _parse(self, arguments: dict[str, Any]) -> TorchDistOptions:
-        return self._parse_sync(**arguments)
-
-    def _parse_sync(self, *, create_env_fn: Any, total_frames: int, update_interval: int | None, policy: Any,
-                    policy_factory: Any, backend: str, **others: Any) -> TorchDistOptions:
-        count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 0
-        if count and total_frames is not None and total_frames > 0 and total_frames % count:
-            raise RuntimeError(f"total_frames={total_frames} must be divisible by the {count} nodes "
-                               "(or -1 for endless collection).")
-        # sync=False: nodes pick weights up between two env steps, without acknowledging
-        schemes = {"policy": DistributedWeightSyncScheme(backend=backend, sync=False)} if (
-            has_weights(policy) or policy_factory is not None) else {}
-        return TorchDistOptions.parse(
-            type(self).__name__, create_env_fn=create_env_fn, total_frames=total_frames, policy=policy,
-            policy_factory=policy_factory, backend=backend, sync=True, update_after_each_batch=False,
-            update_interval=int(update_interval) if update_interval else 1, weight_updater=None,
-            weight_sync_schemes=schemes, weight_recv_schemes=None, replay_buffer=None, **others)
-
-    __init__.__signature__ = method_signature(__signature__)
-
-    # ------------------------------------------------------------------ iteration
-    def _iterate(self) -> Iterator[TensorDictBase | None]:
-        pool = self._requests
-        if not self._pushing:
-            pool.broadcast(Command.RUN_FREE)
-            self._pushing = True
-        while not self._reached_total():
-            if self._yielded % self.update_interval == 0:
-                self._push_weights()
-            self._iter += 1
-            batches, frames = [], 0
-            for node in self.active_workers:
-                reply, batch = self._gather.next_of(node, self._fetch_pushed)
-                if reply is None:  # it left (preempted) and was not replaced
-                    continue
-                batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
-                frames += reply.frames
-            self._frames += frames
-            self._yielded += 1
-            yield from self._emit(batches, [], sync=True, counted=True)
-
-    def _workers_run_free(self) -> bool:
-        return self._pushing
-
-    def _gather_strategy(self, fleet: Fleet) -> Pushed:
-        return Pushed(fleet, self._meter, self._worker_timeout, self.noun)
-
-    def _fetch_pushed(self, node: int, reply) -> TensorDictBase:
-        return self._remap_traj_ids(self._fetch(node, reply), node)
-
-    def _after_replacement(self, worker: int) -> None:
-        if self._pushing:  # the replacement runs free like the others
-            self._requests.request(worker, Command.RUN_FREE)
-
-    def _grown(self, count: int) -> None:
-        super()._grown(count)
-        for worker in range(self.num_workers - count, self.num_workers):  # the new nodes run free like the others
-            self._after_replacement(worker)
-
-    def _push_weights(self) -> None:
-        scheme = self._sender_schemes.get("policy")
-        if scheme is not None:
-            # sync=False: nodes pick it up between two env steps, each counting one version as we do
-            BaseCollector.increment_version(self)
-            self._updating_weights(scheme.send, counted=False)  # a replacement starts at the new version
-
-    def _close_workers(self, timeout: float) -> None:
-        if self._pushing:
-            from ._pushed_batches import PushedBatchReceiver
-
-            receiver = PushedBatchReceiver(self)
-            receiver.stop_requested.set()
-            receiver.run()  # stop the nodes pushing, taking what is in flight, before closing them
-            self._pushing = False
-        super()._close_workers(timeout)
-
-    # ------------------------------------------------------------------ not available: nodes run free (TorchRL
-    # refuses these too)
-    def update_policy_weights_(self, *args, **kwargs) -> None:
-        raise NotImplementedError("DistributedSyncCollector pushes weights every update_interval batches by itself.")
-
-    def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        raise NotImplementedError("DistributedSyncCollector does not support set_seed (nodes run free).")
-
-    def state_dict(self, *, env_state: bool = True) -> dict:
-        raise NotImplementedError("DistributedSyncCollector has no state_dict: its nodes run free, so there is no "
-                                  "moment they all stand still at (docs/checkpoints.md).")
-
-    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
-        raise NotImplementedError("DistributedSyncCollector has no load_state_dict: its nodes run free "
-                                  "(docs/checkpoints.md).")
-
-    def _write_pushed(self, worker: int, reply) -> None:
-        """While stopping: batches pushed after the last yield are dropped (nobody will consume them)."""
-        self._requests.handles[worker].fetch_batch(reply)
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.WORKER_METHODS["num_workers"]
+    active_workers = _workers.WORKER_METHODS["active_workers"]
+    restart_causes = _workers.WORKER_METHODS["restart_causes"]
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+    policy = _node_api.option("policy", "The policy run on every node, and the main-side source of weights.")
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.option("collector_class", "The collector each node runs.")
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.option("num_workers_per_collector")
+    update_after_each_batch = _node_api.option("update_after_each_batch")
+    max_weight_update_interval = _node_api.option("max_weight_update_interval")
+    update_interval = _node_api.option("update_interval")
+    push_legacy_weights = _node_api.push_legacy_weights
+    launcher = _node_api.option("launcher", "How nodes are started (``\"mp\"``, ``\"submitit\"``, ...).")
+    backend = _node_api.option("backend", "The process groups' backend (``\"gloo\"``, ...).")
+    slurm_kwargs = _node_api.option("slurm_kwargs")
+    tcp_port = _node_api.tcp_port
+    join_command = _node_api.join_command

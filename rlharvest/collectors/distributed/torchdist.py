@@ -1,10 +1,10 @@
 """DistributedCollector: one node per env constructor, each with a torch.distributed group of its own.
 
-The main process is rank 0, node ``i`` is rank ``i + 1``; the nodes are the workers of the
-``torchdist`` backend (``rlharvest.transport.torchdist``), started through its launchers. Nodes run
-the worker loop around their own collector (``collector_class``); batches come back as flat tensors
-over each node's group, commands and replies travel on a TCP channel per node, weights through
-DistributedWeightSyncScheme. The collector logic is :class:`~.nodes.NodeCollector`'s.
+The main process is rank 0, node ``i`` is rank ``i + 1``; the nodes are the workers of the ``torchdist``
+backend (``rlharvest.transport.torchdist``), started through its launchers. Nodes run the worker loop
+around their own collector (``collector_class``); batches come back as flat tensors over each node's
+group, commands and replies travel on a TCP channel per node, weights through
+DistributedWeightSyncScheme. A face over :class:`~rlharvest.collectors.engine.engine.CollectionEngine`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ...policies import ExplorationType
-from .._signatures import constructor_arguments
-from ..options.nodes import TorchDistOptions, resolve_collector_class
+from .. import _workers
+from ..base import BaseCollector
+from ..engine.engine import CollectionEngine
+from ..options.torchdist import TorchDistOptions
 from ..single import Collector
-from .nodes import NodeCollector
+from . import _node_api
 
-__all__ = ["DistributedCollector", "resolve_collector_class"]
+__all__ = ["DistributedCollector"]
 
 
-class DistributedCollector(NodeCollector):
+class DistributedCollector(BaseCollector, dispatch="distributed"):
     """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
 
     Args:
@@ -98,11 +100,11 @@ class DistributedCollector(NodeCollector):
         num_workers_per_collector: int = 1,
         sync: bool = False,
         slurm_kwargs: dict | None = None,
-        backend: str = "gloo",
+        backend: str = 'gloo',
         update_after_each_batch: bool = False,
         max_weight_update_interval: int = -1,
         update_interval: int | None = None,
-        launcher: str = "submitit",
+        launcher: str = 'submitit',
         tcp_port: int | None = None,
         weight_updater=None,
         weight_sync_schemes: dict | None = None,
@@ -119,11 +121,49 @@ class DistributedCollector(NodeCollector):
         authkey: bytes | str | None = None,
         handshake_timeout: float = 5.0,
     ) -> None:
-        self._construct(constructor_arguments(locals()))  # first thing: parsed at once into typed options
+        self._build(TorchDistOptions.parse(
+            type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device, policy_device=policy_device,
+            max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
+            exploration_type=exploration_type, collector_class=collector_class,
+            collector_kwargs=collector_kwargs, num_workers_per_collector=num_workers_per_collector,
+            sync=sync, slurm_kwargs=slurm_kwargs, backend=backend,
+            update_after_each_batch=update_after_each_batch,
+            max_weight_update_interval=max_weight_update_interval, update_interval=update_interval,
+            launcher=launcher, tcp_port=tcp_port, weight_updater=weight_updater,
+            weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes,
+            replay_buffer=replay_buffer, track_policy_version=track_policy_version,
+            worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
+            max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
+            preemption_grace=preemption_grace, mp_start_method=mp_start_method, bind_address=bind_address,
+            authkey=authkey, handshake_timeout=handshake_timeout
+        ))
 
-    def _parse(self, arguments: dict[str, Any]) -> TorchDistOptions:
-        return TorchDistOptions.parse(type(self).__name__, **arguments)
+    def _build(self, options: TorchDistOptions) -> None:
+        self._engine = CollectionEngine(options, self)
+        self._engine.start()
 
-    def __repr__(self) -> str:
-        mode = "sync" if self._sync else "async"
-        return f"DistributedCollector(nodes={self.num_workers}, {mode}, launcher={self.launcher!r}, frames={self._frames})"
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.WORKER_METHODS["num_workers"]
+    active_workers = _workers.WORKER_METHODS["active_workers"]
+    restart_causes = _workers.WORKER_METHODS["restart_causes"]
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+    policy = _node_api.option("policy", "The policy run on every node, and the main-side source of weights.")
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.option("collector_class", "The collector each node runs.")
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.option("num_workers_per_collector")
+    update_after_each_batch = _node_api.option("update_after_each_batch")
+    max_weight_update_interval = _node_api.option("max_weight_update_interval")
+    update_interval = _node_api.option("update_interval")
+    push_legacy_weights = _node_api.push_legacy_weights
+    launcher = _node_api.option("launcher", "How nodes are started (``\"mp\"``, ``\"submitit\"``, ...).")
+    backend = _node_api.option("backend", "The process groups' backend (``\"gloo\"``, ...).")
+    slurm_kwargs = _node_api.option("slurm_kwargs")
+    tcp_port = _node_api.tcp_port
+    join_command = _node_api.join_command

@@ -8,10 +8,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..._utils import NestedKey
+from ..._utils import NestedKey, wrap_callable
+from ...config import CollectorConfig, positive_seconds
 from ...envs import SerialEnv
+from ...protocol import WorkerSpec
+from ...transport.base import Backend
+from ...transport.inprocess import InProcessBackend
+from ...transport.mp import MPBackend, mp_context
+from ...worker import run_worker
+from .common import WorkerSetup
+from .local import LocalOptions
+from .traits import Traits
 
-__all__ = ["AsyncBatchedConfig", "async_batched_config", "worker_env_factories"]
+__all__ = ["AsyncBatchedConfig", "AsyncBatchedOptions", "async_batched_config", "worker_env_factories"]
 
 #: TorchRL 0.14 defaults of the inference server
 DEFAULT_MAX_BATCH_SIZE, DEFAULT_MIN_BATCH_SIZE, DEFAULT_SERVER_TIMEOUT = 64, 1, 0.01
@@ -145,3 +154,104 @@ def worker_env_factories(create_env_fn: Sequence[Callable], create_env_kwargs, e
                           create_env_kwargs=kwargs[first:first + envs_per_worker])
         for first in range(0, count, envs_per_worker)
     ]
+
+
+@dataclass(frozen=True)
+class AsyncBatchedOptions:
+    """What an ``AsyncBatchedCollector`` is built from, validated: the arguments every collector shares,
+    its own (:class:`AsyncBatchedConfig`), its policy and one env factory per worker."""
+
+    config: CollectorConfig
+    batched: AsyncBatchedConfig
+    policy: Any
+    """The policy the server runs (a private copy of it, updated by ``update_policy_weights_``)."""
+    policy_factory: Any
+    env_fns: tuple
+    """One env factory per worker (a ``SerialEnv`` of several envs when ``envs_per_worker > 1``)."""
+    worker_timeout: float
+    mp_start_method: str | None = None
+    worker_collector: Any = None
+    """rlharvest's ``Collector``, which every worker runs (the face gives it)."""
+
+    shutdown_timeout = 10.0
+    factory_fallback = False
+    cat_results = "stack"
+    preemptive_threshold = None
+    workers_write_buffer = False
+    assembles_trajectories = False
+    weight_updater = None
+    weight_recv_schemes = None
+    version_tracker = True
+    policy_factories = None
+
+    @classmethod
+    def parse(cls, *, create_env_fn: Sequence[Callable], policy: Any, policy_factory: Any, frames_per_batch: int,
+              total_frames: int, max_batch_size: Any, min_batch_size: Any, server_timeout: Any, device: Any,
+              env_backend: Any, envs_per_worker: int, transition_chunk_size: Any, postproc: Any,
+              exploration_type: Any, replay_buffer: Any, post_collect_hook: Any, yield_completed_trajectories: bool,
+              create_env_kwargs: Any, policy_version: int, policy_version_key: Any, max_frames_per_traj: Any,
+              trust_policy: Any, worker_timeout: Any, mp_start_method: str | None, worker_collector: type,
+              torchrl_options: dict) -> AsyncBatchedOptions:
+        """Validate ``AsyncBatchedCollector``'s arguments, once.
+
+        Raises:
+            TypeError, ValueError: naming the argument that does not fit.
+        """
+        if policy is not None and policy_factory is not None:
+            raise TypeError("AsyncBatchedCollector: policy and policy_factory are mutually exclusive.")
+        if policy is None and policy_factory is None:
+            raise TypeError("AsyncBatchedCollector: one of policy or policy_factory must be given.")
+        batched = async_batched_config(
+            create_env_fn=create_env_fn, frames_per_batch=frames_per_batch, max_batch_size=max_batch_size,
+            min_batch_size=min_batch_size, server_timeout=server_timeout, env_backend=env_backend,
+            envs_per_worker=envs_per_worker, transition_chunk_size=transition_chunk_size,
+            yield_completed_trajectories=yield_completed_trajectories, policy_version_key=policy_version_key,
+            policy_version=policy_version, device=device, options=torchrl_options)
+        # The policy runs here, so ``device`` is the server's, never the workers'; hooks run here too.
+        config = CollectorConfig(frames_per_batch=frames_per_batch, total_frames=total_frames, postproc=postproc,
+                                 exploration_type=exploration_type, replay_buffer=replay_buffer,
+                                 max_frames_per_traj=max_frames_per_traj, trust_policy=trust_policy,
+                                 post_collect_hook=post_collect_hook)
+        env_fns = worker_env_factories(list(create_env_fn), create_env_kwargs, batched.envs_per_worker)
+        return cls(config=config, batched=batched, policy=policy if policy is not None else policy_factory(),
+                   policy_factory=policy_factory, env_fns=tuple(env_fns),
+                   worker_timeout=positive_seconds("worker_timeout", worker_timeout), mp_start_method=mp_start_method,
+                   worker_collector=worker_collector)
+
+    @property
+    def traits(self) -> Traits:
+        """Batches are assembled here, from whichever env worker is ready: hooks run here too."""
+        return Traits(noun="worker", sync=False, gather="chunks", hooks_in_workers=False, run_free="thread")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.env_fns)
+
+    @property
+    def requested_frames(self) -> int:
+        return self.config.frames_per_batch
+
+    def frames_share(self, worker: int) -> int:
+        return self.batched.chunk_steps * self.batched.envs_per_worker
+
+    def build_backend(self) -> Backend:
+        if self.batched.env_backend == "threading":
+            return InProcessBackend(self.num_workers, run_worker)
+        return MPBackend(self.num_workers, run_worker, mp_context(self.mp_start_method))
+
+    def prepare(self, backend: Backend) -> WorkerSetup:
+        """No weight scheme (the policy runs here); one trajectory counter for every worker."""
+        return WorkerSetup(policy=None, schemes={}, trajectory_counter=backend.trajectory_counter())
+
+    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+        """Each worker runs a ``Collector`` of its env(s) whose policy is a client of the served one,
+        collecting chunks of ``transition_chunk_size`` steps."""
+        batched = self.batched
+        config = self.config.worker_config(0, frames_per_batch=batched.chunk_steps * batched.envs_per_worker,
+                                           total_frames=-1, post_collect_hook=None)
+        return [WorkerSpec(
+            worker_idx=worker, collector_class=self.worker_collector, create_env_fn=wrap_callable(self.env_fns[worker]),
+            options=LocalOptions(config=config, create_env_fn=None, trajectory_counter=setup.trajectory_counter,
+                                 served_by=setup.inference.client(worker, batched.policy_version_key,
+                                                                  self.worker_timeout)),
+        ) for worker in range(first, self.num_workers)]

@@ -7,13 +7,18 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import torch
+
+from ..._utils import cpu_count, wrap_callable
 from ...config import CollectorConfig, positive_seconds
 from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
-from .._specs import (check_policy_args, env_functions, per_worker, validate_cat_results,
-                      validate_preemptive_threshold, wrap_callable)
+from .common import (WorkerSetup, check_policy_args, default_schemes, env_functions, per_worker, stateless_copy,
+                     typed_class, validate_cat_results, validate_preemptive_threshold)
+from .local import LocalOptions
+from .traits import Traits, WeightPushes
 
 __all__ = ["WorkerProcessOptions"]
 
@@ -60,14 +65,22 @@ class WorkerProcessOptions:
     """``{model_id: scheme}`` sending weights to the workers (None: the backend's default)."""
     weight_recv_schemes: dict | None
     """Schemes through which this collector itself receives weights."""
+    default_collector: Any = None
+    """rlharvest's ``Collector``, which workers build from typed options (the face gives it); a
+    ``collector_class`` of the user's own is built from keyword arguments instead."""
+
+    #: the collectors with workers wait this long for them to close at shutdown (seconds)
+    shutdown_timeout = 10.0
+    #: ``update_policy_weights_()`` without weights and without a policy: a factory's policy is the source
+    factory_fallback = True
 
     @classmethod
     def parse(cls, owner: str, *, sync: bool, create_env_fn: Any, num_workers: int | None, policy: Any,
               policy_factory: Any, frames_per_batch: Any, collector_class: Any, num_sub_threads: int,
               num_threads: int | None, cat_results: Any, preemptive_threshold: Any, update_at_each_batch: bool,
               worker_timeout: Any, mp_start_method: str | None, init_fn: Any, weight_updater: Any,
-              weight_sync_schemes: dict | None, weight_recv_schemes: dict | None, reset_when_done: bool, local_init_rb: bool | None,
-              **config_arguments: Any) -> WorkerProcessOptions:
+              weight_sync_schemes: dict | None, weight_recv_schemes: dict | None, reset_when_done: bool,
+              local_init_rb: bool | None, default_collector: Any, **config_arguments: Any) -> WorkerProcessOptions:
         """Validate a worker-process collector's constructor arguments, once.
 
         Raises:
@@ -98,11 +111,48 @@ class WorkerProcessOptions:
                    update_at_each_batch=bool(update_at_each_batch),
                    worker_timeout=positive_seconds("worker_timeout", worker_timeout), mp_start_method=mp_start_method,
                    init_fn=init_fn, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-                   weight_recv_schemes=weight_recv_schemes)
+                   weight_recv_schemes=weight_recv_schemes, default_collector=default_collector)
 
+    # ------------------------------------------------------------------ what the engine reads
     @property
     def num_workers(self) -> int:
         return len(self.env_fns)
+
+    @property
+    def traits(self) -> Traits:
+        """Worker processes on this machine: stacked or first-ready batches, hooks in the workers, an
+        rlharvest buffer written by the workers themselves when running free, one trajectory counter
+        shared by all (docs/collection.md). Serving a parent (inside a node), an async collector asks
+        a worker again only after its batch was yielded, so that weights the parent pushes after
+        taking a batch are in the next one."""
+        return Traits(noun="worker", sync=self.sync, gather="stack" if self.sync else "first_ready",
+                      relaunch_after_yield=self.config.worker_idx is not None, run_free="workers",
+                      per_worker_ids=not self.typed_workers,
+                      pushes=WeightPushes(before_each_batch=self.update_at_each_batch, name_targets=False))
+
+    @property
+    def typed_workers(self) -> bool:
+        """Whether the workers build rlharvest's ``Collector`` from typed options (and share one
+        trajectory counter); a collector class of the user's own counts its own ids, mapped here."""
+        return self.collector_class is None or typed_class(self.collector_class, [self.default_collector])
+
+    @property
+    def version_tracker(self) -> Any:
+        return self.config.track_policy_version or None
+
+    @property
+    def assembles_trajectories(self) -> bool:
+        """Workers writing the buffer assemble their trajectories themselves."""
+        return not self.workers_write_buffer
+
+    @property
+    def requested_frames(self) -> int:
+        return self.config.requested_frames
+
+    def frames_share(self, worker: int) -> int:
+        """Frames ``worker`` adds to a sync batch (an added worker: the first worker's share)."""
+        shares = self.frames_per_worker
+        return shares[worker] if worker < len(shares) else shares[0]
 
     @property
     def workers_write_buffer(self) -> bool:
@@ -111,36 +161,101 @@ class WorkerProcessOptions:
         docs/restarts.md)."""
         return isinstance(self.config.replay_buffer, ReplayBuffer) and not self.config.max_worker_restarts
 
-    def backend(self) -> MPBackend:
+    def build_backend(self) -> MPBackend:
         """Worker processes on this machine, each with its policy device."""
         devices = [self.config.policy_device_of(worker) for worker in range(self.num_workers)]
         return MPBackend(self.num_workers, run_worker, mp_context(self.mp_start_method), policy_devices=devices)
 
-    def worker_specs(self, *, default_collector: type, policy: Any, schemes: dict, traj_counter: Any) -> list[WorkerSpec]:
-        """One spec per worker: its env constructor, the ``policy`` it is given (a stateless copy when
-        weights arrive through ``schemes``), its collector's arguments with its share of frames."""
+    def prepare(self, backend: MPBackend) -> WorkerSetup:
+        """The weight schemes (the user's, the backend's default, or a legacy updater's transport), the
+        policy each worker is given, a replay buffer workers can write, this process's torch threads and
+        the trajectory counter the workers share."""
+        policy, factories = self.policy, self.policy_factories
+        legacy = self.weight_updater is not None
+        schemes = self.weight_sync_schemes
+        if legacy or schemes is None:
+            schemes = default_schemes(backend.default_scheme(), policy, factories)
+        schemes = dict(schemes or {})
+        if factories is not None:
+            worker_policy = None
+        elif "policy" in schemes and policy is not None:
+            worker_policy = stateless_copy(policy)  # its weights arrive through the scheme
+        else:
+            worker_policy = policy
+        if self.workers_write_buffer:
+            self.config.replay_buffer.make_process_safe(backend.ctx)
+        torch.set_num_threads(self.torch_threads())
+        # one counter for every worker: ids are unique across workers and fresh after a restart
+        counter = backend.trajectory_counter() if self.typed_workers else None
+        return WorkerSetup(policy=worker_policy, schemes=schemes, legacy=legacy, trajectory_counter=counter)
+
+    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+        """One spec per worker from index ``first`` on: its env constructor, the policy it is given, its
+        collector's typed options (``Collector``) or arguments (a class of the user's own) with its share
+        of frames."""
         config = self.config
         written: dict[str, Any] = {}
         if self.workers_write_buffer:  # workers that write the buffer post-process what they write
-            written = dict(postproc=config.postproc, split_trajs=config.split_trajs)
+            written = dict(postproc=config.postproc, split_trajs=config.split_trajs, replay_buffer=config.replay_buffer)
             if config.trajs_per_batch is not None:  # each worker writes its own trajectories
                 written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
         factories = self.policy_factories
         return [WorkerSpec(
             worker_idx=worker,
-            collector_class=wrap_callable(self.collector_class or default_collector),
+            collector_class=wrap_callable(self.collector_class or self.default_collector),
             create_env_fn=wrap_callable(self.env_fns[worker]),
-            collector_kwargs=config.for_worker(worker, frames_per_batch=self.frames_per_worker[worker],
-                                               traj_pool=traj_counter, **written),
-            policy=wrap_callable(policy),
+            **self._collector_arguments(worker, setup, written),
+            policy=wrap_callable(setup.policy),
             policy_factory=wrap_callable(factories[worker] if factories else None),
-            weight_recv_schemes=schemes or None,
+            weight_recv_schemes=setup.schemes or None,
             replay_buffer=config.replay_buffer if self.workers_write_buffer else None,
             num_threads=self.num_sub_threads,
             init_random_frames=config.init_random_frames,
             init_fn=wrap_callable(self.init_fn),
             preemption_grace=config.preemption_grace,
-        ) for worker in range(self.num_workers)]
+        ) for worker in range(first, self.num_workers)]
+
+    def _collector_arguments(self, worker: int, setup: WorkerSetup, written: dict) -> dict:
+        frames = self.frames_per_worker[worker]
+        if self.typed_workers:
+            options = LocalOptions(config=self.config.worker_config(worker, frames_per_batch=frames, **written),
+                                   create_env_fn=None, trajectory_counter=setup.trajectory_counter)
+            return {"options": options}
+        return {"collector_kwargs": self.config.for_worker(worker, frames_per_batch=frames, **written)}
+
+    def added(self, first: int, create_env_fn: Any, num_envs: Any, policy: Any, collector_kwargs: Any,
+              backend_options: Any, setup: WorkerSetup) -> tuple[WorkerProcessOptions, list[WorkerSpec], list]:
+        """``add_collectors``: these options grown by the new workers, their specs, and their devices (what
+        the backend needs of each).
+
+        Raises:
+            ValueError: for an argument that does not fit (named in the message).
+        """
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or any(not callable(env_fn) for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"worker), got {create_env_fn!r}.")
+        if num_envs is not None and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 (each worker process runs one env), got {num_envs!r}.")
+        if any(entry is not None and entry is not self.policy for entry in
+               (policy if isinstance(policy, (list, tuple)) else [policy])):
+            raise ValueError("policy must be None or this collector's policy, or a list of those: every worker runs "
+                             "the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factories or []}
+        if len(factories) > 1:
+            raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
+                             "with a different one per worker.")
+        count = len(env_fns)
+        extra = _new_collector_kwargs(collector_kwargs, count, self.frames_per_worker[0])
+        config = self.config.grown(count)
+        try:
+            config.check_workers(first + count)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"add_collectors: {err} The collector was built with one value per worker: it cannot "
+                             "tell the new workers' values.") from None
+        grown = self.grown(env_fns, next(iter(factories.values()), None), config)
+        specs = [_with_extra(spec, entry) for spec, entry in zip(grown.worker_specs(setup, first=first), extra)]
+        return grown, specs, [config.policy_device_of(worker) for worker in range(first, first + count)]
 
     def grown(self, env_fns: list, factory: Callable | None, config: CollectorConfig) -> WorkerProcessOptions:
         """These options with workers added after the others (``add_collectors``): their env
@@ -153,8 +268,38 @@ class WorkerProcessOptions:
 
     def torch_threads(self) -> int:
         """The torch threads of the collector's own process."""
-        from ..._utils import cpu_count
-
         threads = self.num_threads if self.num_threads is not None else cpu_count() - self.num_workers
         return max(1, int(threads))
 
+
+
+def _new_collector_kwargs(collector_kwargs: Any, count: int, share: int) -> list[dict]:
+    """The extra collector arguments of each of ``count`` new workers (``add_collectors``)."""
+    entries = list(collector_kwargs) if isinstance(collector_kwargs, (list, tuple)) else [collector_kwargs] * count
+    if len(entries) != count:
+        raise ValueError(f"collector_kwargs must hold one entry per new worker ({count}), got {len(entries)}.")
+    for index, entry in enumerate(entries):
+        if entry is not None and not isinstance(entry, dict):
+            raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new worker), got "
+                             f"{type(entry).__name__} at index {index}.")
+        frames = (entry or {}).get("frames_per_batch", share)
+        if frames != share:
+            raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every worker collects "
+                             f"{share} frames per rollout (leave it out).")
+    return [dict(entry or {}) for entry in entries]
+
+
+def _with_extra(spec: WorkerSpec, extra: dict) -> WorkerSpec:
+    """``spec`` with the user's extra collector arguments: validated into its typed options, or added to
+    a class of the user's own keyword arguments."""
+    extra = {name: value for name, value in extra.items() if name != "frames_per_batch"}
+    if not extra:
+        return spec
+    if spec.options is not None:
+        config = spec.options.config
+        try:
+            config = replace(config, **extra)
+        except TypeError as err:
+            raise ValueError(f"collector_kwargs: {err}") from None
+        return replace(spec, options=replace(spec.options, config=config))
+    return replace(spec, collector_kwargs={**spec.collector_kwargs, **extra})

@@ -1,46 +1,56 @@
-"""The options of the collectors with one node (or actor) per env constructor: ``DistributedCollector``
-and ``DistributedSyncCollector`` (backend ``torchdist``), ``RPCCollector`` (``rpc``) and
-``RayCollector`` (``ray``). Parsed once from their arguments; each knows how to build its backend and
-its nodes' specs."""
+"""The options every collector with one node (or actor) per env constructor shares:
+``DistributedCollector`` and ``DistributedSyncCollector`` (``torchdist.py``), ``RPCCollector``
+(``rpc.py``) and ``RayCollector`` (``ray.py``). Parsed once from their arguments; what differs between
+them (the backend, where nodes run, their traits) is the fields each adds."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
 
+from ..._utils import wrap_callable
 from ...config import CollectorConfig, positive_seconds
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
-from ...transport.ray import DEFAULT_REMOTE_CONFIG, as_replay_buffer
-from ...transport.rendezvous import check_backend
-from .._specs import per_worker, stateless_copy
-from ..single import Collector
+from ...weight_update.schemes import WeightSyncScheme
+from .common import WorkerSetup, has_weights, per_worker, stateless_copy, typed_class
+from .local import LocalOptions
+from .traits import Traits, WeightPushes
 
-__all__ = ["NodeOptions", "TorchDistOptions", "RPCOptions", "RayOptions", "resolve_collector_class", "replicated",
-           "remote_configs_of"]
+__all__ = ["NodeOptions", "resolve_collector_class", "replicated"]
 
 
-def resolve_collector_class(collector_class: Any) -> type:
-    """``"single"``, ``"sync"``, ``"async"`` or a class (an unknown string raises ValueError)."""
-    from ..multi import MultiAsyncCollector, MultiSyncCollector
+def resolve_collector_class(collector_class: Any, named: Mapping[str, type]) -> type:
+    """``"single"``, ``"sync"``, ``"async"`` (the classes ``named``) or a class.
 
-    names = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
+    Raises:
+        ValueError: for an unknown name or something not callable.
+    """
     if isinstance(collector_class, str):
-        if collector_class not in names:
-            raise ValueError(f"collector_class must be one of {sorted(names)} or a collector class, "
+        if collector_class not in named:
+            raise ValueError(f"collector_class must be one of {sorted(named)} or a collector class, "
                              f"got {collector_class!r}")
-        return names[collector_class]
+        return named[collector_class]
     if collector_class is None:
-        return Collector
+        return named["single"]
     if not callable(collector_class):
-        raise ValueError(f"collector_class must be a class or one of {sorted(names)}, got {collector_class!r}")
+        raise ValueError(f"collector_class must be a class or one of {sorted(named)}, got {collector_class!r}")
     return collector_class
 
 
-def runs_one_env(collector_class: Any) -> bool:
-    """Whether a node's ``collector_class`` takes one env (a ``Collector``, a subclass too), not a list."""
-    return isinstance(collector_class, type) and issubclass(collector_class, Collector)
+def replicated(value: Any, name: str, count: int, per: str = "collector") -> list:
+    """``value`` for each of ``count`` collectors: a list of that length, or one value repeated.
+
+    Raises:
+        ValueError: for a list of another length.
+    """
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} must hold one entry per {per} ({count}), got {len(value)}.")
+        return list(value)
+    return [value] * count
 
 
 def _per_node_kwargs(collector_kwargs: Any, count: int) -> list[dict]:
@@ -70,8 +80,12 @@ class NodeOptions:
     """Frames each node collects per rollout."""
     collector_class: type
     """The collector each node runs."""
+    single_collector: type
+    """rlharvest's ``Collector`` (a node runs one env when its class is a ``Collector``)."""
     collector_kwargs: tuple[dict, ...]
-    """Each node's collector arguments: the user's ``collector_kwargs``, then this collector's own."""
+    """Each node's collector arguments given by the user (validated into ``node_configs``)."""
+    node_configs: tuple[CollectorConfig, ...]
+    """Each node's collector config, typed: this collector's arguments with the user's on top."""
     num_workers_per_collector: int
     """Env copies (sub-workers) of a node running a multi-process collector."""
     update_after_each_batch: bool
@@ -93,14 +107,28 @@ class NodeOptions:
     weight_recv_schemes: dict | None
     """Schemes through which this collector itself receives weights."""
 
-    @staticmethod
-    def parse_common(owner: str, *, sync: bool, create_env_fn: Any, policy: Any, policy_factory: Any,
-                     frames_per_batch: Any, collector_class: Any, collector_kwargs: Any,
-                     num_workers_per_collector: int, update_after_each_batch: bool, max_weight_update_interval: int,
-                     update_interval: int | None, worker_timeout: Any, heartbeat_timeout: Any, weight_updater: Any,
-                     weight_sync_schemes: dict | None, weight_recv_schemes: dict | None,
-                     **config_arguments: Any) -> dict[str, Any]:
-        """The fields every node collector shares, validated (a subclass's ``parse`` adds its own).
+    #: seconds nodes have to close at shutdown
+    shutdown_timeout = 10.0
+    #: ``update_policy_weights_()`` reads the policy given (nodes build theirs from a factory)
+    factory_fallback = False
+    cat_results = "stack"
+    preemptive_threshold = None
+    workers_write_buffer = False
+    assembles_trajectories = True
+    #: nodes get a stateless policy and receive its weights from the scheme's initial sync
+    stateless_nodes = True
+    #: how errors and ``stats()`` name a node
+    noun = "node"
+
+    @classmethod
+    def parse_common(cls, owner: str, *, sync: bool, create_env_fn: Any, policy: Any, policy_factory: Any,
+                     frames_per_batch: Any, collector_class: Any, collector_classes: Mapping[str, type],
+                     collector_kwargs: Any, num_workers_per_collector: int, update_after_each_batch: bool,
+                     max_weight_update_interval: int, update_interval: int | None, worker_timeout: Any,
+                     heartbeat_timeout: Any, weight_updater: Any, weight_sync_schemes: dict | None,
+                     weight_recv_schemes: dict | None, **config_arguments: Any) -> NodeOptions:
+        """The fields every node collector shares, validated, as a :class:`NodeOptions` (each backend's
+        ``parse`` widens it with its own fields, :meth:`widened`).
 
         Raises:
             TypeError, ValueError, RuntimeError: naming the argument that does not fit.
@@ -120,258 +148,234 @@ class NodeOptions:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         frames_per_node = config.split_frames(count, "exact" if sync else "whole")[0]
         config.check_workers(count)
-        node_class = resolve_collector_class(collector_class)
-        if runs_one_env(node_class) and num_workers_per_collector != 1:
+        node_class = resolve_collector_class(collector_class, collector_classes)
+        single = collector_classes["single"]
+        runs_one = isinstance(node_class, type) and issubclass(node_class, single)
+        if runs_one and num_workers_per_collector != 1:
             raise RuntimeError("num_workers_per_collector must be 1 when the nodes run a single Collector; use "
                                "collector_class='sync' or 'async' for several sub-workers per node.")
         user_kwargs = _per_node_kwargs(collector_kwargs, count)
         if not sync and config.init_random_frames:
             warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
                           "policy batches may interleave.", stacklevel=5)
-        share = config.init_random_frames // count  # a node running free decides alone: its share
-        node_kwargs = tuple({**entry, **config.for_worker(node, init_random_frames=share)}
-                            for node, entry in enumerate(user_kwargs))
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory else None
-        if policy is not None and factories is None and not _is_module(policy):
+        if policy is not None and factories is None and not has_weights(policy) and not _is_module(policy):
             warnings.warn("The policy is not an nn.Module and no policy_factory was given: update_policy_weights_ "
                           "will be a no-op.", stacklevel=5)
         tracker = config.track_policy_version or any(e.get("track_policy_version") for e in user_kwargs) or None
-        return dict(config=config, sync=bool(sync), env_fns=tuple(create_env_fn), policy=policy,
-                    policy_factories=tuple(factories) if factories is not None else None,
-                    frames_per_node=frames_per_node, collector_class=node_class, collector_kwargs=node_kwargs,
-                    num_workers_per_collector=int(num_workers_per_collector),
-                    update_after_each_batch=bool(update_after_each_batch),
-                    max_weight_update_interval=int(max_weight_update_interval), update_interval=update_interval,
-                    track_versions=tracker, worker_timeout=positive_seconds("worker_timeout", worker_timeout),
-                    heartbeat_timeout=positive_seconds("heartbeat_timeout", heartbeat_timeout),
-                    weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-                    weight_recv_schemes=weight_recv_schemes)
+        node_configs = tuple(_node_config(config, node, count, frames_per_node, entry, owner, typed_class(node_class,
+                                                                                                         [single]))
+                             for node, entry in enumerate(user_kwargs))
+        return NodeOptions(
+            config=config, sync=bool(sync), env_fns=tuple(create_env_fn), policy=policy,
+            policy_factories=tuple(factories) if factories is not None else None, frames_per_node=frames_per_node,
+            collector_class=node_class, single_collector=single, collector_kwargs=tuple(user_kwargs),
+            node_configs=node_configs, num_workers_per_collector=int(num_workers_per_collector),
+            update_after_each_batch=bool(update_after_each_batch),
+            max_weight_update_interval=int(max_weight_update_interval), update_interval=update_interval,
+            track_versions=tracker, worker_timeout=positive_seconds("worker_timeout", worker_timeout),
+            heartbeat_timeout=positive_seconds("heartbeat_timeout", heartbeat_timeout),
+            weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
+            weight_recv_schemes=weight_recv_schemes)
+
+    @classmethod
+    def widened(cls, common: NodeOptions, **own: Any):
+        """An instance of this backend's options: ``common``'s fields and the backend's ``own``."""
+        return cls(**{f.name: getattr(common, f.name) for f in fields(NodeOptions)}, **own)
+
+    # ------------------------------------------------------------------ what the engine reads
+    @property
+    def num_workers(self) -> int:
+        return len(self.env_fns)
 
     @property
     def runs_one_env(self) -> bool:
         """Each node's collector is a Collector (a subclass too): one env, not a list of them."""
-        return runs_one_env(self.collector_class)
+        return isinstance(self.collector_class, type) and issubclass(self.collector_class, self.single_collector)
 
     @property
-    def num_nodes(self) -> int:
-        return len(self.env_fns)
+    def typed_nodes(self) -> bool:
+        """Whether nodes build rlharvest's ``Collector`` from typed options."""
+        return typed_class(self.collector_class, [self.single_collector])
 
-    def build_backend(self, count: int) -> Backend:  # pragma: no cover - every subclass has its backend
-        raise NotImplementedError
+    def base_traits(self, **changes: Any) -> Traits:
+        """The traits of every node collector; a backend changes a few."""
+        pushes = WeightPushes(before_each_batch=self.update_after_each_batch, every=self.update_interval,
+                              max_interval=self.max_weight_update_interval, per_target_counters=True,
+                              skip_before_first=True)
+        # Take a node's batch, yield it, (update), then ask that node again: weights the caller changed
+        # before the next batch reach the node before it collects again (docs/weights.md).
+        traits = Traits(noun=self.noun, sync=self.sync, gather="stack" if self.sync else "first_ready",
+                        relaunch_after_yield=True, run_free="pushed", refuses_keep_env=False, per_worker_ids=True,
+                        pushes=pushes)
+        return dataclasses.replace(traits, **changes)
 
-    def node_spec(self, node: int, *, env_fn: Any, collector_kwargs: dict, factory: Callable | None,
-                  schemes: dict, stateless: bool, num_nodes: int) -> WorkerSpec:
+    @property
+    def version_tracker(self) -> Any:
+        return self.track_versions
+
+    @property
+    def requested_frames(self) -> int:
+        return self.config.frames_per_batch
+
+    def frames_share(self, worker: int) -> int:
+        return self.frames_per_node
+
+    def default_scheme(self, backend: Backend) -> dict:
+        """The scheme of this backend when the user gave none (none for a policy without weights)."""
+        weighted = has_weights(self.policy) or self.policy_factories is not None
+        scheme_class = WeightSyncScheme.class_for(backend.default_scheme())
+        return {"policy": scheme_class(backend=self.group_backend, sync=True)} if weighted else {}
+
+    @property
+    def group_backend(self) -> str | None:
+        """The process groups' backend (``"gloo"``, ...); None where there are none."""
+        return None
+
+    def prepare(self, backend: Backend) -> WorkerSetup:
+        """The sender schemes (the user's, the backend's default, or a legacy updater's transport)."""
+        legacy = self.weight_updater is not None
+        schemes = self.weight_sync_schemes
+        if legacy or schemes is None:
+            schemes = self.default_scheme(backend)
+        return WorkerSetup(policy=self.policy, schemes=dict(schemes or {}), legacy=legacy)
+
+    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+        return [self.node_spec(node, setup) for node in range(first, self.num_workers)]
+
+    def node_spec(self, node: int, setup: WorkerSetup) -> WorkerSpec:
         """Node ``node``'s spec: its env constructor (repeated per sub-worker for multi-process node
-        classes), its collector's arguments, and its policy (a stateless copy when its weights
-        arrive through ``schemes`` and ``stateless``)."""
+        classes), its collector's typed options or arguments, and its policy (a stateless copy when its
+        weights arrive through the schemes and ``stateless_nodes``)."""
+        env_fn = self.env_fns[node]
         if not self.runs_one_env:
             env_fn = [env_fn] * self.num_workers_per_collector
+        factory = self.policy_factories[node] if self.policy_factories else None
         policy = None
+        schemes = setup.schemes
         if factory is None and self.policy is not None:
-            policy = stateless_copy(self.policy) if schemes and stateless else self.policy
+            policy = stateless_copy(self.policy) if schemes and self.stateless_nodes else self.policy
+        config = self.node_configs[node] if node < len(self.node_configs) else self.node_configs[0]
+        if self.typed_nodes:
+            arguments: dict[str, Any] = {"options": LocalOptions(config=config, create_env_fn=None)}
+        else:  # a class of the user's own (or a multi-process one): the arguments the user gave, and ours
+            share = self.config.init_random_frames // len(self.node_configs)
+            arguments = {"collector_kwargs": {**self.collector_kwargs[node], **self.config.for_worker(
+                node, init_random_frames=share), "frames_per_batch": self.frames_per_node}}
         return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
-                          collector_kwargs=dict(collector_kwargs, frames_per_batch=self.frames_per_node),
                           policy=policy, policy_factory=factory, weight_recv_schemes=schemes or None, num_threads=1,
                           # a node running free decides alone: its share of the random warm-up
-                          init_random_frames=self.config.init_random_frames // num_nodes,
-                          preemption_grace=self.config.preemption_grace)
+                          init_random_frames=self.config.init_random_frames // len(self.node_configs),
+                          preemption_grace=self.config.preemption_grace, **arguments)
+
+    def added(self, first: int, create_env_fn: Any, num_envs: Any, policy: Any, collector_kwargs: Any,
+              backend_options: Any, setup: WorkerSetup) -> tuple[NodeOptions, list[WorkerSpec], Any]:
+        """``add_collectors``: these options grown by the new nodes, their specs, and what the backend
+        needs of each (``backend_options``, checked by the backend's options).
+
+        Raises:
+            ValueError: for an argument that does not fit (named in the message).
+        """
+        noun = self.noun
+        env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        if not env_fns or any(env_fn is None for env_fn in env_fns):
+            raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
+                             f"{noun}), got {create_env_fn!r}.")
+        count = len(env_fns)
+        sub_workers = self._new_num_envs(num_envs, noun)
+        kwargs = self._new_collector_kwargs(collector_kwargs, count, noun)
+        extra = self.added_backend_options(backend_options, count)
+        factory = self._new_policy(policy, count, noun)
+        try:
+            self.config.check_workers(first + count)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"add_collectors: {err} The collector was built with one value per {noun}: it cannot "
+                             f"tell the new {noun}s' values.") from None
+        share = self.config.init_random_frames // (first + count)
+        single = self.typed_nodes
+        configs = tuple(_node_config(self.config, first + k, first + count, self.frames_per_node, entry, "collector_kwargs",
+                                     single, random_share=share) for k, entry in enumerate(kwargs))
+        grown = dataclasses.replace(
+            self, env_fns=self.env_fns + tuple(env_fns), collector_kwargs=self.collector_kwargs + tuple(kwargs),
+            node_configs=self.node_configs + configs,
+            num_workers_per_collector=sub_workers if not self.runs_one_env else self.num_workers_per_collector,
+            policy_factories=self.policy_factories + (factory,) * count if self.policy_factories else None)
+        return grown, grown.worker_specs(setup, first=first), extra
+
+    def added_backend_options(self, backend_options: Any, count: int) -> Any:
+        """What the backend needs of each new node (Ray: ``remote_configs``); None by default.
+
+        Raises:
+            ValueError: for options this backend does not take.
+        """
+        if backend_options is not None:
+            raise ValueError("this collector's add_collectors takes no backend options.")
+        return None
+
+    def _new_num_envs(self, num_envs: int | None, noun: str) -> int:
+        if num_envs is None:
+            return self.num_workers_per_collector
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+        if self.runs_one_env and num_envs != 1:
+            raise ValueError(f"num_envs must be 1 when the {noun}s run a single Collector, got {num_envs}: build "
+                             f"the collector with collector_class='sync' or 'async' for several envs per {noun}.")
+        return num_envs
+
+    def _new_collector_kwargs(self, collector_kwargs: Any, count: int, noun: str) -> list[dict]:
+        entries = replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
+                             f"new {noun} (one per entry of create_env_fn)")
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new {noun}), got "
+                                 f"{type(entry).__name__} at index {index}.")
+            frames = entry.get("frames_per_batch", self.frames_per_node)
+            if frames != self.frames_per_node:
+                raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every {noun} "
+                                 f"collects {self.frames_per_node} frames per rollout (leave it out).")
+        return [dict(entry) for entry in entries]
+
+    def _new_policy(self, policy: Any, count: int, noun: str) -> Callable | None:
+        """The policy factory of the new nodes (None: they run this collector's policy)."""
+        per = f"new {noun} (one per entry of create_env_fn)"
+        policies = replicated(policy, "policy", count, per) if isinstance(policy, (list, tuple)) else [policy]
+        if any(entry is not None and entry is not self.policy for entry in policies):
+            raise ValueError("policy must be None or this collector's policy (local_policy()), or a list of those: "
+                             f"every {noun} runs the weights this collector sends.")
+        factories = {id(factory): factory for factory in self.policy_factories or []}
+        if len(factories) > 1:
+            raise ValueError(f"add_collectors cannot choose the new {noun}s' policy_factory: this collector was "
+                             f"built with a different one per {noun}.")
+        return next(iter(factories.values()), None)
+
+    def build_backend(self) -> Backend:  # pragma: no cover - every backend's options build theirs
+        raise NotImplementedError
+
+
+def _node_config(config: CollectorConfig, node: int, count: int, frames: int, user: dict, owner: str, typed: bool,
+                 random_share: int | None = None) -> CollectorConfig:
+    """Node ``node``'s collector config: this collector's fields for a worker, its share of the random
+    warm-up (a node running free decides alone), the user's ``collector_kwargs`` on top (validated
+    here, once, when the node runs rlharvest's ``Collector``).
+
+    Raises:
+        TypeError: for a ``collector_kwargs`` entry no collector argument has.
+    """
+    share = config.init_random_frames // count if random_share is None else random_share
+    node_config = config.worker_config(node, frames_per_batch=frames, init_random_frames=share)
+    if not typed:
+        return node_config
+    known = {f.name for f in fields(CollectorConfig)}
+    unknown = sorted(set(user) - known)
+    if unknown:
+        raise TypeError(f"{owner}: collector_kwargs holds argument(s) {unknown} that Collector does not take.")
+    ours = config.for_worker(node, init_random_frames=share)  # what this collector sets wins, as before
+    wrapped = {name: wrap_callable(value) if name.endswith("_hook") else value
+               for name, value in user.items() if name not in ours and name != "frames_per_batch"}
+    return dataclasses.replace(node_config, **wrapped) if wrapped else node_config
 
 
 def _is_module(policy: Any) -> bool:
     import torch
 
     return isinstance(policy, torch.nn.Module)
-
-
-@dataclass(frozen=True)
-class TorchDistOptions(NodeOptions):
-    """``DistributedCollector``: nodes in torch.distributed process groups, started by a launcher."""
-
-    launcher: str = "submitit"
-    """``"mp"``, ``"submitit"``, ``"submitit_delayed"`` or ``"external"`` (nodes join, docs/elastic.md)."""
-    backend: str = "gloo"
-    """The process groups' backend (``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``)."""
-    network: Any = None
-    """Addresses, ports, key and timeouts (:class:`~rlharvest.collectors.distributed._network.NetworkConfig`)."""
-    slurm_kwargs: dict = field(default_factory=dict)
-    """``DEFAULT_SLURM_CONF`` with the user's ``slurm_kwargs`` on top."""
-    mp_start_method: str | None = None
-
-    @classmethod
-    def parse(cls, owner: str, *, launcher: str, backend: str, tcp_port: Any, bind_address: Any, authkey: Any,
-              handshake_timeout: Any, slurm_kwargs: dict | None, mp_start_method: str | None,
-              **common: Any) -> TorchDistOptions:
-        """Validate ``DistributedCollector``'s arguments, once.
-
-        Raises:
-            TypeError, ValueError, RuntimeError, ImportError: naming the argument that does not fit.
-        """
-        from ..distributed._network import NetworkConfig
-        from ..distributed.slurm import DEFAULT_SLURM_CONF
-
-        _check_launcher(launcher, external=True)
-        if launcher == EXTERNAL:
-            _check_external(backend, slurm_kwargs, mp_start_method)
-        check_backend(backend)
-        shared = cls.parse_common(owner, **common)
-        network = NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address,
-                                      authkey=authkey, worker_timeout=shared["worker_timeout"],
-                                      heartbeat_timeout=shared["heartbeat_timeout"],
-                                      handshake_timeout=handshake_timeout)
-        return cls(**shared, launcher=launcher, backend=backend, network=network,
-                   slurm_kwargs={**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}, mp_start_method=mp_start_method)
-
-    def build_backend(self, count: int) -> Backend:
-        from ...transport.torchdist import TorchDistBackend
-        from ...worker.nodes import node_main
-
-        return TorchDistBackend(count, node_main, self.network, launcher=self.launcher, backend=self.backend,
-                                slurm_kwargs=self.slurm_kwargs, start_method=self.mp_start_method)
-
-
-@dataclass(frozen=True)
-class RPCOptions(NodeOptions):
-    """``RPCCollector``: nodes in a torch RPC group, started by a launcher."""
-
-    launcher: str = "submitit"
-    network: Any = None
-    slurm_kwargs: dict = field(default_factory=dict)
-    mp_start_method: str | None = None
-    visible_devices: tuple | None = None
-    """One device per node (the device map of tensors sent to it)."""
-    tensorpipe_options: dict = field(default_factory=dict)
-    """Merged over rlharvest's TensorPipe defaults."""
-
-    @classmethod
-    def parse(cls, owner: str, *, launcher: str, tcp_port: Any, bind_address: Any, slurm_kwargs: dict | None,
-              mp_start_method: str | None, visible_devices: Any, tensorpipe_options: dict | None,
-              backend: str = "gloo", **common: Any) -> RPCOptions:
-        """Validate ``RPCCollector``'s arguments, once (``backend`` is accepted and unused: TensorPipe
-        carries everything).
-
-        Raises:
-            TypeError, ValueError, RuntimeError, ImportError: naming the argument that does not fit.
-        """
-        from ..distributed._network import NetworkConfig
-        from ..distributed.slurm import DEFAULT_SLURM_CONF
-
-        _check_launcher(launcher, external=True)
-        if launcher == EXTERNAL:
-            _check_external(backend, slurm_kwargs, mp_start_method)
-        check_backend(backend)
-        shared = cls.parse_common(owner, **common)
-        count = len(shared["env_fns"])
-        if visible_devices is not None and len(visible_devices) != count:
-            raise ValueError(f"visible_devices must hold one device per node ({count}).")
-        network = NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address, authkey=None,
-                                      worker_timeout=shared["worker_timeout"],
-                                      heartbeat_timeout=shared["heartbeat_timeout"], needs_key=False)
-        return cls(**shared, launcher=launcher, network=network,
-                   slurm_kwargs={**DEFAULT_SLURM_CONF, **(slurm_kwargs or {})}, mp_start_method=mp_start_method,
-                   visible_devices=tuple(visible_devices) if visible_devices is not None else None,
-                   tensorpipe_options=dict(tensorpipe_options or {}))
-
-    def build_backend(self, count: int) -> Backend:
-        from ...transport.rpc import RPCBackend, node_name
-        from ...worker.nodes import RPC_CALLS, node_main
-
-        device_maps = None
-        if self.visible_devices is not None:
-            device_maps = {node_name(node + 1): {"cpu": str(device)} for node, device in enumerate(self.visible_devices)}
-        return RPCBackend(count, node_main, RPC_CALLS, self.network, launcher=self.launcher,
-                          tensorpipe_options=self.tensorpipe_options, device_maps=device_maps,
-                          slurm_kwargs=self.slurm_kwargs, start_method=self.mp_start_method)
-
-
-def replicated(value: Any, name: str, count: int, per: str = "collector") -> list:
-    """``value`` for each of ``count`` collectors: a list of that length, or one value repeated."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(f"{name} must hold one entry per {per} ({count}), got {len(value)}.")
-        return list(value)
-    return [value] * count
-
-
-def remote_configs_of(value: Any, count: int, per: str = "collector") -> list[dict]:
-    configs = replicated(DEFAULT_REMOTE_CONFIG if value is None else value, "remote_configs", count, per)
-    for config in configs:
-        if not isinstance(config, dict):
-            raise TypeError(f"remote_configs must be a dict or a list of dicts (ray.remote options), got "
-                            f"{type(config).__name__}.")
-    return [dict(config) for config in configs]
-
-
-@dataclass(frozen=True)
-class RayOptions(NodeOptions):
-    """``RayCollector``: Ray actors, wherever the cluster places them."""
-
-    remote_configs: tuple[dict, ...] = ()
-    """``ray.remote`` options of each actor."""
-    ray_init_config: dict | None = None
-    """``ray.init`` arguments, used only when Ray is not initialised yet."""
-
-    @classmethod
-    def parse(cls, owner: str, *, create_env_fn: Any, num_collectors: int | None, collector_kwargs: Any,
-              remote_configs: Any, ray_init_config: dict | None, use_env_creator: bool, no_cuda_sync: bool | None,
-              replay_buffer: Any, **common: Any) -> RayOptions:
-        """Validate ``RayCollector``'s arguments, once: ``num_collectors`` repeats a single env
-        constructor, ``collector_kwargs`` or ``remote_configs`` (``use_env_creator`` is accepted: env
-        constructors travel through Ray as they are); a ``replay_buffer`` that is a Ray actor is
-        written through its ``extend``.
-
-        Raises:
-            TypeError, ValueError: naming the argument that does not fit.
-        """
-        count = num_collectors
-        if count is None:
-            count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 1
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"num_collectors must be a positive int, got {count!r}")
-        env_fns = replicated(create_env_fn, "create_env_fn", count)
-        if not isinstance(collector_kwargs, (list, tuple)):
-            collector_kwargs = [dict(collector_kwargs or {}) for _ in range(count)]
-        configs = remote_configs_of(remote_configs, count)
-        return cls(**cls.parse_common(owner, create_env_fn=env_fns, collector_kwargs=collector_kwargs,
-                                      no_cuda_sync=bool(no_cuda_sync), update_interval=None,
-                                      replay_buffer=as_replay_buffer(replay_buffer), **common),
-                   remote_configs=tuple(configs), ray_init_config=ray_init_config)
-
-    def build_backend(self, count: int) -> Backend:
-        from ...transport.ray import RayBackend
-        from ...worker import run_worker
-
-        return RayBackend(count, run_worker, list(self.remote_configs), heartbeat_timeout=self.heartbeat_timeout,
-                          start_timeout=self.worker_timeout)
-
-
-#: the launcher that starts no node: nodes join from anywhere (``join_command()``, docs/elastic.md)
-EXTERNAL = "external"
-
-
-def _check_launcher(launcher: str, external: bool = False) -> None:
-    from ..distributed.slurm import LAUNCHERS
-
-    allowed = list(LAUNCHERS) + ([EXTERNAL] if external else [])
-    if launcher not in allowed:
-        raise ValueError(f"launcher must be one of {allowed}, got {launcher!r}")
-    if launcher in ("submitit", "submitit_delayed"):
-        try:
-            import submitit  # noqa: F401  (only whether it is there)
-        except ImportError as err:
-            raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
-
-
-def _check_external(backend: str, slurm_kwargs: dict | None, mp_start_method: str | None) -> None:
-    """``launcher="external"`` starts no node: options about starting nodes do not apply, and a node
-    joins into a slot with a group of its own, which only pair backends form."""
-    from ...transport.rendezvous import PAIR_BACKENDS
-
-    if backend not in PAIR_BACKENDS:
-        raise ValueError(f"launcher='external' needs backend in {list(PAIR_BACKENDS)} (each joining node forms a group "
-                         f"of its own), got backend={backend!r}.")
-    if slurm_kwargs:
-        raise ValueError("slurm_kwargs does not apply with launcher='external': the collector starts no node "
-                         "(start them with collector.join_command()).")
-    if mp_start_method is not None:
-        raise ValueError("mp_start_method does not apply with launcher='external': the collector starts no node "
-                         "(start them with collector.join_command()).")

@@ -97,7 +97,9 @@ def two_hosts_main(argv: list[str] | None = None) -> int:
     collector = DistributedCollector([_make_env], policy, launcher="submitit_delayed", tcp_port=args.port,
                                      heartbeat_timeout=args.heartbeat_timeout, frames_per_batch=args.frames_per_batch,
                                      total_frames=-1, worker_timeout=60.0)
-    _emit(event="started", advertised=collector._net.advertised_host)
+    from rlharvest.collectors.engine import engine_of
+
+    _emit(event="started", advertised=engine_of(collector).options.network.advertised_host)
     code = 0
     updated_at = None
     try:
@@ -231,7 +233,7 @@ def _veth_collector_class(target=None):
     import dataclasses
 
     from rlharvest.collectors.distributed import DistributedCollector
-    from rlharvest.collectors.distributed._network import NetworkConfig
+    from rlharvest.collectors.options.network import NetworkConfig
     from rlharvest.collectors.options import TorchDistOptions
     from rlharvest.transport.torchdist import TorchDistBackend
 

@@ -18,6 +18,7 @@ from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollec
 from rlharvest.collectors.distributed import DistributedCollector, DistributedDataCollector, DistributedWeightUpdater
 from rlharvest.envs import ContinuousMockEnv, CountingEnv
 from rlharvest.transport.ports import free_port_block
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,7 +127,7 @@ def test_update_after_each_batch_and_max_interval():
             if i >= 4:
                 assert (batch["action"] == 3).all()
                 # every update resets the served node's counter (TorchRL's never does)
-                assert max(collector._batches_since_update) <= 1
+                assert max(engine_of(collector).schedule.since_update) <= 1
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=80,
               sync=True, update_after_each_batch=True) as collector:
         with torch.no_grad():
@@ -180,7 +181,7 @@ def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on d
         assert collector.worker_idx is None  # None at the top level, as TorchRL documents
     finally:
         collector.async_shutdown()
-    assert collector._closed
+    assert engine_of(collector).closed
 
 
 def test_enable_profile_on_nodes(tmp_path):  # docs/torchrl-compatibility.md, "enable_profile on distributed collectors"
@@ -431,7 +432,8 @@ def test_a_legacy_push_that_does_not_wait_leaves_the_scheme_waiting_for_later_se
             self.call = (weights, worker_ids, wait)
 
     scheme = RecordingScheme()
-    holder = type("Holder", (), {"_sender_schemes": {"policy": scheme}})()
+    weights = type("Weights", (), {"sender_schemes": {"policy": scheme}})()
+    holder = type("Holder", (), {"_engine": type("Engine", (), {"weights": weights})()})()
     DistributedCollector.push_legacy_weights(holder, 1, "weights", wait=False)
     assert scheme.call == ("weights", [1], False)
     assert scheme.sync is True

@@ -17,6 +17,7 @@ from rlharvest.collectors.distributed import DistributedCollector, DistributedSy
 from rlharvest.transport.ports import free_port_block
 from rlharvest.transport.torchdist import TorchDistBackend
 from rlharvest.worker.nodes import node_main
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -40,7 +41,7 @@ def test_a_node_leaves_and_the_others_keep_their_indices(collector_class, sync):
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 2:
-            node = collector._launched[1].process
+            node = engine_of(collector).backend.launched[1].process
             start = time.perf_counter()
             collector.remove_collectors([1])
             timings.append(time.perf_counter() - start)
@@ -143,7 +144,7 @@ def test_a_preempted_node_is_replaced_through_its_launcher_without_spending_a_re
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 2:
-            node = collector._launched[1].process
+            node = engine_of(collector).backend.launched[1].process
             os.kill(node.pid, signal.SIGTERM)
             wait_until(lambda: gone(node), 30.0, "the preempted node's exit")
     stats = collector.stats()
@@ -161,7 +162,7 @@ def test_a_preempted_node_without_restarts_leaves_the_others_collecting():
         batches.append(batch.clone())
         if len(batches) == 2:
             # its batch in flight is delivered (the node waits until it is taken), then it leaves
-            os.kill(collector._launched[0].process.pid, signal.SIGTERM)
+            os.kill(engine_of(collector).backend.launched[0].process.pid, signal.SIGTERM)
     stats = collector.stats()
     collector.shutdown()
     assert (stats["preemptions"], stats["workers"]) == (1, 1)
@@ -176,7 +177,7 @@ def test_a_preempted_free_running_node_is_replaced():
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 2:
-            os.kill(collector._launched[1].process.pid, signal.SIGTERM)
+            os.kill(engine_of(collector).backend.launched[1].process.pid, signal.SIGTERM)
     stats = collector.stats()
     collector.shutdown()
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)

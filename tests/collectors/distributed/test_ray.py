@@ -21,6 +21,7 @@ from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme, 
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.ray import _FREE_WINDOW
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(60), pytest.mark.usefixtures("ray_session")]
 
@@ -161,7 +162,7 @@ def test_subset_update_reaches_only_those_actors():
 
 
 def sender_of(collector: RayCollector):
-    return collector._sender_schemes["policy"]._sender
+    return engine_of(collector).weights.sender_schemes["policy"]._sender
 
 
 def segment_files(sender) -> list[str]:
@@ -200,7 +201,7 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
     try:
         iterator = iter(collector)
         next(iterator)
-        collector._requests.handles[1].node_id = "another-node"  # as Ray would report an actor placed elsewhere
+        engine_of(collector).requests.handles[1].node_id = "another-node"  # as Ray would report an actor placed elsewhere
         set_weight(policy, 3.0)
         collector.update_policy_weights_()
         assert next(iterator)["action"].unique().tolist() == [3.0]
@@ -208,7 +209,7 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         assert sender.book.current == {0: 0} and not sender.book.pending  # only actor 0 runs on a generation
         sender._driver_node = "a-third-node"  # the replacement counts as remote: it gets a reference
         ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not collector._requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         collector._replace_worker(0)
         assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender.book.current
     finally:
@@ -353,7 +354,7 @@ def test_a_dead_actor_is_replaced_with_the_current_weights_and_a_fresh_env(ray_c
         collector.update_policy_weights_()
         used |= set(next(iterator)[IDS].reshape(-1).tolist())
         ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not collector._requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         collector._replace_worker(0)  # the seam a restart goes through (through Fleet.replace)
         batch = next(iterator)
         assert batch["action"].unique().tolist() == [4.0]

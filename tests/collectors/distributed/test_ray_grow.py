@@ -19,6 +19,7 @@ from rlharvest import WorkerError
 from rlharvest.collectors.distributed import RayCollector
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(90), pytest.mark.usefixtures("ray_session")]
 
@@ -70,7 +71,7 @@ def test_sync_growth_adds_a_row_with_the_current_weights_and_unique_ids(ray_clus
         collector.add_collectors([counting(5)], 1, policy, {}, {"num_cpus": 1})
         assert collector.num_collectors == 2 and len(collector.remote_collectors) == 2
         assert collector.requested_frames_per_batch == 8 and len(collector) == 3  # 4 + 8 + 8 frames
-        assert collector._fleet.specs[1].seed == seed  # the seed chain goes on into the new actor
+        assert engine_of(collector).fleet.specs[1].seed == seed  # the seed chain goes on into the new actor
         stats = collector.stats()
         assert stats["workers"] == stats["workers_alive"] == 2 and stats["worker_1/restarts"] == 0
         assert len(collector.state_dict()) == 2
@@ -81,7 +82,7 @@ def test_sync_growth_adds_a_row_with_the_current_weights_and_unique_ids(ray_clus
         collector.update_policy_weights_(worker_ids=[1])  # reaches the new actor only
         third = next(iterator)
         assert third["action"][0].unique().tolist() == [3.0] and third["action"][1].unique().tolist() == [1.0]
-        assert next(iterator, None) is None and collector._frames == 20  # total_frames, exactly
+        assert next(iterator, None) is None and engine_of(collector).frames == 20  # total_frames, exactly
         assert first[IDS][0, -1] == second[IDS][0, 0]  # the trajectory running at the growth kept its id
         check_trajectories([stream([first, second, third], 0), stream([second, third], 1)])
         assert collector.remote_collectors == []  # iteration shut every actor down, the new one too
@@ -104,7 +105,7 @@ def test_async_growth_serves_the_new_actor_with_the_current_weights_and_exact_to
         assert collector.requested_frames_per_batch == 4 and len(collector) == 12
         batches += list(iterator)
         assert len(batches) == 12 and all(b.shape == (4,) for b in batches)
-        assert sum(b.numel() for b in batches) == 48 == collector._frames
+        assert sum(b.numel() for b in batches) == 48 == engine_of(collector).frames
         assert all(b["action"].unique().tolist() == [2.0] for b in batches[1:])
         # a batch comes from one actor; the new one's env counts past 2 (max_steps=5)
         per_actor: dict[int, list] = {0: [batches[0]]}
@@ -146,7 +147,7 @@ def test_a_new_actor_that_fails_to_start_is_named_and_the_others_go_on():
         with pytest.raises(WorkerError, match="cannot be built") as info:
             collector.add_collectors([broken()])
         assert info.value.worker_idx == 1
-        assert collector.num_collectors == 1 and len(collector._backend.handles) == 1
+        assert collector.num_collectors == 1 and len(engine_of(collector).backend.handles) == 1
         assert next(iterator).shape == (1, 4)
     finally:
         collector.shutdown()

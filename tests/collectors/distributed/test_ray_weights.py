@@ -18,6 +18,7 @@ from mocks import ClockEnv, wait_until, weight_policy
 from rlharvest import WorkerError
 from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme
 from rlharvest.envs import CountingEnv
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(60), pytest.mark.usefixtures("ray_session")]
 
@@ -35,7 +36,7 @@ def spy_and_start(collector: RayCollector) -> tuple:
     """``(sender, calls, iterator)``: the sender of the policy's weights, the list its actor calls
     are recorded in (``(actor, initial)`` per ``deliver_weights`` call), and the collector's iterator
     once the first batch is taken."""
-    sender = collector._sender_schemes["policy"]._sender
+    sender = engine_of(collector).weights.sender_schemes["policy"]._sender
     calls, send = [], sender._send
 
     def recorded(worker, version, body, initial):
@@ -75,7 +76,7 @@ def test_a_replacement_on_this_node_opens_a_channel_of_its_own(ray_cluster):
     try:
         sender, calls, iterator = spy_and_start(collector)
         ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not collector._requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         collector._replace_worker(0)
         assert calls == [(0, True)] and next(iterator)["action"].unique().tolist() == [1.0]
         set_weight(policy, 5.0)
@@ -190,7 +191,7 @@ def test_the_generations_updates_alternate_between_are_mapped_while_the_actors_a
     policy = weight_policy(1.0)
     collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
     try:
-        sender = collector._sender_schemes["policy"]._sender
+        sender = engine_of(collector).weights.sender_schemes["policy"]._sender
         made = sorted(sender.book.pool._generations)
         assert len(made) == 2
         bodies, body_of = [], sender._shm_body

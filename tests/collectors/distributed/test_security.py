@@ -31,6 +31,7 @@ from rlharvest.envs import CountingEnv
 from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
 from rlharvest.transport.ports import free_port_block
 from rlharvest.transport.rendezvous import CONTROL_KEY, group_store, make_process_group, store_server
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,16 +54,16 @@ def counting_collector(cls=DistributedCollector, policy=None, **kwargs):
 
 
 def weight_port(collector) -> int:
-    return collector._sender_schemes["policy"].sender_transports.listener.port
+    return engine_of(collector).weights.sender_schemes["policy"].sender_transports.listener.port
 
 
 def test_store_holds_no_secret_and_mp_listens_on_loopback_only():
     with counting_collector() as collector:
         collector.next()
-        store = collector._backend.rendezvous.store
+        store = engine_of(collector).backend.rendezvous.store
         keys = store.list_keys()
         values = {key: store.get(key) for key in keys}
-        secrets_ = [collector._net.authkey, collector._sender_schemes["policy"].sender_transports.authkey]
+        secrets_ = [engine_of(collector).options.network.authkey, engine_of(collector).weights.sender_schemes["policy"].sender_transports.authkey]
         for key, value in values.items():
             for secret in secrets_:
                 assert secret not in value and secret.hex().encode() not in value, key

@@ -31,6 +31,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import _node_scripts  # noqa: E402  (needs HERE on sys.path; submitit pickles its functions by reference)
+from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.slurm
 
@@ -143,7 +144,7 @@ def test_submitit_two_nodes_core_behaviours(in_tmp, sync):
     collector = make([lambda: CountingEnv(max_steps=3)] * 2, policy=policy, frames_per_batch=frames_per_batch,
                      total_frames=total_frames, sync=sync)
     try:
-        assert sorted(submitted_job_ids(in_tmp)) == sorted(str(node.job.job_id) for node in collector._launched)
+        assert sorted(submitted_job_ids(in_tmp)) == sorted(str(node.job.job_id) for node in engine_of(collector).backend.launched)
         batches, per_node = [], {0: set(), 1: set()}
         for i, batch in enumerate(collector):
             batches.append(batch.clone())
@@ -285,7 +286,7 @@ def test_node_job_cancelled_during_collection_leaves(in_tmp, kind):
     try:
         batches = iter(collector)
         assert next(batches).numel() == 20  # both node jobs run and answer
-        job_id = str(collector._launched[1].job.job_id)
+        job_id = str(engine_of(collector).backend.launched[1].job.job_id)
         subprocess.run(["scancel", job_id], check=True, timeout=10)
         cancelled = time.monotonic()
         while collector.stats()["preemptions"] == 0 and time.monotonic() < cancelled + 60:
@@ -378,13 +379,13 @@ def test_node_job_cancelled_during_collection_is_replaced_by_a_new_job(in_tmp):
                      total_frames=-1, sync=True, max_worker_restarts=1)
     try:
         batches = [collector.next().clone()]
-        old_job = str(collector._launched[1].job.job_id)
+        old_job = str(engine_of(collector).backend.launched[1].job.job_id)
         subprocess.run(["scancel", "--signal=TERM", old_job], check=True, timeout=10)
         deadline = time.monotonic() + 90
         while collector.stats()["preemptions"] == 0 and time.monotonic() < deadline:
             batches.append(collector.next().clone())
         batches += [collector.next().clone() for _ in range(3)]
-        new_job = str(collector._launched[1].job.job_id)
+        new_job = str(engine_of(collector).backend.launched[1].job.job_id)
         causes = collector.restart_causes
         stats = collector.stats()
     finally:

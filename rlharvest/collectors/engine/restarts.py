@@ -24,8 +24,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..config import CollectorConfig
-from ..errors import WorkerError, WorkerTimeoutError
+from ...config import CollectorConfig
+from ...errors import WorkerError, WorkerTimeoutError
 
 __all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "failure_kind"]
 

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from .._utils import resolve_attr_path
+from ..._utils import resolve_attr_path
 
 __all__ = ["resolve_env_transform_path"]
 

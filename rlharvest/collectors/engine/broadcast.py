@@ -12,11 +12,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
-from ..errors import WorkerError
-from ..profiling import ProfileConfig
-from ..protocol import Command
-from ._fleet import Fleet
-from ._specs import wrap_callable
+from ...errors import WorkerError
+from ...profiling import ProfileConfig
+from ...protocol import Command
+from .fleet import Fleet
+from ..._utils import wrap_callable
 
 __all__ = ["WorkerBroadcast"]
 
@@ -135,7 +135,7 @@ class WorkerBroadcast:
         self._requests.broadcast(Command.CASCADE, (f"set_{name}", (wrapped,), {}))
         for worker, spec in enumerate(self.fleet.specs):
             if spec is not None:
-                self.fleet.remember(worker, collector_kwargs={**spec.collector_kwargs, name: wrapped})
+                self.fleet.specs[worker] = spec.with_hooks({name: wrapped})
 
     def increment_version(self) -> None:
         self.drain()

@@ -8,14 +8,17 @@ The arguments every collector shares are checked once, in :class:`rlharvest.conf
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .._utils import CloudpickleWrapper
-from ..weight_update.schemes import WeightSyncScheme
+from ..._utils import wrap_callable
+from ...weight_update.schemes import WeightSyncScheme
 
 __all__ = [
+    "WorkerSetup",
+    "typed_class",
     "per_worker",
     "env_functions",
     "stateless_copy",
@@ -26,6 +29,32 @@ __all__ = [
     "validate_preemptive_threshold",
     "check_policy_args",
 ]
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a collector's worker specs are built with, decided once its backend exists."""
+
+    policy: Any
+    """The policy each worker is given (a stateless copy when its weights arrive through a scheme)."""
+    schemes: dict
+    """The sender schemes ``{model_id: scheme}`` feeding the workers (a legacy updater's transport too)."""
+    legacy: bool = False
+    """A legacy ``weight_updater`` drives the schemes (``update_policy_weights_`` goes through it)."""
+    trajectory_counter: Any = None
+    """The trajectory-id counter the workers share, or None when each counts its own."""
+    inference: Any = None
+    """The channels of a policy served in the collector's process (``AsyncBatchedCollector``): each
+    worker's policy is a client of it."""
+
+
+def typed_class(collector_class: Any, ours: Sequence[type]) -> bool:
+    """Whether workers build ``collector_class`` from typed options (``from_options``): one of ``ours``,
+    or a subclass that keeps its constructor (its other methods are the user's and stay theirs). A
+    class with a constructor of its own is called with keyword arguments, so that code runs."""
+    if not isinstance(collector_class, type):
+        return False
+    return any(issubclass(collector_class, base) and collector_class.__init__ is base.__init__ for base in ours)
 
 
 def env_functions(create_env_fn, num_workers: int | None) -> list:
@@ -105,13 +134,6 @@ def default_schemes(scheme_name: str, policy: Any, factories: list | None, **opt
     if has_weights(policy):
         return {"policy": WeightSyncScheme.from_backend(scheme_name, **options)}
     return {}
-
-
-def wrap_callable(value: Any) -> Any:
-    """Cloudpickle user callables so lambdas survive the spawn/forkserver start methods."""
-    if value is None or isinstance(value, CloudpickleWrapper):
-        return value
-    return CloudpickleWrapper(value)
 
 
 def check_policy_args(policy, factories: Sequence | None, weight_updater, schemes) -> None:

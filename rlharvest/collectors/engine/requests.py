@@ -24,9 +24,9 @@ import time
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
-from ..errors import WorkerError, WorkerTimeoutError
-from ..transport.base import WorkerHandle
-from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply
+from ...errors import WorkerError, WorkerTimeoutError
+from ...transport.base import WorkerHandle
+from ...protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply
 
 __all__ = ["WorkerRequests"]
 

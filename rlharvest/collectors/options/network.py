@@ -13,8 +13,7 @@ from typing import Any
 from ...config import positive_seconds
 from ...transport.channel import AUTHKEY_ENV, new_authkey, parse_authkey
 from ...transport.ports import free_port_block
-from ...transport.launchers import main_host_ip
-from .slurm import TCP_PORT
+from ...transport.launchers import TCP_PORT, main_host_ip
 
 __all__ = ["NetworkConfig", "parse_tcp_port"]
 

@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..errors import WorkerError
-from ..protocol import READY, Command, WorkerSpec
-from ..transport.base import Backend, WorkerHandle
-from ._requests import WorkerRequests
-from ._restarts import RestartPolicy
+from ...errors import WorkerError
+from ...protocol import READY, Command, WorkerSpec
+from ...transport.base import Backend, WorkerHandle
+from .requests import WorkerRequests
+from .restarts import RestartPolicy
 
 __all__ = ["Fleet", "Replacement"]
 

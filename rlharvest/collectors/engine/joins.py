@@ -1,8 +1,8 @@
 """The collector's side of nodes that join from anywhere (``launcher="external"``, docs/elastic.md).
 
 :class:`JoinKey` writes the collector's key where a joining node reads it (a file only its owner
-may read, in a folder only its owner may enter); :func:`join_argv` is the command a node runs;
-:func:`admit_rejoined` gives an empty slot back to the node that joined it.
+may read, in a folder only its owner may enter); :func:`join_argv` is the command a node runs
+(``extras.ExternalJoins`` gives an empty slot back to the node that joined it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-__all__ = ["JoinKey", "admit_rejoined", "join_argv"]
+__all__ = ["JoinKey", "join_argv"]
 
 
 class JoinKey:
@@ -32,16 +32,3 @@ def join_argv(host: str, port: int, key_path: str) -> list[str]:
     """The argv of a node that joins the collector listening at ``host:port``."""
     return ["python", "-m", "rlharvest", "node", "--join", f"{host}:{port}", "--key-file", key_path]
 
-
-def admit_rejoined(backend, fleet) -> list[int]:
-    """Empty slots (their node left) that a node joined meanwhile take it back, through the
-    replacement path (``Fleet.renew``: fresh trajectory ids, current weights and version). Called
-    between two batches; returns those slots."""
-    joins = getattr(backend, "joins", None)
-    requests = fleet.current_requests if fleet is not None else None
-    if joins is None or requests is None or not requests.retired:
-        return []
-    rejoined = joins.joined(sorted(requests.retired))
-    for worker in rejoined:
-        fleet.renew(worker)
-    return rejoined

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TrajIdMap"]
+from ..._utils import TRAJ_IDS
+from ...checkpoint import pack, unpack
+
+__all__ = ["TrajIdMap", "SharedIds", "PerWorkerIds"]
 
 
 class TrajIdMap:
@@ -84,3 +87,64 @@ class TrajIdMap:
         """One past every collector-wide id ``worker`` was given (its newest segment's base if none)."""
         first, base, stride = self._segments[worker][-1]
         return base + max(0, self._next[worker] - first) * stride
+
+
+class SharedIds:
+    """Every worker draws its trajectory ids from one counter the collector shares with them (worker
+    processes): ids are unique as they arrive, also across replacements.
+
+    Args:
+        counter: the shared counter (``Backend.trajectory_counter()``), or None.
+    """
+
+    def __init__(self, counter=None) -> None:
+        self.counter = counter
+
+    def remap(self, batch, worker: int):
+        return batch
+
+    def replacement_changes(self, worker: int) -> dict:
+        return {}
+
+    def grow(self, count: int) -> None:
+        """New workers draw from the same counter."""
+
+    def state(self) -> dict:
+        return {}
+
+    def restore(self, section: dict) -> None:
+        """Nothing beyond the counter (``"traj_pool"``, TorchRL's key)."""
+
+
+class PerWorkerIds:
+    """Every worker counts its own ids; the collector maps them (:class:`TrajIdMap`): node ``i``'s local
+    id ``k`` becomes ``k * W + i`` (segments after growth), -1 stays -1. A replacement starts past every
+    id its predecessor handed out.
+
+    Args:
+        num_workers: workers at the start.
+    """
+
+    counter = None
+
+    def __init__(self, num_workers: int) -> None:
+        self.map = TrajIdMap(num_workers)
+
+    def remap(self, batch, worker: int):
+        ids = batch.get(TRAJ_IDS, None)
+        if ids is not None:
+            self.map.map_(ids, worker)
+        return batch
+
+    def replacement_changes(self, worker: int) -> dict:
+        return {"traj_offset": self.map.next_local(worker)}
+
+    def grow(self, count: int) -> None:
+        self.map.grow(count)
+
+    def state(self) -> dict:
+        return {"traj_ids": pack(vars(self.map))}
+
+    def restore(self, section: dict) -> None:
+        if "traj_ids" in section:
+            vars(self.map).update(unpack(section["traj_ids"]))

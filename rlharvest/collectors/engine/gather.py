@@ -9,7 +9,7 @@
   is taken as it arrives.
 
 Each meets failed workers the same way: the fleet replaces the worker if its restart policy allows
-(:meth:`~rlharvest.collectors._fleet.Fleet.recover`, else the failure is raised), and the
+(:meth:`~rlharvest.collectors.engine.fleet.Fleet.recover`, else the failure is raised), and the
 replacement is asked again. Waiting time is recorded for ``stats()``.
 """
 
@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 from tensordict import TensorDictBase
 
-from ..errors import WorkerError, WorkerTimeoutError
-from ..protocol import Command
-from ._fleet import Fleet
-from ._progress import ProgressMeter
+from ...errors import WorkerError, WorkerTimeoutError
+from ...protocol import Command
+from .fleet import Fleet
+from .progress import ProgressMeter
 
 __all__ = ["SyncStack", "FirstReady", "Pushed", "request_batch"]
 

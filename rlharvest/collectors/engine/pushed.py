@@ -1,10 +1,11 @@
-"""Nodes running free: they push batches, the main process writes them into its replay buffer.
+"""Workers running free push batches; a receiver thread writes them into the replay buffer.
 
-While nodes run free, one receiver thread is the only user of the collector's WorkerRequests: it takes
-each pushed batch (posting the process-group receive the node waits for), remaps trajectory ids,
-drops steps an interruption left uncollected, and extends the replay buffer; it also replaces a
-node that failed (restarts on), under the collector's lock shared with weight updates. ``pause()`` and the
-shutdown talk to that thread through events, so the pool stays single-threaded.
+While they run free, the receiver is the only user of the engine's WorkerRequests: it takes each pushed
+batch (posting the process-group receive a node waits for), and hands it to the engine
+(``CollectionEngine.write_pushed``: ids remapped, uncollected steps dropped, the buffer extended); it
+also replaces a worker that failed (restarts on), under the lock shared with weight updates
+(``CollectionEngine.replace_free_worker``). ``pause()`` and the shutdown talk to that thread through
+events, so the requests stay single-threaded.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ __all__ = ["PushedBatchReceiver"]
 
 
 class PushedBatchReceiver(threading.Thread):
-    """Drains batches pushed by free-running nodes into the collector's replay buffer."""
+    """Drains batches pushed by free-running workers into the engine's replay buffer."""
 
-    def __init__(self, collector) -> None:
+    def __init__(self, engine) -> None:
         super().__init__(name="rlharvest-pushed-batches", daemon=True)
-        self.collector = collector
+        self.engine = engine
         self.error: BaseException | None = None
         self.stop_requested = threading.Event()
         self.pause_requested = threading.Event()
@@ -48,21 +49,21 @@ class PushedBatchReceiver(threading.Thread):
         node found failed (also while sending a batch, which is then dropped whole) is replaced as the
         restart policy allows, and runs free like the others (docs/restarts.md)."""
         try:
-            item = self.collector._requests.next_pushed(timeout)
+            item = self.engine.requests.next_pushed(timeout)
             if item is None:
                 return False
             worker, reply = item
-            self.collector._write_pushed(worker, reply)
+            self.engine.write_pushed(worker, reply)
         except WorkerError as err:
             if not replace_failed:
                 raise
-            self.collector._replace_free_node(err)
+            self.engine.replace_free_worker(err)
             return False
         return True
 
     def _stop_pushing(self) -> None:
         """Ask every node to stop after its current rollout; keep writing what arrives meanwhile."""
-        pool = self.collector._requests
+        pool = self.engine.requests
         for handle in pool.handles:
             handle.interrupt()
         requests = {w: pool.send(w, Command.PAUSE) for w in range(len(pool))}
@@ -85,7 +86,7 @@ class PushedBatchReceiver(threading.Thread):
         self.resume_requested.clear()
         self.paused.clear()
         if not self.stop_requested.is_set():
-            self.collector._requests.broadcast(Command.RESUME)
+            self.engine.requests.broadcast(Command.RESUME)
 
     def _quiesce(self) -> None:
         self._stop_pushing()

@@ -1,0 +1,722 @@
+"""CollectionEngine: what every collector with workers is, whatever the backend (docs/architecture.md).
+
+The engine is built from a collector's typed options (``collectors/options/``) and owns the parts:
+
+* the :class:`~.fleet.Fleet` (workers' life cycle, with its :class:`~.restarts.RestartPolicy` and
+  :class:`~.requests.WorkerRequests`), the :class:`~.broadcast.WorkerBroadcast` (calls asked of every
+  worker);
+* the :class:`~.loops.Iteration` (how batches come back: ``gather.py``) and the
+  :class:`~.output.BatchOutput` (post-processing, replay buffer, complete trajectories);
+* the :class:`~.weights.WeightPublisher` (schemes, legacy updater, versions) and the
+  :class:`~.schedule.WeightSchedule` (automatic pushes);
+* the :class:`~.membership.Membership` (workers that join and leave), the trajectory ids
+  (``traj_ids.py``), the background runs (``running.py``), checkpoints (``checkpoint.py``) and the
+  :class:`~.stats.StatsSnapshot`.
+
+What differs between backends is data in the options' :class:`~rlharvest.collectors.options.traits.Traits`;
+the public classes are faces that build an engine and delegate to it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
+import time
+import weakref
+from typing import Any, Iterator, Sequence
+
+from tensordict import TensorDictBase
+
+from ..._utils import resolve_attr_path, wrap_callable
+from ...errors import WorkerError
+from ...profiling import ProfileConfig
+from ...protocol import Command, WorkerSpec
+from ...weight_update.strategy import weights_of
+from ..options.common import WorkerSetup
+from . import checkpoint
+from .broadcast import WorkerBroadcast
+from .extras import EngineExtra, ExternalJoins, RPCReferences
+from .fleet import Fleet, Replacement
+from .loops import Iteration
+from .membership import Membership
+from .output import BatchOutput
+from .progress import ProgressMeter
+from .pushed import PushedBatchReceiver
+from .restarts import RestartCause, RestartPolicy
+from .running import PushedRun, ThreadRun, WorkersRun
+from .schedule import WeightSchedule
+from .served import PolicyServer
+from .stats import StatsSnapshot, check_view
+from .traj_ids import PerWorkerIds, SharedIds
+from .weights import WeightPublisher
+
+__all__ = ["CollectionEngine", "argument_sets"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """At interpreter exit, close what users forgot (before multiprocessing joins its children)."""
+    for engine in list(_LIVE):
+        with contextlib.suppress(Exception):
+            engine.shutdown(timeout=5.0, raise_on_error=False)
+
+
+def _weakly(method, default: Any = None):
+    """``method`` (bound) called through a weak reference to its object: ``default`` once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return bound(*args) if bound is not None else default
+
+    return call
+
+
+def argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` pairs for ``map_fn``; ``count`` = the number of calls required (None: any).
+
+    Raises:
+        ValueError: for lists of different lengths, or not ``count`` entries.
+    """
+    if list_of_args is None and list_of_kwargs is None:
+        list_of_args = [()] * (count if count is not None else 1)
+    if list_of_args is None:
+        list_of_args = [()] * len(list_of_kwargs)
+    if list_of_kwargs is None:
+        list_of_kwargs = [{}] * len(list_of_args)
+    if len(list_of_args) != len(list_of_kwargs):
+        raise ValueError(f"list_of_args and list_of_kwargs must have the same length, got {len(list_of_args)} "
+                         f"and {len(list_of_kwargs)}.")
+    if count is not None and len(list_of_args) != count:
+        raise ValueError(f"Expected {count} argument entries (one per worker), got {len(list_of_args)}.")
+    return [(tuple(args), dict(kwargs)) for args, kwargs in zip(list_of_args, list_of_kwargs)]
+
+
+class CollectionEngine:
+    """The collector behind every public class with workers.
+
+    Args:
+        options: the collector's typed options (``WorkerProcessOptions``, ``TorchDistOptions``,
+            ``RPCOptions``, ``RayOptions``, ``AsyncBatchedOptions``).
+        face: the public collector (held weakly: dropping it stops the workers).
+    """
+
+    def __init__(self, options: Any, face: Any) -> None:
+        self.name = type(face).__name__
+        self._face = weakref.ref(face)
+        self.options = options
+        self.traits = options.traits
+        self.config = options.config
+        self.closed = True  # until the workers are up
+        self.frames, self.iter = 0, -1
+        self.iteration_started = False
+        self.profile_config: ProfileConfig | None = None
+        self.hooks: dict[str, Any] = {"pre_collect_hook": self.config.pre_collect_hook,
+                                      "post_collect_hook": self.config.post_collect_hook}
+        self.progress = ProgressMeter()
+        self.weights = WeightPublisher(self, self.progress, options.version_tracker)
+        self.output = BatchOutput(self.config, assembles=options.assembles_trajectories)
+        self.membership = Membership(self, options.frames_share)
+        self.schedule = WeightSchedule(self.traits.pushes, self._push, options.num_workers)
+        self.ids = PerWorkerIds(options.num_workers) if self.traits.per_worker_ids else SharedIds()
+        self.loop = Iteration(self)
+        self.thread_run = ThreadRun(lambda: self.iterate(), self.interrupt_workers, name=f"{self.name}-run")
+        self.free_run: WorkersRun | PushedRun | None = None
+        self.backend = options.build_backend()
+        self.fleet: Fleet | None = None
+        self.broadcast: WorkerBroadcast | None = None
+        self.setup: WorkerSetup | None = None
+        #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
+        self.extras: list[EngineExtra] = []
+        if self.traits.external_joins:
+            self.extras.append(ExternalJoins(self))
+        if self.traits.remote_references:
+            self.extras.append(RPCReferences(self))
+        #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
+        self.server = PolicyServer(options, self) if self.traits.gather == "chunks" else None
+
+    # ------------------------------------------------------------------ construction
+    def start(self) -> None:
+        """Set the weights up, start the workers and wait for them (as the traits say)."""
+        options = self.options
+        try:
+            self.setup = setup = options.prepare(self.backend)
+            self.weights.sender_schemes = setup.schemes
+            self.weights.sync_schemes = None if setup.legacy else setup.schemes
+            if isinstance(self.ids, SharedIds):
+                self.ids.counter = setup.trajectory_counter
+            if self.server is not None:
+                self.setup = setup = dataclasses.replace(setup, inference=self.server.channels)
+            for model_id, scheme in (self.weights.sender_schemes or {}).items():
+                scheme.init_on_sender(model_id=model_id, context=self, num_workers=options.num_workers)
+            for extra in self.extras:
+                extra.before_start()
+            specs = options.worker_specs(self.setup)
+            hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
+                                _weakly(self._after_replacement), _weakly(self._after_leave))
+            self.fleet = Fleet(self.backend, self.weights.sender_schemes or {}, options.worker_timeout,
+                               RestartPolicy.of(self.config, self.traits.noun), hooks)
+            self.loop.choose_gather(self.fleet)
+            self.broadcast = WorkerBroadcast(self.fleet, _weakly(self.loop.drain), self.traits.noun)
+            _LIVE.add(self)
+            self.fleet.start(specs, started=self._started_hook(), wait=self.traits.wait_until_built,
+                             deferred=self.traits.deferred_start)
+        except BaseException as err:  # the fleet stopped what it started
+            self.weights.shutdown()
+            for extra in self.extras:
+                extra.after_stop()
+            if self.fleet is None:
+                self.backend.stop_all(time.monotonic())
+            if self.server is not None:
+                self.server.stop()
+                if isinstance(err, WorkerError) and self.server.setup_error() is not None:
+                    raise self.server.setup_error() from err  # the policy's or the env's own error
+            raise
+        self.closed = False
+        for extra in self.extras:
+            extra.after_start()
+        if options.weight_updater is not None:
+            face = self._face()
+            self.weights.set_updater(options.weight_updater, face)
+        if options.weight_recv_schemes is not None:
+            self.register_receivers(options.weight_recv_schemes)
+
+    def _started_hook(self):
+        """What runs once the workers are started, before they are awaited (a policy server)."""
+        if self.server is None:
+            return None
+        return self.server.start
+
+    def extra(self, kind: type) -> Any:
+        """The backend part of type ``kind``, or None."""
+        return next((extra for extra in self.extras if isinstance(extra, kind)), None)
+
+    # ------------------------------------------------------------------ what the faces read
+    @property
+    def requests(self):
+        return self.fleet.requests if self.fleet is not None else None
+
+    @property
+    def num_workers(self) -> int:
+        """Worker slots: every index given so far, those of workers that left included."""
+        return len(self.fleet) if self.fleet is not None else self.options.num_workers
+
+    @property
+    def active_workers(self) -> list[int]:
+        return self.fleet.active if self.fleet is not None else []
+
+    @property
+    def requested_frames_per_batch(self) -> int:
+        resized = self.membership.resized_frames_per_batch()
+        return self.options.requested_frames if resized is None else resized
+
+    @property
+    def worker_idx(self) -> int | None:
+        return self.config.worker_idx
+
+    @property
+    def policy_device(self):
+        return None
+
+    @property
+    def policy_lock(self):
+        return None
+
+    def worker_pids(self) -> list[int | None]:
+        requests = self.fleet.current_requests if self.fleet is not None else None
+        return [handle.pid for handle in requests.handles] if requests is not None else []
+
+    def handles(self) -> list:
+        """The workers' handles, in index order (empty once shut down)."""
+        requests = self.fleet.current_requests if self.fleet is not None and not self.closed else None
+        return list(requests.handles) if requests is not None else []
+
+    @property
+    def restart_causes(self) -> tuple[RestartCause, ...]:
+        if self.fleet is None:
+            return ()
+        restarts = self.fleet.restarts
+        return tuple(sorted([*restarts.causes, *restarts.leaves], key=lambda cause: cause.time))
+
+    def is_running(self) -> bool:
+        return self.free_run is not None or self.thread_run.is_running()
+
+    def workers_pushing(self) -> bool:
+        """Whether the workers push batches unasked now (they are paused before they leave)."""
+        return self.loop.pushing
+
+    def weight_links(self):
+        return self.backend.weight_links()
+
+    def check_open(self, action: str) -> None:
+        """Raises: RuntimeError naming ``action`` once the collector is shut down."""
+        if self.closed:
+            raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
+
+    # ------------------------------------------------------------------ iteration
+    def iterate(self) -> Iterator[TensorDictBase | None]:
+        """The collector's batches (``__iter__``), each recorded for ``stats()`` as it is yielded."""
+        if isinstance(self.free_run, (WorkersRun, PushedRun)):
+            raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
+        self.iteration_started = True
+        for batch in self.loop.batches():
+            self.progress.record(self.frames, batch, self.weights.policy_version)
+            yield batch
+        if self.traits.shutdown_after_total and self.reached_total():  # TorchRL's Ray collector does so
+            self.shutdown()
+
+    def reached_total(self) -> bool:
+        return not self.config.endless and self.frames >= self.config.total_frames
+
+    def random_phase(self) -> bool:
+        return self.config.in_random_phase(self.frames)
+
+    def num_batches(self) -> int:
+        """``len()``.
+
+        Raises:
+            RuntimeError: for an endless collector.
+        """
+        if self.config.endless:
+            raise RuntimeError(f"Non-terminating collector (total_frames={self.config.total_frames}): len() is "
+                               "undefined.")
+        return self.membership.num_batches(lambda: self.config.num_batches(self.options.requested_frames))
+
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
+        """One batch for a parent collector (this engine's collector runs inside a node)."""
+        if self._for_parent is None:
+            self._for_parent = self.iterate()
+        return next(self._for_parent)
+
+    _for_parent: Iterator | None = None
+
+    # the rest of the worker-loop contract (this engine's collector runs inside a node): its own workers
+    # write a shared buffer themselves, and its rollouts are interrupted through its workers
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
+        buffer.extend(batch)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        """Nothing is kept: trajectories are assembled where the batches are yielded."""
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        """Batches are assembled here from the workers': nothing to redirect."""
+
+    def add_step_check(self, check) -> None:
+        """Rollouts run in this engine's workers, which check their own parent link."""
+    #: legacy updaters' ``{device: weights}`` staging area (``legacy.py``), made on first use
+    legacy_staging: dict | None = None
+
+    def interrupt_workers(self) -> None:
+        """Make the workers' rollouts in progress end soon."""
+        requests = self.fleet.current_requests if self.fleet is not None else None
+        if requests is not None:
+            for worker in requests.active():
+                requests.handles[worker].interrupt()
+
+    # ------------------------------------------------------------------ weights
+    def _push(self, workers: list[int] | None) -> None:
+        """An automatic weight update (``WeightSchedule``): only where something carries weights."""
+        if self.weights.sender_schemes or self.weights.updater is not None:
+            if self.weights.updater is not None and not self.traits.pushes.name_targets:
+                workers = None
+            self.update_weights(None, None, workers, None, None)
+
+    def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
+                       weights_dict: dict | None) -> None:
+        """``update_policy_weights_``: a worker found failed while the weights are delivered is replaced
+        (restarts on) and starts with them (docs/restarts.md)."""
+        if self.traits.states_only_while_idle:
+            raise NotImplementedError(f"{self.name} pushes weights every update_interval batches by itself.")
+        self.updating_weights(lambda: self.weights.update(value, policy_or_weights, worker_ids, model_id,
+                                                          weights_dict))
+        targets = self.active_workers if worker_ids is None else (
+            [worker_ids] if isinstance(worker_ids, int) else worker_ids)
+        self.schedule.updated(list(targets))
+
+    def updating_weights(self, update, counted: bool = True) -> None:
+        """Run a weight update; a worker it finds failed is replaced.
+
+        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
+        have the new weights; the replacement starts with them (and, when the update ``counted`` a
+        version, with the version it makes) too. Running free, the receiver thread owns the workers:
+        an update that meets a failed worker counts as done for the survivors, and the receiver replaces
+        that worker (it meets the failure too), starting it with these weights and this version.
+        """
+        pushed = self.free_run if isinstance(self.free_run, PushedRun) else None
+        with pushed.lock if pushed is not None else contextlib.nullcontext():
+            try:
+                update()
+            except WorkerError as err:
+                if self.fleet is None or not self.fleet.restarts.enabled:
+                    raise
+                if pushed is None:
+                    step = 1 if counted else 0
+                    self.fleet.recover(err, policy_version=self.weights.version + step)
+                if counted:
+                    self.weights.increment()
+
+    # what the publisher asks (WeightOwner)
+    def update_local_policy(self, value: Any) -> None:
+        if self.server is not None:  # the policy is served here: it takes the weights in this process
+            self.weights.version = self.server.update(self.weights, value)
+            return
+        self.weights.version += 1  # a parameter-free policy: nothing to send, versions still move
+
+    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
+        if self.server is not None:
+            self.server.copy_in(weights)
+
+    def after_weights_sent(self, model_ids: list[str]) -> None:
+        # Workers bumped their own versions when they applied the update: only ours moves here.
+        if "policy" in model_ids:
+            self.weights.increment()
+
+    def on_version_bump(self, version: int) -> None:
+        """Workers count their own versions."""
+
+    def resolve(self, path: str) -> Any:
+        return resolve_attr_path(self._face(), path)
+
+    def increment_version(self) -> None:
+        """``increment_version()`` asked by the user: here and in every worker."""
+        self.weights.increment()
+        if self.broadcast is not None:
+            self.broadcast.increment_version()
+
+    # what sender schemes ask of their context (``weight_update/context.py``)
+    def get_model(self, model_id: str) -> Any:
+        if model_id != "policy":
+            return resolve_attr_path(self._face(), model_id)
+        options = self.options
+        if options.policy is not None or not options.factory_fallback:
+            return options.policy
+        if self.closed:
+            # Starting: workers build their policies from the factory themselves; building one here
+            # only for its initial weights would run the factory where the user did not ask for it.
+            return None
+        factories = options.policy_factories or ()
+        if self._fallback_policy is None and factories and len({id(f) for f in factories}) == 1:
+            # update_policy_weights_() without weights: the factory's policy is the main-side copy
+            self._fallback_policy = factories[0]()
+        return self._fallback_policy
+
+    _fallback_policy: Any = None
+
+    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+        """A receiver scheme of this collector (inside a node) applied ``weights``: our workers get them."""
+        self.update_weights(weights, weights, None, model_id, None)
+
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+        """Initial weights received from a parent continue down to our own workers (no version bump)."""
+        scheme = (self.weights.sync_schemes or {}).get(model_id)
+        if scheme is not None and self.requests is not None:
+            scheme.send(weights=weights)
+
+    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
+        self.weights.register_receivers(schemes, self, self.worker_idx, synchronize)
+
+    # ------------------------------------------------------------------ failed workers (docs/restarts.md)
+    def _before_replacement(self, worker: int) -> None:
+        """Drop what ``worker`` had in flight before it is replaced or leaves."""
+        self.loop.forget(worker)
+        for extra in self.extras:
+            extra.before_replacement(worker)
+
+    def _replacement_changes(self, worker: int) -> dict:
+        """What a worker replacing ``worker`` starts with besides its spec: the current policy version,
+        and (workers counting their own trajectory ids) a fresh id range."""
+        return {"policy_version": self.weights.version, **self.ids.replacement_changes(worker)}
+
+    def _after_replacement(self, worker: int) -> None:
+        if self.loop.pushing:  # the replacement runs free like the others
+            self.requests.request(worker, Command.RUN_FREE)
+        for extra in self.extras:
+            extra.after_replacement(worker)
+
+    def _after_leave(self, worker: int) -> None:
+        """A worker left for good (preempted, not replaced): batches shrink as after remove_collectors."""
+        self.membership.resized()
+
+    def replace_free_worker(self, err: WorkerError) -> None:
+        """Running free: replace the worker ``err`` names (as the restart policy allows, else raise),
+        and set its replacement running free too. Called by the receiver thread."""
+        with self.free_run.lock:
+            while True:
+                worker = self.fleet.recover(err)
+                try:
+                    self.requests.request(worker, Command.RUN_FREE)
+                    return
+                except WorkerError as again:  # the replacement failed at once: one more failure
+                    err = again
+
+    def write_pushed(self, worker: int, reply) -> None:
+        """A batch a worker pushed while running free: into the replay buffer (dropped while stopping
+        a collector whose iteration runs the workers free: nobody will take it)."""
+        if self.loop.pushing:
+            self.requests.handles[worker].fetch_batch(reply)
+            return
+        batch = self.ids.remap(self.loop.fetch(worker, reply), worker)
+        self.loop.write(batch)
+        self.frames += reply.frames
+
+    # ------------------------------------------------------------------ workers that join and leave
+    def remove_workers(self, indices: int | Sequence[int], timeout: float | None) -> None:
+        self.membership.remove(indices, timeout)
+
+    def add_workers(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+                    backend_options: Any = None) -> None:
+        """``add_collectors``: the options check and build the new workers' specs; the membership
+        starts them (docs/elastic.md).
+
+        Raises:
+            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
+                weight sender cannot grow. RuntimeError: see :meth:`Membership.check_resizable`.
+        """
+        if self.traits.external_joins:
+            raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
+                                      "nodes that join (join_command()); add_collectors cannot add slots to it.")
+        self.membership.check_resizable("add")
+        if self.weights.updater is not None:
+            raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
+                             f"weight_updater, which serves the {self.traits.noun}s it started with only.")
+        first = self.num_workers
+        grown, specs, extra_options = self.options.added(first, create_env_fn, num_envs, policy, collector_kwargs,
+                                                         backend_options, self.setup)
+        self.fleet.check_growable()
+        previous = self.options
+        self.options, self.config = grown, grown.config
+        try:
+            self.membership.add(specs, extra_options)
+        except BaseException:
+            self.options, self.config = previous, previous.config
+            raise
+        count = len(specs)
+        if self.loop.pushing:  # the new workers run free like the others
+            for spec in specs:
+                self.requests.request(spec.worker_idx, Command.RUN_FREE)
+        self.ids.grow(count)
+        self.schedule.grow(count, mid_batch=self.traits.sync and self.membership.suspended)
+        for extra in self.extras:
+            extra.grown(count)
+        self.membership.resized()
+
+    def admit_rejoined(self) -> None:
+        """Empty slots that a node joined meanwhile take it (``launcher="external"``)."""
+        for extra in self.extras:
+            if extra.admit(self.fleet):
+                self.membership.resized()
+
+    # ------------------------------------------------------------------ asked of every worker
+    def set_seed(self, seed: int, static_seed: bool) -> int:
+        """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned (workers that left are
+        skipped); returns the last. Asynchronous collectors drop the batches in flight."""
+        if self.traits.states_only_while_idle:
+            raise NotImplementedError(f"{self.name} does not support set_seed (nodes run free).")
+        self.loop.drop()
+        seed = self.broadcast.seed(self.active_workers, seed, static_seed)
+        if self.output.trajectories is not None:
+            self.output.trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
+        return seed
+
+    def reset(self, reset_idx: Sequence[bool] | None) -> None:
+        if self.output.trajectories is not None:
+            self.output.trajectories.flush()
+        self.broadcast.reset([w for w in self.active_workers if reset_idx is None or reset_idx[w]])
+
+    def get_distant_attr(self, attr: str) -> list[Any]:
+        return self.broadcast.get_attr(attr)
+
+    def map_fn(self, method_name: str, list_of_args, list_of_kwargs) -> list[Any]:
+        return self.broadcast.call_each(method_name, argument_sets(list_of_args, list_of_kwargs,
+                                                                   len(self.active_workers)))
+
+    def cascade_execute(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
+        """``workers[i].<path>`` runs inside worker i's collector, ``workers.<path>`` inside every worker;
+        any other path resolves on the collector itself."""
+        head, _, rest = attr_path.partition(".")
+        if head == "workers" or head.startswith("workers["):
+            if not rest:
+                raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
+            workers = self.active_workers if head == "workers" else [int(head[len("workers["):-1])]
+            results = self.broadcast.call(rest, args, kwargs, workers)
+            return results if head == "workers" else results[0]
+        return None
+
+    def set_hook(self, name: str, hook: Any) -> None:
+        self.hooks[name] = hook
+        if self.traits.hooks_in_workers and self.broadcast is not None:
+            self.broadcast.set_hook(name, hook)
+
+    def getattr_policy(self, name: str) -> Any:
+        if self.server is not None:  # the policy lives here (AsyncBatchedCollector)
+            return getattr(self.server.policy, name)
+        return self.broadcast.getattr_policy(name)
+
+    def getattr_env(self, name: str) -> Any:
+        return self.broadcast.getattr_env(name)
+
+    def enable_profile(self, config: ProfileConfig) -> None:
+        self.profile_config = config
+        self.broadcast.enable_profile(config)
+
+    def disable_profile(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.disable_profile()
+        self.profile_config = None
+
+    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
+    def state_dict(self, env_state: bool) -> dict:
+        if self.traits.states_only_while_idle:
+            raise NotImplementedError(f"{self.name} has no state_dict: its nodes run free, so there is no moment "
+                                      "they all stand still at (docs/checkpoints.md).")
+        if self.free_run is not None and not isinstance(self.free_run, ThreadRun):
+            raise NotImplementedError(f"{self.name}.state_dict() while its {self.traits.noun}s run free (start()) "
+                                      "and write the replay buffer themselves: checkpoint before start() or after "
+                                      "async_shutdown() (docs/checkpoints.md).")
+        with self.thread_run.at_batch_boundary():
+            return checkpoint.engine_state(self, env_state)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        if self.traits.states_only_while_idle:
+            raise NotImplementedError(f"{self.name} has no load_state_dict: its nodes run free "
+                                      "(docs/checkpoints.md).")
+        checkpoint.load_engine_state(self, state_dict)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
+        """Raises: ValueError for another ``workers`` view or a negative ``timeout``."""
+        check_view(workers)
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        snapshot = StatsSnapshot(
+            frames=self.frames, batches=self.iter + 1,
+            total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
+            requested_frames_per_batch=self.requested_frames_per_batch, policy_version=self.weights.policy_version,
+            progress=self.progress.stats(), times=dict(self.progress.seconds))
+        active = self.active_workers
+        asked = self.traits.stats_asks_workers or workers != "aggregate"
+        answers = self._worker_stats(timeout) if asked and not self.closed and self.broadcast is not None else {}
+        requests = self.requests if self.fleet is not None and not self.closed else None
+        alive = len(answers) if self.traits.stats_asks_workers else (
+            sum(not requests.is_dead(w) for w in active) if requests is not None else 0)
+        snapshot.fleet = {"workers": len(active), "workers_alive": alive}
+        if self.fleet is not None:  # kept here, no worker is asked
+            snapshot.fleet.update(self.fleet.restarts.stats(self.num_workers))
+            snapshot.fleet["workers_removed"] = self.num_workers - len(active)
+        if self.traits.stats_asks_workers and answers:
+            snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
+        snapshot.per_worker = answers
+        for extra in self.extras:
+            snapshot.extra.update(extra.stats())
+        return snapshot
+
+    def time_split(self) -> dict[str, float]:
+        return dict(self.progress.seconds)
+
+    def _worker_stats(self, timeout: float | None) -> dict[int, dict]:
+        if self.traits.stats_asks_workers:
+            return self.broadcast.stats_within(timeout)
+        return dict(zip(self.active_workers, self.broadcast.worker_stats()))
+
+    # ------------------------------------------------------------------ running free
+    def start_free(self) -> None:
+        """``start()``: collect in the background into the replay buffer until ``async_shutdown()``.
+
+        Raises:
+            NotImplementedError: for a collector that cannot run free. RuntimeError: without a replay
+                buffer, or when already running.
+        """
+        mode = self.traits.run_free
+        if mode is None:
+            raise NotImplementedError(f"Collector start() is not implemented for {self.name}.")
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self.iteration_started = True
+        if mode == "workers" and self.options.workers_write_buffer:
+            self.loop.prepare_workers_writing()
+            self.free_run = WorkersRun(lambda: self.requests)
+            self.free_run.start()
+        elif mode == "pushed":
+            self.loop.drain()
+            self.requests.broadcast(Command.RUN_FREE)
+            self.free_run = PushedRun(PushedBatchReceiver(self))
+            self.free_run.start()
+        else:
+            self.thread_run.start()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Raises: NotImplementedError for a collector that cannot run free; RuntimeError when not running."""
+        if self.traits.run_free is None:
+            raise NotImplementedError(f"Collector pause() is not implemented for {self.name}.")
+        if self.thread_run.is_running():
+            with self.thread_run.pause():
+                yield
+            return
+        if isinstance(self.free_run, WorkersRun):
+            with self.free_run.pause(self.traits.noun):
+                yield
+            return
+        if isinstance(self.free_run, PushedRun):
+            with self.free_run.pause():
+                yield
+            return
+        raise RuntimeError("Collector cannot be paused.")
+
+    def stop_background(self, timeout: float | None) -> None:
+        run, self.free_run = self.free_run, None
+        try:
+            if isinstance(run, PushedRun):
+                run.stop(timeout)
+        finally:
+            self.thread_run.stop(timeout)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Stop everything this collector runs, within one deadline (idempotent).
+
+        Raises:
+            RuntimeError: ``close_env=False`` where workers always close their envs.
+        """
+        if self.closed:
+            return
+        if not close_env and self.traits.refuses_keep_env:
+            raise RuntimeError(f"{self.name} always closes its workers' envs (close_env=False refused).")
+        self.closed = True
+        try:
+            self.stop_background(timeout)
+            self.loop.stop_pushing()
+            for extra in self.extras:
+                extra.before_stop()
+            self.fleet.stop(self.options.shutdown_timeout if timeout is None else timeout)
+        except BaseException:
+            if raise_on_error:
+                raise
+        finally:
+            for extra in self.extras:
+                with contextlib.suppress(Exception):
+                    extra.after_stop()
+            if self.server is not None:
+                self.server.stop()
+            self.weights.shutdown()
+            _LIVE.discard(self)
+
+    def describe(self) -> str:
+        return f"{self.name}(num_workers={self.num_workers}, frames={self.frames})"
+
+
+def main_weights(policy: Any) -> TensorDictBase | None:
+    """The weights of the policy a collector holds (``policy_weights``), or None."""
+    import torch
+
+    return weights_of(policy).data if isinstance(policy, torch.nn.Module) else None
+
+
+def wrapped_hooks(hooks: dict) -> dict:
+    return {name: wrap_callable(hook) for name, hook in hooks.items() if hook is not None}

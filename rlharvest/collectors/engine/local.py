@@ -1,0 +1,538 @@
+"""LocalEngine: the rollout loop in the calling process (``Collector``), with the parts every engine
+shares (weights, output, stats, background run, checkpoints). A worker process, a node or a Ray actor
+runs the same engine inside the worker loop (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Any, Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from ..._utils import TRAJ_IDS, as_tuple_key, resolve_attr_path, unwrap
+from ...checkpoint import check_compatible
+from ...config import resolve_devices
+from ...envs.adapters import env_attr
+from ...envs.factory import close_env, env_keys, make_env
+from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
+from ...profiling import ProfileConfig, RolloutProfiler
+from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
+from ...weight_update.strategy import copy_weights_, weights_of
+from ..options.local import LocalOptions
+from . import checkpoint
+from ._model_paths import resolve_env_transform_path
+from .membership import caller_stacklevel
+from .output import BatchOutput
+from .progress import ProgressMeter
+from .running import ThreadRun
+from .stats import StatsSnapshot, check_view
+from .weights import WeightPublisher
+
+__all__ = ["LocalEngine"]
+
+
+def _snapshot(weights: dict) -> dict:
+    """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
+    of a larger buffer (weights received into one flat buffer) is saved alone, not with the buffer."""
+    copied = type(weights)((name, value.detach().clone()) for name, value in weights.items())
+    if hasattr(weights, "_metadata"):
+        copied._metadata = weights._metadata
+    return copied
+
+
+class LocalEngine:
+    """The engine of a ``Collector``: its env, its policy and THE rollout loop, in this process.
+
+    Args:
+        options: the collector's typed options (:class:`~rlharvest.collectors.options.local.LocalOptions`).
+        face: the public collector (held weakly; attribute paths given as weights resolve on it).
+    """
+
+    def __init__(self, options: LocalOptions, face: Any) -> None:
+        self.name = type(face).__name__
+        self._face = weakref.ref(face)
+        self.options = options
+        self.config = config = options.config
+        self.closed = True  # until construction succeeds
+        self.frames, self.iter = 0, -1
+        self.iteration_started = False
+        self.profile_config: ProfileConfig | None = None
+        #: ``(seed, static_seed, next seed)`` of the last ``set_seed`` (a checkpoint keeps the seed chain)
+        self.seed_chain: tuple | None = None
+        self.extra_checks: tuple = ()
+        self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
+                                      "post_collect_hook": unwrap(config.post_collect_hook)}
+        self.progress = ProgressMeter()
+        self.weights = WeightPublisher(self, self.progress, config.track_policy_version)
+        self.env = make_env(options.create_env_fn, config.create_env_kwargs)
+        served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
+        self._setup_policy(served if served is not None else options.policy, options.policy_factory)
+        self._check_env_options()
+        self.frames_per_batch = self._round_frames_per_batch(config.frames_per_batch)
+        counter = options.trajectory_counter or LocalTrajectoryCounter()
+        self.rollout = Rollout(self.env, self.policy, self._rollout_settings(), counter)
+        if served is not None:
+            served.connect(self.env, self.rollout.root)
+        self.output = BatchOutput(config, private_copy=self.rollout.settings.use_buffers and not config.return_same_td)
+        self._maybe_compile()
+        self.profiler: RolloutProfiler | None = None
+        self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
+        self.closed = False
+        if options.weight_updater is not None:
+            self.weights.set_updater(options.weight_updater, face)
+        self._init_sender_schemes(options.weight_sync_schemes)
+        if options.weight_recv_schemes is not None:
+            self.register_receivers(options.weight_recv_schemes)
+
+    # ------------------------------------------------------------------ construction
+    def _setup_policy(self, policy: Any, policy_factory: Any) -> None:
+        if policy is None and policy_factory is not None:
+            policy = unwrap(policy_factory)()
+        config = self.config
+        storing, policy_device, env_device = resolve_devices(config.device, config.storing_device,
+                                                             config.policy_device, config.env_device, self.env)
+        self.storing_device, self.policy_device, self.env_device = storing, policy_device, env_device
+        wrapped = wrap_policy(policy, self.env, config.trust_policy)
+        self.policy, source = policy_device_copy(wrapped, policy_device)
+        self._weight_source_ref = WeakPolicyRef(policy if policy is not None else wrapped)
+        self.policy_is_copy = self.policy is not source
+
+    def _check_env_options(self) -> None:
+        config = self.config
+        if config.max_frames_per_traj and ("step_count",) in env_keys(self.env):
+            raise ValueError("max_frames_per_traj is set but the env already has a 'step_count' entry (a step "
+                             "counter); remove one of them.")
+        done_keys = [as_tuple_key(k)[-1] for k in env_attr(self.env, "done_keys", [])]
+        if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
+            raise RuntimeError("set_truncated=True requires the env to have a 'truncated' done key (or "
+                               "max_frames_per_traj).")
+
+    @property
+    def env_batch(self) -> int:
+        return int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
+
+    def _round_frames_per_batch(self, frames_per_batch: int) -> int:
+        n_env = self.env_batch
+        rounded = -(-frames_per_batch // n_env) * n_env
+        if rounded != frames_per_batch:
+            warnings.warn(f"frames_per_batch={frames_per_batch} is not a multiple of the env batch size ({n_env}); "
+                          f"collecting {rounded} frames per batch.", stacklevel=caller_stacklevel())
+        total, random_frames = self.config.total_frames, self.config.init_random_frames
+        if total > 0 and total % rounded:
+            warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={rounded}: the last batch "
+                          "will overshoot.", stacklevel=caller_stacklevel())
+        if random_frames and random_frames % rounded:
+            warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={rounded}: "
+                          "random actions continue to the end of the batch that reaches it.",
+                          stacklevel=caller_stacklevel())
+        return rounded
+
+    def _rollout_settings(self) -> RolloutSettings:
+        config = self.config
+        dynamic = bool(env_attr(self.env, "_has_dynamic_specs", False))
+        use_buffers = config.use_buffers
+        if use_buffers is None:
+            use_buffers = config.replay_buffer is None and not dynamic
+        return RolloutSettings(
+            time_steps=self.frames_per_batch // self.env_batch, max_frames_per_traj=config.max_frames_per_traj,
+            set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
+            exploration_type=config.exploration_type, storing_device=self.storing_device,
+            policy_device=self.policy_device, env_device=self.env_device, use_buffers=use_buffers,
+            track_traj_ids=config.track_traj_ids, compact_obs=config.compact_obs, lazy_stack=dynamic)
+
+    def _maybe_compile(self) -> None:
+        options = self.config.compile_policy
+        if options:
+            kwargs = options if isinstance(options, dict) else {}
+            step = self.rollout.policy_step
+            if hasattr(step, "stages"):
+                step.stages = [(torch.compile(m, **kwargs), i, o) for m, i, o in step.stages]
+            elif hasattr(step, "policy"):
+                step.policy = torch.compile(step.policy, **kwargs)
+        if self.config.cudagraph_policy and not torch.cuda.is_available():
+            warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=caller_stacklevel())
+
+    def _init_sender_schemes(self, schemes: dict | None) -> None:
+        if not schemes:
+            return
+        for model_id, scheme in schemes.items():
+            if scheme.needs_workers:
+                raise ValueError(
+                    f"weight_sync_schemes[{model_id!r}] is a {type(scheme).__name__}, which sends weights to worker "
+                    "processes or nodes: a Collector has none (its policy runs in this process and "
+                    "update_policy_weights_ updates it directly). Use weight_recv_schemes to receive weights from a "
+                    "parent collector, or a MultiSyncCollector/MultiAsyncCollector to run workers.")
+        self.weights.sync_schemes = dict(schemes)
+        for model_id, scheme in schemes.items():
+            scheme.init_on_sender(model_id=model_id, context=self, num_workers=1)
+            if not scheme.synchronized_on_sender:
+                scheme.connect()
+
+    # ------------------------------------------------------------------ what the face reads
+    @property
+    def requested_frames_per_batch(self) -> int:
+        return self.frames_per_batch
+
+    @property
+    def worker_idx(self) -> int | None:
+        return self.config.worker_idx
+
+    @property
+    def policy_lock(self):
+        return self.rollout.policy_lock
+
+    def check_open(self, action: str) -> None:
+        """Raises: RuntimeError naming ``action`` once the collector is shut down."""
+        if self.closed:
+            raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
+
+    def is_running(self) -> bool:
+        return self.thread_run.is_running()
+
+    def time_split(self) -> dict[str, float]:
+        split = dict(self.progress.seconds)
+        split["env"] += self.rollout.times.env
+        split["policy"] += self.rollout.times.policy
+        return split
+
+    # ------------------------------------------------------------------ iteration
+    def reached_total(self) -> bool:
+        return not self.config.endless and self.frames >= self.config.total_frames
+
+    def num_batches(self) -> int:
+        """Raises: RuntimeError for an endless collector."""
+        if self.config.endless:
+            raise RuntimeError(f"Non-terminating collector (total_frames={self.config.total_frames}): len() is "
+                               "undefined.")
+        return self.config.num_batches(self.frames_per_batch)
+
+    def iterate(self) -> Iterator[TensorDictBase | None]:
+        for batch in self._batches():
+            self.progress.record(self.frames, batch, self.weights.policy_version)
+            yield batch
+
+    def _batches(self) -> Iterator[TensorDictBase | None]:
+        self.iteration_started = True
+        buffer = self.config.replay_buffer
+        output = self.output
+        trajectories = output.trajectories
+        while not self.reached_total():
+            if self.thread_run.should_stop():
+                return
+            pre = self.hooks["pre_collect_hook"]
+            if pre is not None:
+                pre()
+            batch = self.rollout_batch()
+            self.frames += self._batch_frames(batch)
+            post = self.hooks["post_collect_hook"]
+            if buffer is not None and (not self.config.return_same_td or trajectories is not None):
+                self._write_buffer(buffer, batch, hook=post)
+                yield None
+            else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
+                yield from output.deliver(batch, post)
+        close_env(self.env)
+
+    def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
+        """One raw batch (no postproc): the unit of work of a worker."""
+        self.iteration_started = True
+        self.iter += 1
+        if random is None:
+            random = self.config.in_random_phase(self.frames)
+        if self.config.reset_at_each_iter and self.rollout.stepped_since_reset:
+            self.rollout.reset()
+        hook = self._between_steps()
+        profiler = self.profiler
+        if profiler is not None and profiler.active:
+            with profiler.rollout():
+                return self.rollout.collect(random=random, between_steps=hook)
+        return self.rollout.collect(random=random, between_steps=hook)
+
+    def collect_for_parent(self, random: bool) -> TensorDictBase:
+        pre = self.hooks["pre_collect_hook"]
+        if pre is not None:
+            pre()
+        batch = self.rollout_batch(random)
+        self.frames += self._batch_frames(batch)
+        post = self.hooks["post_collect_hook"]
+        if post is not None:
+            post(batch)
+        return batch
+
+    def _between_steps(self):
+        checks = []
+        interruptor = self.config.interruptor
+        if interruptor is not None:
+            checks.append(interruptor.collection_stopped)
+        if self.thread_run.stop_event is not None:
+            checks.append(self.thread_run.stop_event.is_set)
+        checks.extend(self.extra_checks)
+        poll = self.weights.poll_hook()
+        if poll is not None:
+            checks.append(poll)
+        if not checks:
+            return None
+        if len(checks) == 1:
+            return checks[0]
+        return lambda: any([check() for check in checks])
+
+    def _batch_frames(self, batch: TensorDictBase) -> int:
+        if self.config.replay_buffer is not None:
+            return self.frames_per_batch
+        traj_ids = batch.get(TRAJ_IDS, None)
+        if self.config.interruptor is None or traj_ids is None:
+            return batch.numel()
+        return int((traj_ids != -1).sum())
+
+    def _write_buffer(self, buffer: Any, batch: TensorDictBase, hook: Any = None) -> None:
+        if not self.config.extend_buffer and self.output.trajectories is None:
+            self.output.write_steps(buffer, batch, self.rollout.time_dim)
+            return
+        self.output.write(buffer, batch, hook)
+
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
+        """A worker writes the buffer its parent shares (the post-collect hook saw the batch already)."""
+        self._write_buffer(buffer, batch)
+
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+        trajectories = self.output.trajectories
+        if trajectories is not None:
+            trajectories.ingest(self.output.postprocess(batch))
+
+    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
+        if self.rollout.buffer is batch:
+            self.rollout.set_buffer(buffer)
+
+    def add_step_check(self, check) -> None:
+        self.extra_checks = (*self.extra_checks, check)
+
+    def fake_batch(self) -> TensorDictBase:
+        """A zero batch shaped like the ones yielded (keys, shapes, dtypes, names).
+
+        Raises:
+            NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
+        """
+        rollout = self.rollout
+        batch = rollout.fake_batch()
+        if self.config.set_truncated:  # the last step of every batch is truncated
+            steps = batch.shape[rollout.time_dim]
+            for truncated_key, done_key in rollout.adapter.truncation_keys:
+                for key in (truncated_key, done_key):
+                    full = ("next", *((key,) if isinstance(key, str) else key))
+                    if full in batch.keys(True, True):
+                        batch.get(full).narrow(rollout.time_dim, steps - 1, 1).fill_(True)
+        return self.output.postprocess(batch)
+
+    # ------------------------------------------------------------------ weights (WeightOwner)
+    @property
+    def weight_source(self) -> Any:
+        return self._weight_source_ref()
+
+    def get_model(self, model_id: str) -> Any:
+        if model_id == "policy":
+            source = self.weight_source
+            return source if source is not None else self.policy
+        if self.config.max_frames_per_traj:  # TorchRL's env would have a StepCounter: ids index its transforms
+            found, model = resolve_env_transform_path(self.env, model_id)
+            if found:
+                return model
+        return resolve_attr_path(self._face(), model_id)
+
+    def update_local_policy(self, value: Any) -> None:
+        if value is None:
+            source = self.weight_source
+            if source is None or source is self.policy or not isinstance(source, torch.nn.Module):
+                self.weights.increment()
+                return
+            value = source
+        self.copy_into_local_policy(self.weights.weights_from_value(value))
+        self.weights.increment()
+
+    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
+        if not isinstance(self.policy, torch.nn.Module):
+            return
+        with self.rollout.policy_lock:
+            copy_weights_(weights_of(self.policy), weights)
+
+    def after_weights_sent(self, model_ids: list[str]) -> None:
+        if "policy" in model_ids:
+            self.weights.increment()
+
+    def on_version_bump(self, version: int) -> None:
+        self.rollout.policy_version = version
+
+    def resolve(self, path: str) -> Any:
+        return resolve_attr_path(self._face(), path)
+
+    def increment_version(self) -> None:
+        self.weights.increment()
+
+    def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
+                       weights_dict: dict | None) -> None:
+        """``update_policy_weights_``: the policy runs here, its weights are copied in directly."""
+        self.weights.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
+
+    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
+        """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
+        weights_api = self.weights
+        if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
+                and weights_api.updater is None and not weights_api.sync_schemes):
+            weights_api.increment()  # the scheme wrote into the very modules this collector runs
+            return
+        weights_api.update(weights, weights, None, model_id, None)
+
+    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
+        """No workers of our own: nothing to pass on."""
+
+    def weight_links(self):
+        raise RuntimeError(f"{self.name} has no workers to send weights to.")
+
+    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
+        self.weights.register_receivers(schemes, self, self.worker_idx, synchronize)
+
+    # ------------------------------------------------------------------ env, seeds, state
+    def set_seed(self, seed: int, static_seed: bool) -> int:
+        """Seed the env (then start fresh episodes); returns the seed for the next env."""
+        out = self.env.set_seed(seed, static_seed=static_seed)
+        self.seed_chain = (seed, bool(static_seed), out)
+        self.rollout.reset()
+        if self.output.trajectories is not None:
+            self.output.trajectories.drop_in_flight()  # those episodes will never end
+        return out
+
+    def reset(self, index: Any = None) -> None:
+        trajectories = self.output.trajectories
+        if index is None:
+            self.rollout.reset()
+            if trajectories is not None:
+                trajectories.flush()
+            return
+        if not len(self.env.batch_size):
+            raise RuntimeError("reset(index=...) needs a batched env.")
+        mask = torch.zeros(self.env.batch_size, dtype=torch.bool)
+        mask[index] = True
+        if trajectories is not None:
+            trajectories.drop_in_flight(self.rollout.traj_ids[mask].tolist())
+        self.rollout.reset(mask)
+
+    def where(self) -> str:
+        return "Collector" if self.worker_idx is None else f"worker {self.worker_idx}"
+
+    def state_dict(self, env_state: bool) -> dict:
+        with self.thread_run.at_batch_boundary():
+            state = {}
+            if isinstance(self.policy, torch.nn.Module):
+                state["policy_state_dict"] = _snapshot(self.policy.state_dict())
+            state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
+            state["frames"] = self.frames
+            state["iter"] = self.iter
+            state["traj_pool"] = {"traj_id": torch.tensor(self.rollout.traj_counter.peek())}
+            if self.weights.version_tracker:
+                state["policy_version"] = self.weights.version
+            state[checkpoint.CHECKPOINT_KEY] = checkpoint.capture(self, env_state)
+            return state
+
+    def load_state_dict(self, state_dict: dict, strict: bool) -> None:
+        section = checkpoint.section_of(state_dict)
+        if section is not None:  # checked before anything changes
+            check_compatible(section, checkpoint.layout(self), self.where())
+        if "policy_state_dict" in state_dict and isinstance(self.policy, torch.nn.Module):
+            self.policy.load_state_dict(state_dict["policy_state_dict"], strict=strict)
+        if state_dict.get("env_state_dict") and hasattr(self.env, "load_state_dict"):
+            self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
+        self.frames = state_dict["frames"]
+        self.iter = state_dict["iter"]
+        if "policy_version" in state_dict or section is not None:
+            version = state_dict["policy_version"] if section is None else section["policy_version"]
+            self.weights.set_version(int(version))
+        if section is not None:
+            checkpoint.restore(self, section, self.where())
+        elif "traj_pool" in state_dict:
+            # ids continue after the saved ones (a replay buffer may hold them); episodes restart
+            self.rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+            self.rollout.reset()
+
+    # ------------------------------------------------------------------ hooks, attributes, profiling
+    def set_hook(self, name: str, hook: Any) -> None:
+        self.hooks[name] = hook
+
+    def cascade_execute(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
+        raise AttributeError(f"{attr_path!r}: a {self.name} has no workers to run it in.")
+
+    def getattr_policy(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def getattr_env(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    def get_distant_attr(self, attr: str) -> Any:
+        return resolve_attr_path(self._face(), attr)
+
+    def map_fn(self, method_name: str, list_of_args, list_of_kwargs) -> list[Any]:
+        from .engine import argument_sets
+
+        method = resolve_attr_path(self._face(), method_name)
+        return [method(*args, **kwargs) for args, kwargs in argument_sets(list_of_args, list_of_kwargs, None)]
+
+    def enable_profile(self, config: ProfileConfig) -> None:
+        self.profile_config = config
+        label = "collector_rollout" if self.worker_idx is None else f"worker_{self.worker_idx}_rollout"
+        if self.profiler is not None:
+            self.profiler.stop()
+        self.profiler = RolloutProfiler(config, worker_idx=self.worker_idx or 0, label=label)
+
+    def disable_profile(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+        self.profile_config = None
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
+        check_view(workers)
+        return StatsSnapshot(
+            frames=self.frames, batches=self.iter + 1,
+            total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
+            requested_frames_per_batch=self.frames_per_batch, policy_version=self.weights.policy_version,
+            progress=self.progress.stats(), times=self.time_split())
+
+    # ------------------------------------------------------------------ running free, shutdown
+    def start_free(self) -> None:
+        """Raises: RuntimeError without a replay buffer or when already running."""
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self.iteration_started = True
+        self.thread_run.start()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Raises: NotImplementedError, as TorchRL's ``Collector`` (its background thread stops with
+        ``async_shutdown()``)."""
+        raise NotImplementedError(f"Collector pause() is not implemented for {self.name}.")
+        yield  # pragma: no cover
+
+    def shutdown(self, timeout: float | None = None, close_env_too: bool = True, raise_on_error: bool = True) -> None:
+        """Stop the background thread, the profiler, and close the env (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.thread_run.stop(timeout)
+            if self.profiler is not None:
+                self.profiler.stop()
+            if close_env_too:
+                close_env(self.env)
+        except BaseException:
+            if raise_on_error:
+                raise
+        finally:
+            self.weights.shutdown()
+
+    def describe(self) -> str:
+        total = "endless" if self.config.endless else self.config.total_frames
+        return (f"{self.name}(frames_per_batch={self.frames_per_batch}, total_frames={total}, "
+                f"frames={self.frames})")

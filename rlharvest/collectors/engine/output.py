@@ -1,0 +1,101 @@
+"""What happens to a batch between its collection and the caller: post-processing, the replay buffer,
+batches of complete trajectories (docs/collection.md, docs/trajectories.md). One place for every
+engine."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from tensordict import TensorDictBase
+
+from ..._utils import is_private_key
+from ...config import CollectorConfig
+from ..trajectories import TrajectoryAssembler
+from ..utils import split_trajectories
+
+__all__ = ["BatchOutput", "drop_private_keys"]
+
+
+def drop_private_keys(batch: TensorDictBase) -> TensorDictBase:
+    """``batch`` without the keys with a path part starting with ``_`` (TorchRL hides them too)."""
+    private = [k for k in batch.keys(True, True) if is_private_key(k)]
+    if not private:
+        return batch
+    batch = batch.exclude(*private)
+    empty = [k for k in batch.keys(True) if isinstance(batch.get(k), TensorDictBase) and is_private_key(k)]
+    return batch.exclude(*empty) if empty else batch
+
+
+class BatchOutput:
+    """Post-processing and writing of one collector's batches.
+
+    Args:
+        config: the collector's arguments (``split_trajs``, ``postproc``, ``replay_buffer``,
+            ``trajs_per_batch``...).
+        assembles: whether this collector assembles complete trajectories itself (False when its
+            workers write their own to the replay buffer).
+        private_copy: whether a batch must be cloned before it is handed over (the rollout reuses its
+            buffer); ``split_trajs`` copies anyway.
+    """
+
+    def __init__(self, config: CollectorConfig, assembles: bool = True, private_copy: bool = False) -> None:
+        self.config = config
+        self.assembles = assembles
+        self.private_copy = private_copy
+        #: drop keys with a path part starting with ``_`` from the batches (TorchRL's switch of that name)
+        self.exclude_private_keys = True
+        self._assembler: TrajectoryAssembler | None = None
+
+    @property
+    def trajectories(self) -> TrajectoryAssembler | None:
+        """Where complete trajectories are assembled (``trajs_per_batch``), made on first use."""
+        if self._assembler is None and self.config.trajs_per_batch is not None and self.assembles:
+            self._assembler = TrajectoryAssembler.from_config(self.config)
+        return self._assembler
+
+    @property
+    def assembler(self) -> TrajectoryAssembler | None:
+        """The assembler if one was made (a checkpoint holds what it keeps)."""
+        return self._assembler
+
+    def postprocess(self, batch: TensorDictBase) -> TensorDictBase:
+        """``split_trajs`` (or a private copy), then ``postproc``, then private keys dropped."""
+        config = self.config
+        if config.split_trajs and config.trajs_per_batch is None:  # trajectory batches are split already
+            batch = split_trajectories(batch)
+        elif self.private_copy:
+            batch = batch.clone()
+        if config.postproc is not None:
+            batch = config.postproc(batch)
+        return drop_private_keys(batch) if self.exclude_private_keys else batch
+
+    def write(self, buffer: Any, batch: TensorDictBase, hook: Callable | None = None) -> None:
+        """Write ``batch`` (post-processed here) into ``buffer``: whole, or its complete trajectories as
+        flat steps; ``hook`` sees the batch as written."""
+        if not batch.numel():
+            return
+        batch = self.postprocess(batch)
+        if hook is not None:
+            hook(batch)
+        trajectories = self.trajectories
+        if trajectories is None:
+            buffer.extend(batch)
+        else:
+            trajectories.write(buffer, batch)
+
+    def write_steps(self, buffer: Any, batch: TensorDictBase, time_dim: int) -> None:
+        """``extend_buffer=False``: one ``add`` per time step (deprecated by TorchRL, kept working)."""
+        for t in range(batch.shape[time_dim]):
+            buffer.add(drop_private_keys(batch[(slice(None),) * time_dim + (t,)].clone()))
+
+    def deliver(self, batch: TensorDictBase, hook: Callable | None = None) -> Iterator[TensorDictBase]:
+        """The batches the caller gets for ``batch``: itself post-processed, or zero or more batches of
+        complete trajectories; ``hook`` sees each collected batch once."""
+        batch = self.postprocess(batch)
+        if hook is not None:
+            hook(batch)
+        trajectories = self.trajectories
+        if trajectories is None:
+            yield batch
+        else:
+            yield from trajectories.batches(batch)

@@ -1,0 +1,74 @@
+"""``stats()``, once for every collector: a typed snapshot the engine's parts fill, returned in TorchRL's
+dict shape (flat keys, plain scalars; docs/restarts.md, "Watching a run").
+
+Adding a figure means adding a field here and filling it where it is known; every collector reports
+it the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StatsSnapshot", "WORKER_VIEWS"]
+
+#: what ``stats(workers=...)`` accepts
+WORKER_VIEWS = ("aggregate", "per_worker", "both")
+
+
+def check_view(workers: str) -> None:
+    """Raises: ValueError for another value than :data:`WORKER_VIEWS`."""
+    if workers not in WORKER_VIEWS:
+        raise ValueError(f"workers must be one of 'aggregate', 'per_worker' or 'both', got {workers!r}")
+
+
+@dataclass
+class StatsSnapshot:
+    """One moment of a collector, as its parts know it."""
+
+    frames: int
+    """Frames collected so far."""
+    batches: int
+    """Batches yielded (or written) so far."""
+    total_frames: int | None
+    """The frame budget; None when endless."""
+    completed: bool
+    requested_frames_per_batch: int
+    policy_version: Any = None
+    """The current version when versions are tracked (an int), else None."""
+    progress: dict[str, float | int] = field(default_factory=dict)
+    """Throughput, policy lag and weight-update latency (``ProgressMeter.stats``)."""
+    times: dict[str, float] = field(default_factory=dict)
+    """Seconds per part of collection (``env``, ``policy``, ``transport``, ``waiting``)."""
+    fleet: dict[str, int | str] | None = None
+    """Collectors with workers: ``workers``, ``workers_alive``, restarts, ``workers_removed``..."""
+    per_worker: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each worker's own snapshot, by index (asked of the workers)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Figures of optional parts (the autoscaler's ``autoscale/...``)."""
+
+    def as_dict(self, workers: str = "aggregate") -> dict[str, Any]:
+        """The flat dict TorchRL's ``stats()`` returns: this collector's figures (``"aggregate"``),
+        each worker's as ``worker_<i>/<key>`` (``"per_worker"``), or both."""
+        check_view(workers)
+        stats: dict[str, Any] = {}
+        if workers != "per_worker":
+            stats.update(frames=int(self.frames), batches=int(self.batches))
+            if self.total_frames is not None:
+                stats["total_frames"] = int(self.total_frames)
+            stats["completed"] = bool(self.completed)
+            stats["requested_frames_per_batch"] = int(self.requested_frames_per_batch)
+            if isinstance(self.policy_version, int):
+                stats["policy_version"] = self.policy_version
+            stats.update(self.progress)
+            stats.update({f"time_{part}_s": seconds for part, seconds in self.times.items()})
+        if self.fleet is not None:
+            stats.update(self.fleet)
+            if workers != "per_worker" and "worker_frames" in self.extra:
+                stats["worker_frames"] = self.extra["worker_frames"]
+        if workers != "aggregate":
+            for worker, snapshot in sorted(self.per_worker.items()):
+                stats.update({f"worker_{worker}/{key}": value for key, value in snapshot.items()})
+        if workers != "per_worker":
+            stats.update({key: value for key, value in self.extra.items() if key != "worker_frames"})
+        return stats
