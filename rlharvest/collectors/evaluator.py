@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ..envs.adapters import is_env
+from ..errors import EvaluationPendingError, EvaluatorClosedError
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
 from ._evaluation import EvalConfig, run_builder
@@ -43,14 +44,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("thread", "process", "ray")
 BUSY_POLICIES = ("skip", "error", "queue")
-
-
-class EvaluationPendingError(RuntimeError):
-    """``trigger_eval`` with ``busy_policy="error"`` while an evaluation is pending or queued."""
-
-
-class EvaluatorClosedError(RuntimeError):
-    """An evaluation or a result was asked of an evaluator after :meth:`Evaluator.shutdown`."""
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
