@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
 import torchrl.collectors
 from tensordict import TensorDict
-from torchrl_objects import q_value_actor, transformed_env
+from torchrl_objects import gym_env, q_value_actor, transformed_env
 
 import rlharvest.collectors
 
@@ -99,3 +100,19 @@ def test_every_public_name_of_torchrl_collectors_is_exported():
 
     assert set(torchrl.collectors.__all__) <= set(rlharvest.collectors.__all__)
     assert set(torchrl.collectors.distributed.__all__) <= set(rlharvest.collectors.distributed.__all__)
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])  # "ray": this venv has no Ray (compat/requirements.txt)
+def test_torchrl_random_policy_from_a_partial_of_its_spec(backend):
+    """TorchRL's ``RandomPolicy(action_spec, action_key="action")`` built by ``partial(RandomPolicy, spec)``:
+    the env must not be passed as its ``action_key`` (TorchRL's
+    ``test_process_backend_stateless_policy_without_weights``); a stateless policy needs no weights."""
+    from torchrl.modules import RandomPolicy
+
+    spec = gym_env().action_spec
+    evaluator = rlharvest.collectors.Evaluator(transformed_env, policy_factory=functools.partial(RandomPolicy, spec),
+                                               num_trajectories=2, max_steps=100, backend=backend)
+    try:
+        check_cartpole(evaluator.evaluate(), 2)
+    finally:
+        evaluator.shutdown()

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import CheckpointMismatchError, EpisodeRestartWarning
+
 __all__ = ["CHECKPOINT_KEY", "FORMAT_VERSION", "CheckpointMismatchError", "EpisodeRestartWarning", "pack", "unpack",
            "capture_global_rng", "restore_global_rng", "check_compatible", "warn_restart"]
 
@@ -28,19 +30,6 @@ __all__ = ["CHECKPOINT_KEY", "FORMAT_VERSION", "CheckpointMismatchError", "Episo
 CHECKPOINT_KEY = "rlharvest_resume"
 #: bumped whenever the content under :data:`CHECKPOINT_KEY` changes; newer checkpoints are refused
 FORMAT_VERSION = 1
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint that this collector cannot continue exactly: another format version, or a
-    collector built with other arguments (number of workers, env batch size, batch layout).
-
-    Example:
-        >>> raise CheckpointMismatchError("num_workers: checkpoint 2, this collector 3")  # doctest: +SKIP
-    """
-
-
-class EpisodeRestartWarning(UserWarning):
-    """An episode in flight at the checkpoint could not be continued: it restarts with a new trajectory id."""
 
 
 def pack(value: Any) -> torch.Tensor:

@@ -1,11 +1,25 @@
-"""The ``rlharvest`` command line (``rlharvest demo ...`` or ``python -m rlharvest demo ...``)."""
+"""The ``rlharvest`` command line (``rlharvest demo ...`` or ``python -m rlharvest demo ...``).
+
+Building the parser imports no torch (``rlharvest --help`` and ``--version`` answer at once, and
+argument errors come before any heavy import); each command imports what it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 
+from . import __version__
+from ._node_cli import EXIT_FAILED, EXIT_HANDSHAKE, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from ._node_cli import add_node_arguments, parse_node_args
+from .demo.choices import COLLECTORS, DEFAULT_FRAMES
+
 __all__ = ["main", "build_parser"]
+
+#: what ``rlharvest demo`` imports beyond rlharvest's own dependencies (the ``demo`` extra)
+DEMO_NEEDS = ("gymnasium", "matplotlib", "tqdm")
 
 
 def _positive_int(text: str) -> int:
@@ -16,9 +30,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo.run import COLLECTORS, DEFAULT_FRAMES
-
     parser = argparse.ArgumentParser(prog="rlharvest", description="rlharvest: RL experience collectors.")
+    parser.add_argument("--version", action="version", version=f"rlharvest {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo", help="train PPO on CartPole-v1 through an rlharvest collector",
@@ -63,18 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default 2, 0 with --quick)")
     bench.add_argument("--benchmarks", help="the benchmarks/ folder (default: the source checkout's)")
     node = commands.add_parser(
-        "node", help="join a running DistributedCollector (launcher='external') as a node",
-        description="Join the DistributedCollector at HOST:PORT (its launcher='external'; collector.join_command() "
-                    "prints this command) and collect in the first empty slot until the collector shuts down, "
-                    "this node is removed, or it receives SIGTERM (it then leaves). The collector's key is read from "
-                    "--key-file (mode 0600); it is never given on the command line.",
+        "node", help="start a node by hand: join a DistributedCollector (launcher='external'), or serve one of "
+                     "launcher='submitit_delayed'",
+        description="Start a node by hand. With --join HOST:PORT: join the DistributedCollector listening there "
+                    "(launcher='external'; collector.join_command() prints this command) and collect in the first "
+                    "empty slot until the collector shuts down, this node is removed, or it receives SIGTERM (it "
+                    "then leaves). With --rank/--world-size/--host/--port: be that node of a collector of "
+                    "launcher='submitit_delayed'. The collector's key is read from --key-file (mode 0600); it is "
+                    "never given on the command line.",
     )
-    node.add_argument("--join", required=True, metavar="HOST:PORT", help="the collector's address and tcp_port")
-    node.add_argument("--key-file", required=True, metavar="PATH",
-                      help="file holding the collector's key in hex, readable by its owner only")
-    node.add_argument("--timeout", type=float, default=120.0, help="seconds to reach the collector and join")
-    node.add_argument("--handshake-timeout", type=float, default=5.0,
-                      help="seconds the collector has to prove it holds the key")
+    add_node_arguments(node)
     return parser
 
 
@@ -87,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return _node(args)
     if args.command != "demo":
         parser.print_help()
+        return 2
+    missing = [name for name in DEMO_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"rlharvest demo: error: the demo needs {', '.join(missing)}: pip install 'rlharvest[demo]' "
+              f"(or {' '.join(missing)}).", file=sys.stderr)
         return 2
     from .demo.run import TARGET_RETURN, CollectorUnavailable, DemoConfig, run_demo
 
@@ -105,30 +121,41 @@ def main(argv: list[str] | None = None) -> int:
     return 130 if summary.get("interrupted") else 0
 
 
-def _node(args: argparse.Namespace) -> int:
-    from .collectors.distributed.node import read_authkey_file
-    from .transport.channel import parse_authkey
-    from .transport.torchdist_join import JoinRefused
-    from .worker.nodes import join_main
+def _node(ns: argparse.Namespace) -> int:
+    """Run a node; a failure is one line on stderr and a documented exit status (``_node_cli``)."""
+    try:
+        args = parse_node_args(ns)
+    except ValueError as err:
+        return _node_failed(f"error: {err}", EXIT_USAGE)
+    if args.deprecated_flag:
+        print("rlharvest node: --authkey-file is deprecated: use --key-file.", file=sys.stderr)
+    # torch's C++ log would add its own lines, with stack frames, to a failure this command reports in one
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from .collectors.distributed.node import read_key, start_node
+    from .errors import CollectorUnreachable, JoinRefused
+    from .transport.channel import AuthenticationFailed
 
-    host, _, port = args.join.rpartition(":")
-    if not host or not port.isdigit():
-        print(f"rlharvest node: error: --join must be HOST:PORT, got {args.join!r}", file=sys.stderr)
-        return 2
     try:
-        key = parse_authkey(read_authkey_file(args.key_file), "--key-file")
-    except (OSError, ValueError) as err:  # PermissionError (mode) is an OSError
-        print(f"rlharvest node: error: {err}", file=sys.stderr)
-        return 2
+        key = read_key(args)
+    except (OSError, ValueError) as err:  # missing, readable by others, not hex
+        return _node_failed(f"error: {err}", EXIT_USAGE)
     try:
-        join_main(host.strip("[]"), int(port), key, timeout=args.timeout, handshake_timeout=args.handshake_timeout)
+        start_node(args, key)
     except JoinRefused as err:
-        print(f"rlharvest node: {err}", file=sys.stderr)
-        return 3
+        return _node_failed(str(err), EXIT_REFUSED)
+    except CollectorUnreachable as err:
+        return _node_failed(str(err), EXIT_UNREACHABLE)
+    except AuthenticationFailed as err:
+        return _node_failed(f"the handshake with the collector failed: {err}. Does the key file hold this "
+                            "collector's key?", EXIT_HANDSHAKE)
     except (EOFError, ConnectionError) as err:  # the collector shut down before it took this node
-        print(f"rlharvest node: the collector closed the connection ({err or type(err).__name__}).", file=sys.stderr)
-        return 1
+        return _node_failed(f"the collector closed the connection ({err or type(err).__name__}).", EXIT_FAILED)
     return 0
+
+
+def _node_failed(message: str, status: int) -> int:
+    print(f"rlharvest node: {message}", file=sys.stderr)
+    return status
 
 
 def _bench(args: argparse.Namespace) -> int:

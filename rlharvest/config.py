@@ -199,6 +199,8 @@ class CollectorConfig:
     """Frames per yielded batch (an int, or one int per worker for worker-process collectors)."""
     total_frames: int = _arg(-1, worker=_parent)
     """Stop after this many frames; -1 = endless (workers always are)."""
+    total_frames_given: Any = _arg(None, worker=_parent)
+    """``total_frames`` as the user gave it (``-5``, ``None``...), for messages; set from it."""
     device: Any = _arg(worker=_each)
     storing_device: Any = _arg(worker=_each)
     policy_device: Any = _arg(worker=_each)
@@ -272,6 +274,8 @@ class CollectorConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "frames_per_batch", _check_frames_per_batch(self.frames_per_batch))
+        if self.total_frames_given is None:
+            set_(self, "total_frames_given", self.total_frames)
         set_(self, "total_frames", parse_total_frames(self.total_frames))
         for name in _DEVICE_FIELDS:
             value = getattr(self, name)
@@ -358,7 +362,8 @@ class CollectorConfig:
     def num_batches(self, frames_per_batch: int) -> int:
         """``len(collector)``."""
         if self.endless:
-            raise RuntimeError("Non-terminating collectors (total_frames=-1) have no length.")
+            raise RuntimeError(f"total_frames={self.total_frames_given!r} makes an endless collector (any negative "
+                               "value, or None, means endless): len() is undefined.")
         return math.ceil(self.total_frames / frames_per_batch)
 
     def split_frames(self, num_workers: int, mode: str) -> list[int]:

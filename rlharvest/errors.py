@@ -5,6 +5,13 @@ A worker never dies silently: it catches every exception, sends back a :class:`R
 :class:`WorkerError` that names the worker and embeds the remote traceback. When the original
 exception type can be imported in the parent, the raised error is *also* an instance of that type, so
 ``except ValueError`` keeps working for a ``ValueError`` raised inside a worker's env.
+
+Every exception a page of ``docs/`` names is defined here, at the bottom of the package (this module
+imports nothing of rlharvest), so that one import serves them all::
+
+    from rlharvest.errors import CheckpointMismatchError, RestartLimitError, WorkerError
+
+The modules that raise them import them from here.
 """
 
 from __future__ import annotations
@@ -14,7 +21,23 @@ import importlib
 import traceback
 from dataclasses import dataclass
 
-__all__ = ["CollectorShutdownError", "WorkerError", "WorkerTimeoutError", "RemoteFailure"]
+__all__ = [
+    "ActionKeyError",
+    "ActionSpecError",
+    "AddressNotAvailableError",
+    "CheckpointMismatchError",
+    "CollectorShutdownError",
+    "CollectorUnreachable",
+    "EpisodeRestartWarning",
+    "EvaluationPendingError",
+    "EvaluatorClosedError",
+    "JoinRefused",
+    "PortInUseError",
+    "RemoteFailure",
+    "RestartLimitError",
+    "WorkerError",
+    "WorkerTimeoutError",
+]
 
 
 class CollectorShutdownError(RuntimeError):
@@ -60,6 +83,11 @@ class WorkerError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.noun = noun
 
+    def __str__(self) -> str:
+        # The message as written, whatever else this error is: a mix-in of KeyError would otherwise
+        # print the repr of its argument, the remote traceback as one escaped line.
+        return self.args[0] if len(self.args) == 1 and isinstance(self.args[0], str) else super().__str__()
+
     def __reduce__(self):
         # The generated subclasses below are not importable by name: pickle as a plain WorkerError.
         return (
@@ -70,6 +98,84 @@ class WorkerError(RuntimeError):
 
 class WorkerTimeoutError(WorkerError, TimeoutError):
     """A worker did not answer (or made no progress) within the allowed time."""
+
+
+class RestartLimitError(WorkerError):
+    """More workers failed than ``max_worker_restarts`` allows (docs/restarts.md, "Past the limit").
+
+    Raised from the failure that exceeded the limit; its message lists every cause, oldest first.
+
+    Attributes:
+        causes: every restart's ``RestartCause`` (``rlharvest.collectors``), the failure that exceeded
+            the limit last.
+    """
+
+    def __init__(self, message: str, causes: list, last: WorkerError) -> None:
+        super().__init__(message, worker_idx=last.worker_idx, remote_type=last.remote_type,
+                         remote_traceback=last.remote_traceback)
+        self.causes = list(causes)
+
+
+class _Readable:
+    """A mix-in for errors whose message is a sentence: printed as written (a KeyError would print
+    the repr of its argument, quotes and escaped newlines included)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class ActionKeyError(_Readable, KeyError):
+    """The policy did not write an action key of the env (docs/collection.md, "Policies").
+
+    A ``KeyError``, as the env's own lookup of the missing key would have been.
+
+    Example:
+        >>> print(ActionKeyError("the policy wrote no 'action'"))
+        the policy wrote no 'action'
+    """
+
+
+class ActionSpecError(_Readable, ValueError):
+    """The policy's action cannot be an action of the env's action spec: another number of values,
+    or values the spec cannot hold (float logits for a one-hot or categorical spec)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that this collector cannot continue exactly: another format version, or a
+    collector built with other arguments (number of workers, env batch size, batch layout).
+
+    Example:
+        >>> raise CheckpointMismatchError("num_workers: checkpoint 2, this collector 3")  # doctest: +SKIP
+    """
+
+
+class EpisodeRestartWarning(UserWarning):
+    """An episode in flight at the checkpoint could not be continued: it restarts with a new trajectory id."""
+
+
+class EvaluationPendingError(RuntimeError):
+    """``trigger_eval`` with ``busy_policy="error"`` while an evaluation is pending or queued."""
+
+
+class EvaluatorClosedError(RuntimeError):
+    """An evaluation or a result was asked of an evaluator after ``Evaluator.shutdown()``."""
+
+
+class PortInUseError(OSError):
+    """A port a collector must listen on is taken."""
+
+
+class AddressNotAvailableError(OSError):
+    """A collector was asked to listen on an address (``bind_address``) that is not one of this host's."""
+
+
+class JoinRefused(RuntimeError):
+    """The collector refused a joining node: every slot is taken (``rlharvest node`` exits with 3)."""
+
+
+class CollectorUnreachable(ConnectionError):
+    """A joining node found no collector at the address it was given within its ``--timeout``
+    (``rlharvest node`` exits with 4)."""
 
 
 def _rebuild_worker_error(text, worker_idx, remote_type, remote_traceback, noun="worker"):

@@ -26,7 +26,7 @@ from tensordict.nn import set_interaction_type
 from ._batching import STRUCTURED, or_flag, owner_of, stack_into, stack_structured, truncate_inside, value_meta
 from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .envs.adapters import EnvAdapter, make_env_adapter
-from .envs.checks import check_step_specs, raise_if_changed
+from .envs.checks import check_policy_actions, check_step_specs, raise_if_changed
 from .envs.base import to_tensor
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
@@ -151,6 +151,9 @@ class Rollout:
         self.reset()
         self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
         self.random_step = RandomStep(env)
+        # The policy's first action is checked against the env's action keys and spec (once: the
+        # loop never checks values per step). Random actions come from the spec itself.
+        self._actions_checked = isinstance(self.policy_step, RandomStep)
         self._move_actions = (
             settings.env_device is not None and settings.policy_device is not None
             and settings.env_device != settings.policy_device
@@ -228,6 +231,7 @@ class Rollout:
         last_step = self.settings.time_steps - 1 if self.settings.set_truncated else -1
         root, traj, count = self._root, self._traj, self._count
         probe = self._probe = (self._probe + 1) % self.settings.time_steps  # the step timed in full
+        check = not (random or self._actions_checked)
         start = probe_start = probe_acted = probe_end = time.perf_counter()
         with torch.no_grad(), set_interaction_type(self.settings.exploration_type):
             for t in range(self.settings.time_steps):
@@ -236,6 +240,9 @@ class Rollout:
                 with lock:
                     actions = act(root)
                     version = self.policy_version
+                if check:  # before the env steps with it: its error would not name the policy
+                    check_policy_actions(self.env, actions)
+                    self._actions_checked, check = True, False
                 if t == probe:
                     probe_acted = time.perf_counter()
                 env_actions = self._to_env_device(actions) if self._move_actions else actions

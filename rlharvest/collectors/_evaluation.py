@@ -12,6 +12,7 @@ every trajectory begun with the previous weights, then one batch is collected.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import time
 from typing import Any, Callable
@@ -23,7 +24,8 @@ from .._utils import as_tuple_key, unwrap
 from ..envs.factory import env_keys, make_env
 from .single import Collector
 
-__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "AfterInit"]
+__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "AfterInit",
+           "build_policy"]
 
 #: where TorchRL's RewardSum transform writes the running return of each episode
 EPISODE_REWARD_KEY = ("next", "episode_reward")
@@ -69,13 +71,44 @@ class EvalConfig:
     """More ``ray.remote`` options of the Ray actor."""
 
 
+def build_policy(policy_factory: Callable, env: Any) -> Any:
+    """The evaluation policy: ``policy_factory(env)`` when the factory takes the env, else ``policy_factory()``.
+
+    TorchRL's Evaluator documents factories of the env, ``(env) -> policy``, and is also given
+    ``partial(RandomPolicy, env.action_spec)``, whose next parameter is ``action_key``: the env passed
+    there would become the key the action is written at. So the env is passed when the factory's first
+    positional parameter has no default, is named ``env``, or is ``*args``; a factory whose first one
+    has another name and a default, or that takes no positional parameter, is called without it. A
+    callable whose signature cannot be read is given the env.
+
+    Example:
+        >>> import functools
+        >>> build_policy(lambda env: ("built for", env), "the env")
+        ('built for', 'the env')
+        >>> build_policy(functools.partial(lambda spec, key="action": (spec, key), "spec"), "the env")
+        ('spec', 'action')
+    """
+    factory = unwrap(policy_factory)
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # some builtins and C callables
+        return factory(env)
+    first = parameters[0] if parameters else None
+    if first is None or first.kind in (first.KEYWORD_ONLY, first.VAR_KEYWORD):
+        return factory()
+    if first.kind is first.VAR_POSITIONAL or first.default is first.empty or first.name == "env":
+        return factory(env)
+    return factory()
+
+
 class EvalCollector(Collector):
     """A :class:`Collector` for evaluations, built where it runs (in a worker, an actor, a thread).
 
     Three differences with a Collector, the Evaluator's contract (docs/evaluation.md):
 
     * ``policy_factory`` is called with the env, ``policy_factory(env)``, as TorchRL's Evaluator
-      documents, so that a policy can be sized from the env's specs;
+      documents, so that a policy can be sized from the env's specs (unless it does not take the env:
+      :func:`build_policy`);
     * ``max_frames_per_traj`` is dropped when the env already counts its steps (a ``StepCounter``
       transform): its own ``step_count`` then ends the episodes;
     * the ``VecNorm``/``VecNormV2`` transforms of a TorchRL env are frozen: evaluating must not move
@@ -94,7 +127,7 @@ class EvalCollector(Collector):
                  policy_factory: Callable[[Any], Callable] | None = None, **kwargs: Any) -> None:
         env = _frozen_normalization(make_env(create_env_fn, kwargs.pop("create_env_kwargs", None)))
         if policy is None and policy_factory is not None:
-            policy = unwrap(policy_factory)(env)
+            policy = build_policy(policy_factory, env)
         if kwargs.get("max_frames_per_traj") and ("step_count",) in env_keys(env):
             kwargs["max_frames_per_traj"] = None
         super().__init__(env, policy, **kwargs)

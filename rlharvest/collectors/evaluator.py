@@ -33,10 +33,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ..envs.adapters import is_env
+from ..errors import EvaluationPendingError, EvaluatorClosedError
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
 from ..envs.factory import make_env
-from ._evaluation import EvalCollector, EvalConfig, LocalRun, WorkerRun
+from ._evaluation import EvalCollector, EvalConfig, LocalRun, WorkerRun, build_policy
 from .async_batched import AsyncBatchedCollector
 from .distributed.ray_eval import RayEvalRun, RayEvalWorker
 from .multi import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
@@ -52,14 +53,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("thread", "process", "ray")
 BUSY_POLICIES = ("skip", "error", "queue")
-
-
-class EvaluationPendingError(RuntimeError):
-    """``trigger_eval`` with ``busy_policy="error"`` while an evaluation is pending or queued."""
-
-
-class EvaluatorClosedError(RuntimeError):
-    """An evaluation or a result was asked of an evaluator after :meth:`Evaluator.shutdown`."""
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -503,7 +496,7 @@ def run_builder(config: EvalConfig, env: Any, policy: Any, policy_factory: Any, 
             collector = cls(env, policy, policy_factory=policy_factory, policy_device=config.device, **collect)
         else:  # another collector calls factories without the env: the env and policy are built here
             built_env = make_env(env, None)
-            built_policy = policy if policy_factory is None else policy_factory(built_env)
+            built_policy = policy if policy_factory is None else build_policy(policy_factory, built_env)
             collector = cls(built_env, built_policy, policy_device=config.device, **collect)
         return LocalRun(collector, config.reward_key, config.metrics_fn)
 

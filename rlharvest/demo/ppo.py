@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType, TensorDictModule, TensorDictSequential, interaction_type
+from tensordict.nn import InteractionType, TensorDictModule, TensorDictSequential
 from torch import nn
+
+from ..envs.utils import exploration_type
 
 __all__ = ["PPOConfig", "PPO", "CategoricalSampler", "make_policy", "make_value", "gae"]
 
@@ -68,7 +70,7 @@ class CategoricalSampler(nn.Module):
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs = logits.log_softmax(-1)
-        if interaction_type() in (InteractionType.DETERMINISTIC, InteractionType.MODE):
+        if exploration_type() in (InteractionType.DETERMINISTIC, InteractionType.MODE):
             action = logits.argmax(-1)
         else:  # Gumbel-max trick: argmax(log p - log E), E ~ Exp(1); ~3x cheaper than multinomial per step
             action = (log_probs - torch.empty_like(log_probs).exponential_().log_()).argmax(-1)

@@ -24,16 +24,13 @@ from typing import Any
 
 import torch
 
+from .choices import COLLECTORS, DEFAULT_FRAMES, TARGET_RETURN
 from .ppo import PPO, PPOConfig, make_policy, make_value
 
 __all__ = ["DemoConfig", "run_demo", "make_env", "build_collector", "EpisodeTracker", "CollectorUnavailable",
            "COLLECTORS", "DEFAULT_FRAMES"]
 
 ENV_ID = "CartPole-v1"
-COLLECTORS = ("single", "multisync", "multiasync", "distributed", "rpc")
-#: default frame budget: an upper bound (training stops as soon as the target is reached)
-DEFAULT_FRAMES = 100_000
-TARGET_RETURN = 475.0
 WINDOW = 20
 
 

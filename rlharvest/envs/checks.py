@@ -10,6 +10,12 @@ the middle of a batch only is cast to the first step's dtype.)
 Only values that carry a shape and dtype (tensors, numpy arrays) are checked: Python scalars have
 neither. Envs without specs (duck-typed envs) are not checked against specs, and specs the env
 cannot produce are skipped: a check never breaks an env that collects.
+
+The policy's side is checked once too, on its first action, before the env steps with it
+(:func:`check_policy_actions`): an action key it did not write, or an action the env's action spec
+cannot hold (float logits for a one-hot spec, which an env would silently argmax), is named there,
+with what the policy wrote and the spec, instead of a bare ``KeyError`` from the env or a run that
+learns nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._utils import NestedKey, unravel_key
+from .._utils import NestedKey, as_tuple_key, unravel_key
+from ..errors import ActionKeyError, ActionSpecError
 from .adapters import env_attr
 
-__all__ = ["check_step_specs", "raise_if_changed"]
+__all__ = ["check_step_specs", "check_policy_actions", "raise_if_changed"]
 
 
 def _meta(value: Any) -> tuple[tuple | None, torch.dtype | None]:
@@ -116,3 +123,81 @@ def raise_if_changed(key: NestedKey, values: list, shape: tuple, dtype: torch.dt
                 f"{dtype} (at the first step), now shape {actual_shape} and dtype {actual_dtype}. Shapes and "
                 "dtypes must stay the same within an episode."
             ) from error
+
+
+# ---------------------------------------------------------------------------------------------- actions
+def describe_spec(spec: Any) -> str:
+    """``OneHot(shape=(2,), dtype=torch.int64)``: a leaf spec in one line (TorchRL's repr takes many)."""
+    n = getattr(spec, "n", None)
+    extra = f", n={n}" if isinstance(n, int) else ""
+    return f"{type(spec).__name__}(shape={tuple(spec.shape)}, dtype={spec.dtype}{extra})"
+
+
+def _describe_value(value: Any) -> str:
+    shape, dtype = _meta(value)
+    if shape is None and dtype is None:
+        return type(value).__name__
+    return f"shape {shape if shape is not None else '(scalar)'}, dtype {dtype}"
+
+
+def _written(actions: dict, key: NestedKey) -> bool:
+    """Whether ``actions`` holds ``key``, itself or inside an entry kept whole (a sub-TensorDict)."""
+    path = as_tuple_key(key)
+    for written in actions:
+        prefix = as_tuple_key(written)
+        if prefix == path or (len(prefix) < len(path) and path[:len(prefix)] == prefix):
+            return True
+    return False
+
+
+def _misfit(spec: Any, value: torch.Tensor) -> str | None:
+    """Why ``value`` cannot be an action of ``spec`` (None if it can): another number of values, or
+    values its dtype cannot hold. Lenient on purpose: another dtype of the same kind, or floats that
+    are whole numbers (a one-hot sample of 0. and 1., as TorchRL's ``OneHotCategorical`` draws it),
+    are actions an env takes; values are not checked against the spec's bounds."""
+    expected = tuple(spec.shape)
+    if -1 not in expected and int(np.prod(expected)) != value.numel():
+        return f"it holds {value.numel()} values where the spec holds {int(np.prod(expected))}"
+    discrete = not (spec.dtype.is_floating_point or spec.dtype.is_complex)
+    if discrete and value.dtype.is_floating_point and not bool((value == value.round()).all()):
+        return f"its values are not whole numbers (logits?), and a {type(spec).__name__} spec holds {spec.dtype}"
+    return None
+
+
+def check_policy_actions(env: Any, actions: dict) -> None:
+    """Check a policy's first action against the env's action keys and spec, before the env steps.
+
+    Args:
+        env: the env (its ``action_keys`` and ``full_action_spec``, when it has them).
+        actions: what the policy wrote, ``{key: value}``.
+
+    Raises:
+        ActionKeyError: naming the missing key, the keys the policy wrote and the env's action spec.
+        ActionSpecError: naming the key, the action's shape and dtype, the spec, and why it cannot fit.
+    """
+    try:
+        spec = env_attr(env, "full_action_spec")
+        specs = _leaf_specs(spec) if spec is not None else {}
+        keys = [unravel_key(k) for k in (env_attr(env, "action_keys") or specs)]
+    except Exception:  # an env whose specs cannot be read still collects; it just is not checked
+        return
+    for key in keys:
+        if not _written(actions, key):
+            wrote = ", ".join(repr(k) for k in actions) or "nothing"
+            leaf = specs.get(key)
+            raise ActionKeyError(
+                f"the policy did not write the env's action {key!r}: it wrote {wrote}. The env "
+                f"({type(env).__name__}) reads {key!r}" + (f", spec {describe_spec(leaf)}" if leaf is not None else "")
+                + ". Make the policy write that key (e.g. TensorDictModule(..., out_keys=[" + repr(key) + "]))."
+            )
+    for key in keys:
+        leaf, value = specs.get(key), actions.get(key)
+        if leaf is None or not isinstance(value, torch.Tensor):
+            continue
+        why = _misfit(leaf, value)
+        if why is not None:
+            raise ActionSpecError(
+                f"the policy's action {key!r} ({_describe_value(value)}) cannot be an action of the env's spec "
+                f"{describe_spec(leaf)} ({type(env).__name__}): {why}. A policy over discrete actions must sample "
+                "or pick them (e.g. argmax of the logits, or a distribution's sample)."
+            )

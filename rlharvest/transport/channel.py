@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from .ports import PortInUseError
+from .ports import PortInUseError, not_this_host
 
 __all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "AuthenticationFailed", "Channel", "ChannelListener", "authenticate", "listen", "accept_channel", "open_channel",
            "shutdown_connection"]
@@ -252,8 +252,10 @@ def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, candidate))
-        except OSError:
+        except OSError as err:
             sock.close()
+            if (not_here := not_this_host(err, host)) is not None:  # no other port would do either
+                raise not_here from None
             continue
         sock.listen(64)
         return sock

@@ -4,21 +4,61 @@ machine, hence its shared memory)."""
 
 from __future__ import annotations
 
+import errno
 import socket
+import time
 
-__all__ = ["free_port", "free_port_block", "port_is_free", "PortInUseError", "boot_id", "is_loopback"]
+from ..errors import AddressNotAvailableError, CollectorUnreachable, PortInUseError
+
+__all__ = ["free_port", "free_port_block", "port_is_free", "PortInUseError", "AddressNotAvailableError", "boot_id",
+           "is_loopback", "not_this_host", "check_local_address", "wait_for_listener"]
 
 
-class PortInUseError(OSError):
-    """A port a collector must listen on is taken."""
+def not_this_host(err: OSError, host: str, argument: str = "bind_address") -> AddressNotAvailableError | None:
+    """The error to raise when binding to ``host`` failed with ``err`` because ``host`` is not an address
+    of this host (rather than because the port is taken), naming ``argument``; else None."""
+    if isinstance(err, socket.gaierror):
+        why = f"it does not resolve ({err.strerror})"
+    elif err.errno == errno.EADDRNOTAVAIL:
+        why = "no interface of this host has it"
+    else:
+        return None
+    not_here = AddressNotAvailableError(
+        f"{argument}={host!r} is not an address of this host: {why}. Give the address of one of its interfaces "
+        "(`ip addr` lists them), '127.0.0.1' for nodes on this host, or '0.0.0.0' for every interface.")
+    not_here.errno = errno.EADDRNOTAVAIL
+    return not_here
+
+
+def check_local_address(host: str, argument: str = "bind_address") -> None:
+    """Raise :class:`AddressNotAvailableError` naming ``argument`` unless this host can listen on ``host``
+    ("" is every interface)."""
+    if not host:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, 0))
+        except OSError as err:
+            not_here = not_this_host(err, host, argument)
+            if not_here is not None:
+                raise not_here from None
+            raise
 
 
 def port_is_free(port: int, host: str = "") -> bool:
+    """Whether ``host:port`` can be listened on now.
+
+    Raises:
+        AddressNotAvailableError: ``host`` is not an address of this host (no port of it is free).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
+        except OSError as err:
+            not_here = not_this_host(err, host)
+            if not_here is not None:
+                raise not_here from None
             return False
     return True
 
@@ -50,3 +90,24 @@ def boot_id() -> str:
 
 def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def wait_for_listener(host: str, port: int, timeout: float) -> None:
+    """Return once something accepts connections at ``host:port``, trying again every 0.2 s while
+    nothing does (a collector may start after its nodes). Imports no torch: the node command calls
+    it first, so that a wrong address fails before the node pays for importing torch.
+
+    Raises:
+        CollectorUnreachable: nothing accepted within ``timeout`` seconds, naming the last reason.
+    """
+    deadline, why = time.monotonic() + timeout, "nothing answered"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s ({why}).")
+        try:
+            socket.create_connection((host, port), timeout=min(left, 5.0)).close()
+            return
+        except OSError as err:  # refused (not listening yet), unreachable, a name that does not resolve
+            why = err.strerror or str(err) or type(err).__name__
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from .channel import Channel, ChannelListener, listen
-from .ports import PortInUseError, port_is_free
+from .ports import PortInUseError, not_this_host, port_is_free
 
 __all__ = ["BACKENDS", "BATCH_TAG", "WEIGHTS_TAG", "PAIR_BACKENDS", "CONTROL_KEY", "check_backend",
            "make_process_group", "group_store", "node_group", "store_server", "Rendezvous", "loopback_interface",
@@ -119,6 +119,8 @@ def store_server(bind_host: str, port: int, world_size: int, timeout: float) -> 
         sock.listen(128)
     except OSError as err:
         sock.close()
+        if (not_here := not_this_host(err, bind_host)) is not None:
+            raise not_here from None
         raise PortInUseError(f"tcp_port {port} is already in use on {bind_host or 'every interface'}: pick "
                              "another tcp_port, or tcp_port=0 for free ports.") from err
     mark_distributed_state()

@@ -31,18 +31,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import WorkerTimeoutError
+from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel
 from .launchers import LaunchedNode
+from .ports import wait_for_listener
 from .rendezvous import CONTROL_KEY, Rendezvous, _wait_in_thread, group_store, make_process_group, node_group
 
 __all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
 
 logger = logging.getLogger("rlharvest")
-
-
-class JoinRefused(RuntimeError):
-    """The collector refused this node (every slot is taken)."""
 
 
 class JoinedNode(LaunchedNode):
@@ -235,13 +232,24 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
                    handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0) -> Seat:
     """A joining node's side: find the command port, join, form the slot's group, receive the spec.
 
+    ``timeout`` bounds everything up to the collector's answer (reaching its store, its command port,
+    the handshake), as one deadline.
+
     Raises:
+        CollectorUnreachable: no collector answered at ``host:port`` within ``timeout``.
         JoinRefused: when every slot is taken.
         AuthenticationFailed: when the collector did not prove it holds the key.
     """
-    store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout))
-    control_port = int(store.get(CONTROL_KEY))
-    conn = open_channel(host, control_port, authkey, timeout, user_timeout, handshake_timeout)
+    deadline = time.monotonic() + timeout
+    store, control_port = _command_port(host, int(port), timeout, deadline)
+    left = max(0.1, deadline - time.monotonic())
+    try:
+        conn = open_channel(host, control_port, authkey, left, user_timeout, handshake_timeout)
+    except OSError as err:
+        if isinstance(err, ConnectionError) and not isinstance(err, ConnectionRefusedError):
+            raise  # AuthenticationFailed, a reset: the collector answered
+        raise CollectorUnreachable(f"the collector at {host}:{port} did not open its command port "
+                                   f"{control_port} within {timeout:g} s ({_why(err)}).") from None
     conn.send(("join", os.getpid(), socket.gethostname()))
     reply = conn.recv()
     if reply[0] == "refused":
@@ -252,3 +260,35 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
     conn.send(("hello", rank, os.getpid(), socket.gethostname()))
     payload = conn.recv_bytes()
     return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload)
+
+
+def _why(err: BaseException) -> str:
+    """One line: an OS error's reason, or the first line of torch's message (which may go on with C++
+    stack frames)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _command_port(host: str, port: int, timeout: float, deadline: float) -> tuple[Any, int]:
+    """The collector's store at ``host:port`` and the command port it names, by ``deadline``.
+
+    A plain connection is tried first, again every 0.2 s while nothing listens (the collector may
+    start after its nodes): torch's store client would retry on its own, but overshoot the deadline
+    and log each attempt with its C++ stack.
+
+    Raises:
+        CollectorUnreachable: naming the address, ``timeout`` and the last reason.
+    """
+    wait_for_listener(host, port, max(0.0, deadline - time.monotonic()))
+    try:
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+    except RuntimeError as err:  # torch's DistError family
+        raise CollectorUnreachable(f"what answers at {host}:{port} is not a collector's store (torch: "
+                                   f"{_why(err)}).") from None
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        return store, int(store.get(CONTROL_KEY))
+    except (RuntimeError, ValueError) as err:  # no such key in time; a key that is not a port
+        raise CollectorUnreachable(f"the store at {host}:{port} named no collector's command port within "
+                                   f"{timeout:g} s (torch: {_why(err)}).") from None

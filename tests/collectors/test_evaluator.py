@@ -318,3 +318,21 @@ def test_collector_cls_by_name_builds_the_policy_from_the_env():
     assert type(evaluator._run.collector).__name__ == "Collector"
     assert evaluator.evaluate()["eval/reward"] == 4.0
     evaluator.shutdown()
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_factory_whose_next_parameter_is_not_the_env_is_called_without_it(backend, request):
+    """``partial(RandomPolicy, spec)``, as TorchRL's tests give it: its next parameter is ``action_key``,
+    which the env must not become (an IndexError from the first ``td.set``; compat/ runs TorchRL's)."""
+    from rlharvest.collectors import RandomPolicy
+
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    spec = ActionRewardEnv(max_steps=3).action_spec  # a leaf spec: RandomPolicy writes it at its action_key
+    evaluator = Evaluator(functools.partial(ActionRewardEnv, max_steps=3), max_steps=TRUNCATED, num_trajectories=2,
+                          policy_factory=functools.partial(RandomPolicy, spec), backend=backend, num_gpus=0)
+    try:
+        result = evaluator.evaluate()
+    finally:
+        evaluator.shutdown()
+    assert result["eval/num_episodes"] == 2 and 1 <= result["eval/episode_length"] <= TRUNCATED

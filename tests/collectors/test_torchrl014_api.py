@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from mocks import CountingPolicy, weight_policy
+from tensordict.nn import TensorDictModule
 
 from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import CountingEnv, GymEnv
@@ -107,9 +108,17 @@ def test_map_fn_and_get_distant_attr():
     multi.shutdown()
 
 
+class FirstAction(torch.nn.Module):
+    """CartPole's first action, one-hot (an action of 4 values, one per observation entry, is refused)."""
+
+    def forward(self, observation):
+        return torch.nn.functional.one_hot(torch.zeros(observation.shape[:-1], dtype=torch.long), 2)
+
+
 @pytest.mark.parametrize("use_buffers", [None, False])
 def test_fake_tensordict_matches_a_batch(use_buffers):
-    collector = Collector(GymEnv("CartPole-v1"), weight_policy(0.0), frames_per_batch=10, total_frames=10,
+    policy = TensorDictModule(FirstAction(), in_keys=["observation"], out_keys=["action"])
+    collector = Collector(GymEnv("CartPole-v1"), policy, frames_per_batch=10, total_frames=10,
                           use_buffers=use_buffers, set_truncated=True)
     fake = collector.fake_tensordict()
     real = next(iter(collector))

@@ -1,22 +1,30 @@
-"""Start a node by hand: ``python -m rlharvest.collectors.distributed.node --rank 1 --world-size 3 --host H --port P``.
+"""Run a node started by hand: what ``rlharvest node`` runs (docs/elastic.md, "The node command").
 
-The main process must use ``launcher="submitit_delayed"`` (it then waits for nodes started
-elsewhere: by :func:`submitit_delayed_launcher`, by this command on another machine, ...).
+``rlharvest node --join HOST:PORT --key-file PATH`` joins a collector of ``launcher="external"``;
+``rlharvest node --rank 1 --world-size 3 --host H --port P`` is node 1 of a collector of
+``launcher="submitit_delayed"`` (it waits for nodes started elsewhere: by
+:func:`submitit_delayed_launcher`, by this command on another machine, ...).
 
 A :class:`~rlharvest.collectors.distributed.DistributedCollector` node proves to the main process
 that it holds the collector's key, and requires the same proof back, before it trusts anything it
-receives (docs/security.md). Give it the key (hex) in the ``RLHARVEST_AUTHKEY`` environment
-variable, or in a file only you can read (``--authkey-file``). There is deliberately no option
+receives (docs/security.md). Give it the key (hex) in a file only you can read (``--key-file``) or,
+with ``--rank``, in the ``RLHARVEST_AUTHKEY`` environment variable. There is deliberately no option
 taking the key itself: a command line is visible to every user of the machine.
+
+``python -m rlharvest.collectors.distributed.node --rank ...`` (with ``--authkey-file``) is the
+deprecated spelling of ``rlharvest node --rank ...``; it still works, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from ...transport.channel import AUTHKEY_ENV
-from ...worker.nodes import node_main
+from ..._node_cli import NodeArgs, add_node_arguments, parse_node_args
+from ...transport.channel import parse_authkey
+from ...transport.torchdist import node_authkey
+from ...worker.nodes import join_main, node_main
 
 
 def read_authkey_file(path: str) -> str:
@@ -31,24 +39,54 @@ def read_authkey_file(path: str) -> str:
         return handle.read().strip()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, required=True, help="this node's rank (1 .. world_size-1)")
-    parser.add_argument("--world-size", type=int, required=True, help="number of nodes + 1")
-    parser.add_argument("--host", required=True, help="address of the main process")
-    parser.add_argument("--port", type=int, required=True, help="the collector's tcp_port")
-    parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--framework", default="distributed", choices=["distributed", "rpc"])
-    parser.add_argument("--authkey-file", help=f"file holding the collector's key in hex (default: ${AUTHKEY_ENV})")
-    parser.add_argument("--handshake-timeout", type=float, default=5.0,
-                        help="seconds the main process has to prove it holds the key")
-    args = parser.parse_args(argv)
+def read_key(args: NodeArgs) -> bytes | None:
+    """The key the node proves it holds: from ``--key-file``, else (``--rank`` form of a
+    DistributedCollector) from ``$RLHARVEST_AUTHKEY``; None for an RPC node (torch RPC has no key).
+
+    Raises:
+        OSError: the key file cannot be read; PermissionError: other users may read it.
+        ValueError: no key, or not hex.
+    """
+    if args.key_file:
+        return parse_authkey(read_authkey_file(args.key_file), "--key-file")
+    if args.join is None and args.framework == "distributed":
+        return node_authkey(None)
+    return None
+
+
+def start_node(args: NodeArgs, key: bytes | None) -> None:
+    """Run the node ``args`` describe, proving it holds ``key`` (:func:`read_key`), until the
+    collector lets it go.
+
+    Raises:
+        JoinRefused: every slot of the collector is taken.
+        CollectorUnreachable: no collector answered at ``--join`` within ``args.timeout``.
+        AuthenticationFailed: the collector did not prove it holds the key.
+        ConnectionError, EOFError: the collector closed the connection before it took the node.
+    """
+    if args.join is not None:
+        host, port = args.join
+        join_main(host, port, key, timeout=args.timeout, handshake_timeout=args.handshake_timeout)
+        return
     kwargs = {}
     if args.framework == "distributed":
-        kwargs["handshake_timeout"] = args.handshake_timeout
-        if args.authkey_file:
-            kwargs["authkey"] = read_authkey_file(args.authkey_file)
+        kwargs.update(authkey=key, handshake_timeout=args.handshake_timeout, timeout=args.timeout)
     node_main(args.rank, args.world_size, args.host, args.port, args.backend, args.framework, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The deprecated spelling of ``rlharvest node``: errors are raised, not turned into exit codes."""
+    parser = argparse.ArgumentParser(prog="python -m rlharvest.collectors.distributed.node", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_node_arguments(parser)
+    ns = parser.parse_args(argv)
+    print("python -m rlharvest.collectors.distributed.node is deprecated: run `rlharvest node` (or "
+          "`python -m rlharvest node`) with the same options; --authkey-file is now --key-file.", file=sys.stderr)
+    try:
+        args = parse_node_args(ns)
+    except ValueError as err:
+        parser.error(str(err))
+    start_node(args, read_key(args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from ...config import CollectorConfig
-from ...errors import WorkerError, WorkerTimeoutError
+from ...errors import RestartLimitError, WorkerError, WorkerTimeoutError
 
 __all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "failure_kind"]
 
@@ -73,19 +73,6 @@ class RestartCause:
         if self.traceback:
             text += "\n    " + self.traceback.rstrip().replace("\n", "\n    ")
         return text
-
-
-class RestartLimitError(WorkerError):
-    """More workers failed than ``max_worker_restarts`` allows.
-
-    Attributes:
-        causes: every restart's :class:`RestartCause`, the failure that exceeded the limit last.
-    """
-
-    def __init__(self, message: str, causes: list[RestartCause], last: WorkerError) -> None:
-        super().__init__(message, worker_idx=last.worker_idx, remote_type=last.remote_type,
-                         remote_traceback=last.remote_traceback)
-        self.causes = list(causes)
 
 
 class RestartPolicy:

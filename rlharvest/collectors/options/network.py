@@ -12,7 +12,7 @@ from typing import Any
 
 from ...config import positive_seconds
 from ...transport.channel import AUTHKEY_ENV, new_authkey, parse_authkey
-from ...transport.ports import free_port_block
+from ...transport.ports import check_local_address, free_port_block
 from ...transport.launchers import TCP_PORT, main_host_ip
 
 __all__ = ["NetworkConfig", "parse_tcp_port"]
@@ -98,6 +98,8 @@ class NetworkConfig:
         if launcher == "external" and bind_address not in (None, "0.0.0.0"):
             advertised = bind_address  # join_command() names the address the collector listens on
         bind_host = advertised if bind_address is None else ("" if bind_address == "0.0.0.0" else bind_address)
+        if bind_address is not None:
+            check_local_address(bind_host)  # else the first listening socket would say "port in use"
         if port == 0:
             port = free_port_block(PORTS_USED, bind_host)
         return cls(launcher=launcher, tcp_port=port, advertised_host=advertised, bind_host=bind_host,
