@@ -16,7 +16,6 @@ shared memory.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Sequence
 
 import torch

@@ -18,7 +18,27 @@ from ...protocol import Command
 from .fleet import Fleet
 from ..._utils import wrap_callable
 
-__all__ = ["WorkerBroadcast"]
+__all__ = ["WorkerBroadcast", "argument_sets"]
+
+
+def argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` pairs for ``map_fn``; ``count`` = the number of calls required (None: any).
+
+    Raises:
+        ValueError: for lists of different lengths, or not ``count`` entries.
+    """
+    if list_of_args is None and list_of_kwargs is None:
+        list_of_args = [()] * (count if count is not None else 1)
+    if list_of_args is None:
+        list_of_args = [()] * len(list_of_kwargs)
+    if list_of_kwargs is None:
+        list_of_kwargs = [{}] * len(list_of_args)
+    if len(list_of_args) != len(list_of_kwargs):
+        raise ValueError(f"list_of_args and list_of_kwargs must have the same length, got {len(list_of_args)} "
+                         f"and {len(list_of_kwargs)}.")
+    if count is not None and len(list_of_args) != count:
+        raise ValueError(f"Expected {count} argument entries (one per worker), got {len(list_of_args)}.")
+    return [(tuple(args), dict(kwargs)) for args, kwargs in zip(list_of_args, list_of_kwargs)]
 
 
 class WorkerBroadcast:

@@ -27,7 +27,7 @@ from ...checkpoint import (
 from ...envs.state import EnvStateUnavailable, capture_env_state, restore_env_state, type_name
 from .restarts import RestartCause
 
-__all__ = ["capture", "restore", "engine_state", "load_engine_state", "section_of", "as_actor_list",
+__all__ = ["capture", "restore", "local_state", "load_local_state", "engine_state", "load_engine_state", "section_of", "as_actor_list",
            "from_actor_list"]
 
 #: why the env part of a checkpoint is empty when ``state_dict(env_state=False)`` was asked
@@ -135,6 +135,52 @@ def _restore_episodes(collector, section: dict, where: str) -> bool:
         warn_restart(where, section.get("env_name", repr(collector.env)), reason)
     rollout.reset()
     return False
+
+
+def _snapshot(weights: dict) -> dict:
+    """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
+    of a larger buffer (weights received into one flat buffer) is saved alone, not with the buffer."""
+    copied = type(weights)((name, value.detach().clone()) for name, value in weights.items())
+    if hasattr(weights, "_metadata"):
+        copied._metadata = weights._metadata
+    return copied
+
+
+def local_state(engine, env_state: bool) -> dict:
+    """A ``Collector``'s checkpoint: TorchRL's keys, and under ``"rlharvest_resume"`` its own part."""
+    state = {}
+    if isinstance(engine.policy, torch.nn.Module):
+        state["policy_state_dict"] = _snapshot(engine.policy.state_dict())
+    state["env_state_dict"] = engine.env.state_dict() if hasattr(engine.env, "state_dict") else {}
+    state["frames"] = engine.frames
+    state["iter"] = engine.iter
+    state["traj_pool"] = {"traj_id": torch.tensor(engine.rollout.traj_counter.peek())}
+    if engine.weights.version_tracker:
+        state["policy_version"] = engine.weights.version
+    state[CHECKPOINT_KEY] = capture(engine, env_state)
+    return state
+
+
+def load_local_state(engine, state_dict: dict, strict: bool) -> None:
+    """Continue a ``Collector`` from :func:`local_state`'s checkpoint (a TorchRL one restarts the episodes)."""
+    section = section_of(state_dict)
+    if section is not None:  # checked before anything changes
+        check_compatible(section, layout(engine), engine.where())
+    if "policy_state_dict" in state_dict and isinstance(engine.policy, torch.nn.Module):
+        engine.policy.load_state_dict(state_dict["policy_state_dict"], strict=strict)
+    if state_dict.get("env_state_dict") and hasattr(engine.env, "load_state_dict"):
+        engine.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
+    engine.frames = state_dict["frames"]
+    engine.iter = state_dict["iter"]
+    if "policy_version" in state_dict or section is not None:
+        version = state_dict["policy_version"] if section is None else section["policy_version"]
+        engine.weights.set_version(int(version))
+    if section is not None:
+        restore(engine, section, engine.where())
+    elif "traj_pool" in state_dict:
+        # ids continue after the saved ones (a replay buffer may hold them); episodes restart
+        engine.rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
+        engine.rollout.reset()
 
 
 # ---------------------------------------------------------------------------------- collectors with workers

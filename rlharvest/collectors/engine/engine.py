@@ -29,30 +29,28 @@ from typing import Any, Iterator, Sequence
 
 from tensordict import TensorDictBase
 
-from ..._utils import resolve_attr_path, wrap_callable
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
-from ...protocol import Command, WorkerSpec
-from ...weight_update.strategy import weights_of
+from ...protocol import Command
 from ..options.common import WorkerSetup
 from . import checkpoint
-from .broadcast import WorkerBroadcast
+from .broadcast import WorkerBroadcast, argument_sets
 from .extras import EngineExtra, ExternalJoins, RPCReferences
 from .fleet import Fleet, Replacement
 from .loops import Iteration
 from .membership import Membership
 from .output import BatchOutput
 from .progress import ProgressMeter
-from .pushed import PushedBatchReceiver
 from .restarts import RestartCause, RestartPolicy
-from .running import PushedRun, ThreadRun, WorkersRun
+from .running import Background
 from .schedule import WeightSchedule
 from .served import PolicyServer
-from .stats import StatsSnapshot, check_view
+from .stats import StatsSnapshot, fleet_stats
+from .updates import WeightUpdates
 from .traj_ids import PerWorkerIds, SharedIds
 from .weights import WeightPublisher
 
-__all__ = ["CollectionEngine", "argument_sets"]
+__all__ = ["CollectionEngine"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -76,26 +74,6 @@ def _weakly(method, default: Any = None):
     return call
 
 
-def argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
-    """``(args, kwargs)`` pairs for ``map_fn``; ``count`` = the number of calls required (None: any).
-
-    Raises:
-        ValueError: for lists of different lengths, or not ``count`` entries.
-    """
-    if list_of_args is None and list_of_kwargs is None:
-        list_of_args = [()] * (count if count is not None else 1)
-    if list_of_args is None:
-        list_of_args = [()] * len(list_of_kwargs)
-    if list_of_kwargs is None:
-        list_of_kwargs = [{}] * len(list_of_args)
-    if len(list_of_args) != len(list_of_kwargs):
-        raise ValueError(f"list_of_args and list_of_kwargs must have the same length, got {len(list_of_args)} "
-                         f"and {len(list_of_kwargs)}.")
-    if count is not None and len(list_of_args) != count:
-        raise ValueError(f"Expected {count} argument entries (one per worker), got {len(list_of_args)}.")
-    return [(tuple(args), dict(kwargs)) for args, kwargs in zip(list_of_args, list_of_kwargs)]
-
-
 class CollectionEngine:
     """The collector behind every public class with workers.
 
@@ -107,7 +85,8 @@ class CollectionEngine:
 
     def __init__(self, options: Any, face: Any) -> None:
         self.name = type(face).__name__
-        self._face = weakref.ref(face)
+        #: the public collector, held weakly (dropping it stops the workers)
+        self.face = weakref.ref(face)
         self.options = options
         self.traits = options.traits
         self.config = options.config
@@ -118,14 +97,14 @@ class CollectionEngine:
         self.hooks: dict[str, Any] = {"pre_collect_hook": self.config.pre_collect_hook,
                                       "post_collect_hook": self.config.post_collect_hook}
         self.progress = ProgressMeter()
-        self.weights = WeightPublisher(self, self.progress, options.version_tracker)
+        self.updates = WeightUpdates(self)
+        self.weights = WeightPublisher(self.updates, self.progress, options.version_tracker)
         self.output = BatchOutput(self.config, assembles=options.assembles_trajectories)
         self.membership = Membership(self, options.frames_share)
-        self.schedule = WeightSchedule(self.traits.pushes, self._push, options.num_workers)
+        self.schedule = WeightSchedule(self.traits.pushes, self.updates.push, options.num_workers)
         self.ids = PerWorkerIds(options.num_workers) if self.traits.per_worker_ids else SharedIds()
         self.loop = Iteration(self)
-        self.thread_run = ThreadRun(lambda: self.iterate(), self.interrupt_workers, name=f"{self.name}-run")
-        self.free_run: WorkersRun | PushedRun | None = None
+        self.background = Background(self)
         self.backend = options.build_backend()
         self.fleet: Fleet | None = None
         self.broadcast: WorkerBroadcast | None = None
@@ -152,7 +131,7 @@ class CollectionEngine:
             if self.server is not None:
                 self.setup = setup = dataclasses.replace(setup, inference=self.server.channels)
             for model_id, scheme in (self.weights.sender_schemes or {}).items():
-                scheme.init_on_sender(model_id=model_id, context=self, num_workers=options.num_workers)
+                scheme.init_on_sender(model_id=model_id, context=self.updates, num_workers=options.num_workers)
             for extra in self.extras:
                 extra.before_start()
             specs = options.worker_specs(self.setup)
@@ -180,8 +159,7 @@ class CollectionEngine:
         for extra in self.extras:
             extra.after_start()
         if options.weight_updater is not None:
-            face = self._face()
-            self.weights.set_updater(options.weight_updater, face)
+            self.weights.set_updater(options.weight_updater, self.face())
         if options.weight_recv_schemes is not None:
             self.register_receivers(options.weight_recv_schemes)
 
@@ -218,14 +196,6 @@ class CollectionEngine:
     def worker_idx(self) -> int | None:
         return self.config.worker_idx
 
-    @property
-    def policy_device(self):
-        return None
-
-    @property
-    def policy_lock(self):
-        return None
-
     def worker_pids(self) -> list[int | None]:
         requests = self.fleet.current_requests if self.fleet is not None else None
         return [handle.pid for handle in requests.handles] if requests is not None else []
@@ -243,7 +213,7 @@ class CollectionEngine:
         return tuple(sorted([*restarts.causes, *restarts.leaves], key=lambda cause: cause.time))
 
     def is_running(self) -> bool:
-        return self.free_run is not None or self.thread_run.is_running()
+        return self.background.is_running()
 
     def workers_pushing(self) -> bool:
         """Whether the workers push batches unasked now (they are paused before they leave)."""
@@ -260,7 +230,7 @@ class CollectionEngine:
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
         """The collector's batches (``__iter__``), each recorded for ``stats()`` as it is yielded."""
-        if isinstance(self.free_run, (WorkersRun, PushedRun)):
+        if self.background.workers_run_free():
             raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
         self.iteration_started = True
         for batch in self.loop.batches():
@@ -317,107 +287,22 @@ class CollectionEngine:
             for worker in requests.active():
                 requests.handles[worker].interrupt()
 
-    # ------------------------------------------------------------------ weights
-    def _push(self, workers: list[int] | None) -> None:
-        """An automatic weight update (``WeightSchedule``): only where something carries weights."""
-        if self.weights.sender_schemes or self.weights.updater is not None:
-            if self.weights.updater is not None and not self.traits.pushes.name_targets:
-                workers = None
-            self.update_weights(None, None, workers, None, None)
-
+    # ------------------------------------------------------------------ weights (``updates.py``)
     def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
                        weights_dict: dict | None) -> None:
-        """``update_policy_weights_``: a worker found failed while the weights are delivered is replaced
-        (restarts on) and starts with them (docs/restarts.md)."""
-        if self.traits.states_only_while_idle:
-            raise NotImplementedError(f"{self.name} pushes weights every update_interval batches by itself.")
-        self.updating_weights(lambda: self.weights.update(value, policy_or_weights, worker_ids, model_id,
-                                                          weights_dict))
-        targets = self.active_workers if worker_ids is None else (
-            [worker_ids] if isinstance(worker_ids, int) else worker_ids)
-        self.schedule.updated(list(targets))
+        self.updates.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
 
     def updating_weights(self, update, counted: bool = True) -> None:
-        """Run a weight update; a worker it finds failed is replaced.
-
-        Updates are delivered to every worker before acknowledgements are awaited, so the survivors
-        have the new weights; the replacement starts with them (and, when the update ``counted`` a
-        version, with the version it makes) too. Running free, the receiver thread owns the workers:
-        an update that meets a failed worker counts as done for the survivors, and the receiver replaces
-        that worker (it meets the failure too), starting it with these weights and this version.
-        """
-        pushed = self.free_run if isinstance(self.free_run, PushedRun) else None
-        with pushed.lock if pushed is not None else contextlib.nullcontext():
-            try:
-                update()
-            except WorkerError as err:
-                if self.fleet is None or not self.fleet.restarts.enabled:
-                    raise
-                if pushed is None:
-                    step = 1 if counted else 0
-                    self.fleet.recover(err, policy_version=self.weights.version + step)
-                if counted:
-                    self.weights.increment()
-
-    # what the publisher asks (WeightOwner)
-    def update_local_policy(self, value: Any) -> None:
-        if self.server is not None:  # the policy is served here: it takes the weights in this process
-            self.weights.version = self.server.update(self.weights, value)
-            return
-        self.weights.version += 1  # a parameter-free policy: nothing to send, versions still move
-
-    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
-        if self.server is not None:
-            self.server.copy_in(weights)
-
-    def after_weights_sent(self, model_ids: list[str]) -> None:
-        # Workers bumped their own versions when they applied the update: only ours moves here.
-        if "policy" in model_ids:
-            self.weights.increment()
-
-    def on_version_bump(self, version: int) -> None:
-        """Workers count their own versions."""
-
-    def resolve(self, path: str) -> Any:
-        return resolve_attr_path(self._face(), path)
+        self.updates.updating(update, counted)
 
     def increment_version(self) -> None:
-        """``increment_version()`` asked by the user: here and in every worker."""
-        self.weights.increment()
-        if self.broadcast is not None:
-            self.broadcast.increment_version()
+        self.updates.increment_version()
 
-    # what sender schemes ask of their context (``weight_update/context.py``)
     def get_model(self, model_id: str) -> Any:
-        if model_id != "policy":
-            return resolve_attr_path(self._face(), model_id)
-        options = self.options
-        if options.policy is not None or not options.factory_fallback:
-            return options.policy
-        if self.closed:
-            # Starting: workers build their policies from the factory themselves; building one here
-            # only for its initial weights would run the factory where the user did not ask for it.
-            return None
-        factories = options.policy_factories or ()
-        if self._fallback_policy is None and factories and len({id(f) for f in factories}) == 1:
-            # update_policy_weights_() without weights: the factory's policy is the main-side copy
-            self._fallback_policy = factories[0]()
-        return self._fallback_policy
-
-    _fallback_policy: Any = None
-
-    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
-        """A receiver scheme of this collector (inside a node) applied ``weights``: our workers get them."""
-        self.update_weights(weights, weights, None, model_id, None)
-
-    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
-        """Initial weights received from a parent continue down to our own workers (no version bump)."""
-        scheme = (self.weights.sync_schemes or {}).get(model_id)
-        if scheme is not None and self.requests is not None:
-            scheme.send(weights=weights)
+        return self.updates.get_model(model_id)
 
     def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
-        self.weights.register_receivers(schemes, self, self.worker_idx, synchronize)
+        self.weights.register_receivers(schemes, self.updates, self.worker_idx, synchronize)
 
     # ------------------------------------------------------------------ failed workers (docs/restarts.md)
     def _before_replacement(self, worker: int) -> None:
@@ -441,69 +326,7 @@ class CollectionEngine:
         """A worker left for good (preempted, not replaced): batches shrink as after remove_collectors."""
         self.membership.resized()
 
-    def replace_free_worker(self, err: WorkerError) -> None:
-        """Running free: replace the worker ``err`` names (as the restart policy allows, else raise),
-        and set its replacement running free too. Called by the receiver thread."""
-        with self.free_run.lock:
-            while True:
-                worker = self.fleet.recover(err)
-                try:
-                    self.requests.request(worker, Command.RUN_FREE)
-                    return
-                except WorkerError as again:  # the replacement failed at once: one more failure
-                    err = again
-
-    def write_pushed(self, worker: int, reply) -> None:
-        """A batch a worker pushed while running free: into the replay buffer (dropped while stopping
-        a collector whose iteration runs the workers free: nobody will take it)."""
-        if self.loop.pushing:
-            self.requests.handles[worker].fetch_batch(reply)
-            return
-        batch = self.ids.remap(self.loop.fetch(worker, reply), worker)
-        self.loop.write(batch)
-        self.frames += reply.frames
-
     # ------------------------------------------------------------------ workers that join and leave
-    def remove_workers(self, indices: int | Sequence[int], timeout: float | None) -> None:
-        self.membership.remove(indices, timeout)
-
-    def add_workers(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-                    backend_options: Any = None) -> None:
-        """``add_collectors``: the options check and build the new workers' specs; the membership
-        starts them (docs/elastic.md).
-
-        Raises:
-            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
-                weight sender cannot grow. RuntimeError: see :meth:`Membership.check_resizable`.
-        """
-        if self.traits.external_joins:
-            raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
-                                      "nodes that join (join_command()); add_collectors cannot add slots to it.")
-        self.membership.check_resizable("add")
-        if self.weights.updater is not None:
-            raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
-                             f"weight_updater, which serves the {self.traits.noun}s it started with only.")
-        first = self.num_workers
-        grown, specs, extra_options = self.options.added(first, create_env_fn, num_envs, policy, collector_kwargs,
-                                                         backend_options, self.setup)
-        self.fleet.check_growable()
-        previous = self.options
-        self.options, self.config = grown, grown.config
-        try:
-            self.membership.add(specs, extra_options)
-        except BaseException:
-            self.options, self.config = previous, previous.config
-            raise
-        count = len(specs)
-        if self.loop.pushing:  # the new workers run free like the others
-            for spec in specs:
-                self.requests.request(spec.worker_idx, Command.RUN_FREE)
-        self.ids.grow(count)
-        self.schedule.grow(count, mid_batch=self.traits.sync and self.membership.suspended)
-        for extra in self.extras:
-            extra.grown(count)
-        self.membership.resized()
-
     def admit_rejoined(self) -> None:
         """Empty slots that a node joined meanwhile take it (``launcher="external"``)."""
         for extra in self.extras:
@@ -573,11 +396,11 @@ class CollectionEngine:
         if self.traits.states_only_while_idle:
             raise NotImplementedError(f"{self.name} has no state_dict: its nodes run free, so there is no moment "
                                       "they all stand still at (docs/checkpoints.md).")
-        if self.free_run is not None and not isinstance(self.free_run, ThreadRun):
+        if self.background.workers_run_free():
             raise NotImplementedError(f"{self.name}.state_dict() while its {self.traits.noun}s run free (start()) "
                                       "and write the replay buffer themselves: checkpoint before start() or after "
                                       "async_shutdown() (docs/checkpoints.md).")
-        with self.thread_run.at_batch_boundary():
+        with self.background.thread_run.at_batch_boundary():
             return checkpoint.engine_state(self, env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
@@ -586,96 +409,24 @@ class CollectionEngine:
                                       "(docs/checkpoints.md).")
         checkpoint.load_engine_state(self, state_dict)
 
-    # ------------------------------------------------------------------ stats
     def stats(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
-        """Raises: ValueError for another ``workers`` view or a negative ``timeout``."""
-        check_view(workers)
-        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-        snapshot = StatsSnapshot(
-            frames=self.frames, batches=self.iter + 1,
-            total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
-            requested_frames_per_batch=self.requested_frames_per_batch, policy_version=self.weights.policy_version,
-            progress=self.progress.stats(), times=dict(self.progress.seconds))
-        active = self.active_workers
-        asked = self.traits.stats_asks_workers or workers != "aggregate"
-        answers = self._worker_stats(timeout) if asked and not self.closed and self.broadcast is not None else {}
-        requests = self.requests if self.fleet is not None and not self.closed else None
-        alive = len(answers) if self.traits.stats_asks_workers else (
-            sum(not requests.is_dead(w) for w in active) if requests is not None else 0)
-        snapshot.fleet = {"workers": len(active), "workers_alive": alive}
-        if self.fleet is not None:  # kept here, no worker is asked
-            snapshot.fleet.update(self.fleet.restarts.stats(self.num_workers))
-            snapshot.fleet["workers_removed"] = self.num_workers - len(active)
-        if self.traits.stats_asks_workers and answers:
-            snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
-        snapshot.per_worker = answers
-        for extra in self.extras:
-            snapshot.extra.update(extra.stats())
-        return snapshot
+        return fleet_stats(self, workers, timeout)
+
+    def start_free(self) -> None:
+        self.background.start()
+
+    def pause(self):
+        return self.background.pause()
+
+    def remove_workers(self, indices: int | Sequence[int], timeout: float | None) -> None:
+        self.membership.remove(indices, timeout)
+
+    def add_workers(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+                    backend_options: Any = None) -> None:
+        self.membership.add_collectors(create_env_fn, num_envs, policy, collector_kwargs, backend_options)
 
     def time_split(self) -> dict[str, float]:
         return dict(self.progress.seconds)
-
-    def _worker_stats(self, timeout: float | None) -> dict[int, dict]:
-        if self.traits.stats_asks_workers:
-            return self.broadcast.stats_within(timeout)
-        return dict(zip(self.active_workers, self.broadcast.worker_stats()))
-
-    # ------------------------------------------------------------------ running free
-    def start_free(self) -> None:
-        """``start()``: collect in the background into the replay buffer until ``async_shutdown()``.
-
-        Raises:
-            NotImplementedError: for a collector that cannot run free. RuntimeError: without a replay
-                buffer, or when already running.
-        """
-        mode = self.traits.run_free
-        if mode is None:
-            raise NotImplementedError(f"Collector start() is not implemented for {self.name}.")
-        if self.config.replay_buffer is None:
-            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
-        if self.is_running():
-            raise RuntimeError("The collector is already running.")
-        self.iteration_started = True
-        if mode == "workers" and self.options.workers_write_buffer:
-            self.loop.prepare_workers_writing()
-            self.free_run = WorkersRun(lambda: self.requests)
-            self.free_run.start()
-        elif mode == "pushed":
-            self.loop.drain()
-            self.requests.broadcast(Command.RUN_FREE)
-            self.free_run = PushedRun(PushedBatchReceiver(self))
-            self.free_run.start()
-        else:
-            self.thread_run.start()
-
-    @contextlib.contextmanager
-    def pause(self):
-        """Raises: NotImplementedError for a collector that cannot run free; RuntimeError when not running."""
-        if self.traits.run_free is None:
-            raise NotImplementedError(f"Collector pause() is not implemented for {self.name}.")
-        if self.thread_run.is_running():
-            with self.thread_run.pause():
-                yield
-            return
-        if isinstance(self.free_run, WorkersRun):
-            with self.free_run.pause(self.traits.noun):
-                yield
-            return
-        if isinstance(self.free_run, PushedRun):
-            with self.free_run.pause():
-                yield
-            return
-        raise RuntimeError("Collector cannot be paused.")
-
-    def stop_background(self, timeout: float | None) -> None:
-        run, self.free_run = self.free_run, None
-        try:
-            if isinstance(run, PushedRun):
-                run.stop(timeout)
-        finally:
-            self.thread_run.stop(timeout)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
@@ -690,7 +441,7 @@ class CollectionEngine:
             raise RuntimeError(f"{self.name} always closes its workers' envs (close_env=False refused).")
         self.closed = True
         try:
-            self.stop_background(timeout)
+            self.background.stop(timeout)
             self.loop.stop_pushing()
             for extra in self.extras:
                 extra.before_stop()
@@ -710,13 +461,3 @@ class CollectionEngine:
     def describe(self) -> str:
         return f"{self.name}(num_workers={self.num_workers}, frames={self.frames})"
 
-
-def main_weights(policy: Any) -> TensorDictBase | None:
-    """The weights of the policy a collector holds (``policy_weights``), or None."""
-    import torch
-
-    return weights_of(policy).data if isinstance(policy, torch.nn.Module) else None
-
-
-def wrapped_hooks(hooks: dict) -> dict:
-    return {name: wrap_callable(hook) for name, hook in hooks.items() if hook is not None}

@@ -5,26 +5,24 @@ runs the same engine inside the worker loop (docs/architecture.md)."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from typing import Any, Iterator
 
 import torch
 from tensordict import TensorDictBase
 
-from ..._utils import TRAJ_IDS, as_tuple_key, resolve_attr_path, unwrap
-from ...checkpoint import check_compatible
+from ..._utils import TRAJ_IDS, resolve_attr_path, unwrap
 from ...config import resolve_devices
-from ...envs.adapters import env_attr
-from ...envs.factory import close_env, env_keys, make_env
+from ...envs.factory import close_env, make_env
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
-from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
+from ...rollout import LocalTrajectoryCounter, Rollout
 from ...weight_update.strategy import copy_weights_, weights_of
 from ..options.local import LocalOptions
 from . import checkpoint
+from .broadcast import argument_sets
 from ._model_paths import resolve_env_transform_path
-from .membership import caller_stacklevel
+from .local_setup import check_env_options, compile_policy, round_frames_per_batch, rollout_settings
 from .output import BatchOutput
 from .progress import ProgressMeter
 from .running import ThreadRun
@@ -32,15 +30,6 @@ from .stats import StatsSnapshot, check_view
 from .weights import WeightPublisher
 
 __all__ = ["LocalEngine"]
-
-
-def _snapshot(weights: dict) -> dict:
-    """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
-    of a larger buffer (weights received into one flat buffer) is saved alone, not with the buffer."""
-    copied = type(weights)((name, value.detach().clone()) for name, value in weights.items())
-    if hasattr(weights, "_metadata"):
-        copied._metadata = weights._metadata
-    return copied
 
 
 class LocalEngine:
@@ -70,14 +59,14 @@ class LocalEngine:
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
         self._setup_policy(served if served is not None else options.policy, options.policy_factory)
-        self._check_env_options()
-        self.frames_per_batch = self._round_frames_per_batch(config.frames_per_batch)
+        check_env_options(config, self.env)
+        self.frames_per_batch = round_frames_per_batch(config, self.env_batch)
         counter = options.trajectory_counter or LocalTrajectoryCounter()
-        self.rollout = Rollout(self.env, self.policy, self._rollout_settings(), counter)
+        self.rollout = Rollout(self.env, self.policy, rollout_settings(config, self.env, self.frames_per_batch, self.devices()), counter)
         if served is not None:
             served.connect(self.env, self.rollout.root)
         self.output = BatchOutput(config, private_copy=self.rollout.settings.use_buffers and not config.return_same_td)
-        self._maybe_compile()
+        compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
         self.closed = False
@@ -100,60 +89,14 @@ class LocalEngine:
         self._weight_source_ref = WeakPolicyRef(policy if policy is not None else wrapped)
         self.policy_is_copy = self.policy is not source
 
-    def _check_env_options(self) -> None:
-        config = self.config
-        if config.max_frames_per_traj and ("step_count",) in env_keys(self.env):
-            raise ValueError("max_frames_per_traj is set but the env already has a 'step_count' entry (a step "
-                             "counter); remove one of them.")
-        done_keys = [as_tuple_key(k)[-1] for k in env_attr(self.env, "done_keys", [])]
-        if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
-            raise RuntimeError("set_truncated=True requires the env to have a 'truncated' done key (or "
-                               "max_frames_per_traj).")
+    def devices(self) -> tuple:
+        """``(storing, policy, env)`` devices."""
+        return self.storing_device, self.policy_device, self.env_device
 
     @property
     def env_batch(self) -> int:
+        """Envs stepped at once (the env's batch size)."""
         return int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
-
-    def _round_frames_per_batch(self, frames_per_batch: int) -> int:
-        n_env = self.env_batch
-        rounded = -(-frames_per_batch // n_env) * n_env
-        if rounded != frames_per_batch:
-            warnings.warn(f"frames_per_batch={frames_per_batch} is not a multiple of the env batch size ({n_env}); "
-                          f"collecting {rounded} frames per batch.", stacklevel=caller_stacklevel())
-        total, random_frames = self.config.total_frames, self.config.init_random_frames
-        if total > 0 and total % rounded:
-            warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={rounded}: the last batch "
-                          "will overshoot.", stacklevel=caller_stacklevel())
-        if random_frames and random_frames % rounded:
-            warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={rounded}: "
-                          "random actions continue to the end of the batch that reaches it.",
-                          stacklevel=caller_stacklevel())
-        return rounded
-
-    def _rollout_settings(self) -> RolloutSettings:
-        config = self.config
-        dynamic = bool(env_attr(self.env, "_has_dynamic_specs", False))
-        use_buffers = config.use_buffers
-        if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not dynamic
-        return RolloutSettings(
-            time_steps=self.frames_per_batch // self.env_batch, max_frames_per_traj=config.max_frames_per_traj,
-            set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
-            exploration_type=config.exploration_type, storing_device=self.storing_device,
-            policy_device=self.policy_device, env_device=self.env_device, use_buffers=use_buffers,
-            track_traj_ids=config.track_traj_ids, compact_obs=config.compact_obs, lazy_stack=dynamic)
-
-    def _maybe_compile(self) -> None:
-        options = self.config.compile_policy
-        if options:
-            kwargs = options if isinstance(options, dict) else {}
-            step = self.rollout.policy_step
-            if hasattr(step, "stages"):
-                step.stages = [(torch.compile(m, **kwargs), i, o) for m, i, o in step.stages]
-            elif hasattr(step, "policy"):
-                step.policy = torch.compile(step.policy, **kwargs)
-        if self.config.cudagraph_policy and not torch.cuda.is_available():
-            warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=caller_stacklevel())
 
     def _init_sender_schemes(self, schemes: dict | None) -> None:
         if not schemes:
@@ -422,37 +365,10 @@ class LocalEngine:
 
     def state_dict(self, env_state: bool) -> dict:
         with self.thread_run.at_batch_boundary():
-            state = {}
-            if isinstance(self.policy, torch.nn.Module):
-                state["policy_state_dict"] = _snapshot(self.policy.state_dict())
-            state["env_state_dict"] = self.env.state_dict() if hasattr(self.env, "state_dict") else {}
-            state["frames"] = self.frames
-            state["iter"] = self.iter
-            state["traj_pool"] = {"traj_id": torch.tensor(self.rollout.traj_counter.peek())}
-            if self.weights.version_tracker:
-                state["policy_version"] = self.weights.version
-            state[checkpoint.CHECKPOINT_KEY] = checkpoint.capture(self, env_state)
-            return state
+            return checkpoint.local_state(self, env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool) -> None:
-        section = checkpoint.section_of(state_dict)
-        if section is not None:  # checked before anything changes
-            check_compatible(section, checkpoint.layout(self), self.where())
-        if "policy_state_dict" in state_dict and isinstance(self.policy, torch.nn.Module):
-            self.policy.load_state_dict(state_dict["policy_state_dict"], strict=strict)
-        if state_dict.get("env_state_dict") and hasattr(self.env, "load_state_dict"):
-            self.env.load_state_dict(state_dict["env_state_dict"], strict=strict)
-        self.frames = state_dict["frames"]
-        self.iter = state_dict["iter"]
-        if "policy_version" in state_dict or section is not None:
-            version = state_dict["policy_version"] if section is None else section["policy_version"]
-            self.weights.set_version(int(version))
-        if section is not None:
-            checkpoint.restore(self, section, self.where())
-        elif "traj_pool" in state_dict:
-            # ids continue after the saved ones (a replay buffer may hold them); episodes restart
-            self.rollout.traj_counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))
-            self.rollout.reset()
+        checkpoint.load_local_state(self, state_dict, strict)
 
     # ------------------------------------------------------------------ hooks, attributes, profiling
     def set_hook(self, name: str, hook: Any) -> None:
@@ -471,8 +387,6 @@ class LocalEngine:
         return resolve_attr_path(self._face(), attr)
 
     def map_fn(self, method_name: str, list_of_args, list_of_kwargs) -> list[Any]:
-        from .engine import argument_sets
-
         method = resolve_attr_path(self._face(), method_name)
         return [method(*args, **kwargs) for args, kwargs in argument_sets(list_of_args, list_of_kwargs, None)]
 

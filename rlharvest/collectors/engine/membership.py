@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..._utils import wrap_callable
+from ...protocol import Command
 
 if TYPE_CHECKING:
     from .engine import CollectionEngine
@@ -103,6 +104,44 @@ class Membership:
         except BaseException:  # a new worker failed at once: as if it had failed to start
             fleet.shrink(first)
             raise
+
+    def add_collectors(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+                    backend_options: Any = None) -> None:
+        """``add_collectors``: the options check and build the new workers' specs; the membership
+        starts them (docs/elastic.md).
+
+        Raises:
+            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
+                weight sender cannot grow. RuntimeError: see :meth:`Membership.check_resizable`.
+        """
+        engine = self.engine
+        if engine.traits.external_joins:
+            raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
+                                      "nodes that join (join_command()); add_collectors cannot add slots to it.")
+        self.check_resizable("add")
+        if engine.weights.updater is not None:
+            raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
+                             f"weight_updater, which serves the {engine.traits.noun}s it started with only.")
+        first = engine.num_workers
+        grown, specs, extra_options = engine.options.added(first, create_env_fn, num_envs, policy, collector_kwargs,
+                                                         backend_options, engine.setup)
+        engine.fleet.check_growable()
+        previous = engine.options
+        engine.options, engine.config = grown, grown.config
+        try:
+            self.add(specs, extra_options)
+        except BaseException:
+            engine.options, engine.config = previous, previous.config
+            raise
+        count = len(specs)
+        if engine.loop.pushing:  # the new workers run free like the others
+            for spec in specs:
+                engine.requests.request(spec.worker_idx, Command.RUN_FREE)
+        engine.ids.grow(count)
+        engine.schedule.grow(count, mid_batch=engine.traits.sync and self.suspended)
+        for extra in engine.extras:
+            extra.grown(count)
+        self.resized()
 
     # ------------------------------------------------------------------ what a sync batch holds
     def resized_frames_per_batch(self) -> int | None:

@@ -2,9 +2,9 @@
 
 While they run free, the receiver is the only user of the engine's WorkerRequests: it takes each pushed
 batch (posting the process-group receive a node waits for), and hands it to the engine
-(``CollectionEngine.write_pushed``: ids remapped, uncollected steps dropped, the buffer extended); it
+(``Background.write_pushed``: ids remapped, uncollected steps dropped, the buffer extended); it
 also replaces a worker that failed (restarts on), under the lock shared with weight updates
-(``CollectionEngine.replace_free_worker``). ``pause()`` and the shutdown talk to that thread through
+(``Background.replace_free_worker``). ``pause()`` and the shutdown talk to that thread through
 events, so the requests stay single-threaded.
 """
 
@@ -53,11 +53,11 @@ class PushedBatchReceiver(threading.Thread):
             if item is None:
                 return False
             worker, reply = item
-            self.engine.write_pushed(worker, reply)
+            self.engine.background.write_pushed(worker, reply)
         except WorkerError as err:
             if not replace_failed:
                 raise
-            self.engine.replace_free_worker(err)
+            self.engine.background.replace_free_worker(err)
             return False
         return True
 

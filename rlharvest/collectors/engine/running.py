@@ -9,9 +9,11 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
+from ...errors import WorkerError
 from ...protocol import Command
+from .pushed import PushedBatchReceiver
 
-__all__ = ["ThreadRun", "WorkersRun", "PushedRun"]
+__all__ = ["Background", "ThreadRun", "WorkersRun", "PushedRun"]
 
 
 class ThreadRun:
@@ -187,3 +189,101 @@ class PushedRun:
         receiver.join(timeout if timeout is not None else 60.0)
         if receiver.error is not None:
             raise receiver.error
+
+
+class Background:
+    """How one engine collects in the background (``start()``/``pause()``/``async_shutdown()``), as
+    its traits say: a thread here, workers writing the buffer, or workers pushing to a receiver here.
+
+    Args:
+        engine: the engine (its traits, options, loop and requests).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.thread_run = ThreadRun(lambda: engine.iterate(), engine.interrupt_workers, name=f"{engine.name}-run")
+        self.free_run: WorkersRun | PushedRun | None = None
+
+    def is_running(self) -> bool:
+        return self.free_run is not None or self.thread_run.is_running()
+
+    def workers_run_free(self) -> bool:
+        """Whether the workers themselves run free (not a thread here iterating)."""
+        return self.free_run is not None
+
+    def start(self) -> None:
+        """``start()``: collect in the background into the replay buffer until ``async_shutdown()``.
+
+        Raises:
+            NotImplementedError: for a collector that cannot run free. RuntimeError: without a replay
+                buffer, or when already running.
+        """
+        mode = self.engine.traits.run_free
+        if mode is None:
+            raise NotImplementedError(f"Collector start() is not implemented for {self.engine.name}.")
+        if self.engine.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self.engine.iteration_started = True
+        if mode == "workers" and self.engine.options.workers_write_buffer:
+            self.engine.loop.prepare_workers_writing()
+            self.free_run = WorkersRun(lambda: self.engine.requests)
+            self.free_run.start()
+        elif mode == "pushed":
+            self.engine.loop.drain()
+            self.engine.requests.broadcast(Command.RUN_FREE)
+            self.free_run = PushedRun(PushedBatchReceiver(self.engine))
+            self.free_run.start()
+        else:
+            self.thread_run.start()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Raises: NotImplementedError for a collector that cannot run free; RuntimeError when not running."""
+        if self.engine.traits.run_free is None:
+            raise NotImplementedError(f"Collector pause() is not implemented for {self.engine.name}.")
+        if self.thread_run.is_running():
+            with self.thread_run.pause():
+                yield
+            return
+        if isinstance(self.free_run, WorkersRun):
+            with self.free_run.pause(self.engine.traits.noun):
+                yield
+            return
+        if isinstance(self.free_run, PushedRun):
+            with self.free_run.pause():
+                yield
+            return
+        raise RuntimeError("Collector cannot be paused.")
+
+    def stop(self, timeout: float | None) -> None:
+        """Stop what runs in the background (idempotent)."""
+        run, self.free_run = self.free_run, None
+        try:
+            if isinstance(run, PushedRun):
+                run.stop(timeout)
+        finally:
+            self.thread_run.stop(timeout)
+
+    def replace_free_worker(self, err: WorkerError) -> None:
+        """Running free: replace the worker ``err`` names (as the restart policy allows, else raise),
+        and set its replacement running free too. Called by the receiver thread."""
+        with self.free_run.lock:
+            while True:
+                worker = self.engine.fleet.recover(err)
+                try:
+                    self.engine.requests.request(worker, Command.RUN_FREE)
+                    return
+                except WorkerError as again:  # the replacement failed at once: one more failure
+                    err = again
+
+    def write_pushed(self, worker: int, reply) -> None:
+        """A batch a worker pushed while running free: into the replay buffer (dropped while stopping
+        a collector whose iteration runs the workers free: nobody will take it)."""
+        if self.engine.loop.pushing:
+            self.engine.requests.handles[worker].fetch_batch(reply)
+            return
+        batch = self.engine.ids.remap(self.engine.loop.fetch(worker, reply), worker)
+        self.engine.loop.write(batch)
+        self.engine.frames += reply.frames

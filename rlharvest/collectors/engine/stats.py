@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StatsSnapshot", "WORKER_VIEWS"]
+__all__ = ["StatsSnapshot", "WORKER_VIEWS", "fleet_stats"]
 
 #: what ``stats(workers=...)`` accepts
 WORKER_VIEWS = ("aggregate", "per_worker", "both")
@@ -72,3 +72,43 @@ class StatsSnapshot:
         if workers != "per_worker":
             stats.update({key: value for key, value in self.extra.items() if key != "worker_frames"})
         return stats
+
+
+def fleet_stats(engine: Any, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
+    """The snapshot of a collector with workers: the engine's counters and progress, the fleet's figures
+(kept here, no worker is asked), each worker's own snapshot when asked (``per_worker``/``both``, or
+always where the traits say so), and what optional parts add.
+
+Raises:
+    ValueError: for another ``workers`` view or a negative ``timeout``.
+"""
+    check_view(workers)
+    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+        raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+    snapshot = StatsSnapshot(
+        frames=engine.frames, batches=engine.iter + 1,
+        total_frames=None if engine.config.endless else engine.config.total_frames, completed=engine.reached_total(),
+        requested_frames_per_batch=engine.requested_frames_per_batch, policy_version=engine.weights.policy_version,
+        progress=engine.progress.stats(), times=dict(engine.progress.seconds))
+    active = engine.active_workers
+    asked = engine.traits.stats_asks_workers or workers != "aggregate"
+    answers = _worker_stats(engine, timeout) if asked and not engine.closed and engine.broadcast is not None else {}
+    requests = engine.requests if engine.fleet is not None and not engine.closed else None
+    alive = len(answers) if engine.traits.stats_asks_workers else (
+        sum(not requests.is_dead(w) for w in active) if requests is not None else 0)
+    snapshot.fleet = {"workers": len(active), "workers_alive": alive}
+    if engine.fleet is not None:  # kept here, no worker is asked
+        snapshot.fleet.update(engine.fleet.restarts.stats(engine.num_workers))
+        snapshot.fleet["workers_removed"] = engine.num_workers - len(active)
+    if engine.traits.stats_asks_workers and answers:
+        snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
+    snapshot.per_worker = answers
+    for extra in engine.extras:
+        snapshot.extra.update(extra.stats())
+    return snapshot
+
+
+def _worker_stats(engine, timeout: float | None) -> dict[int, dict]:
+    if engine.traits.stats_asks_workers:
+        return engine.broadcast.stats_within(timeout)
+    return dict(zip(engine.active_workers, engine.broadcast.worker_stats()))

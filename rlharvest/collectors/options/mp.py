@@ -76,12 +76,15 @@ class WorkerProcessOptions:
 
     @classmethod
     def parse(cls, owner: str, *, sync: bool, create_env_fn: Any, num_workers: int | None, policy: Any,
-              policy_factory: Any, frames_per_batch: Any, collector_class: Any, num_sub_threads: int,
-              num_threads: int | None, cat_results: Any, preemptive_threshold: Any, update_at_each_batch: bool,
-              worker_timeout: Any, mp_start_method: str | None, init_fn: Any, weight_updater: Any,
-              weight_sync_schemes: dict | None, weight_recv_schemes: dict | None, reset_when_done: bool,
-              local_init_rb: bool | None, default_collector: Any, **config_arguments: Any) -> WorkerProcessOptions:
-        """Validate a worker-process collector's constructor arguments, once.
+              policy_factory: Any, frames_per_batch: Any, default_collector: Any, collector_class: Any = None,
+              num_sub_threads: int = 1, num_threads: int | None = None, cat_results: Any = None,
+              preemptive_threshold: Any = None, update_at_each_batch: bool = False,
+              worker_timeout: Any = DEFAULT_WORKER_TIMEOUT, mp_start_method: str | None = None, init_fn: Any = None,
+              weight_updater: Any = None, weight_sync_schemes: dict | None = None,
+              weight_recv_schemes: dict | None = None, reset_when_done: bool = True, local_init_rb: bool | None = None,
+              **config_arguments: Any) -> WorkerProcessOptions:
+        """Validate a worker-process collector's constructor arguments, once (a node running one is
+        given them by its parent, parsed there: the defaults are the constructor's).
 
         Raises:
             TypeError, ValueError, RuntimeError: naming the argument that does not fit.
@@ -112,6 +115,20 @@ class WorkerProcessOptions:
                    worker_timeout=positive_seconds("worker_timeout", worker_timeout), mp_start_method=mp_start_method,
                    init_fn=init_fn, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
                    weight_recv_schemes=weight_recv_schemes, default_collector=default_collector)
+
+    def with_hooks(self, hooks: dict) -> WorkerProcessOptions:
+        """These options with the pre/post-collect ``hooks`` (``{name: hook}``) set (for its workers too)."""
+        return replace(self, config=replace(self.config, **hooks))
+
+    def in_worker(self, *, create_env_fn: Any, policy: Any, policy_factory: Any,
+                  worker_idx: int) -> WorkerProcessOptions:
+        """The options a node running this collector builds it from: its env constructors (one per
+        sub-worker) and policy, made on the node, and its index there."""
+        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else (create_env_fn,) * len(
+            self.env_fns)
+        factories = tuple(per_worker(policy_factory, len(env_fns), "policy_factory")) if policy_factory else None
+        return replace(self, env_fns=env_fns, policy=policy, policy_factories=factories,
+                       config=replace(self.config, worker_idx=worker_idx))
 
     # ------------------------------------------------------------------ what the engine reads
     @property

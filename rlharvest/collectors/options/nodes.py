@@ -17,6 +17,7 @@ from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
 from .common import WorkerSetup, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
+from .mp import WorkerProcessOptions
 from .traits import Traits, WeightPushes
 
 __all__ = ["NodeOptions", "resolve_collector_class", "replicated"]
@@ -80,12 +81,15 @@ class NodeOptions:
     """Frames each node collects per rollout."""
     collector_class: type
     """The collector each node runs."""
-    single_collector: type
-    """rlharvest's ``Collector`` (a node runs one env when its class is a ``Collector``)."""
+    named_classes: dict
+    """What ``"single"``, ``"sync"`` and ``"async"`` stand for (rlharvest's collectors, given by the face)."""
     collector_kwargs: tuple[dict, ...]
     """Each node's collector arguments given by the user (validated into ``node_configs``)."""
     node_configs: tuple[CollectorConfig, ...]
     """Each node's collector config, typed: this collector's arguments with the user's on top."""
+    node_options: tuple[Any, ...]
+    """Each node's collector options, typed, when the node runs one of rlharvest's collectors
+    (``LocalOptions`` or ``WorkerProcessOptions``); None for a class of the user's own."""
     num_workers_per_collector: int
     """Env copies (sub-workers) of a node running a multi-process collector."""
     update_after_each_batch: bool
@@ -166,11 +170,13 @@ class NodeOptions:
         node_configs = tuple(_node_config(config, node, count, frames_per_node, entry, owner, typed_class(node_class,
                                                                                                          [single]))
                              for node, entry in enumerate(user_kwargs))
+        node_options = tuple(_node_options(node_class, collector_classes, node_config, entry, num_workers_per_collector,
+                                           owner) for node_config, entry in zip(node_configs, user_kwargs))
         return NodeOptions(
             config=config, sync=bool(sync), env_fns=tuple(create_env_fn), policy=policy,
             policy_factories=tuple(factories) if factories is not None else None, frames_per_node=frames_per_node,
-            collector_class=node_class, single_collector=single, collector_kwargs=tuple(user_kwargs),
-            node_configs=node_configs, num_workers_per_collector=int(num_workers_per_collector),
+            collector_class=node_class, named_classes=dict(collector_classes), collector_kwargs=tuple(user_kwargs),
+            node_configs=node_configs, node_options=node_options, num_workers_per_collector=int(num_workers_per_collector),
             update_after_each_batch=bool(update_after_each_batch),
             max_weight_update_interval=int(max_weight_update_interval), update_interval=update_interval,
             track_versions=tracker, worker_timeout=positive_seconds("worker_timeout", worker_timeout),
@@ -187,6 +193,11 @@ class NodeOptions:
     @property
     def num_workers(self) -> int:
         return len(self.env_fns)
+
+    @property
+    def single_collector(self) -> type:
+        """rlharvest's ``Collector`` (a node runs one env when its class is a ``Collector``)."""
+        return self.named_classes["single"]
 
     @property
     def runs_one_env(self) -> bool:
@@ -255,9 +266,9 @@ class NodeOptions:
         schemes = setup.schemes
         if factory is None and self.policy is not None:
             policy = stateless_copy(self.policy) if schemes and self.stateless_nodes else self.policy
-        config = self.node_configs[node] if node < len(self.node_configs) else self.node_configs[0]
-        if self.typed_nodes:
-            arguments: dict[str, Any] = {"options": LocalOptions(config=config, create_env_fn=None)}
+        options = self.node_options[node]
+        if options is not None:
+            arguments: dict[str, Any] = {"options": options}
         else:  # a class of the user's own (or a multi-process one): the arguments the user gave, and ours
             share = self.config.init_random_frames // len(self.node_configs)
             arguments = {"collector_kwargs": {**self.collector_kwargs[node], **self.config.for_worker(
@@ -295,9 +306,11 @@ class NodeOptions:
         single = self.typed_nodes
         configs = tuple(_node_config(self.config, first + k, first + count, self.frames_per_node, entry, "collector_kwargs",
                                      single, random_share=share) for k, entry in enumerate(kwargs))
+        options = tuple(_node_options(self.collector_class, self.named_classes, node_config, entry, sub_workers,
+                                      "collector_kwargs") for node_config, entry in zip(configs, kwargs))
         grown = dataclasses.replace(
             self, env_fns=self.env_fns + tuple(env_fns), collector_kwargs=self.collector_kwargs + tuple(kwargs),
-            node_configs=self.node_configs + configs,
+            node_configs=self.node_configs + configs, node_options=self.node_options + options,
             num_workers_per_collector=sub_workers if not self.runs_one_env else self.num_workers_per_collector,
             policy_factories=self.policy_factories + (factory,) * count if self.policy_factories else None)
         return grown, grown.worker_specs(setup, first=first), extra
@@ -373,6 +386,25 @@ def _node_config(config: CollectorConfig, node: int, count: int, frames: int, us
     wrapped = {name: wrap_callable(value) if name.endswith("_hook") else value
                for name, value in user.items() if name not in ours and name != "frames_per_batch"}
     return dataclasses.replace(node_config, **wrapped) if wrapped else node_config
+
+
+def _node_options(node_class: Any, named: Mapping[str, type], config: CollectorConfig, user: dict,
+                  sub_workers: int, owner: str) -> Any:
+    """A node's typed options when it runs one of rlharvest's collectors: a ``Collector``'s (its config),
+    or a worker-process collector's, parsed here from this collector's arguments and the user's
+    ``collector_kwargs`` (the node parses nothing); None for a class of the user's own."""
+    if typed_class(node_class, [named["single"]]):
+        return LocalOptions(config=config, create_env_fn=None)
+    multi = [named[name] for name in ("sync", "async") if name in named]
+    if not typed_class(node_class, multi):
+        return None
+    ours = config.for_worker(0)  # the node's non-default collector arguments, this collector's first
+    ours.pop("worker_idx", None)
+    arguments = {**{k: v for k, v in user.items() if k != "frames_per_batch"}, **ours}
+    return WorkerProcessOptions.parse(
+        owner, sync=issubclass(node_class, named["sync"]), create_env_fn=[None] * sub_workers, num_workers=None,
+        policy=None, policy_factory=None, frames_per_batch=config.frames_per_batch,
+        default_collector=named["single"], **arguments)
 
 
 def _is_module(policy: Any) -> bool:
