@@ -31,7 +31,8 @@ from .._processes import prepare_worker_process
 from .._utils import NestedKey, unravel_key, unwrap
 from ..errors import RemoteFailure
 from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
-from .state import (EnvStateUnavailable, capture_env_state, process_generators, restore_env_state,
+from .capture import capture_env_state, restore_env_state
+from .state import (EnvStateUnavailable, process_generators,
                     restore_process_generators)
 
 __all__ = ["SubEnvCommand", "Status", "ReplyBoard", "Unavailable", "Buffers", "SubEnvDescription", "FirstStep",

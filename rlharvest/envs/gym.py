@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .base import EnvBase
+from .state import EnvStateUnavailable, instance_state, restore_instance_state
 from .specs import Bounded, Categorical, Composite, OneHot, TensorSpec, Unbounded
 
 __all__ = ["GymEnv"]
@@ -179,13 +180,9 @@ class GymEnv(EnvBase):
             EnvStateUnavailable: naming the layer whose state cannot be copied (e.g. an
                 ``AsyncVectorEnv``'s processes).
         """
-        from .state import instance_state
-
         return {"own": instance_state(self, skip=("_env",)), "layers": capture_gym_layers(self._env)}
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        from .state import restore_instance_state
-
         restore_gym_layers(self._env, state["layers"])  # checks the layers first
         restore_instance_state(self, state["own"])
 
@@ -206,8 +203,6 @@ def capture_gym_layers(env) -> list[dict[str, Any]]:
     Raises:
         EnvStateUnavailable: naming the layer whose state cannot be copied.
     """
-    from .state import EnvStateUnavailable, instance_state
-
     layers = []
     for layer in _gym_layers(env):
         try:
@@ -223,8 +218,6 @@ def restore_gym_layers(env, states: list[dict[str, Any]]) -> None:
     Raises:
         EnvStateUnavailable: when ``env`` has other layers than the captured one.
     """
-    from .state import EnvStateUnavailable, restore_instance_state
-
     layers = _gym_layers(env)
     if len(layers) != len(states):
         raise EnvStateUnavailable(f"the checkpoint's gymnasium env has {len(states)} layers, this one "

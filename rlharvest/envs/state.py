@@ -15,8 +15,10 @@ What can be captured is decided by the env's *type* (never by poking a foreign o
 * every other foreign env: not captured. The caller restarts its episodes (with new trajectory ids)
   and names the env and the reason in one warning.
 
-:func:`capture_env_state` and :func:`restore_env_state` are the entry points (collectors call them
-for their env, batched envs for each sub-env).
+The entry points :func:`~rlharvest.envs.capture.capture_env_state` and
+:func:`~rlharvest.envs.capture.restore_env_state` (collectors call them for their env, batched envs
+for each sub-env) live in ``capture.py``, above the env types they know; this module holds what every
+env uses (instance attributes, the process's generators).
 
 A captured state is a plain Python value (arrays, tensors, generators included) that ``pickle``
 writes; the checkpoint stores it as bytes (``rlharvest/checkpoint.py``).
@@ -34,7 +36,7 @@ import torch
 
 from .specs import TensorSpec
 
-__all__ = ["EnvStateUnavailable", "capture_env_state", "restore_env_state", "instance_state", "restore_instance_state",
+__all__ = ["EnvStateUnavailable", "instance_state", "restore_instance_state", "type_name",
            "process_generators", "restore_process_generators"]
 
 
@@ -74,51 +76,6 @@ def restore_instance_state(obj: Any, state: dict[str, Any]) -> None:
 def type_name(obj: Any) -> str:
     """``module.QualName`` of ``obj``'s type: what a captured state records and is checked against."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def capture_env_state(env: Any) -> dict[str, Any]:
-    """The state of ``env`` (its type and its :meth:`~rlharvest.envs.EnvBase.capture_state`).
-
-    Raises:
-        EnvStateUnavailable: for an env whose state cannot be captured, saying why.
-    """
-    from .base import EnvBase
-
-    if isinstance(env, EnvBase):
-        return {"type": type_name(env), "state": env.capture_state()}
-    if _is_torchrl_gym(env):
-        from .gym import capture_gym_layers
-
-        return {"type": type_name(env), "torchrl_gym_layers": capture_gym_layers(env._env)}
-    raise EnvStateUnavailable(f"it is a {type_name(env)}, not an rlharvest env (rlharvest captures the state of its "
-                              "own envs, of gymnasium envs through GymEnv, and of TorchRL's GymEnv/GymWrapper "
-                              "without transforms)")
-
-
-#: TorchRL's envs whose whole stepping state is the gymnasium env they wrap (in ``_env``)
-_TORCHRL_GYM = {"torchrl.envs.libs.gym.GymEnv", "torchrl.envs.libs.gym.GymWrapper"}
-
-
-def _is_torchrl_gym(env: Any) -> bool:
-    """A TorchRL GymEnv or GymWrapper, told by its exact type (never by calling its members)."""
-    return type_name(env) in _TORCHRL_GYM and hasattr(env, "__dict__") and "_env" in vars(env)
-
-
-def restore_env_state(env: Any, captured: dict[str, Any]) -> None:
-    """Put what :func:`capture_env_state` returned back into ``env``.
-
-    Raises:
-        EnvStateUnavailable: when ``env`` is not of the type the state was captured from.
-    """
-    if captured["type"] != type_name(env):
-        raise EnvStateUnavailable(f"the checkpoint holds the state of a {captured['type']}, this env is a "
-                                  f"{type_name(env)}")
-    if "torchrl_gym_layers" in captured:
-        from .gym import restore_gym_layers
-
-        restore_gym_layers(vars(env)["_env"], captured["torchrl_gym_layers"])
-        return
-    env.restore_state(captured["state"])
 
 
 def process_generators() -> dict[str, Any]:

@@ -24,7 +24,8 @@ from ...checkpoint import (
     unpack,
     warn_restart,
 )
-from ...envs.state import EnvStateUnavailable, capture_env_state, restore_env_state, type_name
+from ...envs.capture import capture_env_state, restore_env_state
+from ...envs.state import EnvStateUnavailable, type_name
 from .restarts import RestartCause
 
 __all__ = ["capture", "restore", "local_state", "load_local_state", "engine_state", "load_engine_state", "section_of", "as_actor_list",

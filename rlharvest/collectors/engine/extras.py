@@ -4,13 +4,10 @@ replaced or added, shutdown) through :class:`EngineExtra`'s methods, all no-ops 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .joins import JoinKey, join_argv
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
-    from .fleet import Fleet
 
 __all__ = ["EngineExtra", "ExternalJoins", "RPCReferences"]
 
@@ -33,7 +30,7 @@ class EngineExtra:
     def grown(self, count: int) -> None:
         """``count`` workers were added after the others."""
 
-    def admit(self, fleet: Fleet) -> list[int]:
+    def admit(self, fleet: Any) -> list[int]:
         """Between two batches: empty slots a worker joined meanwhile; returns them."""
         return []
 
@@ -52,7 +49,7 @@ class ExternalJoins(EngineExtra):
     """``launcher="external"``: the key nodes read to join, the join command, slots filled again by the
     node that joins them (docs/elastic.md)."""
 
-    def __init__(self, engine: CollectionEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.key = None
 
@@ -71,7 +68,7 @@ class ExternalJoins(EngineExtra):
         network = self.engine.options.network
         return join_argv(network.advertised_host, network.tcp_port, self.key.path)
 
-    def admit(self, fleet: Fleet) -> list[int]:
+    def admit(self, fleet: Any) -> list[int]:
         """Empty slots (their node left) that a node joined meanwhile take it back, through the
         replacement path (``Fleet.renew``: fresh trajectory ids, current weights and version)."""
         joins = getattr(self.engine.backend, "joins", None)
@@ -92,7 +89,7 @@ class RPCReferences(EngineExtra):
     """RPC users see one remote reference (``collector_rrefs``) and worker info (``collector_infos``) per
     node, e.g. to attach an ``RPCWeightUpdater``; they follow replacements and added nodes."""
 
-    def __init__(self, engine: CollectionEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.rrefs: list = []
         self.infos: list = []

@@ -4,20 +4,18 @@ of that device when written; and the shared-memory weights the workers run on (d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from ...weight_update.strategy import weights_of
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
 
 __all__ = ["staged_weights", "push_staged", "cached_weights"]
 
 
-def staged_weights(engine: CollectionEngine) -> dict:
+def staged_weights(engine: Any) -> dict:
     """``{device: weights}``: private copies of the main-side weights, one per policy device (made on
     first use); a legacy updater writes them, then :func:`push_staged`."""
     staging = engine.legacy_staging
@@ -31,13 +29,13 @@ def staged_weights(engine: CollectionEngine) -> dict:
     return staging
 
 
-def push_staged(engine: CollectionEngine, updater: Any, device: torch.device) -> None:
+def push_staged(engine: Any, updater: Any, device: torch.device) -> None:
     """A legacy updater wrote ``device``'s weights: push them to the workers on that device."""
     workers = [w for w in range(engine.num_workers) if engine.config.policy_device_of(w) == torch.device(device)]
     engine.weights.sender_schemes["policy"].send(weights=updater.policy_weights[device], worker_ids=workers)
 
 
-def cached_weights(engine: CollectionEngine, model_id: str) -> TensorDictBase | None:
+def cached_weights(engine: Any, model_id: str) -> TensorDictBase | None:
     """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or None when
     that model's scheme keeps none (pipes, or no update yet)."""
     scheme = (engine.weights.sender_schemes or {}).get(model_id)

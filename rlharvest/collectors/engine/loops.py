@@ -14,7 +14,7 @@ way: the fleet replaces them as the restart policy allows (docs/restarts.md).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from tensordict import TensorDictBase
@@ -25,9 +25,6 @@ from ...protocol import Command
 from .gather import FirstReady, Pushed, SyncStack, request_batch
 from .pushed import PushedBatchReceiver
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
-    from .fleet import Fleet
 
 __all__ = ["Iteration", "valid_part", "assemble_sync"]
 
@@ -69,7 +66,7 @@ def assemble_sync(batches: list[TensorDictBase], cat_results: str | int = "stack
 class Iteration:
     """The engine's batches: the loop its traits choose, and what every loop shares."""
 
-    def __init__(self, engine: CollectionEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.gather: SyncStack | FirstReady | Pushed | None = None
         #: with restarts and ``trajs_per_batch``: the episodes each worker had running at its last batch
@@ -83,7 +80,7 @@ class Iteration:
         #: whether the workers were given the replay buffer's storage to write into
         self.buffer_attached = False
 
-    def choose_gather(self, fleet: Fleet) -> None:
+    def choose_gather(self, fleet: Any) -> None:
         engine = self.engine
         kind = engine.traits.gather
         if kind == "stack":

@@ -12,13 +12,11 @@ import math
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..._utils import wrap_callable
 from ...protocol import Command
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
 
 __all__ = ["Membership", "caller_stacklevel"]
 
@@ -41,7 +39,7 @@ class Membership:
         share: ``share(worker)``: frames ``worker`` adds to every sync batch.
     """
 
-    def __init__(self, engine: CollectionEngine, share: Callable[[int], int]) -> None:
+    def __init__(self, engine: Any, share: Callable[[int], int]) -> None:
         self.engine = engine
         self.share = share
         #: while a batch is being collected (not suspended at a yield): workers cannot join or leave then

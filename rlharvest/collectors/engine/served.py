@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tensordict import TensorDictBase
@@ -22,9 +22,6 @@ from ...transport.inference import InferenceChannels, InferenceServer
 from ...weight_update.strategy import copy_weights_, weights_of
 from ..options.common import has_weights
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
-    from .weights import WeightPublisher
 
 __all__ = ["PolicyServer", "ENV_INDEX"]
 
@@ -74,7 +71,7 @@ class PolicyServer:
         engine: the engine it belongs to.
     """
 
-    def __init__(self, options: Any, engine: CollectionEngine) -> None:
+    def __init__(self, options: Any, engine: Any) -> None:
         batched = options.batched
         self.options = options
         self.policy = options.policy
@@ -112,7 +109,7 @@ class PolicyServer:
         return dict(self.server.stats)
 
     # ------------------------------------------------------------------ weights
-    def update(self, weights: WeightPublisher, value: Any) -> int:
+    def update(self, weights: Any, value: Any) -> int:
         """Copy the weights (the policy's own, when ``value`` is None) into the served policy; returns the
         new version."""
         if value is None:
@@ -124,7 +121,7 @@ class PolicyServer:
         self.server.update_policy(_copy_in(weights))
 
     # ------------------------------------------------------------------ batches
-    def batches(self, engine: CollectionEngine) -> Iterator[TensorDictBase | None]:
+    def batches(self, engine: Any) -> Iterator[TensorDictBase | None]:
         if self.options.batched.yield_completed_trajectories:
             yield from self._trajectories(engine)
             return
@@ -141,7 +138,7 @@ class PolicyServer:
             engine.frames += batch.numel()
             yield from self._deliver(engine, batch)
 
-    def _trajectories(self, engine: CollectionEngine) -> Iterator[TensorDictBase | None]:
+    def _trajectories(self, engine: Any) -> Iterator[TensorDictBase | None]:
         while not engine.reached_total():
             while not self._complete:
                 self._split_trajectories(self._next_chunk(engine))
@@ -150,7 +147,7 @@ class PolicyServer:
             engine.frames += trajectory.numel()
             yield from self._deliver(engine, trajectory)
 
-    def _deliver(self, engine: CollectionEngine, batch: TensorDictBase) -> Iterator[TensorDictBase | None]:
+    def _deliver(self, engine: Any, batch: TensorDictBase) -> Iterator[TensorDictBase | None]:
         """Post-processed here, where the batch is assembled: ``postproc``, then the post-collect hook."""
         buffer = engine.config.replay_buffer
         batch = engine.output.postprocess(batch)
@@ -163,7 +160,7 @@ class PolicyServer:
         else:
             yield batch
 
-    def _take_frames(self, engine: CollectionEngine, wanted: int) -> TensorDictBase:
+    def _take_frames(self, engine: Any, wanted: int) -> TensorDictBase:
         """Exactly ``wanted`` frames, in order of arrival; what is left over opens the next batch."""
         while self._carried < wanted:
             chunk = self._next_chunk(engine)
@@ -178,7 +175,7 @@ class PolicyServer:
             batch = batch[:wanted]
         return batch
 
-    def _next_chunk(self, engine: CollectionEngine) -> TensorDictBase:
+    def _next_chunk(self, engine: Any) -> TensorDictBase:
         """The frames of the first worker ready (as a flat private copy); that worker goes on at once.
         Chunks a loaded checkpoint holds (collected before it, not delivered yet) come first."""
         loop = engine.loop
@@ -228,7 +225,7 @@ class PolicyServer:
             extra["served_policy"] = self.server.policy_state_dict()
         return extra
 
-    def restore(self, section: dict, weights: WeightPublisher) -> None:
+    def restore(self, section: dict, weights: Any) -> None:
         self._carry = collections.deque(unpack(section["carry"]))
         self._carried = sum(chunk.numel() for chunk in self._carry)
         self._partial = unpack(section["partial"])

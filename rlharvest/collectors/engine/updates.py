@@ -7,7 +7,7 @@ meanwhile is replaced, starting with the new weights), the automatic pushes of i
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensordict import TensorDictBase
 
@@ -15,8 +15,6 @@ from ..._utils import resolve_attr_path
 from ...errors import WorkerError
 from .running import PushedRun
 
-if TYPE_CHECKING:
-    from .engine import CollectionEngine
 
 __all__ = ["WeightUpdates"]
 
@@ -31,7 +29,7 @@ class WeightUpdates:
     policy_device = None
     policy_lock = None
 
-    def __init__(self, engine: CollectionEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         #: ``update_policy_weights_()`` without weights and without a policy: a factory's policy
         self.fallback_policy: Any = None
