@@ -54,7 +54,7 @@ class WeightUpdates:
         (restarts on) and starts with them (docs/restarts.md)."""
         if self.engine.traits.states_only_while_idle:
             raise NotImplementedError(f"{self.engine.name} pushes weights every update_interval batches by itself.")
-        self.updating_weights(lambda: self.engine.weights.update(value, policy_or_weights, worker_ids, model_id,
+        self.updating(lambda: self.engine.weights.update(value, policy_or_weights, worker_ids, model_id,
                                                           weights_dict))
         targets = self.engine.active_workers if worker_ids is None else (
             [worker_ids] if isinstance(worker_ids, int) else worker_ids)
@@ -69,7 +69,7 @@ class WeightUpdates:
         an update that meets a failed worker counts as done for the survivors, and the receiver replaces
         that worker (it meets the failure too), starting it with these weights and this version.
         """
-        pushed = self.background.free_run if isinstance(self.background.free_run, PushedRun) else None
+        pushed = self.engine.background.free_run if isinstance(self.engine.background.free_run, PushedRun) else None
         with pushed.lock if pushed is not None else contextlib.nullcontext():
             try:
                 update()
