@@ -245,16 +245,15 @@ def _veth_collector_class(target=None):
 
     @dataclasses.dataclass(frozen=True)
     class VethOptions(TorchDistOptions):
-        def build_backend(self, count):
-            return TorchDistBackend(count, target or node_in_host_b, self.network, launcher="mp", backend=self.backend)
+        def build_backend(self):
+            return TorchDistBackend(self.num_workers, target or node_in_host_b, self.network, launcher="mp",
+                                    backend=self.backend)
 
     class VethCollector(DistributedCollector):
-        def _parse(self, arguments):
-            options = super()._parse(arguments)
-            fields = {f.name: getattr(options.network, f.name) for f in dataclasses.fields(options.network)}
-            network = VethNetwork(**{**fields, "advertised_host": arguments["bind_address"]})
+        def _build(self, options):
+            network = VethNetwork(**{**vars(options.network), "advertised_host": options.network.bind_host})
             values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-            return VethOptions(**{**values, "network": network})
+            super()._build(VethOptions(**{**values, "network": network}))
 
     return VethCollector
 
