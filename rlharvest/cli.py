@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from .collectors.distributed.node import read_authkey_file
+    from .collectors.distributed._joins import read_key_file
     from .transport.channel import parse_authkey
     from .transport.torchdist_join import JoinRefused
     from .worker.nodes import join_main
@@ -116,7 +116,7 @@ def _node(args: argparse.Namespace) -> int:
         print(f"rlharvest node: error: --join must be HOST:PORT, got {args.join!r}", file=sys.stderr)
         return 2
     try:
-        key = parse_authkey(read_authkey_file(args.key_file), "--key-file")
+        key = parse_authkey(read_key_file(args.key_file, "--key-file"), "--key-file")
     except (OSError, ValueError) as err:  # PermissionError (mode) is an OSError
         print(f"rlharvest node: error: {err}", file=sys.stderr)
         return 2

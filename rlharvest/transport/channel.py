@@ -1,16 +1,21 @@
 """Authenticated TCP channels between the main process and its nodes (see docs/security.md).
 
 The command channel of a node and the weight channel of the distributed weight-sync scheme are both
-made here. Opening one is a mutual challenge over a key both ends got out of band:
+made here. Opening one is a mutual challenge over a key both ends got out of band (or derived from
+one: :func:`derive_key`):
 
-1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce and an HMAC
-of both under the key; 3. only if that is right does the listener send its own HMAC, which the peer
-checks. Nothing is unpickled before both proofs were checked, and each side keeps to a short
-``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence number
-and bytes under a per-direction session key derived from the key and both nonces. A stranger who
-relays a handshake it cannot complete itself (a tampered port in the rendezvous store, a squatted
-port) therefore cannot inject, replay or reorder a single message: its bytes fail the tag and the
-channel closes.
+1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce, the *id* of
+the key it holds (0: the collector's key; a node's rank: that node's slot key, :func:`slot_key`) and
+an HMAC of all three under that key; 3. only if that is right does the listener send its own HMAC,
+which the peer checks. Nothing is decoded before both proofs were checked, and each side keeps to a
+short ``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence
+number and bytes under a per-direction session key derived from the key, its id and both nonces. A
+stranger who relays a handshake it cannot complete itself (a squatted port) therefore cannot
+inject, replay or reorder a single message: its bytes fail the tag and the channel closes.
+
+The first message a listener receives (the peer's *hello*) is decoded as a tuple of plain values
+(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) go through the
+restricted unpickler of :mod:`.wire`.
 
 Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or receive
 fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
@@ -29,21 +34,25 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Union
 
 from .ports import PortInUseError
+from .wire import decode_hello, encode_hello, loads_from_node
 
-__all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "AuthenticationFailed", "Channel", "ChannelListener", "authenticate", "listen", "accept_channel", "open_channel",
-           "shutdown_connection"]
+__all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "derive_key", "slot_key", "AuthenticationFailed", "Channel",
+           "ChannelListener", "Keys", "authenticate", "listen", "accept_channel", "open_channel", "shutdown_connection"]
 
 logger = logging.getLogger("rlharvest")
 
 #: environment variable holding the collector's key (hex) for nodes started by hand
 AUTHKEY_ENV = "RLHARVEST_AUTHKEY"
 _MIN_KEY_BYTES = 16
-_MAGIC = b"rlharvest-channel-1\0"
+_MAGIC = b"rlharvest-channel-2\0"
 _NONCE = 32
 _TAG = 32
+_KEY_ID = 8
+#: the keys a listener accepts: ``key id -> key``, or None for an id it does not know
+Keys = Union[bytes, Callable[[int], Union[bytes, None]]]
 
 
 class AuthenticationFailed(ConnectionError):
@@ -80,8 +89,26 @@ def parse_authkey(value: bytes | str, name: str = "authkey") -> bytes:
     return bytes(value)
 
 
+def derive_key(key: bytes, label: str, *parts: bytes) -> bytes:
+    """A key for one purpose (``label``), derived from ``key`` and ``parts`` (e.g. a salt that
+    travels): HMAC-SHA256. Whoever holds ``key`` can derive it; from it, nobody can learn ``key``."""
+    return hmac.digest(key, b"rlharvest-" + label.encode() + b"\0" + b"\0".join(parts), "sha256")
+
+
+def slot_key(authkey: bytes, rank: int) -> bytes:
+    """The key of the node of rank ``rank`` (of every generation of it), derived from the collector's key:
+    nodes the collector starts itself get only theirs (docs/security.md, "The key")."""
+    return derive_key(authkey, "slot", rank.to_bytes(8, "big"))
+
+
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, label + b"\0" + b"".join(parts), "sha256")
+
+
+def _key_for(keys: Keys, key_id: int) -> bytes | None:
+    if isinstance(keys, (bytes, bytearray)):
+        return bytes(keys) if key_id == 0 else None
+    return keys(key_id)
 
 
 class Channel:
@@ -91,12 +118,16 @@ class Channel:
     ``recv``, ``send_bytes``, ``recv_bytes``, ``poll``, ``fileno`` and ``close``.
     """
 
-    def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes) -> None:
+    def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes, *, key_id: int = 0,
+                 loads: Callable[[bytes], Any] = pickle.loads) -> None:
         self._conn = conn
         self._send_key, self._recv_key = send_key, recv_key
         self._send_seq = self._recv_seq = 0
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        #: which key the connecting peer proved it holds (0: the collector's; a rank: that slot's)
+        self.key_id = key_id
+        self._loads = loads
 
     def send_bytes(self, data: bytes) -> None:
         with self._send_lock:
@@ -120,7 +151,12 @@ class Channel:
         self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> Any:
-        return pickle.loads(self.recv_bytes())  # authenticated bytes only (recv_bytes checked the tag)
+        # authenticated bytes only (recv_bytes checked the tag); from a node, through the allow-list
+        return self._loads(self.recv_bytes())
+
+    def send_hello(self, hello: tuple) -> None:
+        """The first message to a listener: plain values only (it never unpickles a hello)."""
+        self.send_bytes(encode_hello(hello))
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message (or the end of the connection) is there to read, waiting up to
@@ -186,22 +222,26 @@ def _connection(sock: socket.socket, user_timeout: float) -> mpc.Connection:
     return mpc.Connection(sock.detach())
 
 
-def _server_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+def _server_side(conn: mpc.Connection, keys: Keys) -> Channel:
     """The listener checks the peer's proof before giving its own (it is no oracle for strangers)."""
     server_nonce = os.urandom(_NONCE)
     conn.send_bytes(_MAGIC + server_nonce)
-    reply = conn.recv_bytes(_NONCE + _TAG)
-    if len(reply) != _NONCE + _TAG:
+    reply = conn.recv_bytes(_NONCE + _KEY_ID + _TAG)
+    if len(reply) != _NONCE + _KEY_ID + _TAG:
         raise AuthenticationFailed("malformed handshake")
-    client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
-    if not hmac.compare_digest(proof, _mac(authkey, b"client", server_nonce, client_nonce)):
+    client_nonce, key_id, proof = reply[:_NONCE], reply[_NONCE:_NONCE + _KEY_ID], reply[_NONCE + _KEY_ID:]
+    key = _key_for(keys, int.from_bytes(key_id, "big", signed=True))
+    if key is None:
+        raise AuthenticationFailed("a key this listener does not take")
+    if not hmac.compare_digest(proof, _mac(key, b"client", server_nonce, client_nonce, key_id)):
         raise AuthenticationFailed("wrong key")
-    conn.send_bytes(_mac(authkey, b"server", server_nonce, client_nonce))
-    return Channel(conn, _mac(authkey, b"server->client", server_nonce, client_nonce),
-                   _mac(authkey, b"client->server", server_nonce, client_nonce))
+    conn.send_bytes(_mac(key, b"server", server_nonce, client_nonce, key_id))
+    return Channel(conn, _mac(key, b"server->client", server_nonce, client_nonce, key_id),
+                   _mac(key, b"client->server", server_nonce, client_nonce, key_id),
+                   key_id=int.from_bytes(key_id, "big", signed=True), loads=loads_from_node)
 
 
-def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+def _client_side(conn: mpc.Connection, authkey: bytes, key_id: int) -> Channel:
     """The connecting peer proves, then requires the listener's proof before it reads anything else."""
     try:
         greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
@@ -210,26 +250,30 @@ def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
     if len(greeting) != len(_MAGIC) + _NONCE or not greeting.startswith(_MAGIC):
         raise AuthenticationFailed("the listener does not speak the rlharvest channel protocol")
     server_nonce, client_nonce = greeting[len(_MAGIC):], os.urandom(_NONCE)
-    conn.send_bytes(client_nonce + _mac(authkey, b"client", server_nonce, client_nonce))
+    ident = key_id.to_bytes(_KEY_ID, "big", signed=True)
+    conn.send_bytes(client_nonce + ident + _mac(authkey, b"client", server_nonce, client_nonce, ident))
     proof = conn.recv_bytes(_TAG)
-    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce)):
+    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce, ident)):
         raise AuthenticationFailed("the listener did not prove it holds the key")
-    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce),
-                   _mac(authkey, b"server->client", server_nonce, client_nonce))
+    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce, ident),
+                   _mac(authkey, b"server->client", server_nonce, client_nonce, ident), key_id=key_id)
 
 
-def authenticate(conn: mpc.Connection, authkey: bytes, timeout: float, *, listener: bool,
-                 hello: bool = False) -> tuple[Channel, Any]:
+def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listener: bool,
+                 hello: bool = False, key_id: int = 0) -> tuple[Channel, Any]:
     """Run one side of the handshake within ``timeout`` seconds (and, on the listener's side with
-    ``hello``, receive the peer's first message too). Returns ``(channel, hello or None)``.
+    ``hello``, receive the peer's hello too, decoded as plain values). Returns ``(channel, hello or None)``.
+
+    ``authkey``: the key (and ``key_id`` its id) a connecting peer proves it holds; for a listener,
+    the keys it takes (bytes: the key of id 0; or a function of the id).
 
     Raises:
         AuthenticationFailed: wrong key, garbage, silence or a closed connection; ``conn`` is closed.
     """
     watchdog = _Watchdog(conn, timeout)
     try:
-        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey)
-        first = channel.recv() if hello else None  # the peer proved it holds the key
+        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey, key_id)
+        first = decode_hello(channel.recv_bytes()) if hello else None  # the peer proved it holds the key
     except Exception as err:
         watchdog.stop()
         conn.close()
@@ -260,7 +304,7 @@ def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
     raise PortInUseError(f"ports {port}..{port + attempts - 1} are all in use.")
 
 
-def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float,
+def accept_channel(server: socket.socket, authkey: Keys, timeout: float, user_timeout: float,
                    handshake_timeout: float = 5.0) -> Channel | None:
     """Accept one connection and authenticate it (None when nobody connected within ``timeout``).
 
@@ -276,8 +320,9 @@ def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_t
 
 
 def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float,
-                 handshake_timeout: float = 5.0) -> Channel:
-    """Connect to a :class:`ChannelListener` (retrying until ``timeout``) and authenticate.
+                 handshake_timeout: float = 5.0, key_id: int = 0) -> Channel:
+    """Connect to a :class:`ChannelListener` (retrying until ``timeout``) and authenticate with
+    ``authkey``, whose id is ``key_id``.
 
     Raises:
         AuthenticationFailed: the listener is not one holding ``authkey``; it is refused before
@@ -287,7 +332,8 @@ def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_time
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False)[0]
+            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False,
+                                key_id=key_id)[0]
         except _NoGreeting as err:  # a listener busy with strangers closes newcomers at once: try again
             if time.monotonic() > deadline:
                 raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
@@ -308,17 +354,45 @@ def shutdown_connection(conn) -> None:
         pass
 
 
+class _DropLog:
+    """Warnings about dropped connections, at most ``burst`` per ``window`` seconds; the rest are
+    counted and reported in one line when the next window opens (a stranger reconnecting in a loop
+    must not flood the log)."""
+
+    def __init__(self, burst: int = 5, window: float = 10.0) -> None:
+        self.burst, self.window = burst, window
+        self._start, self._logged, self._held = -math.inf, 0, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start >= self.window:
+                if self._held:
+                    logger.warning("rlharvest: %d more dropped connections were not logged in the last %g s",
+                                   self._held, self.window)
+                self._start, self._logged, self._held = now, 0, 0
+            if self._logged >= self.burst:
+                self._held += 1
+                return
+            self._logged += 1
+        logger.warning(message, *args)
+
+
 class ChannelListener:
     """Accepts authenticated channels on ``sock`` until closed; strangers are dropped, never fatal.
 
     Every accepted connection is authenticated in its own thread (so a silent peer delays nobody),
     must complete the handshake and send its hello within ``handshake_timeout`` seconds, and is
-    otherwise closed and logged at WARNING on the ``rlharvest`` logger. :meth:`next` hands out
+    otherwise closed and logged at WARNING on the ``rlharvest`` logger (at most 5 such lines per
+    10 s, then a count). At most :attr:`MAX_PENDING` handshakes run at once, and at most
+    :attr:`MAX_PER_SOURCE` from one address: a connection beyond either is closed at once, so a
+    flood costs this process a bounded number of descriptors and threads. :meth:`next` hands out
     ``(channel, hello, peer)`` for authenticated peers; the caller checks who they claim to be.
 
     Args:
         sock: a listening socket (see :func:`listen`); the listener owns it from now on.
-        authkey: the key peers must prove they hold.
+        authkey: the keys peers may prove they hold (see :func:`authenticate`).
         what: how warnings name this port (``"command"``, ``"weight"``).
         handshake_timeout: seconds a peer has for the handshake and its hello.
         user_timeout: TCP user timeout of accepted channels.
@@ -326,14 +400,18 @@ class ChannelListener:
 
     #: handshakes in progress at once; beyond that, new connections are closed at once
     MAX_PENDING = 32
+    #: handshakes in progress at once from one address (a stranger elsewhere cannot hold them all)
+    MAX_PER_SOURCE = 8
 
-    def __init__(self, sock: socket.socket, authkey: bytes, what: str, handshake_timeout: float,
+    def __init__(self, sock: socket.socket, authkey: Keys, what: str, handshake_timeout: float,
                  user_timeout: float) -> None:
         self.sock, self.authkey, self.what = sock, authkey, what
         self.handshake_timeout, self.user_timeout = handshake_timeout, user_timeout
         self.port = sock.getsockname()[1]
         self._ready: queue.Queue = queue.Queue()
-        self._slots = threading.BoundedSemaphore(self.MAX_PENDING)
+        self._pending: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._log = _DropLog()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name=f"rlharvest-{what}-listener", daemon=True)
         self._thread.start()
@@ -341,21 +419,37 @@ class ChannelListener:
     def drop(self, peer, reason: str) -> None:
         """Log that a peer was dropped (also used by callers rejecting an authenticated hello)."""
         where = f"{peer[0]}:{peer[1]}" if peer else "a peer"
-        logger.warning("rlharvest: dropped a connection from %s to the %s port %d: %s", where, self.what,
-                       self.port, reason)
+        self._log("rlharvest: dropped a connection from %s to the %s port %d: %s", where, self.what, self.port, reason)
+
+    def _admit(self, source: str) -> str | None:
+        """Take a handshake slot for ``source``; why not, when both caps leave none."""
+        with self._lock:
+            if sum(self._pending.values()) >= self.MAX_PENDING:
+                return f"{self.MAX_PENDING} handshakes already in progress"
+            if self._pending.get(source, 0) >= self.MAX_PER_SOURCE:
+                return f"{self.MAX_PER_SOURCE} handshakes from {source} already in progress"
+            self._pending[source] = self._pending.get(source, 0) + 1
+        return None
+
+    def _release(self, source: str) -> None:
+        with self._lock:
+            left = self._pending.pop(source) - 1
+            if left:
+                self._pending[source] = left
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
                 sock, peer = self.sock.accept()
-            except OSError:  # closed (shutdown wakes accept) or a transient error
+            except OSError:  # closed (shutdown wakes accept) or a transient error (EMFILE: try again)
                 if self._closed.is_set():
                     return
                 time.sleep(0.05)
                 continue
-            if not self._slots.acquire(blocking=False):
+            refused = self._admit(peer[0])
+            if refused is not None:
                 sock.close()
-                self.drop(peer, f"{self.MAX_PENDING} handshakes already in progress")
+                self.drop(peer, refused)
                 continue
             threading.Thread(target=self._handshake, args=(sock, peer), name="rlharvest-handshake",
                              daemon=True).start()
@@ -373,7 +467,7 @@ class ChannelListener:
             self.drop(peer, str(err))
             return
         finally:
-            self._slots.release()
+            self._release(peer[0])
         if self._closed.is_set():
             channel.close()
             return

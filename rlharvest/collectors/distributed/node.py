@@ -13,22 +13,19 @@ taking the key itself: a command line is visible to every user of the machine.
 from __future__ import annotations
 
 import argparse
-import os
 
 from ...transport.channel import AUTHKEY_ENV
 from ...worker.nodes import node_main
+from ._joins import read_key_file
 
 
 def read_authkey_file(path: str) -> str:
-    """The hex key in ``path``.
+    """The hex key in ``path`` (``--authkey-file``), checked as :func:`._joins.read_key_file` does.
 
     Raises:
-        PermissionError: when other users may read the file.
+        PermissionError: when other users may read or replace the file.
     """
-    if os.stat(path).st_mode & 0o077:
-        raise PermissionError(f"--authkey-file {path!r} is readable by other users: chmod 600 it.")
-    with open(path) as handle:
-        return handle.read().strip()
+    return read_key_file(path, "--authkey-file")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,8 +174,8 @@ class NodeCollector(RemoteCollectorBase):
             for model_id, scheme in self._sender_schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self, num_workers=count)
             if joining:
-                self._backend.open_joins()
                 self._join_key = JoinKey(self._net.authkey)
+                self._backend.open_joins(join_argv(self._net.advertised_host, self._net.tcp_port, self._join_key.path))
             self._start_fleet([self._node_spec(node) for node in range(count)], self._worker_timeout,
                               wait=self._wait_until_built, deferred=joining)
         except BaseException:  # the fleet stopped what it started
@@ -205,7 +205,7 @@ class NodeCollector(RemoteCollectorBase):
     def join_command(self) -> list[str]:
         """The argv of a node that joins this collector from any host (``launcher="external"``).
 
-        ``["python", "-m", "rlharvest", "node", "--join", "HOST:PORT", "--key-file", PATH]``: PATH is a
+        ``[sys.executable, "-m", "rlharvest", "node", "--join", "HOST:PORT", "--key-file", PATH]``: PATH is a
         file (mode 0600) holding this collector's key, written at construction and removed at
         shutdown; copy it to the node's host (same path, or change the argument), never onto a
         command line. A node that joins takes the first empty slot (docs/elastic.md).

@@ -263,22 +263,24 @@ def test_node_weight_reader_thread_stops_when_closed():
 
     from rlharvest.transport.ports import free_port_block
     from rlharvest.transport.channel import accept_channel, listen
-    from rlharvest.transport.torchdist_weights import DistWeightReceiver
+    from rlharvest.transport.torchdist_relay import weight_key
+    from rlharvest.transport.torchdist_weights import DistWeightReceiver, NodeGroupLinks
+    from rlharvest.transport.wire import decode_hello
 
     server = listen("127.0.0.1", free_port_block(1))
-    authkey = secrets.token_bytes(16)
+    slot, salt = secrets.token_bytes(32), secrets.token_bytes(16)
     sender: dict = {}
 
     def serve() -> None:  # the main process's side of the weight channel, reduced to its handshake
-        conn = accept_channel(server, authkey, 10.0, 10.0)
-        sender["hello"] = conn.recv()
+        conn = accept_channel(server, lambda key_id: weight_key(slot, salt) if key_id == 1 else None, 10.0, 10.0)
+        sender["hello"] = decode_hello(conn.recv_bytes())
         conn.send(("init", None, None))
         sender["conn"] = conn
 
     thread = threading.Thread(target=serve)
     thread.start()
-    receiver = DistWeightReceiver({"host": "127.0.0.1", "port": server.getsockname()[1], "authkey": authkey.hex()},
-                                  worker_idx=0)
+    receiver = DistWeightReceiver({"host": "127.0.0.1", "port": server.getsockname()[1], "salt": salt.hex()},
+                                  worker_idx=0, links=NodeGroupLinks(None, key=slot, rank=1))
     try:
         assert receiver.connect(10.0) is None
         thread.join(10)
