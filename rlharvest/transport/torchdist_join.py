@@ -202,7 +202,7 @@ class JoinService:
                 generation = self._generations[index] = self._generations.get(index, -1) + 1
         if not free:
             self._forming.release()
-            self._refuse(channel, peer, who, "every slot of the collector is taken")
+            self._refuse(channel, peer, who, "every slot is taken")
             return
         node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
         threading.Thread(target=self._join, args=(channel, peer, who, index, generation, node),

@@ -180,11 +180,11 @@ def test_two_hosts_happy_path(require_netns, tmp_path):
         assert started["advertised"] == a.ip
         check_batches(lines, 6)
         lines.until("holding", timeout=30)
-        # the node talks to A's veth address only, from B's: store (P), commands (P+1), weights (P+2), gloo
+        # the node talks to A's veth address only, from B's: commands (P), weights (P+2), gloo
         conns = node_connections(b, node.pid)
         assert conns, "the node has no established connection"
         assert {(local, peer) for local, peer, _ in conns} == {(b.ip, a.ip)}, conns
-        assert {PORT, PORT + 1, PORT + 2} <= {port for _, _, port in conns}, conns
+        assert {PORT, PORT + 2} <= {port for _, _, port in conns}, conns
         main.stdin.write("go\n")
         main.stdin.flush()
         lines.until("shutdown", timeout=30)
@@ -232,7 +232,7 @@ def test_a_node_on_host_b_joins_with_the_join_command_and_leaves_on_sigterm(requ
                            stdout=subprocess.PIPE, stderr=main_err, text=True)
         lines = Lines(main)
         argv = lines.until("join", timeout=90)["argv"]
-        assert argv[:6] == ["python", "-m", "rlharvest", "node", "--join", f"{a.ip}:{PORT}"], argv
+        assert argv[1:6] == ["-m", "rlharvest", "node", "--join", f"{a.ip}:{PORT}"], argv
         nodes = []
         for host in (a, b):
             with open(tmp_path / f"node-{host.ns}.log", "w") as log:
@@ -240,7 +240,7 @@ def test_a_node_on_host_b_joins_with_the_join_command_and_leaves_on_sigterm(requ
         lines.until("sigterm-me", timeout=180)
         conns = node_connections(b, nodes[1].pid)
         assert {(local, peer) for local, peer, _ in conns} == {(b.ip, a.ip)}, conns
-        assert {PORT, PORT + 1, PORT + 2} <= {port for _, _, port in conns}, conns
+        assert {PORT, PORT + 2} <= {port for _, _, port in conns}, conns
         nodes[1].send_signal(signal.SIGTERM)
         left = lines.until("left", timeout=90)
         assert (left["preemptions"], left["restarts"], left["workers"]) == (1, 0, 1), left
