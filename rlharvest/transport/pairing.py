@@ -15,6 +15,12 @@ the next node's address first and become the main process's peer. So no group is
    on the other end of the group can: a hijacked group fails the proof and is dropped before any
    batch or weight crosses it (:func:`form_pair` raises; the caller drops the node).
 
+3. **The group's port closes.** gloo keeps its listening socket for the group's whole life and
+   keeps every connection made to it, even one its peer closed (torch 2.13): any local user could
+   exhaust the process's descriptors through it. A pair needs it only until it is connected, so
+   once the pair proved itself its listening socket is swapped for one nobody reaches
+   (:func:`retire_listener`); the group keeps working over its connected sockets.
+
 Forming a group has a deadline (``timeout``, the rendezvous timeout) separate from the group's
 operation timeout (``op_timeout``), set once the pair has proved itself.
 """
@@ -24,6 +30,8 @@ from __future__ import annotations
 import datetime
 import hmac
 import os
+import socket
+import stat
 import struct
 import time
 from typing import Any
@@ -34,7 +42,7 @@ import torch.distributed as dist
 from .channel import Channel
 
 __all__ = ["ChannelStore", "PairingFailed", "PAIR_TAG", "distributed_state_exists", "form_pair", "make_process_group",
-           "mark_distributed_state"]
+           "mark_distributed_state", "retire_listener"]
 
 #: the tag of the proof's random bytes on the group (batches and weights use 11 and 12)
 PAIR_TAG = 13
@@ -73,6 +81,8 @@ class ChannelStore(dist.Store):
         super().__init__()
         self.channel, self.deadline = channel, deadline
         self._data: dict[str, bytes] = {}
+        #: what this rank wrote (gloo's own addresses: where its listening socket is)
+        self.written = b""
         self._peer_formed = False
         self._closed = False
 
@@ -81,6 +91,7 @@ class ChannelStore(dist.Store):
         self._check_open()
         value = value.encode() if isinstance(value, str) else bytes(value)
         self._data[key] = value
+        self.written += value
         raw = key.encode()
         self.channel.send_bytes(_SET + _KEY.pack(len(raw)) + raw + value)
 
@@ -196,6 +207,45 @@ def _prove(group, store: ChannelStore, key: bytes, rank: int, backend: str, dead
         raise PairingFailed("the peer of this group is not the node on the channel (a stranger took its place)")
 
 
+def _listening_sockets() -> dict[int, tuple[str, int]]:
+    """``fd -> (address, port)`` of this process's listening IPv4 sockets."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family == socket.AF_INET and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    found[fd] = sock.getsockname()
+        except OSError:  # closed meanwhile, or not a socket we can look at
+            continue
+    return found
+
+
+def retire_listener(written: bytes) -> int:
+    """Close the listening socket of the gloo group whose addresses this rank ``written`` into its
+    store: its descriptor is made to point at a listening Unix socket with an empty backlog that
+    gloo no longer polls (a later ``accept`` finds nothing), so the port refuses connections and the
+    group, already connected, keeps working; gloo closes the descriptor with the group. Returns
+    how many sockets were retired (0 when none matched: the group then keeps its port)."""
+    retired = 0
+    for fd, (host, port) in _listening_sockets().items():
+        sockaddr = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(host)
+        if sockaddr not in written:
+            continue
+        dummy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            dummy.bind("")  # an abstract name of the kernel's choosing
+            dummy.listen(0)
+            dummy.setblocking(False)  # as gloo's own: accept() says EAGAIN instead of waiting
+            os.dup2(dummy.fileno(), fd, inheritable=False)
+            retired += 1
+        finally:
+            dummy.close()
+    return retired
+
+
 def form_pair(channel: Channel, key: bytes, rank: int, backend: str, *, timeout: float, op_timeout: float,
               device_host: str | None = None, make=make_process_group) -> tuple[Any, ChannelStore]:
     """Rank ``rank``'s side (0: the main process, 1: the node) of the pair group over ``channel``.
@@ -220,4 +270,6 @@ def form_pair(channel: Channel, key: bytes, rank: int, backend: str, *, timeout:
     set_timeout = getattr(group, "_set_default_timeout", None)
     if set_timeout is not None:
         set_timeout(datetime.timedelta(seconds=op_timeout))
+    if backend == "gloo":
+        retire_listener(store.written)
     return group, store

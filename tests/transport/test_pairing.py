@@ -54,8 +54,10 @@ def _both(main_side, node_side) -> tuple[list, list]:
     return results
 
 
-def test_a_pair_forms_over_its_channel_and_carries_tensors(channels):
+def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(channels):
+    """Once connected, neither side's gloo port takes connections (gloo would keep each one forever)."""
     main, node, key = channels
+    before = set(pairing._listening_sockets().values())
     (main_pair,), (node_pair,) = _both(
         lambda: form_pair(main, key, 0, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"),
         lambda: form_pair(node, key, 1, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"))
@@ -65,6 +67,7 @@ def test_a_pair_forms_over_its_channel_and_carries_tensors(channels):
     for work in works:
         work.wait(datetime.timedelta(seconds=10))
     assert torch.equal(sent, got)
+    assert set(pairing._listening_sockets().values()) <= before
     main.send(("after", 1))  # the channel holds nothing of the pairing any more
     assert node.recv() == ("after", 1)
 

@@ -8,6 +8,7 @@ can run. Everything it sends goes to 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -144,3 +145,57 @@ def test_a_stranger_registered_for_a_replacement_does_not_pair_with_the_learner(
         collector.shutdown()
     stranger.join()
     assert stranger.outcome != "paired", "a stranger on the store became the replacement's group"
+
+
+def learner_fds() -> int:
+    return psutil.Process().num_fds()
+
+
+def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
+    """Idle connections, connect-and-close loops and 7 MiB of garbage on every port the learner
+    listens on while a node collects (the command port of nodes that join, open for the collector's
+    life; gloo's ports close once their pair formed): the learner's descriptors and memory stay
+    bounded, and the batches keep coming."""
+    collector = DistributedCollector([counting_env], weight_policy(1.0), launcher="external", tcp_port=0,
+                                     bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True)
+    clients: list[socket.socket] = []
+    try:
+        start_node(collector.join_command(), nodes)
+        batches = iter(collector)
+        next(batches)
+        me = psutil.Process()
+        ports = sorted({c.laddr.port for c in me.net_connections("inet") if c.status == "LISTEN"})
+        assert ports == [int(collector.tcp_port)], ports  # gloo's ports closed after pairing
+        fds, rss = learner_fds(), me.memory_info().rss
+        blob = os.urandom(7 << 20)
+        for port in ports:
+            for _ in range(300):
+                with_timeout = socket.socket()
+                with_timeout.settimeout(0.5)
+                try:
+                    with_timeout.connect(("127.0.0.1", port))
+                except OSError:
+                    with_timeout.close()
+                    continue
+                clients.append(with_timeout)
+            for _ in range(300):  # connect and close: a listener that kept these would leak them
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    pass
+            for _ in range(20):
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                    sock.settimeout(1.0)
+                    sock.sendall(blob)
+        mine = len(clients)
+        assert next(batches).shape == (1, 8)
+        # the learner's own descriptors (beyond the test's client sockets): at most the handshakes in flight
+        assert learner_fds() - mine - fds <= 40, (learner_fds(), mine, fds)
+        assert me.memory_info().rss - rss < 64 << 20
+        for sock in clients:
+            sock.close()
+        clients.clear()
+        wait_until(lambda: learner_fds() <= fds + 10, 30.0, "the learner's descriptors to come back")
+        assert next(batches).shape == (1, 8)
+    finally:
+        for sock in clients:
+            sock.close()
+        collector.shutdown()
