@@ -283,3 +283,15 @@ def test_a_key_file_others_could_read_or_replace_is_refused(tmp_path):
     (shared / "key").chmod(0o600)
     with pytest.raises(PermissionError, match="in a folder other users may write"):
         read_key_file(str(shared / "key"))
+
+
+@pytest.mark.parametrize("ending", ["an exception", "sys.exit(3)"])
+def test_the_join_key_file_is_removed_however_the_process_ends(ending):
+    """The key file of a collector whose process ends without shutting it down (a crash, an exit)."""
+    script = ("import sys\nfrom rlharvest.collectors.distributed._joins import JoinKey\n"
+              "key = JoinKey(bytes(32))\nprint(key.path, flush=True)\n"
+              + ("raise RuntimeError('crash')\n" if ending == "an exception" else "sys.exit(3)\n"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    path = out.stdout.strip()
+    assert out.returncode != 0 and path.endswith("authkey"), out.stderr
+    assert not os.path.exists(os.path.dirname(path))
