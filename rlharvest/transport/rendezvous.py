@@ -38,7 +38,8 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from .channel import Channel, ChannelListener, listen, slot_key
+from .channel import Channel, listen, slot_key
+from .listener import ChannelListener
 from .pairing import (PairingFailed, distributed_state_exists, form_pair, make_process_group,
                       mark_distributed_state)
 from .ports import PortInUseError, port_is_free

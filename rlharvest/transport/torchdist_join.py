@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import WorkerTimeoutError
@@ -249,7 +249,7 @@ class Seat:
     heartbeat_interval: float
     store: Any
     payload: bytes
-    key: bytes
+    key: bytes = field(repr=False)
 
 
 def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,

@@ -49,7 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .channel import AuthenticationFailed, ChannelListener, derive_key, listen, open_channel
+from .channel import AuthenticationFailed, derive_key, listen, open_channel
+from .listener import ChannelListener
 
 __all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Stream", "chunk_bytes", "chunk_digests", "relay_port_key",
            "weight_key", "wrap_key", "unwrap_key", "Links", "RelayPort", "Forwarder", "receive", "local_address"]

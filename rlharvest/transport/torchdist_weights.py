@@ -38,7 +38,8 @@ from tensordict import TensorDictBase
 from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightSender, receive_from
-from .channel import ChannelListener, listen, slot_key
+from .channel import listen, slot_key
+from .listener import ChannelListener
 from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from rlharvest.transport import pairing
-from rlharvest.transport.channel import ChannelListener, listen, new_authkey, open_channel
+from rlharvest.transport.channel import listen, new_authkey, open_channel
+from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.pairing import PAIR_TAG, ChannelStore, PairingFailed, form_pair
 
 pytestmark = pytest.mark.timeout(90)
