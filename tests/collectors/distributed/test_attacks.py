@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -199,3 +200,59 @@ def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
         for sock in clients:
             sock.close()
         collector.shutdown()
+
+
+EVIL_NODE = """
+import os, sys
+from rlharvest.protocol import READY, Reply
+from rlharvest.transport.torchdist_join import join_collector
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[3],))
+
+host, port = sys.argv[1].rsplit(":", 1)
+with open(sys.argv[2]) as key:
+    seat = join_collector(host, int(port), bytes.fromhex(key.read().strip()), timeout=60.0)
+seat.conn.send(Reply(READY, seat.index, value=Boom()))  # its "ready" reply: a pickle that runs a command
+seat.conn.recv_bytes()  # until the learner closes the channel
+"""
+
+
+def test_a_node_holding_the_key_gets_no_pickle_of_its_choosing_unpickled(nodes, tmp_path, caplog):
+    """A node that joined with the key file (in place of a node that died) sends, as its READY
+    reply, a pickle that would run a command in the learner: the learner refuses it, drops the node
+    (one more restart), and collects with the next node that joins."""
+    marker = tmp_path / "pwned"
+    collector = DistributedCollector([counting_env], weight_policy(1.0), launcher="external", tcp_port=0,
+                                     bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True,
+                                     max_worker_restarts=2)
+    argv = collector.join_command()
+    evil = [sys.executable, "-c", EVIL_NODE, argv[5], argv[7], str(marker)]
+    joiners = iter([evil, argv])  # after the first death the evil node joins, after the second a real one
+
+    class Restarts(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "restarting node" in record.getMessage():
+                command = next(joiners, None)
+                if command is not None:
+                    nodes.append(subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL))
+
+    handler = Restarts()
+    logging.getLogger("rlharvest.restarts").addHandler(handler)
+    try:
+        start_node(argv, nodes)
+        batches = iter(collector)
+        assert next(batches).shape == (1, 8)
+        nodes[0].kill()
+        with caplog.at_level(logging.WARNING, logger="rlharvest"):
+            for _ in range(3):
+                assert next(batches).shape == (1, 8)
+        stats = collector.stats()
+    finally:
+        logging.getLogger("rlharvest.restarts").removeHandler(handler)
+        collector.shutdown()
+    assert not marker.exists(), "a node made the learner run a command"
+    assert "is refused" in caplog.text and "system, which the main process does not unpickle" in caplog.text
+    assert stats["restarts"] == 2
