@@ -270,7 +270,8 @@ class Rendezvous:
         pending: set[int] = set()
         try:
             self._accept(ranks, alive, lambda rank, channel, peer: (pending.add(rank), pair(rank, channel, peer)),
-                         pending.__contains__, lambda: len(paired) == len(ranks), poll=take_results)
+                         pending.__contains__, lambda: len(paired) == len(ranks), poll=take_results,
+                         wait=lambda: 0.005 if len(pending) > len(paired) else 0.1)  # a pair forming: look often
         except BaseException:
             abandoned.set()
             take_results()
@@ -286,9 +287,11 @@ class Rendezvous:
         return _wait_in_thread(build, self.timeout, alive, f"forming the {self.backend} process group")
 
     def _accept(self, ranks: list[int], alive: Callable[[], None], take: Callable, taken: Callable[[int], bool],
-                done: Callable[[], bool], poll: Callable[[], None] = lambda: None) -> None:
+                done: Callable[[], bool], poll: Callable[[], None] = lambda: None,
+                wait: Callable[[], float] = lambda: 0.1) -> None:
         """Authenticated hellos of ranks in ``ranks`` not ``taken`` yet, handed to ``take(rank,
-        channel, peer)``, until ``done()``; then the command port closes."""
+        channel, peer)``, until ``done()`` (looked at every ``wait()`` seconds at least); then the
+        command port closes."""
         deadline = time.monotonic() + self.timeout
         while True:
             poll()
@@ -297,7 +300,7 @@ class Rendezvous:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every node of {ranks} connected within {self.timeout:g} s.")
             alive()
-            item = self.listener.next(0.1)
+            item = self.listener.next(wait())
             if item is None:
                 continue
             channel, hello, peer = item

@@ -1,12 +1,13 @@
 """Start a node by hand: ``python -m rlharvest.collectors.distributed.node --rank 1 --world-size 3 --host H --port P``.
 
 The main process must use ``launcher="submitit_delayed"`` (it then waits for nodes started
-elsewhere: by :func:`submitit_delayed_launcher`, by this command on another machine, ...).
+elsewhere: by :func:`submitit_delayed_launcher`, by this command on another machine, ...). ``P`` is
+the collector's ``tcp_port``: its command port (with mpi and ucc, its store).
 
 A :class:`~rlharvest.collectors.distributed.DistributedCollector` node proves to the main process
 that it holds the collector's key, and requires the same proof back, before it trusts anything it
 receives (docs/security.md). Give it the key (hex) in the ``RLHARVEST_AUTHKEY`` environment
-variable, or in a file only you can read (``--authkey-file``). There is deliberately no option
+variable, or in a file only you can read or replace (``--authkey-file``). There is deliberately no option
 taking the key itself: a command line is visible to every user of the machine.
 """
 
