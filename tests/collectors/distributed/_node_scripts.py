@@ -431,10 +431,12 @@ def host_copies_main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------- listening addresses of "mp" collectors
 def listening_addresses(pids: list[int]) -> dict:
+    """The local addresses of each process's listening and connected sockets (gloo's ports close
+    once their pair formed: its connections show where it runs)."""
     import psutil
 
-    return {str(pid): sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"})
-            for pid in pids}
+    return {str(pid): sorted({c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process(pid).net_connections("inet")
+                              if c.status in ("LISTEN", "ESTABLISHED")}) for pid in pids}
 
 
 def loopback_listeners() -> int:
