@@ -1,16 +1,21 @@
 """Authenticated TCP channels between the main process and its nodes (see docs/security.md).
 
 The command channel of a node and the weight channel of the distributed weight-sync scheme are both
-made here. Opening one is a mutual challenge over a key both ends got out of band:
+made here. Opening one is a mutual challenge over a key both ends got out of band (or derived from
+one: :func:`derive_key`):
 
-1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce and an HMAC
-of both under the key; 3. only if that is right does the listener send its own HMAC, which the peer
-checks. Nothing is unpickled before both proofs were checked, and each side keeps to a short
-``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence number
-and bytes under a per-direction session key derived from the key and both nonces. A stranger who
-relays a handshake it cannot complete itself (a tampered port in the rendezvous store, a squatted
-port) therefore cannot inject, replay or reorder a single message: its bytes fail the tag and the
-channel closes.
+1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce, the *id* of
+the key it holds (0: the collector's key; a node's rank: that node's slot key, :func:`slot_key`) and
+an HMAC of all three under that key; 3. only if that is right does the listener send its own HMAC,
+which the peer checks. Nothing is decoded before both proofs were checked, and each side keeps to a
+short ``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence
+number and bytes under a per-direction session key derived from the key, its id and both nonces. A
+stranger who relays a handshake it cannot complete itself (a squatted port) therefore cannot
+inject, replay or reorder a single message: its bytes fail the tag and the channel closes.
+
+The first message a listener receives (the peer's *hello*) is decoded as a tuple of plain values
+(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) go through the
+restricted unpickler of :mod:`.wire`.
 
 Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or receive
 fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
@@ -24,16 +29,17 @@ import math
 import multiprocessing.connection as mpc
 import os
 import pickle
-import queue
 import select
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Union
 
 from .ports import PortInUseError, not_this_host
+from .wire import decode_hello, encode_hello, loads_from_node
 
-__all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "AuthenticationFailed", "Channel", "ChannelListener", "authenticate", "listen", "accept_channel", "open_channel",
+__all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "derive_key", "slot_key", "AuthenticationFailed",
+           "RefusedMessage", "Channel", "Keys", "authenticate", "listen", "accept_channel", "open_channel",
            "shutdown_connection"]
 
 logger = logging.getLogger("rlharvest")
@@ -41,13 +47,21 @@ logger = logging.getLogger("rlharvest")
 #: environment variable holding the collector's key (hex) for nodes started by hand
 AUTHKEY_ENV = "RLHARVEST_AUTHKEY"
 _MIN_KEY_BYTES = 16
-_MAGIC = b"rlharvest-channel-1\0"
+_MAGIC = b"rlharvest-channel-2\0"
 _NONCE = 32
 _TAG = 32
+_KEY_ID = 8
+#: the keys a listener accepts: ``key id -> key``, or None for an id it does not know
+Keys = Union[bytes, Callable[[int], Union[bytes, None]]]
 
 
 class AuthenticationFailed(ConnectionError):
     """A peer did not complete the handshake (wrong key, garbage, silence) or sent a forged message."""
+
+
+class RefusedMessage(ConnectionError):
+    """A node sent a message the main process does not decode (a global outside the allow-list of
+    :mod:`.wire`): the channel is closed, as if the node had gone."""
 
 
 class _NoGreeting(AuthenticationFailed):
@@ -80,8 +94,26 @@ def parse_authkey(value: bytes | str, name: str = "authkey") -> bytes:
     return bytes(value)
 
 
+def derive_key(key: bytes, label: str, *parts: bytes) -> bytes:
+    """A key for one purpose (``label``), derived from ``key`` and ``parts`` (e.g. a salt that
+    travels): HMAC-SHA256. Whoever holds ``key`` can derive it; from it, nobody can learn ``key``."""
+    return hmac.digest(key, b"rlharvest-" + label.encode() + b"\0" + b"\0".join(parts), "sha256")
+
+
+def slot_key(authkey: bytes, rank: int) -> bytes:
+    """The key of the node of rank ``rank`` (of every generation of it), derived from the collector's key:
+    nodes the collector starts itself get only theirs (docs/security.md, "The key")."""
+    return derive_key(authkey, "slot", rank.to_bytes(8, "big"))
+
+
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, label + b"\0" + b"".join(parts), "sha256")
+
+
+def _key_for(keys: Keys, key_id: int) -> bytes | None:
+    if isinstance(keys, (bytes, bytearray)):
+        return bytes(keys) if key_id == 0 else None
+    return keys(key_id)
 
 
 class Channel:
@@ -91,12 +123,16 @@ class Channel:
     ``recv``, ``send_bytes``, ``recv_bytes``, ``poll``, ``fileno`` and ``close``.
     """
 
-    def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes) -> None:
+    def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes, *, key_id: int = 0,
+                 loads: Callable[[bytes], Any] = pickle.loads) -> None:
         self._conn = conn
         self._send_key, self._recv_key = send_key, recv_key
         self._send_seq = self._recv_seq = 0
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        #: which key the connecting peer proved it holds (0: the collector's; a rank: that slot's)
+        self.key_id = key_id
+        self._loads = loads
 
     def send_bytes(self, data: bytes) -> None:
         with self._send_lock:
@@ -120,7 +156,23 @@ class Channel:
         self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> Any:
-        return pickle.loads(self.recv_bytes())  # authenticated bytes only (recv_bytes checked the tag)
+        """The next message: authenticated bytes only (``recv_bytes`` checked the tag), and from a
+        node, through the allow-list of :mod:`.wire`.
+
+        Raises:
+            RefusedMessage: (an OSError) for a message outside the allow-list; the channel is closed.
+        """
+        data = self.recv_bytes()
+        try:
+            return self._loads(data)
+        except pickle.UnpicklingError as err:
+            self.close()
+            logger.warning("rlharvest: closed the channel of a peer whose message is refused: %s", err)
+            raise RefusedMessage(str(err)) from err
+
+    def send_hello(self, hello: tuple) -> None:
+        """The first message to a listener: plain values only (it never unpickles a hello)."""
+        self.send_bytes(encode_hello(hello))
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether a message (or the end of the connection) is there to read, waiting up to
@@ -186,22 +238,26 @@ def _connection(sock: socket.socket, user_timeout: float) -> mpc.Connection:
     return mpc.Connection(sock.detach())
 
 
-def _server_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+def _server_side(conn: mpc.Connection, keys: Keys) -> Channel:
     """The listener checks the peer's proof before giving its own (it is no oracle for strangers)."""
     server_nonce = os.urandom(_NONCE)
     conn.send_bytes(_MAGIC + server_nonce)
-    reply = conn.recv_bytes(_NONCE + _TAG)
-    if len(reply) != _NONCE + _TAG:
+    reply = conn.recv_bytes(_NONCE + _KEY_ID + _TAG)
+    if len(reply) != _NONCE + _KEY_ID + _TAG:
         raise AuthenticationFailed("malformed handshake")
-    client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
-    if not hmac.compare_digest(proof, _mac(authkey, b"client", server_nonce, client_nonce)):
+    client_nonce, key_id, proof = reply[:_NONCE], reply[_NONCE:_NONCE + _KEY_ID], reply[_NONCE + _KEY_ID:]
+    key = _key_for(keys, int.from_bytes(key_id, "big", signed=True))
+    if key is None:
+        raise AuthenticationFailed("a key this listener does not take")
+    if not hmac.compare_digest(proof, _mac(key, b"client", server_nonce, client_nonce, key_id)):
         raise AuthenticationFailed("wrong key")
-    conn.send_bytes(_mac(authkey, b"server", server_nonce, client_nonce))
-    return Channel(conn, _mac(authkey, b"server->client", server_nonce, client_nonce),
-                   _mac(authkey, b"client->server", server_nonce, client_nonce))
+    conn.send_bytes(_mac(key, b"server", server_nonce, client_nonce, key_id))
+    return Channel(conn, _mac(key, b"server->client", server_nonce, client_nonce, key_id),
+                   _mac(key, b"client->server", server_nonce, client_nonce, key_id),
+                   key_id=int.from_bytes(key_id, "big", signed=True), loads=loads_from_node)
 
 
-def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
+def _client_side(conn: mpc.Connection, authkey: bytes, key_id: int) -> Channel:
     """The connecting peer proves, then requires the listener's proof before it reads anything else."""
     try:
         greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
@@ -210,26 +266,30 @@ def _client_side(conn: mpc.Connection, authkey: bytes) -> Channel:
     if len(greeting) != len(_MAGIC) + _NONCE or not greeting.startswith(_MAGIC):
         raise AuthenticationFailed("the listener does not speak the rlharvest channel protocol")
     server_nonce, client_nonce = greeting[len(_MAGIC):], os.urandom(_NONCE)
-    conn.send_bytes(client_nonce + _mac(authkey, b"client", server_nonce, client_nonce))
+    ident = key_id.to_bytes(_KEY_ID, "big", signed=True)
+    conn.send_bytes(client_nonce + ident + _mac(authkey, b"client", server_nonce, client_nonce, ident))
     proof = conn.recv_bytes(_TAG)
-    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce)):
+    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce, ident)):
         raise AuthenticationFailed("the listener did not prove it holds the key")
-    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce),
-                   _mac(authkey, b"server->client", server_nonce, client_nonce))
+    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce, ident),
+                   _mac(authkey, b"server->client", server_nonce, client_nonce, ident), key_id=key_id)
 
 
-def authenticate(conn: mpc.Connection, authkey: bytes, timeout: float, *, listener: bool,
-                 hello: bool = False) -> tuple[Channel, Any]:
+def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listener: bool,
+                 hello: bool = False, key_id: int = 0) -> tuple[Channel, Any]:
     """Run one side of the handshake within ``timeout`` seconds (and, on the listener's side with
-    ``hello``, receive the peer's first message too). Returns ``(channel, hello or None)``.
+    ``hello``, receive the peer's hello too, decoded as plain values). Returns ``(channel, hello or None)``.
+
+    ``authkey``: the key (and ``key_id`` its id) a connecting peer proves it holds; for a listener,
+    the keys it takes (bytes: the key of id 0; or a function of the id).
 
     Raises:
         AuthenticationFailed: wrong key, garbage, silence or a closed connection; ``conn`` is closed.
     """
     watchdog = _Watchdog(conn, timeout)
     try:
-        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey)
-        first = channel.recv() if hello else None  # the peer proved it holds the key
+        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey, key_id)
+        first = decode_hello(channel.recv_bytes()) if hello else None  # the peer proved it holds the key
     except Exception as err:
         watchdog.stop()
         conn.close()
@@ -262,7 +322,7 @@ def listen(host: str, port: int, attempts: int = 10) -> socket.socket:
     raise PortInUseError(f"ports {port}..{port + attempts - 1} are all in use.")
 
 
-def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_timeout: float,
+def accept_channel(server: socket.socket, authkey: Keys, timeout: float, user_timeout: float,
                    handshake_timeout: float = 5.0) -> Channel | None:
     """Accept one connection and authenticate it (None when nobody connected within ``timeout``).
 
@@ -278,8 +338,9 @@ def accept_channel(server: socket.socket, authkey: bytes, timeout: float, user_t
 
 
 def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float,
-                 handshake_timeout: float = 5.0) -> Channel:
-    """Connect to a :class:`ChannelListener` (retrying until ``timeout``) and authenticate.
+                 handshake_timeout: float = 5.0, key_id: int = 0) -> Channel:
+    """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate with
+    ``authkey``, whose id is ``key_id``.
 
     Raises:
         AuthenticationFailed: the listener is not one holding ``authkey``; it is refused before
@@ -289,7 +350,8 @@ def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_time
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False)[0]
+            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False,
+                                key_id=key_id)[0]
         except _NoGreeting as err:  # a listener busy with strangers closes newcomers at once: try again
             if time.monotonic() > deadline:
                 raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
@@ -308,105 +370,3 @@ def shutdown_connection(conn) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:  # already closed or never connected
         pass
-
-
-class ChannelListener:
-    """Accepts authenticated channels on ``sock`` until closed; strangers are dropped, never fatal.
-
-    Every accepted connection is authenticated in its own thread (so a silent peer delays nobody),
-    must complete the handshake and send its hello within ``handshake_timeout`` seconds, and is
-    otherwise closed and logged at WARNING on the ``rlharvest`` logger. :meth:`next` hands out
-    ``(channel, hello, peer)`` for authenticated peers; the caller checks who they claim to be.
-
-    Args:
-        sock: a listening socket (see :func:`listen`); the listener owns it from now on.
-        authkey: the key peers must prove they hold.
-        what: how warnings name this port (``"command"``, ``"weight"``).
-        handshake_timeout: seconds a peer has for the handshake and its hello.
-        user_timeout: TCP user timeout of accepted channels.
-    """
-
-    #: handshakes in progress at once; beyond that, new connections are closed at once
-    MAX_PENDING = 32
-
-    def __init__(self, sock: socket.socket, authkey: bytes, what: str, handshake_timeout: float,
-                 user_timeout: float) -> None:
-        self.sock, self.authkey, self.what = sock, authkey, what
-        self.handshake_timeout, self.user_timeout = handshake_timeout, user_timeout
-        self.port = sock.getsockname()[1]
-        self._ready: queue.Queue = queue.Queue()
-        self._slots = threading.BoundedSemaphore(self.MAX_PENDING)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"rlharvest-{what}-listener", daemon=True)
-        self._thread.start()
-
-    def drop(self, peer, reason: str) -> None:
-        """Log that a peer was dropped (also used by callers rejecting an authenticated hello)."""
-        where = f"{peer[0]}:{peer[1]}" if peer else "a peer"
-        logger.warning("rlharvest: dropped a connection from %s to the %s port %d: %s", where, self.what,
-                       self.port, reason)
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self.sock.accept()
-            except OSError:  # closed (shutdown wakes accept) or a transient error
-                if self._closed.is_set():
-                    return
-                time.sleep(0.05)
-                continue
-            if not self._slots.acquire(blocking=False):
-                sock.close()
-                self.drop(peer, f"{self.MAX_PENDING} handshakes already in progress")
-                continue
-            threading.Thread(target=self._handshake, args=(sock, peer), name="rlharvest-handshake",
-                             daemon=True).start()
-
-    def _handshake(self, sock: socket.socket, peer) -> None:
-        try:
-            channel, hello = authenticate(_connection(sock, self.user_timeout), self.authkey,
-                                          self.handshake_timeout, listener=True, hello=True)
-        except AuthenticationFailed as err:
-            if not self._closed.is_set():
-                self.drop(peer, str(err))
-            return
-        except OSError as err:  # tuning a socket the peer already reset
-            sock.close()
-            self.drop(peer, str(err))
-            return
-        finally:
-            self._slots.release()
-        if self._closed.is_set():
-            channel.close()
-            return
-        self._ready.put((channel, hello, peer))
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called (the port no longer accepts)."""
-        return self._closed.is_set()
-
-    def next(self, timeout: float) -> tuple[Channel, Any, Any] | None:
-        """The next authenticated ``(channel, hello, peer)``, or None after ``timeout`` seconds."""
-        try:
-            return self._ready.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def close(self) -> None:
-        """Stop accepting (the port closes) and close channels nobody took. Idempotent."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._thread.join(2.0)
-        self.sock.close()
-        while True:
-            try:
-                channel, _, _ = self._ready.get_nowait()
-            except queue.Empty:
-                return
-            channel.close()

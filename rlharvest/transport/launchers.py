@@ -3,11 +3,11 @@ elsewhere before the collector exists (``"submitit_delayed"``).
 
 Whatever starts them, every node runs the node entry point the backend is given as its target
 (``rlharvest.worker.nodes.node_main``) with only its rank, the world size, the main process's
-address and the collector's key: the rest of its configuration arrives over the command channel.
-The key never travels through the rendezvous store (see docs/security.md): ``"mp"`` nodes get it in
-their start arguments, SLURM jobs inside their submitit pickle, in a job folder only its owner can
-read. A launched node is represented by a :class:`LaunchedNode`, which answers "is it alive?" and
-makes sure it is gone at shutdown. A replacement node is started the same way, one rank at a time.
+address and its key: the rest of its configuration arrives over the command channel. The key never
+travels over the network (see docs/security.md): ``"mp"`` nodes get their slot's key in their start
+arguments, SLURM jobs inside their submitit pickle, in a job folder only its owner can read. A
+launched node is represented by a :class:`LaunchedNode`, which answers "is it alive?" and makes
+sure it is gone at shutdown. A replacement node is started the same way, one rank at a time.
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
-"""How the main process and its nodes find each other: the store, the command listener, the group.
+"""How the main process and its nodes find each other: the command listener, the groups, and (for
+backends that form one group of every node) the store.
 
 Ports (``p`` = the collector's ``tcp_port``, see docs/security.md):
 
-* ``p``   - the ``TCPStore`` served by rank 0, the main process. torch would bind it to every
-  interface; rlharvest binds the socket itself, to the collector's bind address, and hands torch
-  its descriptor. The store is unauthenticated: it holds only what torch needs for the process
-  group and the command port's number, never a secret;
-* ``p+1`` - the command listener (the next free port if taken): every node proves it holds the
-  collector's key before anything is unpickled (:mod:`rlharvest.transport.channel`);
-* ``p+2`` - the weight-sync listener of :class:`~rlharvest.weight_update.DistributedWeightSyncScheme`.
+* ``p`` - the command listener: every node proves it holds its key before anything it sends is
+  decoded (:mod:`rlharvest.transport.channel`). With gloo and nccl there is no store at all: a
+  node's group with the main process forms over their authenticated channel
+  (:mod:`rlharvest.transport.pairing`). Replacements started by the collector connect to a listener
+  of their own, on a port from the OS that reaches them in their start arguments;
+* ``p+2`` - the weight-sync listener of :class:`~rlharvest.weight_update.DistributedWeightSyncScheme`;
+* mpi and ucc only: ``p`` is the ``TCPStore`` (torch's, unauthenticated) their one group of every
+  rank forms through, and the command listener is ``p+1`` (or the next free port), which the store
+  names. rlharvest binds the store's socket itself, to the collector's bind address.
 
 Process groups are created explicitly (no ``init_process_group``), so several collectors, or a
 learner's own default group, coexist in one process. With gloo and nccl every node gets a group of
-its own with the main process (two ranks: the main process is 0, the node 1), under a store prefix
-naming the node's rank and *generation*: batches and weights only ever travel between the main
-process and one node, and a node that replaces another forms a new group of its own (the next
-generation) while the other nodes keep theirs. mpi and ucc can only form one group of every rank
-(``init_process_group``): their nodes cannot be replaced.
+its own with the main process (two ranks: the main process is 0, the node 1): batches and weights
+only ever travel between the main process and one node, and a node that replaces another forms a
+new group of its own while the other nodes keep theirs. mpi and ucc can only form one group of
+every rank (``init_process_group``): their nodes cannot be replaced.
 """
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import queue
 import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from .channel import Channel, ChannelListener, listen
+from .channel import Channel, listen, slot_key
+from .listener import ChannelListener
+from .pairing import (PairingFailed, distributed_state_exists, form_pair, make_process_group,
+                      mark_distributed_state)
 from .ports import PortInUseError, not_this_host, port_is_free
 
-__all__ = ["BACKENDS", "BATCH_TAG", "WEIGHTS_TAG", "PAIR_BACKENDS", "CONTROL_KEY", "check_backend",
-           "make_process_group", "group_store", "node_group", "store_server", "Rendezvous", "loopback_interface",
+__all__ = ["BACKENDS", "BATCH_TAG", "WEIGHTS_TAG", "PAIR_BACKENDS", "CONTROL_KEY", "check_backend", "command_keys",
+           "make_process_group", "store_server", "Rendezvous", "Paired", "loopback_interface",
            "distributed_state_exists", "mark_distributed_state", "serve_rpc_store", "release_rpc_store",
            "tensorpipe_interface"]
 
@@ -47,18 +54,19 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 BATCH_TAG, WEIGHTS_TAG = 11, 12
 #: backends whose groups are made explicitly, so that each node can have its own
 PAIR_BACKENDS = ("gloo", "nccl")
+#: mpi and ucc: where the store names the command port
 CONTROL_KEY = "rlharvest/control_port"
-_STATE = {"created": False}
+#: the largest rank a slot key is derived for (a key id beyond is refused before any HMAC)
+_MAX_RANK = 1 << 20
 
 
-def distributed_state_exists() -> bool:
-    """Whether this process created torch.distributed state (whose threads make fork unsafe)."""
-    return _STATE["created"] or (dist.is_available() and dist.is_initialized())
-
-
-def mark_distributed_state() -> None:
-    """Record that torch.distributed (a store, a group, RPC) now runs threads in this process."""
-    _STATE["created"] = True
+def command_keys(authkey: bytes) -> Callable[[int], bytes | None]:
+    """The keys the command listener takes: the collector's (id 0) and every slot's (id = rank)."""
+    def keys(key_id: int) -> bytes | None:
+        if key_id == 0:
+            return authkey
+        return slot_key(authkey, key_id) if 0 < key_id <= _MAX_RANK else None
+    return keys
 
 
 def check_backend(backend: str) -> str:
@@ -83,27 +91,6 @@ def loopback_interface() -> str | None:
     """The name of the loopback interface (for ``TP_SOCKET_IFNAME``), if this host has one."""
     names = {name for _, name in socket.if_nameindex()}
     return next((name for name in ("lo", "lo0") if name in names), None)
-
-
-def make_process_group(backend: str, store, rank: int, world_size: int, timeout: float,
-                       device_host: str | None = None):
-    """An explicit process group (no global default group involved).
-
-    ``device_host`` pins gloo's sockets to one local address (``"127.0.0.1"`` for local nodes);
-    without it gloo uses ``GLOO_SOCKET_IFNAME`` or the address this host's name resolves to.
-    """
-    delta = datetime.timedelta(seconds=timeout)
-    if backend == "gloo":
-        if device_host is None:
-            return dist.ProcessGroupGloo(store, rank, world_size, delta)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = delta
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
-        return dist.ProcessGroupGloo(store, rank, world_size, options)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
-    return dist.group.WORLD
 
 
 def store_server(bind_host: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
@@ -135,19 +122,6 @@ def store_server(bind_host: str, port: int, world_size: int, timeout: float) -> 
         raise
 
 
-def group_store(store, rank: int, generation: int):
-    """Where the group of node ``rank`` (its ``generation``-th start) rendezvous in the store."""
-    return dist.PrefixStore(f"group/{rank}/{generation}", store)
-
-
-def node_group(backend: str, store, rank: int, world_size: int, generation: int, timeout: float,
-               device_host: str | None = None) -> tuple[Any, int]:
-    """A node's side of its group: ``(group, rank of the main process in it)``, which is 0."""
-    if backend in PAIR_BACKENDS:
-        return make_process_group(backend, group_store(store, rank, generation), 1, 2, timeout, device_host), 0
-    return make_process_group(backend, store, rank, world_size, timeout, device_host), 0
-
-
 def _wait_in_thread(build: Callable[[], Any], timeout: float, alive: Callable[[], None], what: str) -> Any:
     """Run ``build`` in a thread, calling ``alive()`` (which raises) while waiting at most ``timeout`` s."""
     result: dict[str, Any] = {}
@@ -171,31 +145,47 @@ def _wait_in_thread(build: Callable[[], Any], timeout: float, alive: Callable[[]
     return result["value"]
 
 
+@dataclass
+class Paired:
+    """A node connected to the main process: its command channel and its group (and the node's rank
+    in it); ``store`` is the group's store, which must live as long as the group."""
+
+    channel: Channel
+    group: Any
+    peer_rank: int
+    store: Any = None
+
+
 class Rendezvous:
-    """The main process's side of node start-up: store, command listener, process groups.
+    """The main process's side of node start-up: command listener, process groups (and the store of
+    backends that need one).
 
     Args:
         bind_host: local address of every listening socket ("127.0.0.1" for local nodes).
         port: the collector's ``tcp_port``.
         world_size: nodes + 1.
-        authkey: the key nodes must prove they hold on the command port.
+        authkey: the collector's key: nodes prove they hold it, or their slot's key derived from it.
+        backend: the process-group backend.
         timeout: seconds the nodes have to join.
         user_timeout: TCP user timeout of the command channels.
         handshake_timeout: seconds a peer has to authenticate on the command port.
         device_host: gloo's local address (see :func:`make_process_group`).
+        sock: the command port's listening socket, bound already (:meth:`command_socket`).
 
     Raises:
         PortInUseError: naming ``tcp_port`` when the rendezvous port is taken.
     """
 
-    def __init__(self, bind_host: str, port: int, world_size: int, authkey: bytes, *, timeout: float,
-                 user_timeout: float, handshake_timeout: float, device_host: str | None = None) -> None:
+    def __init__(self, bind_host: str, port: int, world_size: int, authkey: bytes, *, backend: str, timeout: float,
+                 user_timeout: float, handshake_timeout: float, device_host: str | None = None,
+                 sock: socket.socket | None = None) -> None:
         self.bind_host, self.port, self.world_size, self.authkey = bind_host, port, world_size, authkey
-        self.timeout, self.device_host = timeout, device_host
+        self.backend, self.timeout, self.device_host = backend, timeout, device_host
         self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
-        self.store = store_server(bind_host, port, world_size, timeout)
+        self.pair = backend in PAIR_BACKENDS
+        self.store = None if self.pair else store_server(bind_host, port, world_size, timeout)
         self.listener: ChannelListener | None = None
-        self.open_commands()
+        self.open_commands(sock if sock is not None else self.command_socket(bind_host, port, backend))
 
     @staticmethod
     def check_port(port: int, bind_host: str) -> None:
@@ -204,54 +194,125 @@ class Rendezvous:
             raise PortInUseError(f"tcp_port {port} is already in use: pick another tcp_port (ports {port}, "
                                  f"{port + 1} and {port + 2} should be free), or tcp_port=0 for free ports.")
 
-    def open_commands(self) -> None:
-        """Listen for command channels (``tcp_port + 1``, or the next free port) until the awaited nodes
-        connected; the store says where."""
-        self.listener = ChannelListener(listen(self.bind_host, self.port + 1), self.authkey, "command",
-                                        self.handshake_timeout, self.user_timeout)
-        self.store.set(CONTROL_KEY, str(self.listener.port))
-
-    def form_groups(self, backend: str, ranks: list[int], generation: int, op_timeout: float,
-                    alive: Callable[[], None]) -> dict[int, tuple[Any, int]]:
-        """Rank 0's side of the groups of ``ranks``: ``{rank: (group, rank of the node in it)}``.
+    @staticmethod
+    def command_socket(bind_host: str, port: int, backend: str) -> socket.socket:
+        """The command port's socket: ``tcp_port`` itself with a pair backend (nodes connect there),
+        else ``tcp_port + 1`` or the next free port (the store names it).
 
         Raises:
-            TimeoutError: when the nodes did not join within the rendezvous timeout.
+            PortInUseError: naming ``tcp_port`` when it is taken.
         """
-        if backend in PAIR_BACKENDS:
-            def build():
-                return {rank: (make_process_group(backend, group_store(self.store, rank, generation), 0, 2, op_timeout,
-                                                  self.device_host), 1) for rank in ranks}
-        else:
-            def build():
-                group = make_process_group(backend, self.store, 0, self.world_size, op_timeout, self.device_host)
-                return {rank: (group, rank) for rank in ranks}
-        return _wait_in_thread(build, self.timeout, alive, f"forming the {backend} process group")
+        if backend not in PAIR_BACKENDS:
+            return listen(bind_host, port + 1)
+        try:
+            return listen(bind_host, port, attempts=1)
+        except PortInUseError:
+            raise PortInUseError(f"tcp_port {port} is already in use on {bind_host or 'every interface'}: pick "
+                                 "another tcp_port, or tcp_port=0 for free ports.") from None
 
-    def accept_nodes(self, ranks: list[int], alive: Callable[[], None]) -> dict[int, Channel]:
-        """The command channels of ``ranks``; then the command port closes.
+    def open_commands(self, sock: socket.socket | None = None) -> int:
+        """Listen for command channels until the awaited nodes connected; returns the port. Without
+        ``sock``: a port from the OS (a replacement is told it in its start arguments)."""
+        if sock is None:
+            sock = listen(self.bind_host, 0, attempts=1) if self.pair else listen(self.bind_host, self.port + 1)
+        self.listener = ChannelListener(sock, command_keys(self.authkey), "command", self.handshake_timeout,
+                                        self.user_timeout)
+        if self.store is not None:
+            self.store.set(CONTROL_KEY, str(self.listener.port))
+        return self.listener.port
 
-        A peer is taken only once it proved it holds the key, and only for a rank that is expected
-        and not yet connected; any other is dropped (and logged), never fatal.
+    def connect_nodes(self, ranks: list[int], op_timeout: float, alive: Callable[[], None]) -> dict[int, Paired]:
+        """The nodes of ``ranks``, each connected and in its group; then the command port closes.
+
+        A peer is taken only once it proved it holds the collector's key or its rank's slot key,
+        and only for a rank that is expected and not yet connected; with a pair backend its group
+        must then form over its channel and pass the pairing proof (:mod:`.pairing`). Any other is
+        dropped (and logged), never fatal.
+
+        Raises:
+            TimeoutError: when the nodes did not connect within the rendezvous timeout.
         """
-        channels: dict[int, Channel] = {}
+        if not self.pair:
+            group = self._form_world(ranks, op_timeout, alive)
+            channels: dict[int, Channel] = {}
+            self._accept(ranks, alive, lambda rank, channel, peer: channels.update({rank: channel}),
+                         channels.__contains__, lambda: len(channels) == len(ranks))
+            return {rank: Paired(channels[rank], group, rank) for rank in ranks}
+        paired: dict[int, Paired] = {}
+        results: queue.Queue = queue.Queue()
         deadline = time.monotonic() + self.timeout
-        while len(channels) < len(ranks):
+        abandoned = threading.Event()  # start-up failed: a pair forming still closes its channel
+
+        def pair(rank: int, channel: Channel, peer) -> None:
+            def run() -> None:
+                try:
+                    group, store = form_pair(channel, slot_key(self.authkey, rank), 0, self.backend,
+                                             timeout=max(0.1, deadline - time.monotonic()), op_timeout=op_timeout,
+                                             device_host=self.device_host)
+                    results.put((rank, Paired(channel, group, 1, store), peer))
+                    if abandoned.is_set():
+                        channel.close()
+                except (PairingFailed, OSError, EOFError) as err:
+                    channel.close()
+                    results.put((rank, err, peer))
+            threading.Thread(target=run, name="rlharvest-pairing", daemon=True).start()
+
+        def take_results() -> None:
+            while True:
+                try:
+                    rank, outcome, peer = results.get_nowait()
+                except queue.Empty:
+                    return
+                if isinstance(outcome, Paired):
+                    paired[rank] = outcome  # stays in pending: its rank is taken
+                else:
+                    pending.discard(rank)
+                    self.listener.drop(peer, f"node {rank} failed to pair: {outcome}")
+
+        pending: set[int] = set()
+        try:
+            self._accept(ranks, alive, lambda rank, channel, peer: (pending.add(rank), pair(rank, channel, peer)),
+                         pending.__contains__, lambda: len(paired) == len(ranks), poll=take_results,
+                         wait=lambda: 0.005 if len(pending) > len(paired) else 0.1)  # a pair forming: look often
+        except BaseException:
+            abandoned.set()
+            take_results()
+            for node in paired.values():
+                node.channel.close()
+            raise
+        return paired
+
+    def _form_world(self, ranks: list[int], op_timeout: float, alive: Callable[[], None]) -> Any:
+        """mpi, ucc: rank 0's side of the one group of every rank, through the store."""
+        def build():
+            return make_process_group(self.backend, self.store, 0, self.world_size, op_timeout, self.device_host)
+        return _wait_in_thread(build, self.timeout, alive, f"forming the {self.backend} process group")
+
+    def _accept(self, ranks: list[int], alive: Callable[[], None], take: Callable, taken: Callable[[int], bool],
+                done: Callable[[], bool], poll: Callable[[], None] = lambda: None,
+                wait: Callable[[], float] = lambda: 0.1) -> None:
+        """Authenticated hellos of ranks in ``ranks`` not ``taken`` yet, handed to ``take(rank,
+        channel, peer)``, until ``done()`` (looked at every ``wait()`` seconds at least); then the
+        command port closes."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            poll()
+            if done():
+                break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(channels)} of {len(ranks)} nodes connected within {self.timeout:g} s.")
-            item = self.listener.next(0.2)
+                raise TimeoutError(f"not every node of {ranks} connected within {self.timeout:g} s.")
+            alive()
+            item = self.listener.next(wait())
             if item is None:
-                alive()
                 continue
             channel, hello, peer = item
             rank = _hello_rank(hello)
-            if rank is None or rank not in ranks or rank in channels:
+            if rank is None or rank not in ranks or taken(rank) or channel.key_id not in (0, rank):
                 channel.close()
                 self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
                 continue
-            channels[rank] = channel
+            take(rank, channel, peer)
         self.listener.close()
-        return channels
 
     def close(self) -> None:
         if self.listener is not None:
@@ -261,7 +322,8 @@ class Rendezvous:
 
 def _hello_rank(hello: Any) -> int | None:
     """The rank in a node's ``("hello", rank, pid, hostname)``, or None for anything else."""
-    if isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and type(hello[1]) is int:
+    if (isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and type(hello[1]) is int
+            and type(hello[2]) is int and isinstance(hello[3], str)):
         return hello[1]
     return None
 

@@ -1,41 +1,42 @@
 """Nodes that join a running collector from anywhere (``launcher="external"``, docs/elastic.md).
 
 The collector starts no node: its slots (one per env constructor) are filled by nodes that join.
-It keeps its command port (``tcp_port + 1``) open for its whole life. A joining node
-(``python -m rlharvest node --join HOST:PORT --key-file PATH``) reads that port's number from the
-store at ``HOST:PORT`` (a number can only make it fail), opens the authenticated command channel
-(:mod:`rlharvest.transport.channel`: each side proves it holds the key before anything is
-unpickled) and says ``("join", pid, hostname)``. On that same channel the main process answers
+Its command port (``tcp_port``) stays open for its whole life; nothing else of it is reachable
+before a node joined. A joining node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)
+opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: each side proves
+it holds the key before anything is decoded) and says ``("join", pid, hostname)`` (plain values,
+never unpickled). On that same channel the main process answers
 
 * ``("refused", reason)`` when no slot is empty (logged at WARNING, the channel closed), or
-* ``("slot", rank, generation, backend, kwargs)``: the node forms a group of its own with the main
-  process under that rank and generation, exactly as a replacement does (``rendezvous.node_group``),
-  says ``("hello", rank, ...)``, and receives its spec (env constructor, policy, weight channel).
+* ``("slot", rank, generation, backend, kwargs)``: both sides then form the slot's group over the
+  channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
+  spec (env constructor, policy, weight channel) once the collector takes the slot.
 
-The group is formed and the hello read by an acceptor thread, so a node joins while the collector
-collects; the collector takes the joined node when it starts that slot (``TorchDistBackend``:
-``start_all`` for the first nodes, ``start_one`` for a replacement), always on its own thread.
+Groups are formed on at most :attr:`JoinService.MAX_FORMING` threads at once, each within the
+rendezvous timeout, so a node joins while the collector collects; the collector takes the joined
+node when it starts that slot (``TorchDistBackend``: ``start_all`` for the first nodes,
+``start_one`` for a replacement), always on its own thread. While the collector waits for empty
+slots it says so (logger ``rlharvest``, INFO, every :attr:`JoinService.LOG_EVERY` seconds), with the
+command that joins a node.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
-from .channel import Channel, open_channel
+from .channel import Channel, open_channel, slot_key
 from .launchers import LaunchedNode
+from .pairing import PairingFailed, form_pair
 from .ports import wait_for_listener
-from .rendezvous import CONTROL_KEY, Rendezvous, _wait_in_thread, group_store, make_process_group, node_group
+from .rendezvous import Rendezvous
 
 __all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
 
@@ -66,12 +67,13 @@ class JoinedNode(LaunchedNode):
 
 @dataclass
 class Joined:
-    """A node that joined slot ``index``: its channel, its group, and how it is seen."""
+    """A node that joined slot ``index``: its channel, its group (and its store), and how it is seen."""
 
     index: int
     channel: Channel
     group: Any
     node: JoinedNode
+    store: Any = None
 
 
 def _local_address(channel: Channel) -> str:
@@ -87,24 +89,31 @@ class JoinService:
     """The main process's side of joins: gives each authenticated joiner an empty slot.
 
     Args:
-        rendezvous: the collector's store and command listener (kept open while this runs).
+        rendezvous: the collector's command listener (kept open while this runs).
         backend: the process-group backend (a pair backend).
         num_slots: the slots, all empty at first.
         node_kwargs: what every node is told besides its rank (heartbeat interval, timeouts).
-        timeout: seconds a joining node has to form its group and say hello.
+        timeout: seconds a joining node has to form its group and prove it.
         op_timeout: seconds a group operation may take.
+        command: the command that joins a node, for the log while slots wait.
     """
 
+    #: groups formed at once (each takes a thread for up to ``timeout``)
+    MAX_FORMING = 4
+    #: seconds between two INFO lines naming the slots the collector waits for
+    LOG_EVERY = 10.0
+
     def __init__(self, rendezvous: Rendezvous, backend: str, num_slots: int, node_kwargs: dict, *,
-                 timeout: float, op_timeout: float) -> None:
+                 timeout: float, op_timeout: float, command: str | None = None) -> None:
         self.rendezvous, self.backend, self.node_kwargs = rendezvous, backend, dict(node_kwargs)
-        self.timeout, self.op_timeout = timeout, op_timeout
+        self.timeout, self.op_timeout, self.command = timeout, op_timeout, command
         self._cond = threading.Condition()
         self._wanted: set[int] = set(range(num_slots))
         self._joined: dict[int, Joined] = {}
         self._generations: dict[int, int] = {}
         #: slots the collector waits for now (a replacement): a joining node takes one of them first
         self._awaited: set[int] = set()
+        self._forming = threading.BoundedSemaphore(self.MAX_FORMING)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rlharvest-joins", daemon=True)
         self._thread.start()
@@ -122,12 +131,14 @@ class JoinService:
             return [index for index in indices if index in self._joined]
 
     def take(self, indices: list[int], timeout: float, what: str) -> dict[int, Joined]:
-        """The nodes that joined slots ``indices``, waiting up to ``timeout`` seconds for them.
+        """The nodes that joined slots ``indices``, waiting up to ``timeout`` seconds for them (and
+        saying which slots are empty every :attr:`LOG_EVERY` seconds meanwhile).
 
         Raises:
             WorkerTimeoutError: naming the slots still empty then.
         """
         deadline = time.monotonic() + timeout
+        next_log = time.monotonic() + self.LOG_EVERY
         with self._cond:
             self._awaited.update(indices)
             try:
@@ -135,10 +146,15 @@ class JoinService:
                     empty = [index for index in indices if index not in self._joined]
                     if not empty:
                         return {index: self._joined.pop(index) for index in indices}
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or self._closed.is_set():
+                    now = time.monotonic()
+                    if deadline - now <= 0 or self._closed.is_set():
                         break
-                    self._cond.wait(min(remaining, 0.5))
+                    if now >= next_log:
+                        next_log = now + self.LOG_EVERY
+                        logger.info("rlharvest: waiting for nodes to join slot%s %s (%s, %.0f s left); start one per "
+                                    "empty slot with: %s", "s" if len(empty) > 1 else "", empty, what, deadline - now,
+                                    self.command or "collector.join_command()")
+                    self._cond.wait(min(deadline - now, next_log - now, 0.5))
             finally:
                 self._awaited.difference_update(indices)
         raise WorkerTimeoutError(f"no node joined slot{'s' if len(empty) > 1 else ''} {empty} within {timeout:g} s "
@@ -148,7 +164,7 @@ class JoinService:
     def close(self) -> None:
         """Stop taking joins; nodes that joined but were not taken are sent away (their channel closes)."""
         self._closed.set()
-        self._thread.join(2.0)  # a join in progress may wait longer (forming its group): it sees the close
+        self._thread.join(2.0)
         with self._cond:
             for joined in self._joined.values():
                 with contextlib.suppress(OSError):
@@ -166,9 +182,14 @@ class JoinService:
 
     def _admit(self, channel: Channel, hello: Any, peer) -> None:
         listener = self.rendezvous.listener
-        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "join"):
+        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "join" and type(hello[1]) is int
+                and isinstance(hello[2], str) and channel.key_id == 0):
             channel.close()
             listener.drop(peer, f"not a join: {hello!r:.80}")
+            return
+        who = f"node {hello[2]!r:.40} (pid {hello[1]})"
+        if not self._forming.acquire(blocking=False):
+            self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
         with self._cond:
             free = sorted(self._wanted & self._awaited) or sorted(self._wanted)
@@ -177,48 +198,47 @@ class JoinService:
                 self._wanted.discard(index)
                 generation = self._generations[index] = self._generations.get(index, -1) + 1
         if not free:
-            with contextlib.suppress(OSError):
-                channel.send(("refused", "every slot of the collector is taken"))
-            channel.close()
-            listener.drop(peer, f"node {hello[2]!r:.40} (pid {hello[1]!r:.12}) refused: every slot is taken")
+            self._forming.release()
+            self._refuse(channel, peer, who, "every slot is taken")
             return
+        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
+        threading.Thread(target=self._join, args=(channel, peer, who, index, generation, node),
+                         name="rlharvest-join", daemon=True).start()
+
+    def _refuse(self, channel: Channel, peer, who: str, reason: str) -> None:
+        with contextlib.suppress(OSError):
+            channel.send(("refused", reason))
+        channel.close()
+        self.rendezvous.listener.drop(peer, f"{who} refused: {reason}")
+
+    def _join(self, channel: Channel, peer, who: str, index: int, generation: int, node: JoinedNode) -> None:
+        """Tell the node its slot and form its group with it (on a thread of its own)."""
         try:
-            group = self._form(channel, index, generation)
-        except Exception as err:  # a node that fails to join is dropped; its slot stays empty
+            rank = index + 1
+            channel.send(("slot", rank, generation, self.backend, self.node_kwargs))
+            group, store = form_pair(channel, slot_key(self.rendezvous.authkey, rank), 0, self.backend,
+                                     timeout=self.timeout, op_timeout=self.op_timeout,
+                                     device_host=_local_address(channel))
+        except (PairingFailed, OSError, EOFError) as err:  # a node that fails to join is dropped; its slot stays empty
             channel.close()
-            listener.drop(peer, f"node {hello[2]!r:.40} failed to join slot {index}: {err}")
+            self.rendezvous.listener.drop(peer, f"{who} failed to join slot {index}: {err}")
             self.want(index)
             return
-        node = JoinedNode(hello[1], str(hello[2]), peer[0] if peer else "?")
+        finally:
+            self._forming.release()
         with self._cond:
             if self._closed.is_set():  # the collector shut down meanwhile: send the node away
                 channel.close()
                 return
-            self._joined[index] = Joined(index, channel, group, node)
+            self._joined[index] = Joined(index, channel, group, node, store)
             self._cond.notify_all()
         logger.info("rlharvest: a node joined slot %d from %s (%s)", index, node.hostname, node.address)
-
-    def _form(self, channel: Channel, index: int, generation: int):
-        """Tell the node its slot, form its group with it, and read its hello."""
-        rank = index + 1
-        channel.send(("slot", rank, generation, self.backend, self.node_kwargs))
-        store, here = self.rendezvous.store, _local_address(channel)
-
-        def build():
-            return make_process_group(self.backend, group_store(store, rank, generation), 0, 2, self.op_timeout, here)
-
-        group = _wait_in_thread(build, self.timeout, lambda: None, f"forming the group of slot {index}")
-        if not channel.poll(self.timeout):
-            raise TimeoutError(f"no hello within {self.timeout:g} s")
-        hello = channel.recv()
-        if not (isinstance(hello, tuple) and len(hello) == 4 and hello[0] == "hello" and hello[1] == rank):
-            raise ValueError(f"unexpected hello {hello!r:.80}")
-        return group
 
 
 @dataclass
 class Seat:
-    """What a node that joined holds: its channel, its group, its slot, and its spec (pickled)."""
+    """What a node that joined holds: its channel, its group (and store), its slot, its slot's key
+    and its spec (pickled)."""
 
     conn: Channel
     group: Any
@@ -226,11 +246,12 @@ class Seat:
     heartbeat_interval: float
     store: Any
     payload: bytes
+    key: bytes = field(repr=False)
 
 
 def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,
                    handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0) -> Seat:
-    """A joining node's side: find the command port, join, form the slot's group, receive the spec.
+    """A joining node's side: join at the command port, form the slot's group, receive the spec.
 
     ``timeout`` bounds everything up to the collector's answer (reaching its store, its command port,
     the handshake), as one deadline.
@@ -239,56 +260,34 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
         CollectorUnreachable: no collector answered at ``host:port`` within ``timeout``.
         JoinRefused: when every slot is taken.
         AuthenticationFailed: when the collector did not prove it holds the key.
+        PairingFailed: when the slot's group did not form, or its peer is not the collector.
     """
     deadline = time.monotonic() + timeout
-    store, control_port = _command_port(host, int(port), timeout, deadline)
-    left = max(0.1, deadline - time.monotonic())
     try:
-        conn = open_channel(host, control_port, authkey, left, user_timeout, handshake_timeout)
+        wait_for_listener(host, int(port), timeout)
+        conn = open_channel(host, int(port), authkey, max(0.1, deadline - time.monotonic()), user_timeout,
+                            handshake_timeout)
     except OSError as err:
         if isinstance(err, ConnectionError) and not isinstance(err, ConnectionRefusedError):
             raise  # AuthenticationFailed, a reset: the collector answered
-        raise CollectorUnreachable(f"the collector at {host}:{port} did not open its command port "
-                                   f"{control_port} within {timeout:g} s ({_why(err)}).") from None
-    conn.send(("join", os.getpid(), socket.gethostname()))
+        raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s "
+                                   f"({_why(err)}).") from None
+    conn.send_hello(("join", os.getpid(), socket.gethostname()))
     reply = conn.recv()
     if reply[0] == "refused":
         conn.close()
         raise JoinRefused(f"the collector at {host}:{port} refused this node: {reply[1]}.")
     _, rank, generation, backend, kwargs = reply
-    group, _ = node_group(backend, store, rank, 2, generation, op_timeout, _local_address(conn))
-    conn.send(("hello", rank, os.getpid(), socket.gethostname()))
+    key = slot_key(authkey, rank)
+    group, store = form_pair(conn, key, 1, backend, timeout=timeout, op_timeout=op_timeout,
+                             device_host=_local_address(conn))
     payload = conn.recv_bytes()
-    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload)
+    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload, key)
 
 
 def _why(err: BaseException) -> str:
-    """One line: an OS error's reason, or the first line of torch's message (which may go on with C++
+    """One line: an OS error's reason, or the first line of a message (torch's may go on with C++
     stack frames)."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def _command_port(host: str, port: int, timeout: float, deadline: float) -> tuple[Any, int]:
-    """The collector's store at ``host:port`` and the command port it names, by ``deadline``.
-
-    A plain connection is tried first, again every 0.2 s while nothing listens (the collector may
-    start after its nodes): torch's store client would retry on its own, but overshoot the deadline
-    and log each attempt with its C++ stack.
-
-    Raises:
-        CollectorUnreachable: naming the address, ``timeout`` and the last reason.
-    """
-    wait_for_listener(host, port, max(0.0, deadline - time.monotonic()))
-    try:
-        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
-    except RuntimeError as err:  # torch's DistError family
-        raise CollectorUnreachable(f"what answers at {host}:{port} is not a collector's store (torch: "
-                                   f"{_why(err)}).") from None
-    try:
-        store.set_timeout(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
-        return store, int(store.get(CONTROL_KEY))
-    except (RuntimeError, ValueError) as err:  # no such key in time; a key that is not a port
-        raise CollectorUnreachable(f"the store at {host}:{port} named no collector's command port within "
-                                   f"{timeout:g} s (torch: {_why(err)}).") from None

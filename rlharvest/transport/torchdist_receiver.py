@@ -10,7 +10,8 @@ import datetime
 import os
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from .channel import open_channel, shutdown_connection
 from .ports import boot_id, is_loopback
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import shm_identity, valid_segment_name
-from .torchdist_relay import Forwarder, Links, RelayPort, Stream, local_address, receive
+from .torchdist_relay import Forwarder, Links, RelayPort, Stream, local_address, receive, relay_port_key, unwrap_key, \
+    weight_key
 from .weight_pool import attach_named, create_named, unlink_named
 
 __all__ = ["NodeGroupLinks", "DistWeightReceiver"]
@@ -31,10 +33,13 @@ __all__ = ["NodeGroupLinks", "DistWeightReceiver"]
 @dataclass
 class NodeGroupLinks:
     """What a node's weight receiver needs from its transport: the node's group with the main
-    process (and the main process's rank in it)."""
+    process (and the main process's rank in it), and the node's slot key (its weight channel's key
+    derives from it) and rank."""
 
     group: Any
     parent_rank: int = 0
+    key: bytes | None = field(default=None, repr=False)
+    rank: int | None = None
 
 
 class DistWeightReceiver(WeightReceiver):
@@ -62,6 +67,7 @@ class DistWeightReceiver(WeightReceiver):
         self._relay: RelayPort | None = None  # where the carrier upstream connects (docs/weights.md, "A relay")
         self._downstream: Links | None = None  # the link to the next carrier, kept between updates
         self._forwarder: Forwarder | None = None  # the last update's forwarding, which reads its slot
+        self._key: bytes | None = None  # this node's weight key (derived: docs/security.md, "The key")
 
     def fileno(self) -> int:
         return self._wake_r
@@ -70,17 +76,26 @@ class DistWeightReceiver(WeightReceiver):
         return self
 
     def connect(self, timeout: float) -> TensorDictBase | None:
-        info = self.info
-        self.conn = open_channel(info["host"], info["port"], bytes.fromhex(info["authkey"]), timeout,
-                                 self.user_timeout, info.get("handshake_timeout", 5.0))
+        """Open the weight channel (with this node's weight key, derived from its slot key and the
+        sender's salt) and take the initial weights.
+
+        Raises:
+            RuntimeError: without the node's slot key (a receiver outside a torchdist node).
+        """
+        info, links = self.info, self.links
+        if links is None or links.key is None or "salt" not in info:
+            raise RuntimeError("a DistributedWeightSyncScheme receiver runs in a node of a DistributedCollector: its "
+                               "weight channel's key derives from the node's key.")
+        self._key = weight_key(links.key, bytes.fromhex(info["salt"]))
+        handshake = info.get("handshake_timeout", 5.0)
+        self.conn = open_channel(info["host"], info["port"], self._key, timeout, self.user_timeout, handshake,
+                                 key_id=self.worker_idx + 1)
         hello = ("hello", self.worker_idx, is_loopback(info["host"]), boot_id(), shm_identity())
-        if info.get("relay") and not hello[2] and self.links is not None:  # another host's carrier may forward to it
-            self._relay = RelayPort(local_address(self.conn), bytes.fromhex(info["authkey"]),
-                                    info.get("handshake_timeout", 5.0), self.user_timeout)
-            self._downstream = Links(self._relay.key, self.worker_idx, info.get("handshake_timeout", 5.0),
-                                     self.user_timeout)
+        if info.get("relay") and not hello[2]:  # another host's carrier may forward to it
+            self._relay = RelayPort(local_address(self.conn), relay_port_key(self._key), handshake, self.user_timeout)
+            self._downstream = Links(self.worker_idx, handshake, self.user_timeout)
             hello += (self._relay.port,)
-        self.conn.send(hello)
+        self.conn.send_hello(hello)
         kind, version, body = self.conn.recv()  # a replacement gets the current weights and their version
         if kind != "init":
             raise RuntimeError(f"unexpected weight-channel message {kind!r} during connect")
@@ -120,7 +135,7 @@ class DistWeightReceiver(WeightReceiver):
 
         The slot is one no node of this host runs on or waits for (the main process chose it), so
         nobody maps a partial update; the names in ``unlink`` are slots of a carrier that is gone.
-        ``relay``: ``(upstream, downstream, silence, nonce, chunk)``: the update comes on the relay
+        ``relay``: ``(upstream, downstream, silence, nonce, chunk, digests)``: the update comes on the relay
         between hosts, from ``upstream`` (a carrier's index, or the main process), to be forwarded to the
         carrier at ``downstream`` (or None); see :meth:`_relay_update`.
         """
@@ -145,23 +160,26 @@ class DistWeightReceiver(WeightReceiver):
         return self._segments[slot_id][1]
 
     def _relay_update(self, version: int, slot_id, flat: torch.Tensor, upstream: int, downstream, silence: float,
-                      nonce: bytes, chunk: int, timeout: float) -> None:
+                      nonce: bytes, chunk: int, digests: bytes, timeout: float) -> None:
         """Take the update into ``flat`` on the relay between hosts (docs/weights.md): over the link
-        from ``upstream`` (the carrier before this one, or the main process), checking each chunk's tag
-        and forwarding it at once to the carrier at ``downstream`` (if any). A relay that breaks, stays
-        silent ``silence`` seconds or sends a bad chunk: the main process sends the whole update
-        instead, and the carrier after this one does the same (its link is closed)."""
+        from ``upstream`` (the carrier before this one, or the main process), checking each chunk
+        against ``digests`` (from the main process) and forwarding it at once to the carrier at
+        ``downstream`` (``(address, port, its relay key wrapped under this node's weight key)``, or
+        None). A relay that breaks, stays silent ``silence`` seconds, misses ``timeout`` or sends a
+        bad chunk: the main process sends the whole update instead, and the carrier after this one
+        does the same (its link is closed)."""
         if self._forwarder is not None:  # the previous update's forwarding reads the slot it came in
             self._forwarder.wait()
+        deadline = time.monotonic() + timeout
         data = memoryview(flat.numpy())
         stream = Stream(version, nonce, flat.numel(), chunk)
         out = None
         if downstream is not None and self._downstream is not None:
-            address = (downstream[0], int(downstream[1]))
-            out = Forwarder(lambda: self._downstream.get(address), lambda: self._downstream.drop(address), data,
-                            stream, silence)
+            address, key = (downstream[0], int(downstream[1])), unwrap_key(downstream[2], self._key)
+            out = Forwarder(lambda: self._downstream.get(address, key), lambda: self._downstream.drop(address), data,
+                            stream, silence, deadline)
         link = self._relay.upstream(upstream, silence) if self._relay is not None else None
-        whole = link is not None and receive(link, data, stream, self._relay.key, silence, out)
+        whole = link is not None and receive(link, data, stream, digests, silence, out, deadline)
         if link is not None and not whole:
             self._relay.drop(upstream)  # out of step with its sender: the next update opens a new one
         if out is not None:

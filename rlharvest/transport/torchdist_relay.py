@@ -7,32 +7,37 @@ there, so the hosts of the chain receive the update nearly together; it reports 
 only once it holds all of it, and the host's other nodes map a slot only after that, as in "One copy
 per host".
 
-**Links.** Every hop is a *link*: a TCP connection authenticated once with the handshake of
-:mod:`.channel`, under a key derived from the weight channel's key (every node holds that one; the
-derived key opens no port of the main process), then kept open from one update to the next. A link
-is always either between two updates or closed: whoever gives up on an update part-way closes it,
-and the next update opens a new one.
+**Links.** Every hop is a *link*: a TCP connection to the downstream carrier's relay port,
+authenticated once with the handshake of :mod:`.channel` under that carrier's *relay key* (derived
+from its weight channel's key: :func:`relay_port_key`), then kept open from one update to the next.
+Only the main process can derive a carrier's relay key; it gives it to the carrier upstream inside
+that carrier's announcement, wrapped under the upstream carrier's own weight key
+(:func:`wrap_key`): no key crosses the network in clear. A link is always either between two
+updates or closed: whoever gives up on an update part-way closes it, and the next update opens a
+new one. A link's hello (who opened it) is decoded as plain values, never unpickled.
 
-**Chunk tags.** On a link, an update is a header (version, a per-update nonce, sizes) and then, per
-chunk, a 32-byte tag and the chunk's bytes. The main process computes each tag once, HMAC-SHA256 under
-the relay key of (nonce, version, chunk index, bytes), and carriers check it and forward the tag
-unchanged. The nonce and the sizes reach each carrier from the main process over its authenticated
-weight channel, so a chunk is accepted only for the update, and the place in it, it was made for: a
-chunk injected, altered, replayed from another update or moved fails its tag and the relay breaks.
+**Chunk digests.** On a link, an update is a header (version, a per-update nonce, sizes) and then its
+chunks. The main process computes the SHA-256 of every chunk once and sends the list to *each*
+carrier over that carrier's own authenticated weight channel, with the nonce and the sizes. A
+carrier checks each chunk it receives against its list before it forwards it: a chunk that a
+stranger on the path or a carrier upstream altered, moved or replayed fails, and the relay breaks.
+So a carrier, even one that holds keys, cannot forge an update for the hosts after it.
 
 Why TCP and not the process groups: a node's group is a pair (the node and the main process), formed
-through the store when the node starts; a group among carriers would be a collective over every rank
-of the world (``new_group``), which a replacement, a node of another generation that joined alone,
-cannot take part in.
+when the node starts; a group among carriers would be a collective over every rank of the world
+(``new_group``), which a replacement, a node of another generation that joined alone, cannot take
+part in.
 
-A carrier whose upstream dies, stalls (``silence`` seconds without a byte), never connects or sends a
-chunk that fails its tag reports ``unrelayed``: the main process then sends it the update directly
-over its group; it closes its own downstream link, so the hosts after it do the same.
+A carrier whose upstream dies, stalls (``silence`` seconds without a byte, or the update's whole
+deadline), never connects or sends a chunk that fails its digest reports ``unrelayed``: the main
+process then sends it the update directly over its group; it closes its own downstream link, so the
+hosts after it do the same.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import hmac
 import os
 import queue
@@ -44,17 +49,18 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .channel import AuthenticationFailed, ChannelListener, listen, open_channel
+from .channel import AuthenticationFailed, derive_key, listen, open_channel
+from .listener import ChannelListener
 
-__all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Stream", "chunk_bytes", "chunk_tag", "relay_key", "Links",
-           "RelayPort", "Forwarder", "receive", "local_address"]
+__all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Stream", "chunk_bytes", "chunk_digests", "relay_port_key",
+           "weight_key", "wrap_key", "unwrap_key", "Links", "RelayPort", "Forwarder", "receive", "local_address"]
 
 #: the largest chunk: small enough that hops overlap, large enough that a chunk's tag costs nothing
 MAX_CHUNK_BYTES = 1 << 20
 #: the smallest chunk: a small update is still cut in ~8 so the hops overlap, not into tiny writes
 MIN_CHUNK_BYTES = 256 << 10
 _CHUNKS = 8
-_TAG = 32
+_DIGEST = 32
 _HEADER = struct.Struct("!Q16sQQ")  # version, nonce, total bytes, chunk bytes
 #: who opened a link: a carrier says its worker index, the main process this
 FROM_MAIN = -1
@@ -65,9 +71,33 @@ def chunk_bytes(total: int) -> int:
     return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, -(-total // _CHUNKS)))
 
 
-def relay_key(authkey: bytes) -> bytes:
-    """The key carriers authenticate links and chunks with, derived from the weight channel's key."""
-    return hmac.new(authkey, b"rlharvest-relay", "sha256").digest()
+def weight_key(slot: bytes, salt: bytes) -> bytes:
+    """The key of a node's weight channel: derived from its slot key and the sender's salt (which
+    travels in the node's spec; the key itself never does)."""
+    return derive_key(slot, "weights", salt)
+
+
+def relay_port_key(weights: bytes) -> bytes:
+    """The key of a carrier's relay port, derived from its weight channel's key."""
+    return derive_key(weights, "relay-port")
+
+
+def wrap_key(key: bytes, kek: bytes) -> bytes:
+    """``key`` (32 bytes) encrypted for the holder of ``kek``: a fresh 16-byte nonce, then ``key``
+    XOR HMAC-SHA256(``kek``, nonce). Sent over an authenticated channel, so it is not altered either."""
+    nonce = os.urandom(16)
+    return nonce + bytes(a ^ b for a, b in zip(key, derive_key(kek, "wrap", nonce)))
+
+
+def unwrap_key(wrapped: bytes, kek: bytes) -> bytes:
+    """The key :func:`wrap_key` wrapped under ``kek``.
+
+    Raises:
+        ValueError: for anything but 48 bytes.
+    """
+    if not isinstance(wrapped, bytes) or len(wrapped) != 48:
+        raise ValueError("a wrapped key takes 48 bytes")
+    return bytes(a ^ b for a, b in zip(wrapped[16:], derive_key(kek, "wrap", wrapped[:16])))
 
 
 @dataclass(frozen=True)
@@ -95,11 +125,9 @@ class Stream:
         return data[index * self.chunk:min(self.total, (index + 1) * self.chunk)]
 
 
-def chunk_tag(key: bytes, stream: Stream, index: int, payload) -> bytes:
-    """HMAC-SHA256 of chunk ``index`` of ``stream``: binds its bytes to the update and their place."""
-    tag = hmac.new(key, stream.nonce + stream.version.to_bytes(8, "big") + index.to_bytes(8, "big"), "sha256")
-    tag.update(payload)
-    return tag.digest()
+def chunk_digests(data: memoryview, stream: Stream) -> bytes:
+    """The SHA-256 of every chunk of ``stream`` in ``data``, concatenated (32 bytes per chunk)."""
+    return b"".join(hashlib.sha256(stream.piece(data, index)).digest() for index in range(stream.count))
 
 
 def local_address(conn) -> str:
@@ -110,7 +138,7 @@ def local_address(conn) -> str:
 
 def _raw(channel) -> socket.socket:
     """The socket under an authenticated channel, for chunks sent and received without copies (the
-    channel itself is closed: from now on, the chunk tags authenticate what crosses the link)."""
+    channel itself is closed: from now on, the chunk digests authenticate what crosses the link)."""
     sock = socket.socket(fileno=os.dup(channel.fileno()))
     channel.close()
     return sock
@@ -129,20 +157,20 @@ class Links:
     """Links this process opened to carriers downstream, by address, kept from one update to the next.
 
     Args:
-        key: the relay key (:func:`relay_key`).
         me: how this process names itself to the listener (a worker index, or :data:`FROM_MAIN`).
         handshake_timeout, user_timeout: of the handshake and the TCP connection.
     """
 
-    def __init__(self, key: bytes, me: int, handshake_timeout: float, user_timeout: float) -> None:
-        self.key, self.me = key, me
+    def __init__(self, me: int, handshake_timeout: float, user_timeout: float) -> None:
+        self.me = me
         self.handshake_timeout, self.user_timeout = handshake_timeout, user_timeout
         self._open: dict[tuple[str, int], socket.socket] = {}
         self._lock = threading.Lock()
 
-    def get(self, address: tuple[str, int]) -> socket.socket | None:
-        """The link to ``address``: the one kept if its peer did not close it, else a new one; None if
-        it cannot be opened (the carrier there then asks the main process for the update)."""
+    def get(self, address: tuple[str, int], key: bytes) -> socket.socket | None:
+        """The link to ``address``: the one kept if its peer did not close it, else a new one opened
+        with ``key`` (the relay key of the carrier there); None if it cannot be opened (the carrier
+        there then asks the main process for the update)."""
         address = (address[0], int(address[1]))
         with self._lock:
             sock = self._open.get(address)
@@ -150,9 +178,9 @@ class Links:
             return sock
         self.drop(address)
         try:
-            channel = open_channel(address[0], address[1], self.key, self.handshake_timeout, self.user_timeout,
+            channel = open_channel(address[0], address[1], key, self.handshake_timeout, self.user_timeout,
                                    self.handshake_timeout)
-            channel.send(("relay-link", self.me))
+            channel.send_hello(("relay-link", self.me))
         except (OSError, EOFError, AuthenticationFailed):
             return None
         sock = _raw(channel)
@@ -200,11 +228,15 @@ def _at_end(sock: socket.socket) -> bool:
 
 class RelayPort:
     """A node's relay listener, on the address its weight channel leaves from (port from the OS), and
-    the links upstream carriers (or the main process) opened to it."""
+    the links upstream carriers (or the main process) opened to it.
 
-    def __init__(self, address: str, authkey: bytes, handshake_timeout: float, user_timeout: float) -> None:
-        self.key = relay_key(authkey)
-        self.listener = ChannelListener(listen(address, 0, attempts=1), self.key, "relay", handshake_timeout,
+    Args:
+        key: this carrier's relay key (:func:`relay_port_key`).
+    """
+
+    def __init__(self, address: str, key: bytes, handshake_timeout: float, user_timeout: float) -> None:
+        self.key = key
+        self.listener = ChannelListener(listen(address, 0, attempts=1), key, "relay", handshake_timeout,
                                         user_timeout)
         self.port = self.listener.port
         self._links: dict[int, socket.socket] = {}
@@ -230,8 +262,7 @@ class RelayPort:
                 return
             timeout = 0.0
             channel, hello, peer = item
-            if not (isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "relay-link"
-                    and type(hello[1]) is int):
+            if not (len(hello) == 2 and hello[0] == "relay-link" and type(hello[1]) is int):
                 channel.close()
                 self.listener.drop(peer, f"unexpected hello {hello!r:.80}")
                 continue
@@ -251,24 +282,28 @@ class RelayPort:
 
 class Forwarder:
     """Sends ``stream`` from ``data`` over a link, in a thread, chunk by chunk as they are given
-    (:meth:`put`); the main process gives them all at once and has the tags computed here.
+    (:meth:`put`; the main process gives them all at once), within ``deadline`` (monotonic seconds).
 
-    A link that fails (or a stream given up with ``finish(False)``) is dropped through ``broken``:
-    the carrier downstream then misses chunks and asks the main process for the update.
+    The forwarder reads ``data`` until its thread ends: :meth:`wait` returns only then (aborting the
+    link if the thread outlives its timeout), so nobody writes the buffer while it is being sent. A
+    link that fails (or a stream given up with ``finish(False)``) is dropped through ``broken``: the
+    carrier downstream then misses chunks and asks the main process for the update.
     """
 
     def __init__(self, connect: Callable[[], socket.socket | None], broken: Callable[[], None], data: memoryview,
-                 stream: Stream, silence: float, key: bytes | None = None) -> None:
+                 stream: Stream, silence: float, deadline: float | None = None) -> None:
         self._connect, self._broken = connect, broken
-        self.data, self.stream, self.silence, self.key = data, stream, silence, key
+        self.data, self.stream, self.silence = data, stream, silence
+        self.deadline = deadline if deadline is not None else time.monotonic() + 3600.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sock: socket.socket | None = None
         self.failed = False
         self._thread = threading.Thread(target=self._run, name="rlharvest-relay-forward", daemon=True)
         self._thread.start()
 
-    def put(self, index: int, tag: bytes | None = None) -> None:
-        """Chunk ``index`` is in ``data`` (with its ``tag``, or None to compute it here)."""
-        self._queue.put((index, tag))
+    def put(self, index: int) -> None:
+        """Chunk ``index`` is in ``data``."""
+        self._queue.put(index)
 
     def put_all(self) -> None:
         for index in range(self.stream.count):
@@ -280,29 +315,43 @@ class Forwarder:
         self._queue.put(whole)
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> None:
-        """Until the thread is done with ``data`` (a failed link does not raise: its carrier falls back)."""
+        """Until the thread is done with ``data`` (a failed link does not raise: its carrier falls
+        back). After ``timeout`` seconds the link is aborted, which ends the thread at once (once
+        :meth:`finish` was called)."""
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.failed = True
+            sock = self._sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked send; the link is dropped below
+                except OSError:
+                    pass
+            self._thread.join()
+
+    def _send(self, sock: socket.socket, data) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the update's deadline passed")
+        sock.settimeout(min(self.silence, remaining))  # bounds the whole sendall (Python >= 3.5)
+        sock.sendall(data)
 
     def _run(self) -> None:
         item = None
         try:
-            sock = self._connect()
+            sock = self._sock = self._connect()
             if sock is None:
                 raise ConnectionError("no link")
-            sock.settimeout(self.silence)
-            sock.sendall(self.stream.header())
+            self._send(sock, self.stream.header())
             while True:
                 item = self._queue.get()
                 if item is True:
                     return
                 if item is False:
                     raise ConnectionError("the stream was given up")
-                index, tag = item
-                piece = self.stream.piece(self.data, index)
-                sock.sendall(tag if tag is not None else chunk_tag(self.key, self.stream, index, piece))
-                sock.sendall(piece)
+                self._send(sock, self.stream.piece(self.data, item))
         except (OSError, ConnectionError):
             self.failed = True
             self._broken()
@@ -310,35 +359,40 @@ class Forwarder:
                 item = self._queue.get()
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, silence: float, deadline: float) -> None:
     while len(view):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the update's deadline passed")
+        sock.settimeout(min(silence, remaining))
         got = sock.recv_into(view)
         if got == 0:
             raise EOFError("the link closed")
         view = view[got:]
 
 
-def receive(sock: socket.socket, data: memoryview, stream: Stream, key: bytes, silence: float,
-            forwarder: Forwarder | None = None) -> bool:
-    """Receive ``stream`` from the link ``sock`` straight into ``data``, checking every chunk's tag and
-    handing it to ``forwarder`` once checked. Whether ``data`` now holds all of it: False when the link
-    closed, stayed silent ``silence`` seconds, or sent another update or a chunk that fails its tag
-    (the caller then drops the link)."""
-    tag = memoryview(bytearray(_TAG))
+def receive(sock: socket.socket, data: memoryview, stream: Stream, digests: bytes, silence: float,
+            forwarder: Forwarder | None = None, deadline: float | None = None) -> bool:
+    """Receive ``stream`` from the link ``sock`` straight into ``data``, checking every chunk against
+    its SHA-256 in ``digests`` (from the main process) and handing it to ``forwarder`` once checked.
+    Whether ``data`` now holds all of it: False when the link closed, stayed silent ``silence``
+    seconds, did not deliver by ``deadline`` (monotonic seconds), or sent another update or a chunk
+    that fails its digest (the caller then drops the link)."""
+    deadline = deadline if deadline is not None else time.monotonic() + 3600.0
+    if len(digests) != _DIGEST * stream.count:
+        return False
     try:
-        sock.settimeout(silence)
         header = bytearray(_HEADER.size)
-        _recv_into(sock, memoryview(header))
+        _recv_into(sock, memoryview(header), silence, deadline)
         if bytes(header) != stream.header():
             return False
         for index in range(stream.count):
             piece = stream.piece(data, index)
-            _recv_into(sock, tag)
-            _recv_into(sock, piece)
-            if not hmac.compare_digest(tag, chunk_tag(key, stream, index, piece)):
+            _recv_into(sock, piece, silence, deadline)
+            if not hmac.compare_digest(hashlib.sha256(piece).digest(), digests[index * _DIGEST:(index + 1) * _DIGEST]):
                 return False
             if forwarder is not None:
-                forwarder.put(index, bytes(tag))
+                forwarder.put(index)
         return True
     except (OSError, EOFError):
         return False

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing.connection as mpc
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -37,12 +38,14 @@ from tensordict import TensorDictBase
 from ..data.flat import FlatLayout, copy_leaves_
 from ..errors import WorkerError, WorkerTimeoutError
 from .base import WeightLinks, WeightSender, receive_from
-from .channel import ChannelListener, listen, new_authkey
+from .channel import listen, slot_key
+from .listener import ChannelListener
 from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts
 from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
-from .torchdist_relay import FROM_MAIN, Forwarder, Links, Stream, relay_key
+from .torchdist_relay import (FROM_MAIN, Forwarder, Links, Stream, chunk_digests, relay_port_key, weight_key,
+                              wrap_key)
 from .weight_pool import GenerationBook, NamedShmAllocator
 
 __all__ = ["NodeWeightLinks", "NodeGroupLinks", "DistWeightSender", "DistWeightReceiver"]
@@ -64,6 +67,7 @@ class NodeWeightLinks(WeightLinks):
         relay_silence: seconds a carrier waits for the carrier before it on the relay between hosts
             (to connect, or between two chunks) before it takes the update from the main process;
             below the heartbeat timeout, so that nodes waiting on a relay do not look dead.
+        authkey: the collector's key, which every node's weight key derives from (never in a repr).
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +77,7 @@ class NodeWeightLinks(WeightLinks):
     user_timeout: float = 10.0
     handshake_timeout: float = 5.0
     relay_silence: float = 3.0
+    authkey: bytes | None = field(default=None, repr=False)
 
 
 class DistWeightSender(WeightSender):
@@ -83,15 +88,18 @@ class DistWeightSender(WeightSender):
 
     def __init__(self, num_workers: int, host: str, bind_host: str, port: int, peer: Peer,
                  liveness: Callable[[int], tuple[bool, str]] | None, user_timeout: float = 10.0,
-                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = True) -> None:
+                 handshake_timeout: float = 5.0, relay_silence: float = 3.0, relay: bool = True, *,
+                 authkey: bytes) -> None:
         self.num_workers = num_workers
         self.host, self.bind_host, self.port = host, bind_host, port
         self.peer = peer
         self.liveness = liveness
         self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
         self.relay_silence, self.relay = relay_silence, relay
-        # Its own key, which reaches the nodes inside their spec (over their authenticated command channel).
-        self.authkey = new_authkey()
+        # Each node's weight key derives from its slot key and this salt: the salt reaches the nodes in
+        # their spec, the keys never travel (docs/security.md, "The key").
+        self._authkey, self.salt = authkey, os.urandom(16)
+        self._keys: dict[int, bytes] = {}
         self.listener = self._listen()
         self.conns: dict[int, Any] = {}
         self.local: dict[int, bool] = {}
@@ -117,14 +125,24 @@ class DistWeightSender(WeightSender):
         #: ``worker -> version``: carriers whose relay broke, which wait for the update from this process
         self._unrelayed: dict[int, int] = {}
         #: links to the first carrier of the chain, kept from one update to the next
-        self._links = Links(relay_key(self.authkey), FROM_MAIN, handshake_timeout, user_timeout)
+        self._links = Links(FROM_MAIN, handshake_timeout, user_timeout)
+
+    def key_of(self, worker: int) -> bytes:
+        """The weight key of node ``worker`` (what it derives from its slot key and :attr:`salt`)."""
+        key = self._keys.get(worker)
+        if key is None:
+            key = self._keys[worker] = weight_key(slot_key(self._authkey, worker + 1), self.salt)
+        return key
+
+    def _listen_keys(self, key_id: int) -> bytes | None:
+        return self.key_of(key_id - 1) if 1 <= key_id <= self.num_workers else None  # key id: the node's rank
 
     def _listen(self) -> ChannelListener:
-        return ChannelListener(listen(self.bind_host, self.port), self.authkey, "weight", self.handshake_timeout,
+        return ChannelListener(listen(self.bind_host, self.port), self._listen_keys, "weight", self.handshake_timeout,
                                self.user_timeout)
 
     def connection_info(self) -> dict:
-        return {"host": self.host, "port": self.listener.port, "authkey": self.authkey.hex(),
+        return {"host": self.host, "port": self.listener.port, "salt": self.salt.hex(),
                 "handshake_timeout": self.listener.handshake_timeout, "relay": self.relay}
 
     def connect(self, initial, timeout: float = 120.0) -> None:
@@ -147,7 +165,7 @@ class DistWeightSender(WeightSender):
                 conn, hello, peer = item
                 worker = _hello_worker(hello, self.num_workers)
                 expected = set(workers) | self._awaited
-                if worker is None or worker not in expected or worker in self.conns:  # authenticated, yet unexpected
+                if worker is None or worker not in expected or worker in self.conns or conn.key_id != worker + 1:
                     conn.close()
                     self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
                     continue
@@ -254,8 +272,8 @@ class DistWeightSender(WeightSender):
 
     def _announce_slot(self, host: RemoteHost, kind: str, version: int, relay: tuple | None) -> None:
         """Tell ``host``'s carrier which slot to take the update into; from this process over its
-        group unless ``relay`` (``(upstream, downstream address, silence, stream)``) puts it on the
-        relay between hosts."""
+        group unless ``relay`` (``(upstream, downstream carrier, silence, stream, chunk digests)``)
+        puts it on the relay between hosts."""
         carrier = host.carrier
         members = [w for w in host.members if w in self.conns]
         slot_id, _ = host.choose_slot(self.book.busy(members))
@@ -266,9 +284,11 @@ class DistWeightSender(WeightSender):
             if relay is None:
                 self._send_flat(carrier, (kind, version, body))
                 return
-            upstream, downstream, silence, stream = relay
+            upstream, downstream, silence, stream, digests = relay
+            if downstream is not None:  # the next carrier's relay key, for this carrier only
+                downstream = (*self._relay_at[downstream], wrap_key(self._relay_key(downstream), self.key_of(carrier)))
             self.conns[carrier].send((kind, version, body + ((upstream, downstream, silence, stream.nonce,
-                                                              stream.chunk),)))
+                                                              stream.chunk, digests),)))
         except OSError:  # its channel broke: _relay finds it lost and picks another carrier
             return
         if upstream == FROM_MAIN:  # the first of the chain: streamed over its link, tagged once here
@@ -277,13 +297,17 @@ class DistWeightSender(WeightSender):
     def _stream_to(self, carrier: int, stream: Stream, silence: float) -> None:
         """The update to ``carrier`` over the link to its relay port, from a thread (``_finish_sends``
         waits for it before the flat buffer is written again)."""
-        address = self._relay_at[carrier]
-        forwarder = Forwarder(lambda: self._links.get(address), lambda: self._links.drop(address),
-                              memoryview(self._flat.numpy()), stream, silence, key=self._links.key)
+        address, key = self._relay_at[carrier], self._relay_key(carrier)
+        forwarder = Forwarder(lambda: self._links.get(address, key), lambda: self._links.drop(address),
+                              memoryview(self._flat.numpy()), stream, silence)
         forwarder.put_all()
         self._works.append((carrier, forwarder))
 
     # ------------------------------------------------------------------ a relay between hosts
+    def _relay_key(self, carrier: int) -> bytes:
+        """The key of ``carrier``'s relay port (derived from its weight key)."""
+        return relay_port_key(self.key_of(carrier))
+
     def _plan(self, remote: list[int]) -> tuple[list[int], dict, dict]:
         """``remote`` split into nodes sent their own copy, hosts sent one copy each, and hosts on the
         relay chain (every host whose nodes all listen for a relay, when there are two or more)."""
@@ -305,11 +329,12 @@ class DistWeightSender(WeightSender):
         # link, and the one copy out of this machine is then theirs, to the next host
         here = {self.host, self.bind_host}
         links = sorted((host for host, waiting in routes.items() if waiting), key=lambda h: h.address not in here)
-        stream = Stream.new(version, self._flat.numel())  # its nonce binds every chunk's tag to this update
+        stream = Stream.new(version, self._flat.numel())  # its nonce ties the stream to this update
+        digests = chunk_digests(memoryview(self._flat.numpy()), stream) if links else b""
         for index, host in enumerate(links):
             upstream = links[index - 1].carrier if index > 0 else FROM_MAIN
-            downstream = self._relay_at[links[index + 1].carrier] if index + 1 < len(links) else None
-            self._announce_slot(host, kind, version, (upstream, downstream, self.relay_silence, stream))
+            downstream = links[index + 1].carrier if index + 1 < len(links) else None
+            self._announce_slot(host, kind, version, (upstream, downstream, self.relay_silence, stream, digests))
         return routes
 
     def _send_unrelayed(self, carrier: int, version: int) -> None:

@@ -69,7 +69,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         return DistWeightSender(self._num_workers, host=links.host, bind_host=links.bind_host, port=links.port,
                                 peer=links.peer, liveness=links.liveness, user_timeout=links.user_timeout,
                                 handshake_timeout=links.handshake_timeout, relay_silence=links.relay_silence,
-                                relay=self.relay)
+                                relay=self.relay, authkey=links.authkey)
 
     def _initial_payload(self, weights: Any):
         if weights is not None:

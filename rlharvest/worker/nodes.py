@@ -58,7 +58,7 @@ def join_main(host: str, port: int, authkey: bytes, **kwargs: Any) -> None:
     use_worker_scheduling()
     torch.set_num_threads(1)
     seat = join_collector(host, port, authkey, **kwargs)
-    endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store)
+    endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store, seat.key)
     _serve(endpoint, seat.payload, seat.index)
 
 

@@ -1,7 +1,9 @@
 """Authenticated channels (rlharvest/transport/channel.py) against strangers, over loopback only.
 
 Every attack here is a peer on 127.0.0.1 without the key: silent, garbage, a slow drip, a wrong key,
-a fake listener, a relay. None may stall the listener, crash it, or get anything unpickled.
+a fake listener, a relay, a flood from one address. None may stall the listener, crash it, or get
+anything unpickled. A peer *with* the key cannot get a pickled hello or a message outside the
+allow-list unpickled by the listener either (rlharvest/transport/wire.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import time
 import pytest
 from mocks import wait_until
 
-from rlharvest.transport.channel import (AuthenticationFailed, ChannelListener, listen, new_authkey, open_channel,
-                                         parse_authkey)
+from rlharvest.transport.channel import (AuthenticationFailed, RefusedMessage, listen, new_authkey, open_channel,
+                                         parse_authkey, slot_key)
+from rlharvest.transport.listener import ChannelListener
+from rlharvest.transport.rendezvous import command_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +50,7 @@ def listener():
 def connect(listener, key=None, hello=("hello", 1)):
     channel = open_channel("127.0.0.1", listener.port, key or listener.key, timeout=5.0, user_timeout=5.0,
                            handshake_timeout=2.0)
-    channel.send(hello)
+    channel.send_hello(hello)
     return channel
 
 
@@ -153,7 +157,7 @@ def test_a_fake_listener_cannot_get_a_pickle_unpickled(listener, tmp_path):
     def attacker() -> None:
         sock, _ = server.accept()
         conn = mpc.Connection(sock.detach())
-        conn.send_bytes(b"rlharvest-channel-1\0" + os.urandom(32))  # looks like ours
+        conn.send_bytes(b"rlharvest-channel-2\0" + os.urandom(32))  # looks like ours
         conn.recv_bytes()  # the node's proof
         conn.send_bytes(pickle.dumps(Boom(str(marker))))
         conn.send_bytes(pickle.dumps(Boom(str(marker))))
@@ -197,7 +201,7 @@ def test_a_relay_cannot_inject_messages(listener, tmp_path):
     thread.start()
     try:
         peer = open_channel("127.0.0.1", relay.getsockname()[1], listener.key, 5.0, 5.0, 2.0)
-        peer.send(("hello", 1))
+        peer.send_hello(("hello", 1))
         channel, hello, _ = listener.next(5.0)
         assert hello == ("hello", 1)  # relaying a genuine exchange is all a relay can do
         with pytest.raises(AuthenticationFailed, match="failed authentication"):
@@ -209,6 +213,63 @@ def test_a_relay_cannot_inject_messages(listener, tmp_path):
         thread.join(5)
         relay.close()
     assert not marker.exists()
+
+
+def test_a_key_holder_gets_no_pickle_unpickled_by_the_listener(listener, tmp_path, caplog):
+    """A peer holding the key sends a pickled hello (dropped: hellos are plain values), then, as a
+    node would, a message with a global outside the allow-list (refused, nothing called)."""
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    marker = tmp_path / "pwned"
+    peer = open_channel("127.0.0.1", listener.port, listener.key, 5.0, 5.0, 2.0)
+    peer.send(Boom(str(marker)))  # a pickle where the hello goes
+    assert listener.next(1.0) is None and closed_by_peer(socket.socket(fileno=os.dup(peer.fileno())), 5.0)
+    wait_until(lambda: "not a JSON array" in caplog.text, 5.0, "the dropped pickled hello")
+    peer.close()
+    peer = connect(listener)
+    channel, _, _ = listener.next(5.0)
+    peer.send(("hb", 3, {"x": [1.5, None]}))  # plain values pass
+    assert channel.recv() == ("hb", 3, {"x": [1.5, None]})
+    peer.send(("hb", Boom(str(marker))))
+    with pytest.raises(RefusedMessage, match=r"io\.open"):  # an OSError: as if the node had gone
+        channel.recv()
+    assert channel.closed and not marker.exists()
+    peer.close()
+
+
+def test_a_slot_key_opens_a_channel_for_its_own_rank_only():
+    """Nodes the collector starts hold their slot's key only: the listener learns which."""
+    key = new_authkey()
+    server = ChannelListener(listen("127.0.0.1", 0), command_keys(key), "command", 1.0, 5.0)
+    try:
+        peer = open_channel("127.0.0.1", server.port, slot_key(key, 3), 5.0, 5.0, 2.0, key_id=3)
+        peer.send_hello(("hello", 3, 1, "h"))
+        channel, hello, _ = server.next(5.0)
+        assert channel.key_id == 3 and hello == ("hello", 3, 1, "h")
+        for wrong_id in (2, 0, -1, 1 << 40):  # another rank's id, the collector's, nonsense
+            with pytest.raises(AuthenticationFailed):
+                open_channel("127.0.0.1", server.port, slot_key(key, 3), 5.0, 5.0, 2.0, key_id=wrong_id)
+        assert server.next(0.5) is None
+        peer.close()
+        channel.close()
+    finally:
+        server.close()
+
+
+def test_one_address_holds_a_few_handshakes_and_its_drops_are_logged_sparingly(caplog):
+    """A flood from one address holds at most MAX_PER_SOURCE handshakes; the warnings about it stay
+    a handful plus a count, not one line per connection."""
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    server = ChannelListener(listen("127.0.0.1", 0), new_authkey(), "test", 2.0, 5.0)
+    flood = [raw(server.port) for _ in range(3 * ChannelListener.MAX_PER_SOURCE)]
+    try:
+        wait_until(lambda: sum(closed_by_peer(sock, 0.01) for sock in flood) >= 2 * ChannelListener.MAX_PER_SOURCE,
+                   5.0, "the connections beyond the cap closing")
+        lines = [r.getMessage() for r in caplog.records if "dropped a connection" in r.getMessage()]
+        assert 1 <= len(lines) <= 5 and "handshakes from 127.0.0.1 already in progress" in lines[0]
+    finally:
+        for sock in flood:
+            sock.close()
+        server.close()
 
 
 def test_closed_listener_refuses_connections(listener):

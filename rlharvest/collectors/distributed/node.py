@@ -3,11 +3,12 @@
 ``rlharvest node --join HOST:PORT --key-file PATH`` joins a collector of ``launcher="external"``;
 ``rlharvest node --rank 1 --world-size 3 --host H --port P`` is node 1 of a collector of
 ``launcher="submitit_delayed"`` (it waits for nodes started elsewhere: by
-:func:`submitit_delayed_launcher`, by this command on another machine, ...).
+:func:`submitit_delayed_launcher`, by this command on another machine, ...); ``P`` is the collector's
+``tcp_port``: its command port (with mpi and ucc, its store).
 
 A :class:`~rlharvest.collectors.distributed.DistributedCollector` node proves to the main process
 that it holds the collector's key, and requires the same proof back, before it trusts anything it
-receives (docs/security.md). Give it the key (hex) in a file only you can read (``--key-file``) or,
+receives (docs/security.md). Give it the key (hex) in a file only you can read or replace (``--key-file``) or,
 with ``--rank``, in the ``RLHARVEST_AUTHKEY`` environment variable. There is deliberately no option
 taking the key itself: a command line is visible to every user of the machine.
 
@@ -25,18 +26,17 @@ from ..._node_cli import NodeArgs, add_node_arguments, parse_node_args
 from ...transport.channel import parse_authkey
 from ...transport.torchdist import node_authkey
 from ...worker.nodes import join_main, node_main
+from ...transport.join_keys import read_key_file
 
 
-def read_authkey_file(path: str) -> str:
-    """The hex key in ``path``.
+def read_authkey_file(path: str, flag: str = "--authkey-file") -> str:
+    """The hex key in ``path`` (given as ``flag``), checked as
+    :func:`~rlharvest.transport.join_keys.read_key_file` does.
 
     Raises:
-        PermissionError: when other users may read the file.
+        PermissionError: when other users may read or replace the file.
     """
-    if os.stat(path).st_mode & 0o077:
-        raise PermissionError(f"--authkey-file {path!r} is readable by other users: chmod 600 it.")
-    with open(path) as handle:
-        return handle.read().strip()
+    return read_key_file(path, flag)
 
 
 def read_key(args: NodeArgs) -> bytes | None:
@@ -48,7 +48,8 @@ def read_key(args: NodeArgs) -> bytes | None:
         ValueError: no key, or not hex.
     """
     if args.key_file:
-        return parse_authkey(read_authkey_file(args.key_file), "--key-file")
+        flag = "--authkey-file" if args.deprecated_flag else "--key-file"
+        return parse_authkey(read_authkey_file(args.key_file, flag), flag)
     if args.join is None and args.framework == "distributed":
         return node_authkey(None)
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .joins import JoinKey, join_argv
+from ...transport.join_keys import JoinKey, join_argv
 
 
 __all__ = ["EngineExtra", "ExternalJoins", "RPCReferences"]
@@ -54,8 +54,10 @@ class ExternalJoins(EngineExtra):
         self.key = None
 
     def before_start(self) -> None:
-        self.engine.backend.open_joins()
-        self.key = JoinKey(self.engine.options.network.authkey)
+        network = self.engine.options.network
+        self.key = JoinKey(network.authkey)
+        # the join command goes to the log while slots wait for nodes
+        self.engine.backend.open_joins(join_argv(network.advertised_host, network.tcp_port, self.key.path))
 
     def command(self) -> list[str]:
         """The argv a node runs to join.

@@ -7,7 +7,7 @@ they hold and how long each wait may take (docs/security.md explains the choices
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import positive_seconds
@@ -67,13 +67,15 @@ class NetworkConfig:
 
     launcher: str
     tcp_port: int
-    """The base port ``p`` (store); ``p+1`` (commands) and ``p+2`` (weights) follow it."""
+    """The base port ``p``: the command port (the store with mpi and ucc, whose command port is then
+    ``p+1``); ``p+2`` (weights) follows it."""
     advertised_host: str
     """The address nodes connect to."""
     bind_host: str
     """The local address every listening socket binds to ("" = every interface)."""
-    authkey: bytes | None
-    """The key nodes prove they hold on the command port (None for RPC: torch RPC has no such port)."""
+    authkey: bytes | None = field(repr=False)
+    """The key nodes prove they hold on the command port (None for RPC: torch RPC has no such port);
+    never in the repr."""
     worker_timeout: float
     heartbeat_timeout: float
     handshake_timeout: float

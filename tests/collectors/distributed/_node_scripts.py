@@ -193,7 +193,7 @@ def node_in_host_b(rank: int, *args, **kwargs) -> None:
     """Node target: the first node 1 enters host B's network namespace, then runs as any node."""
     from rlharvest.worker.nodes import node_main
 
-    if rank == 2 and kwargs.get("generation", 0) == 0:
+    if rank == 2 and kwargs.get("command_port") is None:  # a replacement is told a command port of its own
         import ctypes
 
         fd = os.open(os.environ["RLH_TEST_NODE_NETNS"], os.O_RDONLY)
@@ -221,7 +221,8 @@ def node_in_hosts(rank: int, *args, **kwargs) -> None:
     from rlharvest.worker.nodes import node_main
 
     placement = dict(item.split("=", 1) for item in os.environ.get("RLH_TEST_NODE_HOSTS", "").split(",") if item)
-    if str(rank) in placement and (kwargs.get("generation", 0) == 0 or os.environ.get("RLH_TEST_REPLACE_IN_HOSTS")):
+    first = kwargs.get("command_port") is None  # a replacement is told a command port of its own
+    if str(rank) in placement and (first or os.environ.get("RLH_TEST_REPLACE_IN_HOSTS")):
         path, ifname = placement[str(rank)].split("@")
         _enter_netns(path, ifname)
     node_main(rank, *args, **kwargs)
@@ -431,10 +432,12 @@ def host_copies_main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------- listening addresses of "mp" collectors
 def listening_addresses(pids: list[int]) -> dict:
+    """The local addresses of each process's listening and connected sockets (gloo's ports close
+    once their pair formed: its connections show where it runs)."""
     import psutil
 
-    return {str(pid): sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"})
-            for pid in pids}
+    return {str(pid): sorted({c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process(pid).net_connections("inet")
+                              if c.status in ("LISTEN", "ESTABLISHED")}) for pid in pids}
 
 
 def loopback_listeners() -> int:

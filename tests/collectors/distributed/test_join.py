@@ -50,9 +50,9 @@ _STARTED: list[list[subprocess.Popen]] = []
 
 
 def start_node(argv: list[str], **popen) -> subprocess.Popen:
-    """Run the join command (with this interpreter as its ``python``)."""
-    assert argv[:5] == ["python", "-m", "rlharvest", "node", "--join"]
-    node = subprocess.Popen([sys.executable, *argv[1:]], env=ENV, **popen)
+    """Run the join command: this interpreter, as the collector names it."""
+    assert argv[:5] == [sys.executable, "-m", "rlharvest", "node", "--join"]
+    node = subprocess.Popen(argv, env=ENV, **popen)
     _STARTED[-1].append(node)
     return node
 
@@ -183,11 +183,18 @@ def test_a_slot_left_empty_takes_the_next_node_that_joins():
     assert ended(nodes) == [0, 0, 0]
 
 
-def test_the_first_batch_waits_for_the_nodes_and_names_the_empty_slots():
+def test_the_first_batch_waits_for_the_nodes_and_names_the_empty_slots(monkeypatch, caplog):
+    from rlharvest.transport.torchdist_join import JoinService
+
+    monkeypatch.setattr(JoinService, "LOG_EVERY", 0.5)  # every 10 s by default
     collector = make(3, frames_per_batch=6, total_frames=12, sync=True, worker_timeout=2.0)
-    with pytest.raises(WorkerTimeoutError, match=r"no node joined slots \[0, 1, 2\] within 2 s"):
-        next(iter(collector))
+    command = " ".join(collector.join_command())
+    with caplog.at_level(logging.INFO, logger="rlharvest"):
+        with pytest.raises(WorkerTimeoutError, match=r"no node joined slots \[0, 1, 2\] within 2 s"):
+            next(iter(collector))
     collector.shutdown()
+    waiting = [r.getMessage() for r in caplog.records if "waiting for nodes to join" in r.getMessage()]
+    assert waiting and "slots [0, 1, 2]" in waiting[0] and waiting[0].endswith(command), waiting
 
 
 def test_arguments_that_do_not_fit_joining_nodes_are_refused():

@@ -1,9 +1,10 @@
 """The multi-node path against a stranger on the same host (docs/security.md).
 
-Every attack sends traffic to 127.0.0.1 only (or inside the test's own network namespace): the
-rendezvous store holds no secret, a rewritten store entry cannot make a node run code, silent,
-garbage and wrong-key peers on every port change nothing, and ``"mp"`` collectors listen on
-loopback only.
+Every attack sends traffic to 127.0.0.1 only (or inside the test's own network namespace): there is
+no store to rewrite, a stranger squatting the port a node connects to cannot make it run code,
+silent, garbage and wrong-key peers on every port change nothing, ``"mp"`` collectors listen on
+loopback only, and a node refuses a key file others could read or replace. (The attacks of issue 36
+are in test_attacks.py.)
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from mocks import CountingPolicy
 
 import netns
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector, node
+from rlharvest.collectors.engine import engine_of
+from rlharvest.transport.join_keys import read_key_file
 from rlharvest.transport.launchers import private_job_folder
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.channel import AuthenticationFailed, new_authkey, open_channel
 from rlharvest.transport.ports import free_port_block
-from rlharvest.transport.rendezvous import CONTROL_KEY, group_store, make_process_group, store_server
-from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,6 +42,11 @@ TESTS = os.path.dirname(os.path.dirname(HERE))
 
 def listening(pid: int) -> set[tuple[str, int]]:
     return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+
+
+def local_addresses(pid: int) -> set[str]:
+    """Where ``pid``'s listening and connected sockets are (gloo's ports close once their pair formed)."""
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status in ("LISTEN", "ESTABLISHED")}
 
 
 def pids_of(collector) -> list[int]:
@@ -57,23 +63,18 @@ def weight_port(collector) -> int:
     return engine_of(collector).weights.sender_schemes["policy"].sender_transports.listener.port
 
 
-def test_store_holds_no_secret_and_mp_listens_on_loopback_only():
+def test_no_store_no_key_in_a_spec_and_mp_listens_on_loopback_only():
     with counting_collector() as collector:
         collector.next()
-        store = engine_of(collector).backend.rendezvous.store
-        keys = store.list_keys()
-        values = {key: store.get(key) for key in keys}
-        secrets_ = [engine_of(collector).options.network.authkey, engine_of(collector).weights.sender_schemes["policy"].sender_transports.authkey]
-        for key, value in values.items():
-            for secret in secrets_:
-                assert secret not in value and secret.hex().encode() not in value, key
-        # the only rlharvest entry is a port number (tampering with it can only make nodes fail)
-        assert [k for k in keys if "rlharvest" in k] == [CONTROL_KEY] and values[CONTROL_KEY].isdigit()
+        assert engine_of(collector).backend.rendezvous.store is None  # gloo: groups form over the channels
+        info = engine_of(collector).weights.sender_schemes["policy"].__getstate__()["_connection_info"]
+        assert "authkey" not in info and set(info) >= {"salt", "port"}  # the weight key never travels
+        assert engine_of(collector).options.network.authkey.hex() not in repr(engine_of(collector).options.network)
         for pid in pids_of(collector):
-            assert {ip for ip, _ in listening(pid)} == {"127.0.0.1"}, (pid, listening(pid))
+            assert local_addresses(pid) == {"127.0.0.1"}, (pid, local_addresses(pid))
         # after start-up the command and weight ports are closed: no stranger can even connect
         ports = {port for _, port in listening(os.getpid())}
-        assert int(collector.tcp_port) + 1 not in ports and weight_port(collector) not in ports
+        assert int(collector.tcp_port) not in ports and weight_port(collector) not in ports
 
 
 def test_rpc_mp_listens_on_loopback_only():
@@ -93,38 +94,31 @@ class Boom:
         return (open, (self.path, "w"))
 
 
-def test_rewritten_control_port_cannot_make_a_node_run_code(tmp_path):
-    """A node started by hand, whose store we prepare with the command port rewritten to point at
-    an attacker: the node connects there, refuses it, and nothing the attacker sent is unpickled."""
-    port, key, marker = free_port_block(3), new_authkey(), tmp_path / "pwned"
-    store = store_server("127.0.0.1", port, 2, 30.0)
+def test_a_stranger_on_the_nodes_port_cannot_make_a_node_run_code(tmp_path):
+    """A node started by hand connects to a stranger squatting the port it was told: it refuses it,
+    and nothing the stranger sent is unpickled."""
+    key, marker = new_authkey(), tmp_path / "pwned"
     attacker = socket.create_server(("127.0.0.1", 0))
-    store.set(CONTROL_KEY, str(attacker.getsockname()[1]))  # before the node reads it
     seen: list = []
 
     def attack() -> None:
         attacker.settimeout(60)
         sock, _ = attacker.accept()
         conn = mpc.Connection(sock.detach())
-        conn.send_bytes(b"rlharvest-channel-1\0" + os.urandom(32))  # a greeting like ours...
+        conn.send_bytes(b"rlharvest-channel-2\0" + os.urandom(32))  # a greeting like ours...
         seen.append(conn.recv_bytes())  # ... the node's proof ...
         for _ in range(3):  # ... then pickles instead of the listener's proof and the node's spec
             conn.send_bytes(pickle.dumps(Boom(str(marker))))
         time.sleep(1.0)
         conn.close()
 
-    group: dict = {}
-    threads = [threading.Thread(target=attack, daemon=True),
-               threading.Thread(target=lambda: group.update(pg=make_process_group("gloo", group_store(store, 1, 0), 0, 2,
-                                                                                  30.0)), daemon=True)]
-    for thread in threads:
-        thread.start()
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
     env = {**os.environ, "RLHARVEST_AUTHKEY": key.hex(), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     node = subprocess.run([sys.executable, "-m", "rlharvest.collectors.distributed.node", "--rank", "1",
-                           "--world-size", "2", "--host", "127.0.0.1", "--port", str(port)],
+                           "--world-size", "2", "--host", "127.0.0.1", "--port", str(attacker.getsockname()[1])],
                           env=env, capture_output=True, text=True, timeout=90)
-    for thread in threads:
-        thread.join(10)
+    thread.join(10)
     attacker.close()
     assert seen, f"the node never reached the attacker:\n{node.stderr[-2000:]}"
     assert node.returncode != 0 and "refused the listener" in node.stderr, node.stderr[-2000:]
@@ -168,13 +162,12 @@ def _stranger(port: int, mode: str, stop: threading.Event, held: list, results: 
 
 
 def test_strangers_on_every_port_during_startup_and_collection(caplog):
-    """Silent, garbage and wrong-key peers on the store, command and weight ports while the collector
-    starts, then garbage on every listening port (store, gloo) while it collects."""
+    """Silent, garbage and wrong-key peers on the command and weight ports while the collector
+    starts, then garbage on every listening port (gloo) while it collects."""
     caplog.set_level(logging.WARNING, logger="rlharvest")
     port = free_port_block(3)
     stop, held, results = threading.Event(), [], []
-    attacks = [(port, "silent"), (port, "garbage")] + [
-        (target, mode) for target in (port + 1, port + 2) for mode in ("silent", "garbage", "wrong-key")]
+    attacks = [(target, mode) for target in (port, port + 2) for mode in ("silent", "garbage", "wrong-key")]
     threads = [threading.Thread(target=_stranger, args=(target, mode, stop, held, results), daemon=True)
                for target, mode in attacks]
     for thread in threads:
@@ -188,16 +181,16 @@ def test_strangers_on_every_port_during_startup_and_collection(caplog):
             thread.join(10)
         assert (collector.next()["action"] == 1).all()
         silent = [sock for _, mode, sock in held if mode == "silent"]
-        assert len(silent) == 3  # store, command and weight ports each had a silent peer
+        assert len(silent) == 2  # the command and weight ports each had a silent peer
         assert all(still_open(sock) for sock in silent)  # the collector started without waiting for them
         assert sorted(r[2] for r in results) == ["AuthenticationFailed"] * 2, results
         dropped = " ".join(r.getMessage() for r in caplog.records)
         assert "command port" in dropped and "weight port" in dropped, dropped
         # during collection: the command and weight ports are closed...
-        for target in (port + 1, weight_port(collector)):
+        for target in (port, weight_port(collector)):
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection(("127.0.0.1", target), timeout=1)
-        # ... and garbage on every port still listening (store, gloo pairs) changes nothing
+        # ... and garbage on every port still listening (gloo pairs) changes nothing
         for pid in pids_of(collector):
             for _, target in listening(pid):
                 with socket.create_connection(("127.0.0.1", target), timeout=1) as sock:
@@ -263,3 +256,48 @@ def test_a_node_started_by_hand_needs_the_key(monkeypatch, tmp_path):
     monkeypatch.setenv("RLHARVEST_AUTHKEY", "not hex")
     with pytest.raises(ValueError, match="RLHARVEST_AUTHKEY must be hex"):
         node.main(argv)
+
+
+def test_a_key_file_others_could_read_or_replace_is_refused(tmp_path):
+    """The key file is checked on the open file itself: a symbolic link, a file of another user, a
+    file others may read, or a folder others may write are refused, naming the node's own flag."""
+    key = new_authkey().hex()
+    good = tmp_path / "key"
+    good.write_text(key)
+    good.chmod(0o600)
+    assert read_key_file(str(good)) == key
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    with pytest.raises(PermissionError, match="--key-file .* is a symbolic link"):
+        read_key_file(str(link))
+    theirs = tmp_path / "theirs"
+    theirs.write_text(key)
+    theirs.chmod(0o600)
+    os.chown(theirs, 65534, 65534)  # someone else's file, though private (the tests run as root)
+    with pytest.raises(PermissionError, match="--key-file .* belongs to uid 65534"):
+        read_key_file(str(theirs))
+    good.chmod(0o640)
+    with pytest.raises(PermissionError, match="--key-file .* readable by other users"):
+        read_key_file(str(good))
+    with pytest.raises(PermissionError, match="--authkey-file .* readable by other users"):
+        node.main(["--rank", "1", "--world-size", "2", "--host", "127.0.0.1", "--port", "1",
+                   "--authkey-file", str(good)])
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may replace a file in it (no sticky bit)
+    (shared / "key").write_text(key)
+    (shared / "key").chmod(0o600)
+    with pytest.raises(PermissionError, match="in a folder other users may write"):
+        read_key_file(str(shared / "key"))
+
+
+@pytest.mark.parametrize("ending", ["an exception", "sys.exit(3)"])
+def test_the_join_key_file_is_removed_however_the_process_ends(ending):
+    """The key file of a collector whose process ends without shutting it down (a crash, an exit)."""
+    script = ("import sys\nfrom rlharvest.transport.join_keys import JoinKey\n"
+              "key = JoinKey(bytes(32))\nprint(key.path, flush=True)\n"
+              + ("raise RuntimeError('crash')\n" if ending == "an exception" else "sys.exit(3)\n"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    path = out.stdout.strip()
+    assert out.returncode != 0 and path.endswith("authkey"), out.stderr
+    assert not os.path.exists(os.path.dirname(path))

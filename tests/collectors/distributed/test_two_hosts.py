@@ -180,11 +180,11 @@ def test_two_hosts_happy_path(require_netns, tmp_path):
         assert started["advertised"] == a.ip
         check_batches(lines, 6)
         lines.until("holding", timeout=30)
-        # the node talks to A's veth address only, from B's: store (P), commands (P+1), weights (P+2), gloo
+        # the node talks to A's veth address only, from B's: commands (P), weights (P+2), gloo
         conns = node_connections(b, node.pid)
         assert conns, "the node has no established connection"
         assert {(local, peer) for local, peer, _ in conns} == {(b.ip, a.ip)}, conns
-        assert {PORT, PORT + 1, PORT + 2} <= {port for _, _, port in conns}, conns
+        assert {PORT, PORT + 2} <= {port for _, _, port in conns}, conns
         main.stdin.write("go\n")
         main.stdin.flush()
         lines.until("shutdown", timeout=30)
@@ -232,7 +232,7 @@ def test_a_node_on_host_b_joins_with_the_join_command_and_leaves_on_sigterm(requ
                            stdout=subprocess.PIPE, stderr=main_err, text=True)
         lines = Lines(main)
         argv = lines.until("join", timeout=90)["argv"]
-        assert argv[:6] == ["python", "-m", "rlharvest", "node", "--join", f"{a.ip}:{PORT}"], argv
+        assert argv[1:6] == ["-m", "rlharvest", "node", "--join", f"{a.ip}:{PORT}"], argv
         nodes = []
         for host in (a, b):
             with open(tmp_path / f"node-{host.ns}.log", "w") as log:
@@ -240,7 +240,7 @@ def test_a_node_on_host_b_joins_with_the_join_command_and_leaves_on_sigterm(requ
         lines.until("sigterm-me", timeout=180)
         conns = node_connections(b, nodes[1].pid)
         assert {(local, peer) for local, peer, _ in conns} == {(b.ip, a.ip)}, conns
-        assert {PORT, PORT + 1, PORT + 2} <= {port for _, _, port in conns}, conns
+        assert {PORT, PORT + 2} <= {port for _, _, port in conns}, conns
         nodes[1].send_signal(signal.SIGTERM)
         left = lines.until("left", timeout=90)
         assert (left["preemptions"], left["restarts"], left["workers"]) == (1, 0, 1), left
@@ -263,22 +263,24 @@ def test_node_weight_reader_thread_stops_when_closed():
 
     from rlharvest.transport.ports import free_port_block
     from rlharvest.transport.channel import accept_channel, listen
-    from rlharvest.transport.torchdist_weights import DistWeightReceiver
+    from rlharvest.transport.torchdist_relay import weight_key
+    from rlharvest.transport.torchdist_weights import DistWeightReceiver, NodeGroupLinks
+    from rlharvest.transport.wire import decode_hello
 
     server = listen("127.0.0.1", free_port_block(1))
-    authkey = secrets.token_bytes(16)
+    slot, salt = secrets.token_bytes(32), secrets.token_bytes(16)
     sender: dict = {}
 
     def serve() -> None:  # the main process's side of the weight channel, reduced to its handshake
-        conn = accept_channel(server, authkey, 10.0, 10.0)
-        sender["hello"] = conn.recv()
+        conn = accept_channel(server, lambda key_id: weight_key(slot, salt) if key_id == 1 else None, 10.0, 10.0)
+        sender["hello"] = decode_hello(conn.recv_bytes())
         conn.send(("init", None, None))
         sender["conn"] = conn
 
     thread = threading.Thread(target=serve)
     thread.start()
-    receiver = DistWeightReceiver({"host": "127.0.0.1", "port": server.getsockname()[1], "authkey": authkey.hex()},
-                                  worker_idx=0)
+    receiver = DistWeightReceiver({"host": "127.0.0.1", "port": server.getsockname()[1], "salt": salt.hex()},
+                                  worker_idx=0, links=NodeGroupLinks(None, key=slot, rank=1))
     try:
         assert receiver.connect(10.0) is None
         thread.join(10)

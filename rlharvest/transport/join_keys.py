@@ -1,0 +1,79 @@
+"""The key file of nodes that join from anywhere (``launcher="external"``, docs/elastic.md), both sides.
+
+:class:`JoinKey` writes the collector's key where a joining node reads it (a file only its owner
+may read, in a folder only its owner may enter), and removes it when the collector shuts down or
+its process exits; :func:`read_key_file` is how a node opens and checks such a file;
+:func:`join_argv` is the command a node runs. The engine gives an empty slot back to the node that
+joined it (``collectors/engine/extras.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import weakref
+
+__all__ = ["JoinKey", "join_argv", "read_key_file"]
+
+
+class JoinKey:
+    """The collector's key (hex) in ``<private temporary folder>/authkey``, mode 0600; removed by
+    :meth:`remove`, or when this object is collected or the interpreter exits (a process killed
+    with SIGKILL cannot remove it: docs/security.md)."""
+
+    def __init__(self, authkey: bytes) -> None:
+        self.folder = tempfile.mkdtemp(prefix="rlharvest-join-")  # mode 0700
+        self.path = os.path.join(self.folder, "authkey")
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(authkey.hex())
+
+    def remove(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"JoinKey(path={self.path!r})"
+
+
+def read_key_file(path: str, flag: str = "--key-file") -> str:
+    """The hex key in the file ``path`` (given as the command's ``flag``), once it is checked: a
+    regular file (not a symbolic link) of this user that no other user may read or write, in a
+    folder no other user may write (who could replace it). Checked on the open file itself, so
+    the file cannot be swapped between the check and the read.
+
+    Raises:
+        PermissionError: naming ``flag`` and ``path``, for a file or folder others may change or read.
+        OSError: when it cannot be opened (missing, a symbolic link: ``ELOOP``).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    info = os.stat(folder)
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise PermissionError(f"{flag} {path!r} is in a folder other users may write ({folder!r}): keep the key "
+                              "in a folder only you can write.")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NOCTTY", 0))
+    except OSError as err:
+        if os.path.islink(path):
+            raise PermissionError(f"{flag} {path!r} is a symbolic link: give the key file itself.") from err
+        raise
+    with os.fdopen(fd) as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise PermissionError(f"{flag} {path!r} is not a regular file.")
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"{flag} {path!r} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
+                                  "whoever owns it can read or replace the key.")
+        if info.st_mode & 0o077:
+            raise PermissionError(f"{flag} {path!r} is readable by other users: chmod 600 it.")
+        return handle.read(4096).strip()
+
+
+def join_argv(host: str, port: int, key_path: str) -> list[str]:
+    """The argv of a node that joins the collector listening at ``host:port``: this interpreter
+    (``sys.executable``; on a host where it lives elsewhere, change the first word)."""
+    return [sys.executable, "-m", "rlharvest", "node", "--join", f"{host}:{port}", "--key-file", key_path]
+

@@ -1,0 +1,135 @@
+"""A node's group with the main process, formed over their authenticated channel (transport/pairing.py),
+over loopback: the pair forms and carries tensors; a stranger who takes the main process's side of
+the group (here: its gloo address handed to the main process, as a hijacked rendezvous would) fails
+the proof on both sides; a peer that writes too much is dropped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlharvest.transport import pairing
+from rlharvest.transport.channel import listen, new_authkey, open_channel
+from rlharvest.transport.listener import ChannelListener
+from rlharvest.transport.pairing import PAIR_TAG, ChannelStore, PairingFailed, form_pair
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def channels():
+    """Both ends of an authenticated channel on loopback: (main process's end, node's end, key)."""
+    key = new_authkey()
+    listener = ChannelListener(listen("127.0.0.1", 0), key, "test", 5.0, 10.0)
+    node = open_channel("127.0.0.1", listener.port, key, 10.0, 10.0, 5.0)
+    node.send_hello(("hello", 1))
+    main, _, _ = listener.next(10.0)
+    yield main, node, key
+    for channel in (main, node):
+        channel.close()
+    listener.close()
+
+
+def _both(main_side, node_side) -> tuple[list, list]:
+    """Run both sides at once; each side's result or exception."""
+    results: tuple[list, list] = ([], [])
+
+    def run(side, out) -> None:
+        try:
+            out.append(side())
+        except BaseException as err:  # reported by the test
+            out.append(err)
+
+    threads = [threading.Thread(target=run, args=(side, out), daemon=True)
+               for side, out in ((main_side, results[0]), (node_side, results[1]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60.0)
+    return results
+
+
+def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(channels):
+    """Once connected, neither side's gloo port takes connections (gloo would keep each one forever)."""
+    main, node, key = channels
+    before = set(pairing._listening_sockets().values())
+    (main_pair,), (node_pair,) = _both(
+        lambda: form_pair(main, key, 0, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"),
+        lambda: form_pair(node, key, 1, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"))
+    (main_group, _), (node_group, _) = main_pair, node_pair
+    sent, got = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+    works = [node_group.send([sent], 0, 11), main_group.recv([got], 1, 11)]
+    for work in works:
+        work.wait(datetime.timedelta(seconds=10))
+    assert torch.equal(sent, got)
+    assert set(pairing._listening_sockets().values()) <= before
+    main.send(("after", 1))  # the channel holds nothing of the pairing any more
+    assert node.recv() == ("after", 1)
+
+
+def test_a_stranger_who_takes_the_main_process_side_of_the_group_fails_the_proof(channels, monkeypatch):
+    """The main process is handed the stranger's gloo address instead of the node's: its group pairs
+    with the stranger (who even answers the proof's bytes), but the node never received the main
+    process's bytes, so no proof arrives on the channel: both sides refuse the pair."""
+    main, node, key = channels
+    theirs = dist.HashStore()  # the stranger's store: what the main process writes reaches it too
+    formed = threading.Event()
+
+    class Hijacked(ChannelStore):
+        """The main process's store hands it the stranger's address (the node's store is left alone)."""
+
+        def set(self, name, value):
+            super().set(name, value)
+            if self.channel is main:
+                theirs.set(name, value)
+
+        def wait(self, names, timeout=None):
+            if self.channel is not main:
+                return super().wait(names, timeout)
+            mine = [name for name in names if name in self._data]
+            super().wait(mine, timeout)
+            theirs.wait([name for name in names if name not in mine], datetime.timedelta(seconds=20))
+
+        def get(self, name):
+            if self.channel is not main or name in self._data:
+                return super().get(name)
+            self.wait([name])
+            return theirs.get(name)
+
+    def stranger() -> None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=20)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = dist.ProcessGroupGloo(theirs, 1, 2, options)
+        formed.set()
+        noise, sink = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+        try:  # it answers the proof's bytes as a node would, over the group
+            for work in (group.send([noise], 0, PAIR_TAG), group.recv([sink], 0, PAIR_TAG)):
+                work.wait(datetime.timedelta(seconds=20))
+        except RuntimeError:  # the main process dropped the group meanwhile
+            pass
+
+    attacker = threading.Thread(target=stranger, daemon=True)
+    attacker.start()
+    monkeypatch.setattr(pairing, "ChannelStore", Hijacked)
+    main_result, node_result = _both(
+        lambda: form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1"),
+        lambda: form_pair(node, key, 1, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1"))
+    attacker.join(30.0)
+    assert formed.is_set(), "the stranger's group never formed: the hijack was not reproduced"
+    assert isinstance(main_result[0], PairingFailed), main_result
+    assert isinstance(node_result[0], PairingFailed), node_result
+
+
+def test_a_peer_that_writes_too_much_into_the_pair_store_is_dropped(channels):
+    main, node, key = channels
+    for index in range(100):
+        node.send_bytes(b"S" + len(b"k%d" % index).to_bytes(2, "big") + b"k%d" % index + b"x")
+    with pytest.raises(PairingFailed, match="more than a pair's store holds"):
+        form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1")
