@@ -19,7 +19,6 @@ deprecated spelling of ``rlharvest node --rank ...``; it still works, and says s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..._node_cli import NodeArgs, add_node_arguments, parse_node_args
