@@ -45,8 +45,10 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def local_addresses(pid: int) -> set[str]:
-    """Where ``pid``'s listening and connected sockets are (gloo's ports close once their pair formed)."""
-    return {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status in ("LISTEN", "ESTABLISHED")}
+    """Where ``pid``'s listening and connected sockets are (gloo's ports close once their pair formed); an
+    IPv6 socket's IPv4-mapped address (``::ffff:127.0.0.1``) is the IPv4 address it stands for."""
+    return {c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process(pid).net_connections("inet")
+            if c.status in ("LISTEN", "ESTABLISHED")}
 
 
 def pids_of(collector) -> list[int]:
