@@ -18,6 +18,8 @@ import warnings
 
 import psutil
 import torch
+
+from rlharvest.collectors.engine import engine_of
 from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
@@ -201,7 +203,8 @@ def main() -> None:
         collected = [next(iterator).clone() for _ in range(int(batches))]
         collected += [batch.clone() for batch in iterator] if case in ASYNC_CASES else []
         started = [child.pid for child in psutil.Process().children(recursive=True)]
-        torch.save({"batches": collected, "frames": collector.stats()["frames"], "children": started,
+        frames = engine_of(collector).frames  # a RayCollector shut itself down at the end of its iteration
+        torch.save({"batches": collected, "frames": frames, "children": started,
                     "restarts": restarts}, out)
     finally:
         collector.shutdown()

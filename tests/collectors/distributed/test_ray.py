@@ -210,7 +210,7 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         sender._driver_node = "a-third-node"  # the replacement counts as remote: it gets a reference
         ray_cluster.kill(collector.remote_collectors[0])
         wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
-        collector._replace_worker(0)
+        engine_of(collector).fleet.renew(0)
         assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender.book.current
     finally:
         collector.shutdown()
@@ -355,7 +355,7 @@ def test_a_dead_actor_is_replaced_with_the_current_weights_and_a_fresh_env(ray_c
         used |= set(next(iterator)[IDS].reshape(-1).tolist())
         ray_cluster.kill(collector.remote_collectors[0])
         wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
-        collector._replace_worker(0)  # the seam a restart goes through (through Fleet.replace)
+        engine_of(collector).fleet.renew(0)  # the seam a restart goes through (through Fleet.replace)
         batch = next(iterator)
         assert batch["action"].unique().tolist() == [4.0]
         assert not used & set(batch[IDS].reshape(-1).tolist())  # fresh trajectory ids

@@ -59,7 +59,8 @@ def test_a_preempted_actor_is_replaced_without_spending_a_restart(ray_cluster):
             pid = actor_pid(ray_cluster, collector, 1)
             os.kill(pid, signal.SIGTERM)  # the actor's process leaves by itself (Ray's handler would end it at once)
             wait_until(lambda: process_gone(pid), 30.0, "the preempted actor's exit")
-    stats = collector.stats()
+        if len(batches) == total // 8:  # the last: iteration then shuts a RayCollector down, as TorchRL's
+            stats = collector.stats()
     causes = collector.restart_causes
     collector.shutdown()
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
@@ -77,7 +78,8 @@ def test_a_preempted_actor_without_restarts_leaves_the_others_collecting(ray_clu
         batches.append(batch.clone())
         if len(batches) == 2:
             os.kill(actor_pid(ray_cluster, collector, 0), signal.SIGTERM)
-    stats = collector.stats()
+        if sum(b.numel() for b in batches) >= 60:  # the last: iteration then shuts a RayCollector down
+            stats = collector.stats()
     collector.shutdown()
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 1)
     assert "preempted: " in stats["worker_0/restart_causes"]

@@ -77,7 +77,7 @@ def test_a_replacement_on_this_node_opens_a_channel_of_its_own(ray_cluster):
         sender, calls, iterator = spy_and_start(collector)
         ray_cluster.kill(collector.remote_collectors[0])
         wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
-        collector._replace_worker(0)
+        engine_of(collector).fleet.renew(0)
         assert calls == [(0, True)] and next(iterator)["action"].unique().tolist() == [1.0]
         set_weight(policy, 5.0)
         collector.update_policy_weights_()
