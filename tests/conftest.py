@@ -31,9 +31,17 @@ def free_port():
     return free_port_block(3)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Ray tests run last: the session's Ray (its daemons, and the driver's gRPC port, which listens on
-    every interface) then never runs beside the other tests, whose checks it would disturb."""
+    every interface) then never runs beside the other tests of its process, whose checks it would
+    disturb. With ``-n 2 --dist loadgroup`` (``make test``) the Ray tests all go to one pytest worker
+    (one Ray for the session) and the SLURM tests to one (one job queue), each group beside the
+    others' tests."""
+    for item in items:
+        for group in ("ray", "slurm"):
+            if item.get_closest_marker(group) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
 
 

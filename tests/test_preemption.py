@@ -8,7 +8,6 @@ import os
 import signal
 
 import pytest
-import torch
 from mocks import CountingPolicy
 
 from rlharvest.collectors import Collector

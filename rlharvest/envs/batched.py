@@ -22,15 +22,8 @@ import numpy as np
 import torch
 
 from .._utils import NestedKey
-from ._subenv_worker import (
-    Buffers,
-    FirstStep,
-    SubEnvCommand,
-    SubEnvDescription,
-    SubEnvRunner,
-    Unavailable,
-    build_env,
-)
+from ._subenv_protocol import Buffers, FirstStep, SubEnvCommand, SubEnvDescription, Unavailable
+from ._subenv_worker import SubEnvRunner, build_env
 from .base import EnvBase
 from .specs import Composite, TensorSpec, Unbounded
 from .state import EnvStateUnavailable

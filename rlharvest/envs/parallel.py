@@ -31,7 +31,8 @@ import torch.multiprocessing  # noqa: F401  (registers the reductions that share
 from .._processes import describe_process_exit, end_process, mp_context, parent_watch
 from .._utils import CloudpickleWrapper, worker_scheduling
 from ..errors import RemoteFailure, WorkerError, WorkerTimeoutError
-from ._subenv_worker import PAYLOAD_COMMANDS, ReplyBoard, Status, SubEnvCommand, SubEnvDescription, subenv_main
+from ._subenv_protocol import PAYLOAD_COMMANDS, ReplyBoard, Status, SubEnvCommand, SubEnvDescription
+from ._subenv_worker import subenv_main
 from .batched import BatchedEnvBase, BatchedEnvConfig, SerialEnv, SubEnvPool
 
 __all__ = ["ParallelEnv"]

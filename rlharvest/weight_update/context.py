@@ -23,6 +23,9 @@ class SenderContext(Protocol):
     def weight_links(self) -> WeightLinks:
         """What the collector's backend offers weight senders (channels, devices, liveness)."""
 
+    def resolve(self, path: str) -> Any:
+        """The object at an attribute path of the collector (weights given as a string)."""
+
 
 class ReceiverContext(Protocol):
     """What a receiver scheme needs from the collector of the worker it runs in."""

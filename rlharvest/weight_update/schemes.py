@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from .._utils import resolve_attr_path
 from ..transport.base import WeightLinks, WeightReceiver, WeightSender
 from .context import ReceiverContext, SenderContext
-from .strategy import WeightStrategy, materialize, module_weights, weights_of
+from .payloads import payload_of, resolve_worker_ids
+from .strategy import WeightStrategy, materialize, weights_of
 
 __all__ = ["WeightSyncScheme", "NoWeightSyncScheme", "SenderContext", "ReceiverContext"]
 
@@ -389,50 +389,13 @@ class WeightSyncScheme:
 
     def _resolve_worker_ids(self, worker_ids, payload) -> list[int]:
         count = self._sender.num_workers if self._sender is not None else (self._num_workers or 0)
-        if isinstance(payload, dict) and worker_ids is None:
-            worker_ids = sorted(payload)
-        if worker_ids is None:
-            return [worker for worker in range(count) if worker not in self._retired]
-        if isinstance(worker_ids, (int, torch.device, str)):
-            worker_ids = [worker_ids]
-        resolved = []
-        for worker_id in worker_ids:
-            if isinstance(worker_id, bool) or not isinstance(worker_id, int):
-                raise ValueError(
-                    f"worker_ids must be 0-based worker indices for {type(self).__name__}, got {worker_id!r}"
-                )
-            if not 0 <= worker_id < count:
-                raise ValueError(f"Worker {worker_id} not registered (this scheme serves workers 0..{count - 1}).")
-            if worker_id in self._retired:
-                raise ValueError(f"Worker {worker_id} was removed from the collector: it takes no weights.")
-            resolved.append(worker_id)
-        return resolved
+        return resolve_worker_ids(worker_ids, payload, count, self._retired, type(self).__name__)
 
     def prepare_weights(self, weights: Any, model_id: str | None, strategy: WeightStrategy, context=None):
         """Turn any accepted weights form (docs/weights.md, "What update_policy_weights_ accepts") into
-        the payload.
-
-        Returns a TensorDict, or ``{worker_idx: TensorDict}`` for per-worker weights.
-        """
-        if weights is None:
-            model = self.model
-            if model is None:
-                raise RuntimeError(
-                    f"No weights given and no model to read them from for model_id={model_id!r}."
-                )
-            return module_weights(model) if isinstance(model, torch.nn.Module) else weights_of(model)
-        if isinstance(weights, str):
-            if context is None:
-                raise ValueError(f"Cannot resolve weights path {weights!r} without a collector context.")
-            return weights_of(resolve_attr_path(context, weights))
-        if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
-            if not self.supports_per_worker_weights:
-                raise ValueError(
-                    f"{type(self).__name__} does not accept per-worker weights ({{worker_idx: weights}}); use "
-                    "SharedMemWeightSyncScheme(per_worker_weights=True)."
-                )
-            return {int(k): weights_of(v) for k, v in weights.items()}
-        return weights_of(weights)
+        the payload: a TensorDict, or ``{worker_idx: TensorDict}`` for per-worker weights."""
+        return payload_of(weights, self.model, model_id, context, self.supports_per_worker_weights,
+                          type(self).__name__)
 
     # ------------------------------------------------------------------ receiving
     def has_pending(self) -> bool:

@@ -8,7 +8,6 @@ network namespaces in tests/collectors/distributed/test_host_copies.py."""
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import threading
 import time

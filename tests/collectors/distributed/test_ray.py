@@ -315,7 +315,7 @@ def test_actors_running_free_wait_for_a_slower_replay_buffer():
     collector = make(frames_per_batch=4, sync=False, replay_buffer=buffer)
     collector.start()
     try:
-        time.sleep(3.0)
+        wait_until(lambda: buffer.writes >= 20, timeout=30.0, what="the buffer written while the actors push")
         before = buffer.writes
         with collector.pause():  # writes what was pushed before the pause, then stops the actors
             queued = buffer.writes - before
