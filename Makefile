@@ -33,17 +33,18 @@ setup-torchrl: $(TRL_STAMP)
 services:
 	./ci/slurm_up.sh
 
+# Two pytest processes over independent files (Ray tests in one, with one Ray; SLURM tests in one).
 test: setup setup-torchrl services
-	$(BIN)/python -m pytest -q --durations=25
-	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q -n 2
 
 # rlharvest's collectors with TorchRL 0.14.1's envs, policies and replay buffers (compat/).
 test-torchrl: setup-torchrl
-	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q
+	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q -n 2
 
 # The suite without the SLURM tests, for quick local iterations.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slurm"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slurm"
 
 demo: setup
 	$(BIN)/rlharvest demo
