@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import re
 import warnings
 from typing import Any
@@ -111,6 +112,15 @@ class CloudpickleWrapper:
 
     def __repr__(self) -> str:
         return f"CloudpickleWrapper({self.payload!r})"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller of this function point at the first
+    frame outside rlharvest: the user's line, however deep inside the package the warning is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "rlharvest":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def wrap_callable(value: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._utils import user_stacklevel
 from .errors import CheckpointMismatchError, EpisodeRestartWarning
 
 __all__ = ["CHECKPOINT_KEY", "FORMAT_VERSION", "CheckpointMismatchError", "EpisodeRestartWarning", "pack", "unpack",
@@ -85,4 +86,4 @@ def check_compatible(section: dict, layout: dict[str, Any], where: str) -> None:
 def warn_restart(where: str, env: str, reason: str) -> None:
     """The one warning of an env whose episode in flight restarts after a load."""
     warnings.warn(f"{where}: env {env} starts a new episode (new trajectory id) instead of continuing the one in "
-                  f"flight at the checkpoint: {reason}", EpisodeRestartWarning, stacklevel=3)
+                  f"flight at the checkpoint: {reason}", EpisodeRestartWarning, stacklevel=user_stacklevel())

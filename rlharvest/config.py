@@ -11,14 +11,13 @@ values. docs/collection.md describes what the arguments do.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
 
-from ._utils import CloudpickleWrapper
+from ._utils import CloudpickleWrapper, user_stacklevel
 from .policies import ExplorationType
 
 __all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices",
@@ -30,14 +29,6 @@ _TRAJ_FORMAT_DEFAULT = (
     "it. Pass traj_format='padded' to keep this layout, or traj_format='cat' for trajectories concatenated along "
     "time, without padding."
 )
-
-
-def _stacklevel_outside_package() -> int:
-    """The ``stacklevel`` of the first caller outside rlharvest (as seen from the function calling this)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "rlharvest":
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def parse_total_frames(total_frames: Any) -> int:
@@ -317,7 +308,7 @@ class CollectorConfig:
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
         if self.traj_format is None:
             if self.trajs_per_batch is not None and self.replay_buffer is None:
-                warnings.warn(_TRAJ_FORMAT_DEFAULT, FutureWarning, stacklevel=_stacklevel_outside_package())
+                warnings.warn(_TRAJ_FORMAT_DEFAULT, FutureWarning, stacklevel=user_stacklevel())
             set_(self, "traj_format", "padded")
         elif self.traj_format not in ("padded", "cat"):
             raise ValueError(f"traj_format must be 'padded' or 'cat', got {self.traj_format!r}")
@@ -394,7 +385,7 @@ class CollectorConfig:
         each = math.ceil(value / num_workers)
         if each * num_workers != value:
             warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects "
-                          f"{each} frames.", stacklevel=5)
+                          f"{each} frames.", stacklevel=user_stacklevel())
         return [each] * num_workers
 
     # ------------------------------------------------------------------ workers

@@ -16,7 +16,7 @@ from ...errors import WorkerError
 from ...profiling import ProfileConfig
 from ...protocol import Command
 from .fleet import Fleet
-from ..._utils import wrap_callable
+from ..._utils import user_stacklevel, wrap_callable
 
 __all__ = ["WorkerBroadcast", "argument_sets"]
 
@@ -96,7 +96,7 @@ class WorkerBroadcast:
             if key in state_dict:
                 raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
                 for category, message in raised or ():
-                    warnings.warn(message, category, stacklevel=3)
+                    warnings.warn(message, category, stacklevel=user_stacklevel())
 
     def reset(self, workers: Sequence[int] | None = None) -> None:
         """Reset the envs of ``workers`` (default: every worker)."""

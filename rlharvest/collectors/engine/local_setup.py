@@ -8,12 +8,11 @@ from typing import Any
 
 import torch
 
-from ..._utils import as_tuple_key
+from ..._utils import as_tuple_key, user_stacklevel
 from ...config import CollectorConfig
 from ...envs.adapters import env_attr
 from ...envs.factory import env_keys
 from ...rollout import Rollout, RolloutSettings
-from .membership import caller_stacklevel
 
 __all__ = ["check_env_options", "round_frames_per_batch", "rollout_settings", "compile_policy"]
 
@@ -37,15 +36,15 @@ def round_frames_per_batch(config: CollectorConfig, n_env: int) -> int:
     rounded = -(-frames_per_batch // n_env) * n_env
     if rounded != frames_per_batch:
         warnings.warn(f"frames_per_batch={frames_per_batch} is not a multiple of the env batch size ({n_env}); "
-                      f"collecting {rounded} frames per batch.", stacklevel=caller_stacklevel())
+                      f"collecting {rounded} frames per batch.", stacklevel=user_stacklevel())
     total, random_frames = config.total_frames, config.init_random_frames
     if total > 0 and total % rounded:
         warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={rounded}: the last batch "
-                      "will overshoot.", stacklevel=caller_stacklevel())
+                      "will overshoot.", stacklevel=user_stacklevel())
     if random_frames and random_frames % rounded:
         warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={rounded}: "
                       "random actions continue to the end of the batch that reaches it.",
-                      stacklevel=caller_stacklevel())
+                      stacklevel=user_stacklevel())
     return rounded
 
 
@@ -77,4 +76,4 @@ def compile_policy(config: CollectorConfig, rollout: Rollout) -> None:
         elif hasattr(step, "policy"):
             step.policy = torch.compile(step.policy, **kwargs)
     if config.cudagraph_policy and not torch.cuda.is_available():
-        warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=caller_stacklevel())
+        warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=user_stacklevel())

@@ -9,26 +9,14 @@ whenever the set of workers changed (a leave on SIGTERM too).
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from ..._utils import wrap_callable
+from ..._utils import user_stacklevel, wrap_callable
 from ...protocol import Command
 
 
-__all__ = ["Membership", "caller_stacklevel"]
-
-
-def caller_stacklevel() -> int:
-    """The ``stacklevel`` of a warning raised by the caller of this function that points at the first
-    frame outside rlharvest (the user's line, however deep inside the package the warning is raised)."""
-    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+__all__ = ["Membership"]
 
 
 class Membership:
@@ -162,7 +150,7 @@ class Membership:
         if not config.endless and remaining > 0 and remaining % per_batch:
             warnings.warn(f"{remaining} frames remain to total_frames={config.total_frames}, not a multiple of the "
                           f"{per_batch} of a batch of {len(engine.active_workers)} {engine.traits.noun}s: the last "
-                          "batch collects the excess.", stacklevel=caller_stacklevel())
+                          "batch collects the excess.", stacklevel=user_stacklevel())
 
     def num_batches(self, default: Callable[[], int]) -> int:
         """``len()``: ``default()`` while the workers never changed, else the batches of the former sizes

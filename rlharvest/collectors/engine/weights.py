@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import torch
 from tensordict import TensorDictBase
 
+from ..._utils import user_stacklevel
 from ...weight_update.schemes import WeightSyncScheme
 from ...weight_update.strategy import weights_of
 from ...weight_update.updaters import WeightUpdaterBase
@@ -30,7 +31,7 @@ def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kw
         ValueError: when two are given. TypeError: for an unknown keyword argument.
     """
     if "policy_weights" in kwargs:
-        warnings.warn("policy_weights= is deprecated, pass the weights positionally.", DeprecationWarning, stacklevel=4)
+        warnings.warn("policy_weights= is deprecated, pass the weights positionally.", DeprecationWarning, stacklevel=user_stacklevel())
         if policy_or_weights is not None:
             raise ValueError("Cannot specify both 'policy_weights' and 'policy_or_weights'.")
         policy_or_weights = kwargs.pop("policy_weights")
@@ -134,7 +135,7 @@ class WeightPublisher:
         if not isinstance(value, WeightUpdaterBase):
             raise TypeError(f"weight_updater must be a WeightUpdaterBase (or a constructor of one), got {value!r}")
         warnings.warn("weight_updater is the legacy weight-update API; prefer weight_sync_schemes.",
-                      DeprecationWarning, stacklevel=4)
+                      DeprecationWarning, stacklevel=user_stacklevel())
         value.register_collector(collector)
         if value.collector is not collector:
             raise RuntimeError("Failed to register collector.")

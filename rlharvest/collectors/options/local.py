@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ..._utils import user_stacklevel
 from ...config import CollectorConfig
 
 __all__ = ["LocalOptions"]
@@ -59,7 +60,7 @@ class LocalOptions:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
-                          "storage).", FutureWarning, stacklevel=4)
+                          "storage).", FutureWarning, stacklevel=user_stacklevel())
         if isinstance(create_env_fn, (list, tuple)):  # Collector(backend="direct") takes a list of one
             if len(create_env_fn) != 1:
                 where = f"backend={backend!r}" if backend is not None else owner

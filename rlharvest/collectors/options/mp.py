@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._utils import cpu_count, wrap_callable
+from ..._utils import cpu_count, wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
@@ -100,7 +100,7 @@ class WorkerProcessOptions:
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
-                          "storage).", FutureWarning, stacklevel=4)
+                          "storage).", FutureWarning, stacklevel=user_stacklevel())
         frames = tuple(config.split_frames(count, "share" if sync else "whole"))
         cat = validate_cat_results(cat_results, sync, config.use_buffers)
         if sync and cat == "stack" and len(set(frames)) > 1:

@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from ..._utils import wrap_callable
+from ..._utils import wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
@@ -161,11 +161,11 @@ class NodeOptions:
         user_kwargs = _per_node_kwargs(collector_kwargs, count)
         if not sync and config.init_random_frames:
             warnings.warn("init_random_frames with sync=False: each node decides on its own share, so random and "
-                          "policy batches may interleave.", stacklevel=5)
+                          "policy batches may interleave.", stacklevel=user_stacklevel())
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory else None
         if policy is not None and factories is None and not has_weights(policy) and not _is_module(policy):
             warnings.warn("The policy is not an nn.Module and no policy_factory was given: update_policy_weights_ "
-                          "will be a no-op.", stacklevel=5)
+                          "will be a no-op.", stacklevel=user_stacklevel())
         tracker = config.track_policy_version or any(e.get("track_policy_version") for e in user_kwargs) or None
         node_configs = tuple(_node_config(config, node, count, frames_per_node, entry, owner, typed_class(node_class,
                                                                                                          [single]))
