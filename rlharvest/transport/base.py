@@ -251,6 +251,10 @@ class Backend(ABC):
         if handle is not None:
             handle.terminate(deadline)
 
+    def retire(self, index: int) -> None:
+        """Worker ``index`` left for good (removed, or preempted and not replaced) and was stopped
+        (:meth:`stop_one`): release what the backend kept for its slot. Its index stays (an empty slot)."""
+
     def stop_all(self, deadline: float, closing: Collection[int] = ()) -> None:
         """Make sure every worker is gone, and release what the backend holds; idempotent.
 

@@ -1,0 +1,354 @@
+"""Churn: random membership events on a running collector, and what this process holds meanwhile.
+
+Shared by the churn tests (``tests/collectors/test_churn.py``, ``tests/collectors/distributed/
+test_churn_nodes.py``) and the soak (``benchmarks/soak.py``). Everything goes through the collectors'
+public API (``active_workers``, ``worker_pids()``, ``add_collectors``, ``remove_collectors``,
+``update_policy_weights_``, ``restart_causes``, ``stats()``), so the tests hold whatever the
+collector classes are made of.
+
+* :class:`Churn` draws one event at a time, seeded: SIGKILL or SIGTERM of a worker (its process, found
+  with ``worker_pids()``, or for a Ray actor with ``pid_of``), ``add_collectors`` or
+  ``remove_collectors``, within a range of worker counts.
+* :class:`FrameCheck` checks every yielded batch of CountingEnv driven by ``echo_weight_policy``:
+  within a trajectory the counter goes up by one (no frame lost, doubled or torn), every frame was
+  collected with weights that were sent, and the frames add up.
+* :func:`resources` samples this process: open descriptors, shared memory it maps (count and bytes),
+  RSS, threads, child processes; :func:`shm_names` the ``/dev/shm`` segments a process maps.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import psutil
+import torch
+
+#: a frame's weights are among those of the last updates (a batch in flight may predate a few)
+RECENT_WEIGHTS = 16
+#: every event :class:`Churn` may draw
+EVENTS = ("kill", "term", "add", "remove")
+IDS = ("collector", "traj_ids")
+
+
+@dataclass
+class Churn:
+    """Random membership events on ``collector``, through its public API.
+
+    Args:
+        collector: a running collector with workers and restarts on (a killed or preempted worker is
+            replaced).
+        make_env: the env constructor of added workers.
+        seed: seeds the draws (which event, which worker).
+        events: the events to draw from (a subset of :data:`EVENTS`).
+        workers: ``(fewest, most)`` active workers: ``remove`` is not drawn at the fewest, ``add`` not
+            at the most.
+        pid_of: ``pid_of(collector, worker)``, the process id of a worker (default: ``worker_pids()``).
+        after: ``after(event)``, called after each event (a node joins after a departure, for nodes
+            that join from elsewhere: ``launcher="external"``).
+    """
+
+    collector: Any
+    make_env: Callable
+    seed: int = 0
+    events: Sequence[str] = EVENTS
+    workers: tuple[int, int] = (1, 3)
+    pid_of: Callable[[Any, int], int | None] | None = None
+    after: Callable[[str], None] | None = None
+    done: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.events) - set(EVENTS)
+        if unknown:
+            raise ValueError(f"events must be among {EVENTS}, got {sorted(unknown)}")
+        self._rng = random.Random(self.seed)
+        self._signalled: set[int] = set()
+
+    def _pid(self, worker: int) -> int | None:
+        if self.pid_of is not None:
+            return self.pid_of(self.collector, worker)
+        pids = self.collector.worker_pids()
+        return pids[worker] if worker < len(pids) else None
+
+    def _signallable(self) -> list[tuple[int, int]]:
+        """``(worker, pid)`` of the active workers whose process runs and was not signalled yet (a
+        worker signalled before the collector met its end would be signalled twice)."""
+        out = []
+        for worker in self.collector.active_workers:
+            pid = self._pid(worker)
+            if pid is not None and pid not in self._signalled and psutil.pid_exists(pid):
+                out.append((worker, pid))
+        return out
+
+    def _removable(self) -> list[int]:
+        """Active workers not signalled (or whose end was met: they were replaced): one signalled
+        whose death or leave the collector has not met yet is the signal's, which the checks count."""
+        return [worker for worker in self.collector.active_workers if self._pid(worker) not in self._signalled]
+
+    def possible(self) -> list[str]:
+        fewest, most = self.workers
+        count = len(self.collector.active_workers)
+        allowed = []
+        for event in self.events:
+            if event in ("kill", "term") and not self._signallable():
+                continue
+            if event == "add" and count >= most:
+                continue
+            if event == "remove" and (count <= fewest or not self._removable()):
+                continue
+            allowed.append(event)
+        return allowed
+
+    def step(self) -> str:
+        """Draw and run one event; returns its name (``"none"`` when none is possible)."""
+        allowed = self.possible()
+        if not allowed:
+            return "none"
+        event = self._rng.choice(allowed)
+        if event in ("kill", "term"):
+            worker, pid = self._rng.choice(self._signallable())
+            self._signalled.add(pid)
+            os.kill(pid, signal.SIGKILL if event == "kill" else signal.SIGTERM)
+        elif event == "add":
+            self.collector.add_collectors([self.make_env])
+        else:
+            self.collector.remove_collectors([self._rng.choice(self._removable())])
+        self.done.append(event)
+        if self.after is not None:
+            self.after(event)
+        return event
+
+    def count(self, event: str) -> int:
+        return self.done.count(event)
+
+
+class FrameCheck:
+    """The invariants of collection on CountingEnv batches collected by ``echo_weight_policy``: within
+    a trajectory the counter goes up by one from batch to batch (a frame lost, doubled or torn breaks
+    it), no step that was not collected, each frame's weight one that was sent."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, int] = {}
+        self.frames = 0
+        self.batches = 0
+        #: the weights of the last :data:`RECENT_WEIGHTS` updates (a frame's must be one of them)
+        self.weights: dict[float, None] = {}
+
+    def sent(self, weight: float) -> None:
+        self.weights[float(weight)] = None
+        while len(self.weights) > RECENT_WEIGHTS:
+            del self.weights[next(iter(self.weights))]
+
+    def check(self, batch) -> None:
+        rows = batch.reshape(-1, batch.shape[-1]) if batch.batch_dims > 1 else batch.unsqueeze(0)
+        ids = rows.get(IDS)
+        obs = rows["observation"].reshape(ids.shape)
+        assert not (ids == -1).any(), "a batch holds steps that were not collected"
+        weights = set(torch.unique(rows["policy_weight"]).tolist())
+        assert weights <= self.weights.keys(), \
+            f"frames collected with weights not among the last {RECENT_WEIGHTS} sent: {weights - self.weights.keys()}"
+        done = rows.get(("next", "done")).reshape(ids.shape)[:, -1].tolist()
+        for row_ids, row_obs, ended in zip(ids.tolist(), obs.tolist(), done):
+            for traj, value in zip(row_ids, row_obs):
+                previous = self.last.get(traj)
+                assert previous is None or value == previous + 1, \
+                    f"trajectory {traj}: {value} follows {previous} (a frame lost, doubled or torn)"
+                self.last[traj] = value
+            # only the trajectory running at the row's end goes on in a later batch: forget the others
+            # (ids are never reused), so that hours of batches do not grow this dict
+            for traj in set(row_ids[:-1]) - {row_ids[-1]}:
+                self.last.pop(traj, None)
+            if ended:
+                self.last.pop(row_ids[-1], None)
+        self.frames += batch.numel()
+        self.batches += 1
+
+
+def shm_names(pid: int | str = "self") -> set[str]:
+    """The ``/dev/shm`` files process ``pid`` maps that still have a name (unlinked ones excluded)."""
+    names = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[5].strip() if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    names.add(path)
+    except (OSError, IndexError):
+        pass
+    return names
+
+
+def _shm_mapped() -> tuple[int, int]:
+    """Shared-memory files this process maps (named or unlinked: torch's buffers are unlinked at
+    once), and the bytes mapped from them."""
+    files, size = set(), 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith(("/dev/shm/", "/memfd:")):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                files.add(parts[5].strip())
+                size += end - start
+    return len(files), size
+
+
+def resources() -> dict[str, int]:
+    """This process, now: open descriptors (:func:`open_fds`), shared-memory files mapped and their
+    bytes, RSS, threads, live child processes."""
+    me = psutil.Process()
+    files, mapped = _shm_mapped()
+    children = [c for c in me.children(recursive=True) if _running(c)]
+    return {"fds": len(open_fds()), "shm_files": files, "shm_bytes": mapped, "rss": me.memory_info().rss,
+            "threads": me.num_threads(), "children": len(children)}
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def open_fds() -> dict[int, str]:
+    """This process's descriptors and what each refers to (``readlink``), but those of the
+    multiprocessing helpers a process starts once, on first use, and keeps until it exits (the
+    resource sharer passing descriptors to children, the resource tracker, the forkserver): they are
+    not any collector's."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_sharer
+    import multiprocessing.resource_tracker
+
+    helpers = {multiprocessing.resource_tracker._resource_tracker._fd,
+               multiprocessing.forkserver._forkserver._forkserver_alive_fd}
+    listener = multiprocessing.resource_sharer._resource_sharer._listener
+    if listener is not None:
+        helpers.add(listener._listener._socket.fileno())
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        if int(fd) in helpers:
+            continue
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return out
+
+
+def leftovers(before: dict[int, str], report: "ChurnReport") -> tuple[list[str], dict[int, str]]:
+    """Once a collector was shut down and dropped: the named ``/dev/shm`` files its processes mapped
+    that still exist, and the descriptors opened since ``before`` (:func:`open_fds`)."""
+    import gc
+
+    gc.collect()
+    segments = sorted(name for name in report.shm_seen if os.path.exists(name))
+    return segments, {fd: target for fd, target in open_fds().items() if before.get(fd) != target}
+
+
+def process_tree_shm() -> set[str]:
+    """The named ``/dev/shm`` files mapped by this process and its descendants, now."""
+    names = shm_names()
+    for child in psutil.Process().children(recursive=True):
+        names |= shm_names(child.pid)
+    return names
+
+
+@dataclass
+class ChurnReport:
+    """What :func:`drive` saw: the events, and this process's resources at the samples."""
+
+    events: list[str]
+    frames: int
+    batches: int
+    #: ``resources()`` once the first ``warm`` events were met, and after the last one (same workers)
+    warm: dict[str, int]
+    end: dict[str, int]
+    #: named ``/dev/shm`` files the collector's processes mapped at the samples
+    shm_seen: set[str]
+
+
+#: batches a sample waits at most for the events so far to be met
+SETTLE_BATCHES = 10
+
+
+def churn_frames(share: int, events: int, update_every: int = 3, most: int = 3) -> int:
+    """A ``total_frames`` that :func:`drive` does not reach before its churn ended: every batch of
+    the churn at its largest (``most`` workers of ``share`` frames each)."""
+    batches = 1 + events * update_every + 2 * (SETTLE_BATCHES + 2 * most)
+    return share * most * batches
+
+
+def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, warm: int = 3,
+          update_every: int = 3, workers: int = 2, single_at_end: bool = False,
+          sample: Callable[[str, dict], None] | None = None) -> ChurnReport:
+    """Iterate ``collector`` to its ``total_frames``: a weight update (a new weight of ``policy``, an
+    ``echo_weight_policy``) every ``update_every`` batches and one event of ``churn`` beside each,
+    before or after it (a worker may die during the update), until ``events`` events ran; every
+    batch checked by ``check``.
+
+    Resources are sampled with ``workers`` workers, once every event so far was met (each signalled
+    worker replaced): after ``warm`` events, and after the last. Then, with ``single_at_end`` (sync
+    collectors, whose batches are the sum of their workers' shares), one worker is left, so that
+    ``total_frames`` is met exactly whatever the batches were. ``sample(label, resources)`` is
+    called at every sample (the soak records them).
+    """
+    iterator = iter(collector)
+    weight = 1.0
+    check.sent(weight)
+    samples: dict[str, dict] = {}
+    shm_seen: set[str] = set()
+
+    def take() -> None:
+        try:
+            check.check(next(iterator))
+        except StopIteration:
+            raise AssertionError("total_frames was reached before the churn ended: give more (churn_frames)") from None
+
+    def update() -> None:
+        nonlocal weight
+        weight += 1.0
+        with torch.no_grad():
+            policy.module.weight.fill_(weight)
+        check.sent(weight)
+        collector.update_policy_weights_()
+
+    def settle(label: str) -> None:
+        """Bring the collector to ``workers`` workers, every signal met, then sample."""
+        while len(collector.active_workers) > workers:
+            collector.remove_collectors([collector.active_workers[-1]])
+        while len(collector.active_workers) < workers and "add" in churn.events:
+            collector.add_collectors([churn.make_env])
+        signalled = churn.count("kill") + churn.count("term")
+        for _ in range(SETTLE_BATCHES):  # a preempted worker finishes its rollout first: a batch or two
+            take()  # (a node that joins takes an empty slot at a batch boundary)
+            if len(collector.restart_causes) >= signalled and len(collector.active_workers) == workers:
+                break
+        for _ in range(2 * workers):  # every worker delivered a batch (its buffer exists) since it started
+            take()
+        samples[label] = resources()
+        shm_seen.update(process_tree_shm())
+        if sample is not None:
+            sample(label, samples[label])
+
+    take()
+    while len(churn.done) < events:
+        for _ in range(update_every - 1):
+            take()
+        event_first = churn._rng.random() < 0.5
+        if event_first:
+            churn.step()
+        update()
+        if not event_first:
+            churn.step()
+        take()
+        if len(churn.done) == warm and "warm" not in samples:
+            settle("warm")
+    settle("end")
+    if single_at_end:
+        while len(collector.active_workers) > 1:
+            collector.remove_collectors([collector.active_workers[-1]])
+    for batch in iterator:
+        check.check(batch)
+    return ChurnReport(list(churn.done), check.frames, check.batches, samples["warm"], samples["end"], shm_seen)
