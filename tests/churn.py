@@ -13,7 +13,8 @@ collector classes are made of.
   within a trajectory the counter goes up by one (no frame lost, doubled or torn), every frame was
   collected with weights that were sent, and the frames add up.
 * :func:`resources` samples this process: open descriptors, shared memory it maps (count and bytes),
-  RSS, threads, child processes; :func:`shm_names` the ``/dev/shm`` segments a process maps.
+  RSS, threads, child processes (not the interpreter's helpers, nor a local Ray's services:
+  ``process_check.py``); :func:`shm_names` the ``/dev/shm`` segments a process maps.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import psutil
 import torch
+from process_check import children
 
 #: a frame's weights are among those of the last updates (a batch in flight may predate a few)
 RECENT_WEIGHTS = 16
@@ -200,16 +203,18 @@ def resources() -> dict[str, int]:
     bytes, RSS, threads, live child processes."""
     me = psutil.Process()
     files, mapped = _shm_mapped()
-    children = [c for c in me.children(recursive=True) if _running(c)]
     return {"fds": len(open_fds()), "shm_files": files, "shm_bytes": mapped, "rss": me.memory_info().rss,
-            "threads": me.num_threads(), "children": len(children)}
+            "threads": me.num_threads(), "children": len(children())}
 
 
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def start_process_state() -> None:
+    """Start what torch starts once per process and keeps (a pipe its first TCPStore server opens),
+    so that a test comparing this process's descriptors before and after a collector sees only the
+    collector's."""
+    import torch.distributed as dist
+    from rlharvest.transport.ports import free_port_block
+
+    dist.TCPStore("127.0.0.1", free_port_block(1), 1, True)
 
 
 def open_fds() -> dict[int, str]:
@@ -269,8 +274,10 @@ class ChurnReport:
     shm_seen: set[str]
 
 
-#: batches a sample waits at most for the events so far to be met
+#: batches a sample usually waits for the events so far to be met (what :func:`churn_frames` counts)
 SETTLE_BATCHES = 10
+#: seconds a sample waits at most for them (a node that joins starts a process)
+SETTLE_SECONDS = 60.0
 
 
 def churn_frames(share: int, events: int, update_every: int = 3, most: int = 3) -> int:
@@ -281,7 +288,7 @@ def churn_frames(share: int, events: int, update_every: int = 3, most: int = 3) 
 
 
 def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, warm: int = 3,
-          update_every: int = 3, workers: int = 2, single_at_end: bool = False,
+          update_every: int = 3, workers: int = 2, single_at_end: bool = False, to_total: bool = True,
           sample: Callable[[str, dict], None] | None = None) -> ChurnReport:
     """Iterate ``collector`` to its ``total_frames``: a weight update (a new weight of ``policy``, an
     ``echo_weight_policy``) every ``update_every`` batches and one event of ``churn`` beside each,
@@ -291,8 +298,8 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
     Resources are sampled with ``workers`` workers, once every event so far was met (each signalled
     worker replaced): after ``warm`` events, and after the last. Then, with ``single_at_end`` (sync
     collectors, whose batches are the sum of their workers' shares), one worker is left, so that
-    ``total_frames`` is met exactly whatever the batches were. ``sample(label, resources)`` is
-    called at every sample (the soak records them).
+    ``total_frames`` is met exactly whatever the batches were; ``to_total=False`` stops after the last
+    sample instead (an endless collector). ``sample(label, resources)`` is called at every sample.
     """
     iterator = iter(collector)
     weight = 1.0
@@ -321,8 +328,9 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
         while len(collector.active_workers) < workers and "add" in churn.events:
             collector.add_collectors([churn.make_env])
         signalled = churn.count("kill") + churn.count("term")
-        for _ in range(SETTLE_BATCHES):  # a preempted worker finishes its rollout first: a batch or two
-            take()  # (a node that joins takes an empty slot at a batch boundary)
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:  # a preempted worker finishes its rollout first: a batch or two
+            take()  # (a node that joins takes an empty slot at a batch boundary: seconds, to start)
             if len(collector.restart_causes) >= signalled and len(collector.active_workers) == workers:
                 break
         for _ in range(2 * workers):  # every worker delivered a batch (its buffer exists) since it started
@@ -349,6 +357,7 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
     if single_at_end:
         while len(collector.active_workers) > 1:
             collector.remove_collectors([collector.active_workers[-1]])
-    for batch in iterator:
-        check.check(batch)
+    if to_total:
+        for batch in iterator:
+            check.check(batch)
     return ChurnReport(list(churn.done), check.frames, check.batches, samples["warm"], samples["end"], shm_seen)

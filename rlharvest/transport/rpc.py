@@ -315,6 +315,8 @@ class RPCWorkerHandle(WorkerHandle):
 
     def _push(self, reply) -> None:
         with self._lock:  # under the lock: terminate() cannot close the pipe in between
+            if self._terminated:  # a late reply of a node that is gone: nobody takes it
+                return
             self._replies.append(reply)
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"x")
@@ -441,6 +443,7 @@ class RPCWorkerHandle(WorkerHandle):
             del _HANDLES[self.name]
         with self._lock:  # once: a second close would close whatever reused the descriptor numbers
             fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+            self._replies.clear()  # replies never taken (batches) go with the node
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -567,9 +570,20 @@ class RPCBackend(Backend):
             if handle.is_alive():
                 handle.close_node()
             handle.terminate(deadline)
+            self._close_pipes(handle)
             self._remove_member(handle)
         elif node is not None:
             node.terminate(deadline)
+
+    def _close_pipes(self, handle: RPCWorkerHandle) -> None:
+        """Make TensorPipe close its connections to a node that is gone. It notices a peer that closed
+        them only when it uses them: a node that ended gracefully (removed, preempted) would leave this
+        process's ends open (CLOSE_WAIT: four descriptors per node) until the agent shuts down. One
+        last call, which fails at once (the peer resets the connection), closes them."""
+        if getattr(handle, "info", None) is None or not self._running:
+            return
+        with contextlib.suppress(Exception):
+            rpc.rpc_async(handle.name, _ping, timeout=min(2.0, self.net.heartbeat_timeout)).wait()
 
     def _remove_member(self, handle: RPCWorkerHandle) -> None:
         """Remove a node that is gone from the group, as a graceful leave would have: from the store a

@@ -1,0 +1,116 @@
+"""Churn on nodes and actors (docs/elastic.md, "Churn"): DistributedCollector (sync and async,
+``launcher="mp"``), RPCCollector and RayCollector (``-m ray``) while weights are updated every few
+batches and nodes are SIGKILLed, preempted (SIGTERM), added and removed at random, seeded. Nothing is
+lost, doubled or torn, ``total_frames`` is exact, and nothing is held for a departed node.
+
+The helpers are in ``tests/churn.py``; worker processes are in ``tests/collectors/test_churn.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from churn import Churn, FrameCheck, churn_frames, drive, leftovers, open_fds, resources, start_process_state
+from mocks import counting_env_7, echo_weight_policy
+
+from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
+from rlharvest.transport.ports import free_port_block
+
+SHARE = 8  # frames of one node's rollout
+
+
+def check_report(collector, report, check, total: int, per_departure: int = 0) -> None:
+    """Frames exact, every signal met as what it was, and nothing growing: with as many nodes, as
+    many descriptors and mappings after the last event as after the first few, but for one more
+    weight generation (the sender's pool holds the generations in use, plus one) and
+    ``per_departure`` descriptors per node that left since."""
+    assert check.frames == total  # exact, through every change of membership
+    causes = [cause.kind for cause in collector.restart_causes]
+    assert causes.count("preempted") == report.events.count("term"), (causes, report.events)
+    assert len(causes) == report.events.count("kill") + report.events.count("term"), (causes, report.events)
+    warm, end = report.warm, report.end
+    departed = len(report.events) + 2
+    assert end["fds"] <= warm["fds"] + 2 + per_departure * departed, (warm, end, report.events)
+    assert end["shm_files"] <= warm["shm_files"] + 1, (warm, end)
+    assert end["shm_bytes"] <= warm["shm_bytes"] + 2 * 4096, (warm, end)
+
+
+def make_nodes(collector_class, count: int = 2, **kwargs):
+    return collector_class([counting_env_7] * count, kwargs.pop("policy", None), launcher="mp",
+                           tcp_port=free_port_block(3), **kwargs)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:.*frames remain to total_frames")  # exact at the end: drive() leaves one node
+@pytest.mark.parametrize("collector_class,sync", [(DistributedCollector, True), (DistributedCollector, False),
+                                                  (RPCCollector, True)])
+def test_churn_on_nodes(collector_class, sync):
+    events = 10
+    if collector_class is RPCCollector:
+        # torch keeps the first RPC agent of a process (its threads, descriptors) until exit, for its
+        # remote references (docs/restarts.md): start one first, so that what is left below is ours
+        make_nodes(RPCCollector, 1, frames_per_batch=4, total_frames=4, sync=True).shutdown()
+    start_process_state()
+    policy = echo_weight_policy(1.0)
+    total = churn_frames(SHARE, events, most=3) if sync else churn_frames(2 * SHARE, events, most=1)
+    before = open_fds()
+    collector = make_nodes(collector_class, policy=policy, frames_per_batch=2 * SHARE, total_frames=total, sync=sync,
+                           max_worker_restarts=100, preemption_grace=2.0)
+    try:
+        churn = Churn(collector, counting_env_7, seed=1205 + sync)
+        check = FrameCheck()
+        report = drive(collector, churn, check, policy, events=events, single_at_end=sync)
+        check_report(collector, report, check, total)
+    finally:
+        collector.shutdown()
+    assert resources()["children"] == 0
+    del collector, churn
+    assert leftovers(before, report) == ([], {})
+
+
+@pytest.mark.timeout(300)
+def test_churn_with_nodes_that_join():
+    """``launcher="external"``: every node is a process started here with ``join_command()``; after each
+    departure (SIGKILL, SIGTERM, ``remove_collectors``) a new node joins and takes the empty slot.
+    Endless (a node takes seconds to start, while the other collects: frames are not the budget)."""
+    import subprocess
+    import sys
+
+    import mocks
+
+    tests = os.path.dirname(os.path.abspath(mocks.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
+    policy = echo_weight_policy(1.0)
+    collector = DistributedCollector([counting_env_7] * 2, policy, launcher="external", tcp_port=0,
+                                     bind_address="127.0.0.1", frames_per_batch=2 * SHARE, total_frames=-1,
+                                     sync=False, max_worker_restarts=100, preemption_grace=2.0)
+    argv = [sys.executable, *collector.join_command()[1:]]
+    nodes: list[subprocess.Popen] = []
+
+    def join(event: str = "") -> None:
+        nodes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    try:
+        join(), join()
+        churn = Churn(collector, counting_env_7, seed=33, events=("kill", "term", "remove"), workers=(1, 2),
+                      after=join)
+        check = FrameCheck()
+        report = drive(collector, churn, check, policy, events=4, warm=1, to_total=False)
+        causes = [cause.kind for cause in collector.restart_causes]
+        assert causes.count("preempted") == report.events.count("term"), (causes, report.events)
+        assert len(causes) == report.events.count("kill") + report.events.count("term"), (causes, report.events)
+        assert collector.stats()["frames"] == check.frames
+        assert report.end["fds"] <= report.warm["fds"] + 2, (report.warm, report.end)
+    finally:
+        collector.shutdown()
+        exits = []
+        for node in nodes:
+            try:
+                exits.append(node.wait(60))
+            except subprocess.TimeoutExpired:
+                node.kill()
+                exits.append(node.wait(10))
+    # a node exits 0 when the collector removes it, shuts down, or it left on SIGTERM; one that
+    # found every slot taken is refused (3)
+    assert [code for code in exits if code not in (0, 3)] == [-9] * report.events.count("kill"), exits
