@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import cloudpickle
 import torch.distributed.rpc as rpc
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 from tensordict import TensorDictBase
 
 from ..errors import RemoteFailure, WorkerError
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_TENSORPIPE_OPTIONS",
     "RPCBackend",
     "RPCNodeCalls",
+    "NodeRRef",
     "RPCNodeEndpoint",
     "RPCWorkerHandle",
     "RPCWeightLinks",
@@ -241,6 +243,73 @@ def _node_leaving(name: str, how: str, replies: int) -> bool:
     return True if handle is None else handle.leaving(how, replies)
 
 
+def _call_owned(rref, method: str, args: tuple, kwargs: dict) -> Any:
+    """Runs on a node: ``method`` of the object ``rref`` (owned by the node) refers to."""
+    return getattr(rref.local_value(), method)(*args, **kwargs)
+
+
+def _same(rref):
+    return rref
+
+
+class NodeRRef:
+    """A remote reference to the collector of one node (``RPCCollector.collector_rrefs``): the RRef
+    itself, except that its calls (``rpc_sync()``, ``rpc_async()``, ``remote()``) and ``owner()`` find
+    the node by its name, in the group running now.
+
+    Why: torch keeps one RRef context per process, bound to the first RPC agent the process ran, and an
+    RRef resolves its owner's id through that agent's view of *its* group, also after later groups
+    replaced it. In a second RPC group of the same process (a second ``RPCCollector``), a node whose id
+    the first group never had, or had removed (a node replaced there leaves the membership), could not be
+    found ("could not find destination id 2"); ids the first group still knew resolved only because node
+    names follow their ranks. Anything else (``to_here()``, ``local_value()``, ...) is the RRef's, and
+    sent in an RPC a ``NodeRRef`` travels as the RRef.
+    """
+
+    def __init__(self, rref, owner_name: str) -> None:
+        self.rref = rref
+        self._owner_name = owner_name
+
+    def owner_name(self) -> str:
+        return self._owner_name
+
+    def owner(self):
+        return rpc.get_worker_info(self._owner_name)
+
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
+        return _OwnerCalls(self, rpc.rpc_sync, timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
+        return _OwnerCalls(self, rpc.rpc_async, timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
+        return _OwnerCalls(self, rpc.remote, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "rref":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.rref, name)
+
+    def __reduce__(self):
+        return _same, (self.rref,)
+
+    def __repr__(self) -> str:
+        return f"NodeRRef({self._owner_name})"
+
+
+class _OwnerCalls:
+    """``ref.rpc_async().method(*args)``: ``method`` of the referenced object, called on its owner."""
+
+    def __init__(self, ref: NodeRRef, api: Callable, timeout: float) -> None:
+        self._ref, self._api, self._timeout = ref, api, timeout
+
+    def __getattr__(self, method: str) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._api(self._ref.owner_name(), _call_owned, args=(self._ref.rref, method, args, kwargs),
+                             timeout=self._timeout)
+        return call
+
+
 class _FailedRPC:
     """Placeholder reply of a request whose RPC failed (the node died or is unreachable)."""
 
@@ -426,8 +495,8 @@ class RPCWorkerHandle(WorkerHandle):
     def fetch_batch(self, reply) -> TensorDictBase:
         return reply.value
 
-    def collector_rref(self, timeout: float):
-        return rpc.remote(self.name, self.calls.collector_of, timeout=timeout)
+    def collector_rref(self, timeout: float) -> "NodeRRef":
+        return NodeRRef(rpc.remote(self.name, self.calls.collector_of, timeout=timeout), self.name)
 
     def forget_remote(self) -> None:
         self._ping = None
