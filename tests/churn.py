@@ -272,6 +272,8 @@ class ChurnReport:
     end: dict[str, int]
     #: named ``/dev/shm`` files the collector's processes mapped at the samples
     shm_seen: set[str]
+    #: what the descriptors open at the last sample but not at the first refer to (for messages)
+    new_fds: list[str] = field(default_factory=list)
 
 
 #: batches a sample usually waits for the events so far to be met (what :func:`churn_frames` counts)
@@ -305,6 +307,7 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
     weight = 1.0
     check.sent(weight)
     samples: dict[str, dict] = {}
+    targets: dict[str, dict[int, str]] = {}
     shm_seen: set[str] = set()
 
     def take() -> None:
@@ -336,6 +339,7 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
         for _ in range(2 * workers):  # every worker delivered a batch (its buffer exists) since it started
             take()
         samples[label] = resources()
+        targets[label] = open_fds()
         shm_seen.update(process_tree_shm())
         if sample is not None:
             sample(label, samples[label])
@@ -360,4 +364,6 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
     if to_total:
         for batch in iterator:
             check.check(batch)
-    return ChurnReport(list(churn.done), check.frames, check.batches, samples["warm"], samples["end"], shm_seen)
+    new_fds = sorted(target for fd, target in targets["end"].items() if targets["warm"].get(fd) != target)
+    return ChurnReport(list(churn.done), check.frames, check.batches, samples["warm"], samples["end"], shm_seen,
+                       new_fds)

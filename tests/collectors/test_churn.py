@@ -27,9 +27,9 @@ def assert_not_growing(report) -> None:
     own signal row and weight-version slot (one descriptor and one page each; the first workers share
     a table): up to two more per worker when the workers of the two samples differ in that way."""
     warm, end, slack = report.warm, report.end, 2 * WORKERS
-    assert end["fds"] <= warm["fds"] + slack, (warm, end, report.events)
-    assert end["shm_files"] <= warm["shm_files"] + slack, (warm, end, report.events)
-    assert end["shm_bytes"] <= warm["shm_bytes"] + slack * 4096, (warm, end, report.events)
+    assert end["fds"] <= warm["fds"] + slack, (warm, end, report.events, report.new_fds)
+    assert end["shm_files"] <= warm["shm_files"] + slack, (warm, end, report.events, report.new_fds)
+    assert end["shm_bytes"] <= warm["shm_bytes"] + slack * 4096, (warm, end, report.events, report.new_fds)
 
 
 @pytest.mark.filterwarnings("ignore:.*frames remain to total_frames")  # exact at the end: drive() leaves one worker
