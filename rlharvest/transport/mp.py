@@ -16,6 +16,7 @@ shared memory.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Sequence
 
@@ -82,6 +83,12 @@ class SharedTrajectoryCounter(TrajectoryCounter):
     def advance_to(self, value: int) -> None:
         with self._lock:
             self._value[0] = max(int(self._value[0]), int(value))
+
+    def close(self) -> None:
+        """The workers are gone (the collector shut down): keep the next id in this process's own
+        memory, and free the shared one."""
+        self._value, self._view = self._value.clone(), None
+        self._lock = threading.Lock()
 
     def __getstate__(self):
         return {"_value": self._value, "_lock": self._lock, "_view": None}
@@ -275,6 +282,8 @@ class MPBackend(Backend):
     def stop_all(self, deadline: float, closing=()) -> None:
         super().stop_all(deadline, closing)
         self.signals.close()
+        for counter in self._counters:
+            counter.close()
 
     def start_one(self, index: int, spec: WorkerSpec) -> MPWorkerHandle:
         """Start the process of worker ``index``.

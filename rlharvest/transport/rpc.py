@@ -691,6 +691,7 @@ class RPCBackend(Backend):
         if self._init_method:
             release_rpc_store(self._init_method)
             self._init_method = None
+        self._store = None  # its server's sockets and event loop: nothing of the group outlives shutdown()
         if self._running:
             self._running = False
             gc.collect()  # release dropped RRefs before the agent goes away

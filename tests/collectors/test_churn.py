@@ -55,5 +55,6 @@ def test_churn_loses_nothing_and_holds_nothing_for_departed_workers(collector_cl
     finally:
         collector.shutdown()
     assert resources()["children"] == 0
+    assert leftovers(before, report) == ([], {})  # a shut-down collector holds nothing, even referenced
     del collector, churn
     assert leftovers(before, report) == ([], {})

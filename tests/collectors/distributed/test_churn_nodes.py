@@ -66,6 +66,7 @@ def test_churn_on_nodes(collector_class, sync):
     finally:
         collector.shutdown()
     assert resources()["children"] == 0
+    assert leftovers(before, report) == ([], {})  # a shut-down collector holds nothing, even referenced
     del collector, churn
     assert leftovers(before, report) == ([], {})
 
