@@ -13,8 +13,8 @@ collector classes are made of.
   within a trajectory the counter goes up by one (no frame lost, doubled or torn), every frame was
   collected with weights that were sent, and the frames add up.
 * :func:`resources` samples this process: open descriptors, shared memory it maps (count and bytes),
-  RSS, threads, child processes (not the interpreter's helpers, nor a local Ray's services:
-  ``process_check.py``); :func:`shm_names` the ``/dev/shm`` segments a process maps.
+  RSS, threads, child processes (``process_check.children``); :func:`shm_names` the ``/dev/shm``
+  segments a process maps.
 """
 
 from __future__ import annotations
