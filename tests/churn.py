@@ -67,7 +67,7 @@ class Churn:
         unknown = set(self.events) - set(EVENTS)
         if unknown:
             raise ValueError(f"events must be among {EVENTS}, got {sorted(unknown)}")
-        self._rng = random.Random(self.seed)
+        self.rng = random.Random(self.seed)
         self._signalled: set[int] = set()
 
     def _pid(self, worker: int) -> int | None:
@@ -110,15 +110,15 @@ class Churn:
         allowed = self.possible()
         if not allowed:
             return "none"
-        event = self._rng.choice(allowed)
+        event = self.rng.choice(allowed)
         if event in ("kill", "term"):
-            worker, pid = self._rng.choice(self._signallable())
+            worker, pid = self.rng.choice(self._signallable())
             self._signalled.add(pid)
             os.kill(pid, signal.SIGKILL if event == "kill" else signal.SIGTERM)
         elif event == "add":
             self.collector.add_collectors([self.make_env])
         else:
-            self.collector.remove_collectors([self._rng.choice(self._removable())])
+            self.collector.remove_collectors([self.rng.choice(self._removable())])
         self.done.append(event)
         if self.after is not None:
             self.after(event)
@@ -289,6 +289,61 @@ def churn_frames(share: int, events: int, update_every: int = 3, most: int = 3) 
     return share * most * batches
 
 
+class _Drive:
+    """What :func:`drive` does between events: take a batch, update the weights, settle and sample."""
+
+    def __init__(self, collector, churn: Churn, check: FrameCheck, policy, workers: int,
+                 sample: Callable[[str, dict], None] | None) -> None:
+        self.collector, self.churn, self.check, self.policy = collector, churn, check, policy
+        self.workers, self.sample = workers, sample
+        self.iterator = iter(collector)
+        self.weight = 1.0
+        check.sent(self.weight)
+        self.samples: dict[str, dict] = {}
+        self.targets: dict[str, dict[int, str]] = {}
+        self.shm_seen: set[str] = set()
+
+    def take(self) -> None:
+        try:
+            self.check.check(next(self.iterator))
+        except StopIteration:
+            raise AssertionError("total_frames was reached before the churn ended: give more (churn_frames)") from None
+
+    def update(self) -> None:
+        self.weight += 1.0
+        with torch.no_grad():
+            self.policy.module.weight.fill_(self.weight)
+        self.check.sent(self.weight)
+        self.collector.update_policy_weights_()
+
+    def settle(self, label: str) -> None:
+        """Bring the collector to ``workers`` workers, every signal met, then sample."""
+        collector, churn, workers = self.collector, self.churn, self.workers
+        while len(collector.active_workers) > workers:
+            collector.remove_collectors([collector.active_workers[-1]])
+        while len(collector.active_workers) < workers and "add" in churn.events:
+            collector.add_collectors([churn.make_env])
+        signalled = churn.count("kill") + churn.count("term")
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:  # a preempted worker finishes its rollout first: a batch or two
+            self.take()  # (a node that joins takes an empty slot at a batch boundary: seconds, to start)
+            if len(collector.restart_causes) >= signalled and len(collector.active_workers) == workers:
+                break
+        for _ in range(2 * workers):  # every worker delivered a batch (its buffer exists) since it started
+            self.take()
+        self.samples[label] = resources()
+        self.targets[label] = open_fds()
+        self.shm_seen.update(process_tree_shm())
+        if self.sample is not None:
+            self.sample(label, self.samples[label])
+
+    def report(self) -> ChurnReport:
+        warm, end = self.targets["warm"], self.targets["end"]
+        new_fds = sorted(target for fd, target in end.items() if warm.get(fd) != target)
+        return ChurnReport(list(self.churn.done), self.check.frames, self.check.batches, self.samples["warm"],
+                           self.samples["end"], self.shm_seen, new_fds)
+
+
 def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, warm: int = 3,
           update_every: int = 3, workers: int = 2, single_at_end: bool = False, to_total: bool = True,
           sample: Callable[[str, dict], None] | None = None) -> ChurnReport:
@@ -303,67 +358,25 @@ def drive(collector, churn: Churn, check: FrameCheck, policy, *, events: int, wa
     ``total_frames`` is met exactly whatever the batches were; ``to_total=False`` stops after the last
     sample instead (an endless collector). ``sample(label, resources)`` is called at every sample.
     """
-    iterator = iter(collector)
-    weight = 1.0
-    check.sent(weight)
-    samples: dict[str, dict] = {}
-    targets: dict[str, dict[int, str]] = {}
-    shm_seen: set[str] = set()
-
-    def take() -> None:
-        try:
-            check.check(next(iterator))
-        except StopIteration:
-            raise AssertionError("total_frames was reached before the churn ended: give more (churn_frames)") from None
-
-    def update() -> None:
-        nonlocal weight
-        weight += 1.0
-        with torch.no_grad():
-            policy.module.weight.fill_(weight)
-        check.sent(weight)
-        collector.update_policy_weights_()
-
-    def settle(label: str) -> None:
-        """Bring the collector to ``workers`` workers, every signal met, then sample."""
-        while len(collector.active_workers) > workers:
-            collector.remove_collectors([collector.active_workers[-1]])
-        while len(collector.active_workers) < workers and "add" in churn.events:
-            collector.add_collectors([churn.make_env])
-        signalled = churn.count("kill") + churn.count("term")
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while time.monotonic() < deadline:  # a preempted worker finishes its rollout first: a batch or two
-            take()  # (a node that joins takes an empty slot at a batch boundary: seconds, to start)
-            if len(collector.restart_causes) >= signalled and len(collector.active_workers) == workers:
-                break
-        for _ in range(2 * workers):  # every worker delivered a batch (its buffer exists) since it started
-            take()
-        samples[label] = resources()
-        targets[label] = open_fds()
-        shm_seen.update(process_tree_shm())
-        if sample is not None:
-            sample(label, samples[label])
-
-    take()
+    run = _Drive(collector, churn, check, policy, workers, sample)
+    run.take()
     while len(churn.done) < events:
         for _ in range(update_every - 1):
-            take()
-        event_first = churn._rng.random() < 0.5
+            run.take()
+        event_first = churn.rng.random() < 0.5
         if event_first:
             churn.step()
-        update()
+        run.update()
         if not event_first:
             churn.step()
-        take()
-        if len(churn.done) == warm and "warm" not in samples:
-            settle("warm")
-    settle("end")
+        run.take()
+        if len(churn.done) == warm and "warm" not in run.samples:
+            run.settle("warm")
+    run.settle("end")
     if single_at_end:
         while len(collector.active_workers) > 1:
             collector.remove_collectors([collector.active_workers[-1]])
     if to_total:
-        for batch in iterator:
+        for batch in run.iterator:
             check.check(batch)
-    new_fds = sorted(target for fd, target in targets["end"].items() if targets["warm"].get(fd) != target)
-    return ChurnReport(list(churn.done), check.frames, check.batches, samples["warm"], samples["end"], shm_seen,
-                       new_fds)
+    return run.report()

@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import cloudpickle
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 from tensordict import TensorDictBase
 
 from ..errors import RemoteFailure, WorkerError
@@ -43,6 +42,7 @@ from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .ports import PortInUseError, boot_id, is_loopback, port_is_free
 from .rendezvous import (loopback_interface, mark_distributed_state, release_rpc_store, serve_rpc_store,
                          tensorpipe_interface)
+from .rpc_refs import NodeRRef
 from .rpc_weights import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "DEFAULT_TENSORPIPE_OPTIONS",
     "RPCBackend",
     "RPCNodeCalls",
-    "NodeRRef",
     "RPCNodeEndpoint",
     "RPCWorkerHandle",
     "RPCWeightLinks",
@@ -241,73 +240,6 @@ def _node_leaving(name: str, how: str, replies: int) -> bool:
     ``replies`` arrived (the node waits for that before it closes)."""
     handle = _HANDLES.get(name)
     return True if handle is None else handle.leaving(how, replies)
-
-
-def _call_owned(rref, method: str, args: tuple, kwargs: dict) -> Any:
-    """Runs on a node: ``method`` of the object ``rref`` (owned by the node) refers to."""
-    return getattr(rref.local_value(), method)(*args, **kwargs)
-
-
-def _same(rref):
-    return rref
-
-
-class NodeRRef:
-    """A remote reference to the collector of one node (``RPCCollector.collector_rrefs``): the RRef
-    itself, except that its calls (``rpc_sync()``, ``rpc_async()``, ``remote()``) and ``owner()`` find
-    the node by its name, in the group running now.
-
-    Why: torch keeps one RRef context per process, bound to the first RPC agent the process ran, and an
-    RRef resolves its owner's id through that agent's view of *its* group, also after later groups
-    replaced it. In a second RPC group of the same process (a second ``RPCCollector``), a node whose id
-    the first group never had, or had removed (a node replaced there leaves the membership), could not be
-    found ("could not find destination id 2"); ids the first group still knew resolved only because node
-    names follow their ranks. Anything else (``to_here()``, ``local_value()``, ...) is the RRef's, and
-    sent in an RPC a ``NodeRRef`` travels as the RRef.
-    """
-
-    def __init__(self, rref, owner_name: str) -> None:
-        self.rref = rref
-        self._owner_name = owner_name
-
-    def owner_name(self) -> str:
-        return self._owner_name
-
-    def owner(self):
-        return rpc.get_worker_info(self._owner_name)
-
-    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
-        return _OwnerCalls(self, rpc.rpc_sync, timeout)
-
-    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
-        return _OwnerCalls(self, rpc.rpc_async, timeout)
-
-    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_OwnerCalls":
-        return _OwnerCalls(self, rpc.remote, timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "rref":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.rref, name)
-
-    def __reduce__(self):
-        return _same, (self.rref,)
-
-    def __repr__(self) -> str:
-        return f"NodeRRef({self._owner_name})"
-
-
-class _OwnerCalls:
-    """``ref.rpc_async().method(*args)``: ``method`` of the referenced object, called on its owner."""
-
-    def __init__(self, ref: NodeRRef, api: Callable, timeout: float) -> None:
-        self._ref, self._api, self._timeout = ref, api, timeout
-
-    def __getattr__(self, method: str) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return self._api(self._ref.owner_name(), _call_owned, args=(self._ref.rref, method, args, kwargs),
-                             timeout=self._timeout)
-        return call
 
 
 class _FailedRPC:
