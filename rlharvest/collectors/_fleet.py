@@ -317,6 +317,8 @@ class Fleet:
         for scheme in self.schemes.values():
             scheme.forget(index)
         self.requests.retire(index)
+        if not self.backend.refills_slots:  # no worker will start from its spec (a copy of the policy)
+            self.specs[index] = None
 
     def check_removable(self, indices: Sequence[int] | int) -> list[int]:
         """``indices`` as a sorted list of current workers that may leave.

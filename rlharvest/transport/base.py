@@ -194,6 +194,8 @@ class Backend(ABC):
     noun = "worker"
     #: whether :meth:`grow` can add workers to a running collector
     growable = False
+    #: whether a new worker can take the slot of one that left (nodes that join: ``launcher="external"``)
+    refills_slots = False
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers

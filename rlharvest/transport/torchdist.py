@@ -199,7 +199,7 @@ class DistWorkerHandle(WorkerHandle):
         self.launched.terminate(deadline)
         # The node is gone: its group (sockets, threads) and batch buffer go too, also while this
         # handle stays in the slot of a node that left (as they go with a replaced node's handle).
-        self.group = self._flat = self._view = None
+        self.group = self._flat = self._view = self._layout = None
 
 
 class DistWorkerEndpoint(WorkerEndpoint):
@@ -428,6 +428,11 @@ class TorchDistBackend(Backend):
         self.joins: JoinService | None = None
         #: seconds the last replacement's own group took to form, once the node reached the store
         self.last_group_seconds: float | None = None
+
+    @property
+    def refills_slots(self) -> bool:
+        """``launcher="external"``: a node that joins takes the slot of one that left."""
+        return self.launcher == "external"
 
     @property
     def growable(self) -> bool:
