@@ -87,9 +87,11 @@ class Churn:
         return out
 
     def _removable(self) -> list[int]:
-        """Active workers not signalled (or whose end was met: they were replaced): one signalled
-        whose death or leave the collector has not met yet is the signal's, which the checks count."""
-        return [worker for worker in self.collector.active_workers if self._pid(worker) not in self._signalled]
+        """The active workers, once the collector met the end of every worker signalled so far: a
+        worker signalled and removed before that would leave its signal uncounted (the checks count
+        one restart cause per signal)."""
+        met = len(self.collector.restart_causes) >= len(self._signalled)
+        return list(self.collector.active_workers) if met else []
 
     def possible(self) -> list[str]:
         fewest, most = self.workers
