@@ -26,6 +26,8 @@ def _is_ray_service(command: str) -> bool:
 
 
 def children() -> set[int]:
+    """Live descendants of this process, but the interpreter's helpers themselves (what a forkserver
+    starts, e.g. ``"mp"`` nodes, is counted: it carries the forkserver's command line) and Ray's."""
     me = psutil.Process(os.getpid())
     alive = set()
     for child in me.children(recursive=True):
@@ -33,7 +35,8 @@ def children() -> set[int]:
             if child.status() == psutil.STATUS_ZOMBIE:
                 continue
             command = " ".join(child.cmdline())
-            if any(helper in command for helper in _INTERPRETER_HELPERS) or _is_ray_service(command):
+            helper = child.ppid() == me.pid and any(name in command for name in _INTERPRETER_HELPERS)
+            if helper or _is_ray_service(command):
                 continue
             alive.add(child.pid)
         except psutil.NoSuchProcess:

@@ -194,6 +194,8 @@ class Backend(ABC):
     noun = "worker"
     #: whether :meth:`grow` can add workers to a running collector
     growable = False
+    #: whether a new worker can take the slot of one that left (nodes that join: ``launcher="external"``)
+    refills_slots = False
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
@@ -250,6 +252,10 @@ class Backend(ABC):
         handle = self.handles[index]
         if handle is not None:
             handle.terminate(deadline)
+
+    def retire(self, index: int) -> None:
+        """Worker ``index`` left for good (removed, or preempted and not replaced) and was stopped
+        (:meth:`stop_one`): release what the backend kept for its slot. Its index stays (an empty slot)."""
 
     def stop_all(self, deadline: float, closing: Collection[int] = ()) -> None:
         """Make sure every worker is gone, and release what the backend holds; idempotent.

@@ -156,24 +156,37 @@ class LocalNode(LaunchedNode):
     """A node running as a child process of this one."""
 
     def __init__(self, process) -> None:
+        #: the node's process; None once it ended and was released (:meth:`terminate`)
         self.process = process
+        self._pid = process.pid
+        self._exitcode: int | None = None
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return self._pid
 
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process is not None and self.process.is_alive()
 
     def _ended(self, timeout: float) -> bool:
+        if self.process is None:
+            return True
         self.process.join(timeout)
         return not self.process.is_alive()
 
     def exit_description(self) -> str:
-        return describe_exit(self.process.exitcode)
+        return describe_exit(self.process.exitcode if self.process is not None else self._exitcode)
 
     def terminate(self, deadline: float) -> None:
-        end_process(self.process, deadline)
+        """Make sure the process is gone, then release its sentinel (a descriptor, kept otherwise for
+        as long as the collector keeps this node's slot)."""
+        process = self.process
+        if process is None:
+            return
+        end_process(process, deadline)
+        if process.exitcode is not None:
+            self._exitcode, self.process = process.exitcode, None
+            process.close()
 
 
 class SlurmNode(LaunchedNode):

@@ -16,6 +16,7 @@ shared memory.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -82,6 +83,12 @@ class SharedTrajectoryCounter(TrajectoryCounter):
         with self._lock:
             self._value[0] = max(int(self._value[0]), int(value))
 
+    def close(self) -> None:
+        """The workers are gone (the collector shut down): keep the next id in this process's own
+        memory, and free the shared one."""
+        self._value, self._view = self._value.clone(), None
+        self._lock = threading.Lock()
+
     def __getstate__(self):
         return {"_value": self._value, "_lock": self._lock, "_view": None}
 
@@ -90,27 +97,38 @@ class SignalBoard:
     """The shared ``[interrupt, progress, left]`` rows of every worker of a collector.
 
     The workers a collector starts with share one table; each worker added later (``MPBackend.grow``)
-    gets a table of its own, so the rows the running workers hold never move.
+    gets a table of its own, so the rows the running workers hold never move, and the table of an
+    added worker that left is released with it (:meth:`release`).
     """
 
     def __init__(self, num_workers: int) -> None:
         self.table = torch.zeros((num_workers, 3), dtype=torch.int64).share_memory_()
-        #: ``(first worker, table)``: the first table, then one per added worker
-        self._tables: list[tuple[int, torch.Tensor]] = [(0, self.table)]
+        #: added worker -> its own one-row table
+        self._own: dict[int, torch.Tensor] = {}
 
     def row(self, worker: int) -> tuple[torch.Tensor, int]:
         """The table holding ``worker``'s row, and the row's index in it."""
-        first, table = max((entry for entry in self._tables if entry[0] <= worker), key=lambda entry: entry[0])
-        return table, worker - first
+        own = self._own.get(worker)
+        return (own, 0) if own is not None else (self.table, worker)
 
     def grow(self, first: int, count: int) -> None:
         """Rows for workers ``first`` .. ``first + count - 1``."""
-        self._tables.extend((worker, torch.zeros((1, 3), dtype=torch.int64).share_memory_())
-                            for worker in range(first, first + count))
+        for worker in range(first, first + count):
+            self._own[worker] = torch.zeros((1, 3), dtype=torch.int64).share_memory_()
 
     def truncate(self, num_workers: int) -> None:
         """Forget the rows of workers from ``num_workers`` on (tables of added workers only)."""
-        self._tables = [entry for entry in self._tables if entry[0] == 0 or entry[0] < num_workers]
+        self._own = {worker: table for worker, table in self._own.items() if worker < num_workers}
+
+    def release(self, worker: int) -> None:
+        """``worker`` left for good: its own table (an added worker's) is freed; rows of the first
+        table stay (the table is shared by the first workers)."""
+        self._own.pop(worker, None)
+
+    def close(self) -> None:
+        """Free every table (the collector is shut down; handles keep private copies of their rows)."""
+        self._own.clear()
+        self.table = torch.zeros((0, 3), dtype=torch.int64)
 
 
 class MPWorkerEndpoint(PipeEndpoint):
@@ -159,18 +177,21 @@ class MPWorkerHandle(PipeHandle):
 
     def __init__(self, process, conn, signals: torch.Tensor, row: int, worker_idx: int) -> None:
         super().__init__(conn, signals.numpy()[row], worker_idx)
+        #: the worker's process; None once it ended and was released (:meth:`terminate`)
         self.process = process
+        self._pid = process.pid
+        self._exitcode: int | None = None
         self._batch: TensorDictBase | None = None
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return self._pid
 
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process is not None and self.process.is_alive()
 
     def exit_description(self) -> str:
-        return describe_process_exit(self.process)
+        return describe_process_exit(self.process) if self.process is not None else describe_exit(self._exitcode)
 
     def fetch_batch(self, reply) -> TensorDictBase:
         if reply.value is not None:
@@ -180,8 +201,19 @@ class MPWorkerHandle(PipeHandle):
         return self._batch
 
     def terminate(self, deadline: float) -> None:
-        end_process(self.process, deadline)
+        """Make sure the process is gone, then release what this process holds of it: the batch
+        buffer (its shared memory stays mapped here, one descriptor per tensor, while referenced),
+        the pipe, and the process's sentinel. A handle outlives its worker (a departed worker's slot
+        keeps it), so without this each departure would keep them until the collector is collected."""
+        process = self.process
+        if process is not None:
+            end_process(process, deadline)
         self.close_pipe()
+        self._batch = None
+        self._signals = self._signals.copy()  # the row of an added worker is a shared table of its own
+        if process is not None and process.exitcode is not None:
+            self._exitcode, self.process = process.exitcode, None
+            process.close()
 
 
 class MPBackend(Backend):
@@ -241,7 +273,16 @@ class MPBackend(Backend):
         super().stop_one(index, deadline)
         if handle is not None:
             for counter in self._counters:  # a worker killed inside take() must not block the others
-                counter.recover(handle.process.pid)
+                counter.recover(handle.pid)
+
+    def retire(self, index: int) -> None:
+        self.signals.release(index)
+
+    def stop_all(self, deadline: float, closing=()) -> None:
+        super().stop_all(deadline, closing)
+        self.signals.close()
+        for counter in self._counters:
+            counter.close()
 
     def start_one(self, index: int, spec: WorkerSpec) -> MPWorkerHandle:
         """Start the process of worker ``index``.

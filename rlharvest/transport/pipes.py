@@ -9,19 +9,59 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from multiprocessing import resource_sharer
+from typing import Any, Callable
 
 import numpy as np
 
 from .base import WorkerEndpoint, WorkerHandle
 
-__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "INTERRUPT", "PROGRESS", "LEFT"]
+__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "OfferedDescriptors", "INTERRUPT", "PROGRESS", "LEFT"]
 
 #: the columns of a worker's signal row (``LEFT``: 1 once a preempted worker finished its rollout and
 #: leaves, 2 once it handed it back; rows of two columns have none)
 INTERRUPT, PROGRESS, LEFT = 0, 1, 2
 #: what a worker did with its rollout in flight, by the value of its ``LEFT`` column
 _LEFT_AS = {1: "finished", 2: "handed back"}
+
+
+class OfferedDescriptors:
+    """The descriptors this process offered one worker process in what it sent it, until it is gone.
+
+    A shared-memory tensor pickled into a pipe (weights, a state dict) travels as a duplicate of its
+    descriptor, kept by multiprocessing's resource sharer (one per process) until the receiver asks
+    for it while it unpickles. A worker that dies before it read the message never asks: the duplicate,
+    and the memory behind it, would stay until this process exits. :meth:`sending` notes what a send
+    offered; :meth:`withdraw`, once the worker is gone, closes what it never took. Sends to workers
+    happen on the collector's thread, one at a time: what the sharer registered during a send is that
+    send's.
+    """
+
+    def __init__(self) -> None:
+        self._keys: set[int] = set()
+
+    def sending(self, send: Callable[[], None]) -> None:
+        """Run ``send`` (one message to the worker), noting the descriptors it offered."""
+        sharer = resource_sharer._resource_sharer
+        first = sharer._key
+        send()
+        last = sharer._key
+        if last != first or self._keys:
+            with sharer._lock:  # those taken meanwhile are the sharer's no more
+                self._keys = (self._keys | set(range(first + 1, last + 1))) & sharer._cache.keys()
+
+    def withdraw(self) -> None:
+        """The worker is gone: close the duplicates it never took."""
+        if not self._keys:
+            return
+        sharer = resource_sharer._resource_sharer
+        with sharer._lock:
+            entries = [sharer._cache.pop(key, None) for key in self._keys]
+        self._keys.clear()
+        for entry in entries:
+            if entry is not None:
+                with contextlib.suppress(OSError):
+                    entry[1]()  # closes the duplicate
 
 
 class PipeHandle(WorkerHandle):
@@ -37,9 +77,10 @@ class PipeHandle(WorkerHandle):
         self.conn = conn
         self.worker_idx = worker_idx
         self._signals = signals
+        self.offered = OfferedDescriptors()
 
     def send(self, message: Any) -> None:
-        self.conn.send(message)
+        self.offered.sending(lambda: self.conn.send(message))
 
     def poll(self, timeout: float = 0.0) -> bool:
         try:
@@ -66,10 +107,12 @@ class PipeHandle(WorkerHandle):
         return _LEFT_AS.get(int(self._signals[LEFT])) if len(self._signals) > LEFT else None
 
     def close_pipe(self) -> None:
+        """Close the pipe, and what the worker was offered and never took (call once it is gone)."""
         try:
             self.conn.close()
         except OSError:
             pass
+        self.offered.withdraw()
 
 
 class PipeEndpoint(WorkerEndpoint):

@@ -449,6 +449,10 @@ class RayWeightSender(WeightSender):
         if self._server is not None:
             self._server.drop(worker)
 
+    def retire(self, worker: int) -> None:
+        """Actor ``worker`` left for good: its channel closes, nothing of it is awaited any more."""
+        self.replace(worker)
+
     def attach(self, worker: int, timeout: float) -> None:
         """Hand the replacement the weights of the last update (or of the start), as its initial
         weights, with a new invitation to the direct channel."""

@@ -42,6 +42,7 @@ from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .ports import PortInUseError, boot_id, is_loopback, port_is_free
 from .rendezvous import (loopback_interface, mark_distributed_state, release_rpc_store, serve_rpc_store,
                          tensorpipe_interface)
+from .rpc_refs import NodeRRef
 from .rpc_weights import RPCWeightLinks, RPCWeightReceiver, RPCWeightSender
 
 __all__ = [
@@ -315,6 +316,8 @@ class RPCWorkerHandle(WorkerHandle):
 
     def _push(self, reply) -> None:
         with self._lock:  # under the lock: terminate() cannot close the pipe in between
+            if self._terminated:  # a late reply of a node that is gone: nobody takes it
+                return
             self._replies.append(reply)
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"x")
@@ -424,8 +427,8 @@ class RPCWorkerHandle(WorkerHandle):
     def fetch_batch(self, reply) -> TensorDictBase:
         return reply.value
 
-    def collector_rref(self, timeout: float):
-        return rpc.remote(self.name, self.calls.collector_of, timeout=timeout)
+    def collector_rref(self, timeout: float) -> "NodeRRef":
+        return NodeRRef(rpc.remote(self.name, self.calls.collector_of, timeout=timeout), self.name)
 
     def forget_remote(self) -> None:
         self._ping = None
@@ -441,6 +444,7 @@ class RPCWorkerHandle(WorkerHandle):
             del _HANDLES[self.name]
         with self._lock:  # once: a second close would close whatever reused the descriptor numbers
             fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+            self._replies.clear()  # replies never taken (batches) go with the node
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -567,9 +571,20 @@ class RPCBackend(Backend):
             if handle.is_alive():
                 handle.close_node()
             handle.terminate(deadline)
+            self._close_pipes(handle)
             self._remove_member(handle)
         elif node is not None:
             node.terminate(deadline)
+
+    def _close_pipes(self, handle: RPCWorkerHandle) -> None:
+        """Make TensorPipe close its connections to a node that is gone. It notices a peer that closed
+        them only when it uses them: a node that ended gracefully (removed, preempted) would leave this
+        process's ends open (CLOSE_WAIT: four descriptors per node) until the agent shuts down. One
+        last call, which fails at once (the peer resets the connection), closes them."""
+        if getattr(handle, "info", None) is None or not self._running:
+            return
+        with contextlib.suppress(Exception):
+            rpc.rpc_async(handle.name, _ping, timeout=min(2.0, self.net.heartbeat_timeout)).wait()
 
     def _remove_member(self, handle: RPCWorkerHandle) -> None:
         """Remove a node that is gone from the group, as a graceful leave would have: from the store a
@@ -608,6 +623,7 @@ class RPCBackend(Backend):
         if self._init_method:
             release_rpc_store(self._init_method)
             self._init_method = None
+        self._store = None  # its server's sockets and event loop: nothing of the group outlives shutdown()
         if self._running:
             self._running = False
             gc.collect()  # release dropped RRefs before the agent goes away

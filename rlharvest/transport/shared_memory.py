@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 from ..data.flat import freeze
 from ..errors import RemoteFailure
 from .base import Liveness, WeightLinks, WeightReceiver, WeightSender, receive_from
+from .pipes import OfferedDescriptors
 from .weight_pool import GenerationBook, TorchShmAllocator
 
 __all__ = ["SharedMemLinks", "SharedMemWeightSender", "SharedMemWeightReceiver"]
@@ -73,6 +74,8 @@ class SharedMemWeightSender(WeightSender):
         pipes = [ctx.Pipe(duplex=True) for _ in range(num_workers)]
         self.conns = [parent for parent, _ in pipes]
         self._child_conns = [child for _, child in pipes]
+        #: worker -> the generation buffers offered it through its pipe (closed if it never took them)
+        self._offered: dict[int, OfferedDescriptors] = {}
         self.versions = torch.zeros(num_workers, dtype=torch.int64).share_memory_()
         # writes through numpy: 0.3 us instead of 6; an added worker's slot lives in a table of its own
         self._versions = _VersionSlots(self.versions)
@@ -134,7 +137,7 @@ class SharedMemWeightSender(WeightSender):
                 weights = (payload[worker] if isinstance(payload, dict) else payload).detach().clone()
                 self._versions[worker] = version
                 self._latest_sent[self._key(worker)] = (version, weights)
-                self.conns[worker].send((kind, version, weights))
+                self._send(worker, (kind, version, weights))
                 if kind == "update":
                     self._unacked[worker] = version
             return
@@ -150,15 +153,19 @@ class SharedMemWeightSender(WeightSender):
             for worker in workers:
                 handle = book.hand(worker, generation.gen_id, generation.handle, initial=kind == "init")
                 self._versions[worker] = version
-                self.conns[worker].send((kind, version, (generation.gen_id, handle)))
+                self._send(worker, (kind, version, (generation.gen_id, handle)))
                 if kind == "update":
                     self._unacked[worker] = version
+
+    def _send(self, worker: int, message: tuple) -> None:
+        offered = self._offered.setdefault(worker, OfferedDescriptors())
+        offered.sending(lambda: self.conns[worker].send(message))
 
     # ------------------------------------------------------------------ replacements and added workers
     def replace(self, worker: int) -> None:
         if worker >= self.num_workers:
             self._grow_to(worker + 1)
-        self.retire(worker)
+        self._release(worker)
         self.conns[worker], self._child_conns[worker] = self._ctx.Pipe(duplex=True)
 
     def _grow_to(self, count: int) -> None:
@@ -173,15 +180,35 @@ class SharedMemWeightSender(WeightSender):
         self.num_workers = count
 
     def retire(self, worker: int) -> None:
-        """``worker`` left the collector: close its pipe; its slot stays (indices do not move)."""
+        """``worker`` left the collector for good: close its pipe and free what only it used (its
+        version slot if it was added, its generations with per-worker weights). Its slot stays
+        (indices do not move)."""
+        self._release(worker)
+        if self.per_worker:
+            book = self.books.pop(worker, None)
+            if book is not None:
+                book.close()
+            self._latest.pop(worker, None)
+            self._latest_sent.pop(worker, None)
+        self._versions.release(worker)
+
+    def _release(self, worker: int) -> None:
+        """Forget ``worker``'s receiver (it is gone): its pipe, its pending acknowledgement, the
+        generations it mapped."""
         for conn in (self.conns[worker], self._child_conns[worker]):
             try:
                 if conn is not None:
                     conn.close()
             except OSError:
                 pass
+        self.conns[worker] = self._child_conns[worker] = None
+        offered = self._offered.pop(worker, None)
+        if offered is not None:  # generations it never took (it died before reading them)
+            offered.withdraw()
         self._unacked.pop(worker, None)
-        self._book(worker).forget(worker)
+        book = self.books.get(self._key(worker))
+        if book is not None:
+            book.forget(worker)
 
     def attach(self, worker: int, timeout: float) -> None:
         """Hand the new receiver the current weights of its pool key (mapped, not copied)."""
@@ -195,7 +222,7 @@ class SharedMemWeightSender(WeightSender):
         else:  # workers kept the weights their own policies were built with
             version, body = 0, None
         self._versions[worker] = version
-        self.conns[worker].send(("init", version, body))
+        self._send(worker, ("init", version, body))
 
     def wait_acks(self, version: int, worker_ids: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -222,30 +249,41 @@ class SharedMemWeightSender(WeightSender):
                     conn.close()
             except OSError:
                 pass
+        for offered in self._offered.values():  # the workers are gone (the collector shut down)
+            offered.withdraw()
+        self._offered.clear()
         for book in self.books.values():
             book.close()
 
 
 class _VersionSlots:
     """The shared version slot of every worker: one table for the workers a sender starts with, one
-    of its own for each worker added later (the tables running receivers read never move)."""
+    of its own for each worker added later (the tables running receivers read never move); the table
+    of an added worker that left is released with it."""
 
     def __init__(self, table: torch.Tensor) -> None:
-        #: ``(first worker, table)``, in order
+        #: ``(first worker, table)``, in order (what receivers look their slot up in)
         self.tables: list[tuple[int, torch.Tensor]] = [(0, table)]
-        self._views = [table.numpy()]
-        self._first = len(table)
+        self._first = table.numpy()
+        #: added worker -> the view of its own table
+        self._own: dict[int, Any] = {}
 
     def add(self, worker: int) -> None:
         table = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.tables.append((worker, table))
-        self._views.append(table.numpy())
+        self._own[worker] = table.numpy()
+
+    def release(self, worker: int) -> None:
+        """``worker`` (added after start-up) left: free its table. The first table stays."""
+        if self._own.pop(worker, None) is not None:
+            self.tables[:] = [entry for entry in self.tables if entry[0] != worker]
 
     def __setitem__(self, worker: int, version: int) -> None:
-        if worker < self._first:
-            self._views[0][worker] = version
-        else:
-            self._views[worker - self._first + 1][0] = version
+        own = self._own.get(worker)
+        if own is not None:
+            own[0] = version
+        elif worker < len(self._first):
+            self._first[worker] = version
 
 
 class SharedMemWeightReceiver(WeightReceiver):

@@ -117,6 +117,11 @@ class TorchDistBackend(Backend):
         self.last_group_seconds: float | None = None
 
     @property
+    def refills_slots(self) -> bool:
+        """``launcher="external"``: a node that joins takes the slot of one that left."""
+        return self.launcher == "external"
+
+    @property
     def growable(self) -> bool:
         """Nodes can be added (``add_collectors``) where one can be replaced: each forms a group of its
         own with this process, like a replacement."""

@@ -187,6 +187,9 @@ class DistWorkerHandle(WorkerHandle):
             pass
         self._closed = True
         self.launched.terminate(deadline)
+        # The node is gone: its group (sockets, threads) and batch buffer go too, also while this
+        # handle stays in the slot of a node that left (as they go with a replaced node's handle).
+        self.group = self._flat = self._view = self._layout = None
 
 
 class DistWorkerEndpoint(WorkerEndpoint):

@@ -216,14 +216,16 @@ class DistWeightReceiver(WeightReceiver):
 
     def close(self) -> None:
         if self.conn is not None:
-            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
+            # close() alone does not wake a recv() blocked in the reader thread; shutdown() does. The
+            # reader ends first: a connection closed under its recv() raised TypeError in the thread.
             shutdown_connection(self.conn)
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self.conn is not None:
             try:
                 self.conn.close()
             except OSError:
                 pass
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
         if self._forwarder is not None:
             self._forwarder.wait(2.0)
         if self._downstream is not None:

@@ -185,9 +185,22 @@ class DistWeightSender(WeightSender):
             self.listener.close()  # every awaited node is connected: the port closes
 
     # ------------------------------------------------------------------ replacements
+    def retire(self, worker: int) -> None:
+        """Node ``worker`` left for good: close its weight channel and forget it (its slot stays)."""
+        self._forget(worker)
+        self._awaited.discard(worker)
+        if not self._awaited and not self.listener.closed:
+            self.listener.close()
+
     def replace(self, worker: int) -> None:
         if worker >= self.num_workers:  # a node added after start-up (Backend.grow)
             self.num_workers = worker + 1
+        self._forget(worker)
+        self._awaited.add(worker)
+        if self.listener.closed:  # else it is still open for another awaited node: its port stays
+            self.listener = self._listen()  # connection_info() now names its port
+
+    def _forget(self, worker: int) -> None:
         conn = self.conns.pop(worker, None)
         if conn is not None:
             conn.close()
@@ -199,9 +212,6 @@ class DistWeightSender(WeightSender):
         for state in (self._unacked, self._staged, self._failures, self._relay_at,
                       self._unrelayed):
             state.pop(worker, None)
-        self._awaited.add(worker)
-        if self.listener.closed:  # else it is still open for another awaited node: its port stays
-            self.listener = self._listen()  # connection_info() now names its port
 
     def attach(self, worker: int, timeout: float) -> None:
         """Take the new node's channel and hand it the last weights announced, with their version."""

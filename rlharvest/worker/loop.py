@@ -252,8 +252,11 @@ class Worker:
         self.closed = True
         self.endpoint.announce_leaving(handed_back)  # in shared memory where there is some: never lost
         if not handed_back:
-            with contextlib.suppress(Exception):  # the batch it delivered last must have left (nodes send it after replying)
-                self.endpoint.before_rollout()
+            # The batch it delivered last must have left (nodes send it after replying). Weight updates
+            # are applied meanwhile: a parent waiting for their acknowledgement before it takes the
+            # batch would otherwise wait for this node's send timeout (60 s), and this node for it.
+            with contextlib.suppress(Exception):
+                self.endpoint.before_rollout(idle=self.collector.poll_weight_receivers)
         with contextlib.suppress(Exception):
             self.endpoint.send(Reply(LEAVING, self.worker_idx, value="handed back" if handed_back else "finished"))
         self.collector.shutdown(raise_on_error=False)

@@ -490,3 +490,41 @@ def test_batches_from_workers_have_the_device_a_worker_stores_on(collector_class
         batches = list(collector)
     assert [batch.device for batch in batches] == [torch.device(stored) if stored else None] * 2
 
+
+
+class SlowFirstStepEnv(CountingEnv):
+    """CountingEnv counting from 10000, whose first step (after it is built) takes ``delay`` seconds: a
+    worker that becomes ready late, as a Ray actor importing torch does."""
+
+    def __init__(self, delay: float = 0.5) -> None:
+        super().__init__(max_steps=10**6, start_val=10_000)
+        self.delay = delay
+
+    def _step_arrays(self, actions):
+        if self.delay:
+            time.sleep(self.delay)
+            self.delay = 0.0
+        return super()._step_arrays(actions)
+
+
+def test_async_first_batches_come_from_every_worker_and_a_replacement_s_first_goes_first():
+    """A worker that is ready late (at the start, or a replacement) delivers its first batch before any
+    other worker's next one (docs/collection.md, "A batch"); before, the worker ready first delivered
+    batch after batch while the other stepped its first (issue 33)."""
+    collector = MultiAsyncCollector([lambda: CountingEnv(max_steps=10**6), SlowFirstStepEnv], weight_policy(1.0),
+                                    frames_per_batch=4, total_frames=-1, max_worker_restarts=1)
+    try:
+        iterator = iter(collector)
+        starts = [int(next(iterator)["observation"][0]) for _ in range(2)]
+        assert sorted(start >= 10_000 for start in starts) == [False, True], starts  # one batch of each
+        os.kill(collector.worker_pids()[1], 9)
+        starts, met = [], None
+        while 10_000 not in starts and len(starts) < 100:
+            starts.append(int(next(iterator)["observation"][0]))
+            if met is None and collector.restart_causes:
+                met = len(starts) - 1  # the batch whose wait met the kill (the replacement started then)
+        # the replacement's first batch (its fresh env counts from 10000) comes at once, not after more
+        # of worker 0's
+        assert met is not None and 10_000 in starts[met:met + 2], (met, starts)
+    finally:
+        collector.shutdown()

@@ -11,7 +11,8 @@ from mocks import CountingPolicy, FaultyEnv
 from rlharvest.collectors import Collector
 from rlharvest.collectors.engine.requests import WorkerRequests
 from rlharvest.envs import CountingEnv
-from rlharvest.protocol import FREE_BATCH, READY, Command, Message, WorkerSpec
+from rlharvest.protocol import FREE_BATCH, LEAVING, READY, Command, Message, WorkerSpec
+from rlharvest.transport.base import WorkerEndpoint
 from rlharvest.transport.inprocess import InProcessBackend
 from rlharvest.worker import Worker, run_worker
 
@@ -120,3 +121,47 @@ def test_the_worker_returns_when_its_parent_is_gone(served):
     handle.conn.close()
     handle.thread.join(5.0)
     assert not handle.is_alive()
+
+
+class HeldBatchEndpoint(WorkerEndpoint):
+    """A node's end whose last batch leaves only while the worker applies weight updates: its parent
+    waits for the acknowledgement of an update before it takes the batch."""
+
+    def __init__(self) -> None:
+        self.worker_idx = 0
+        self.sent: list = []
+        self.held = False  # a batch published and not taken yet
+        self.idle_calls = 0
+
+    def recv(self, timeout: float):
+        return None
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def publish_batch(self, batch):
+        self.held = True
+        return batch
+
+    def before_rollout(self, idle=None) -> None:
+        if self.held and idle is None:
+            raise TimeoutError("the last batch never left: the parent waits for an acknowledgement meanwhile")
+        if self.held:
+            idle()
+            self.idle_calls += 1
+        self.held = False
+
+
+def test_a_preempted_worker_applies_weight_updates_while_its_last_batch_waits_to_leave():
+    """A node preempted (SIGTERM) after it delivered a batch waits until that batch is taken before it
+    says it leaves; a parent that meanwhile waits for this node's acknowledgement of an update takes the
+    batch only after it: without the updates applied meanwhile both waited, until the node's send timed
+    out (60 s, seen in benchmarks/soak.py; docs/elastic.md, "Preemption")."""
+    endpoint = HeldBatchEndpoint()
+    worker = Worker(spec(preemption_grace=2.0), endpoint)
+    collect(worker)  # a batch delivered
+    worker.preempt()
+    worker.serve(idle_timeout=0.01)
+    assert endpoint.idle_calls == 1
+    leaving = [reply for reply in endpoint.sent if reply.request_id == LEAVING]
+    assert [reply.value for reply in leaving] == ["finished"]

@@ -241,10 +241,7 @@ class Fleet:
         if [w for w in self.active if w != worker] == []:
             raise err
         self.replacement.before(worker)
-        self.backend.stop_one(worker, time.monotonic() + 1.0)
-        for scheme in self.schemes.values():
-            scheme.forget(worker)
-        self.requests.retire(worker)
+        self._retire(worker, time.monotonic() + 1.0)
         self.replacement.left(worker)
         return worker
 
@@ -309,10 +306,19 @@ class Fleet:
             self.requests.handles[index].interrupt()
         closed = {index for index in indices if self._settle(index, deadline, running_free)}
         for index in indices:
-            self.backend.stop_one(index, deadline if index in closed else time.monotonic())
-            for scheme in self.schemes.values():
-                scheme.forget(index)
-            self.requests.retire(index)
+            self._retire(index, deadline if index in closed else time.monotonic())
+
+    def _retire(self, index: int, deadline: float) -> None:
+        """Worker ``index`` leaves for good: make sure it is gone, and release everything kept for it
+        here (the backend's slot, the schemes' channels, the requests' bookkeeping): a departed
+        worker holds no descriptor and no shared memory in this process (docs/elastic.md)."""
+        self.backend.stop_one(index, deadline)
+        self.backend.retire(index)
+        for scheme in self.schemes.values():
+            scheme.forget(index)
+        self.requests.retire(index)
+        if not self.backend.refills_slots:  # no worker will start from its spec (a copy of the policy)
+            self.specs[index] = None
 
     def check_removable(self, indices: Sequence[int] | int) -> list[int]:
         """``indices`` as a sorted list of current workers that may leave.
@@ -422,3 +428,5 @@ class Fleet:
                     closing.add(worker)
         # Workers that acknowledged CLOSE exit by themselves; the others are terminated right away.
         self.backend.stop_all(deadline, closing)
+        if requests is not None:  # replies never taken may hold batches (a first one carries its buffer)
+            requests.clear()

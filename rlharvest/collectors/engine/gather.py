@@ -111,7 +111,14 @@ class SyncStack:
 
 
 class FirstReady:
-    """Every worker keeps one request in flight; batches are served in order of arrival.
+    """Every worker keeps one request in flight; batches are served in order of arrival, except that a
+    worker's first batch goes first: while a worker that started (with the collector, or later: a
+    replacement, an added worker) has not delivered one, the others' next batches wait.
+
+    A start is where arrival order is least fair: workers become ready at different times (a Ray actor
+    imports torch for seconds), and a worker that is ready first can deliver many small batches before
+    another one delivers any. So the first batch comes from the first worker ready, and the next ones
+    from the others, one each, before any worker's second batch (docs/collection.md).
 
     Args:
         fleet: the workers.
@@ -123,6 +130,8 @@ class FirstReady:
         self.progress = progress
         #: ``{worker: request id}`` of the requests in flight
         self.in_flight: dict[int, int] = {}
+        #: the workers that delivered a batch since they started
+        self._served: set[int] = set()
 
     def launch(self, worker: int, random: bool) -> None:
         """Ask ``worker`` for its next rollout (none when it left meanwhile)."""
@@ -139,17 +148,26 @@ class FirstReady:
         request is dropped: the caller asks the replacement again)."""
         waiting = time.perf_counter()
         try:
-            worker, reply = self.fleet.requests.wait_any(self.in_flight)
+            worker, reply = self.fleet.requests.wait_any(self._awaited())
         except WorkerError as err:
             self.fleet.recover(err)
             return None
         self.progress.add_seconds("waiting", time.perf_counter() - waiting)
         del self.in_flight[worker]
+        self._served.add(worker)
         return worker, reply
 
+    def _awaited(self) -> dict[int, int]:
+        """The requests :meth:`next` may serve: those of workers that delivered no batch since they
+        started, while any of them has one in flight; else every request in flight."""
+        first = {worker: request_id for worker, request_id in self.in_flight.items() if worker not in self._served}
+        return first or self.in_flight
+
     def forget(self, worker: int) -> None:
-        """Drop ``worker``'s request in flight (it is being replaced)."""
+        """Drop ``worker``'s request in flight (it is being replaced, or leaves): a replacement starts
+        anew, its first batch first."""
         self.in_flight.pop(worker, None)
+        self._served.discard(worker)
 
     def drain(self) -> None:
         """Wait until the requests in flight have answered, so workers are idle. Their batches are kept

@@ -382,6 +382,13 @@ class WorkerRequests:
     def is_dead(self, worker: int) -> bool:
         return worker in self._dead or worker in self.leaving or not self.handles[worker].is_alive()
 
+    def clear(self) -> None:
+        """Drop every reply not taken and every batch pushed (the workers are stopped): a reply may hold
+        a batch, a worker's first one its whole buffer."""
+        for worker in range(len(self.handles)):
+            self.forget(worker)
+        self._free.clear()
+
     def forget(self, worker: int) -> None:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
         self._outstanding[worker].clear()

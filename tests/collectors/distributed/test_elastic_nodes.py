@@ -29,8 +29,8 @@ def make(collector_class, count: int, **kwargs):
                            **kwargs)
 
 
-def gone(process) -> bool:
-    return not psutil.pid_exists(process.pid) or psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -41,7 +41,7 @@ def test_a_node_leaves_and_the_others_keep_their_indices(collector_class, sync):
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 2:
-            node = engine_of(collector).backend.launched[1].process
+            node = collector.worker_pids()[1]
             start = time.perf_counter()
             collector.remove_collectors([1])
             timings.append(time.perf_counter() - start)
@@ -144,8 +144,8 @@ def test_a_preempted_node_is_replaced_through_its_launcher_without_spending_a_re
     for batch in collector:
         batches.append(batch.clone())
         if len(batches) == 2:
-            node = engine_of(collector).backend.launched[1].process
-            os.kill(node.pid, signal.SIGTERM)
+            node = collector.worker_pids()[1]
+            os.kill(node, signal.SIGTERM)
             wait_until(lambda: gone(node), 30.0, "the preempted node's exit")
     stats = collector.stats()
     collector.shutdown()

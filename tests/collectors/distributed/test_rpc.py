@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -91,19 +89,6 @@ def test_push_weights_forms_and_alias():  # docs/torchrl-compatibility.md, "RPCW
 
 # ------------------------------------------------------------------------- real remote references
 def test_rpc_weight_updater_on_real_nodes():
-    """The same with real RRefs, in a fresh interpreter: torch RPC keeps process-wide state from one
-    group to the next, and after a group in which a node was killed and replaced (test_restarts.py),
-    the next group of the same process could not resolve an RRef's owner ("could not find
-    destination id 2"), intermittently. A known issue, not fixed yet (docs/restarts.md)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here)), os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", "import test_rpc; test_rpc.legacy_updater_on_real_nodes()"],
-                            cwd=here, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-                            timeout=100)
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
-def legacy_updater_on_real_nodes() -> None:
     policy = CountingPolicy(1.0)
     with make([lambda: CountingEnv(max_steps=100)] * 2, policy=policy, frames_per_batch=20, total_frames=-1,
               sync=True) as collector:
@@ -122,6 +107,38 @@ def legacy_updater_on_real_nodes() -> None:
         assert hooks == [1]
         collector.weight_updater.push_weights(TensorDict({"weight": torch.tensor(4.0)}, []))
         assert (collector.next()["action"] == 4).all()
+
+
+def test_remote_references_of_a_second_group_after_a_node_was_replaced_in_the_first():
+    """torch binds its RRef context to the first RPC agent of the process, and resolved an RRef's owner
+    through that agent's group: after a first group in which node 1 (rank 2) was replaced (rank 2 left
+    its membership), the RRefs of a second group's node 1 could not find their owner ("could not find
+    destination id 2"); nor could those of a node at a rank the first group never had (rank 3 here).
+    collector_rrefs find their node by name (docs/restarts.md)."""
+    first = make([lambda: CountingEnv(max_steps=100)], policy=CountingPolicy(1.0), frames_per_batch=10,
+                 total_frames=-1, sync=True, max_worker_restarts=1)
+    try:
+        first.next()
+        first.add_collectors([lambda: CountingEnv(max_steps=100)])  # rank 2
+        first.next()
+        os.kill(first.worker_pids()[1], signal.SIGKILL)
+        first.next()  # node 1 replaced: rank 2 leaves the group, rank 3 joins
+        assert [cause.kind for cause in first.restart_causes] == ["died"]
+    finally:
+        first.shutdown()
+    policy = CountingPolicy(1.0)
+    with make([lambda: CountingEnv(max_steps=100)] * 3, policy=policy, frames_per_batch=30, total_frames=-1,
+              sync=True) as collector:  # ranks 1, 2, 3
+        collector.next()
+        assert [ref.owner().name for ref in collector.collector_rrefs] == [info.name for info in collector.collector_infos]
+        with pytest.warns(DeprecationWarning):
+            collector.weight_updater = RPCWeightUpdater(collector.collector_infos, collector.collector_class,
+                                                        collector.collector_rrefs, collector.policy_weights, 3)
+        with torch.no_grad():
+            policy.weight.fill_(3.0)
+        collector.update_policy_weights_(worker_ids=[1, 2])
+        batch = collector.next()
+        assert (batch["action"][0] == 1).all() and (batch["action"][1:] == 3).all()
 
 
 # ------------------------------------------------------------------------- core behaviours
