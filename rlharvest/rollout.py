@@ -13,6 +13,7 @@ step ``t + 1``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -397,6 +398,12 @@ class Rollout:
         td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=device)
         td.refine_names(*([None] * dim), "time")
         return td
+
+    def resize(self, time_steps: int) -> None:
+        """Batches of ``time_steps`` steps from the next one on (a parent re-split its batch); the
+        buffer is allocated again at that size."""
+        self.settings = dataclasses.replace(self.settings, time_steps=int(time_steps))
+        self.buffer, self._probe = None, 0
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
