@@ -7,7 +7,9 @@ What it measures, per yielded batch (the controller reads no clock):
 * the learner's wait: from the learner asking for the batch (the iterator resumed) to the batch being
   ready; its work: from the previous batch's yield to asking for this one;
 * the seconds workers held finished batches nobody had taken: for each rollout, from its request to
-  its reply being taken, less the seconds the rollout took (``WorkerFigures``, from the replies).
+  its reply being taken, less the seconds the rollout took (``WorkerFigures``, from the replies);
+  asynchronously also the time a worker waited to be asked again after its batch was taken (nodes
+  are asked only once their batch was yielded).
 
 The time decisions take (workers starting or leaving) counts as neither. With ``sync=True`` a batch
 keeps the ``frames_per_batch`` the user asked for: whenever the number of workers changes, each is
@@ -102,7 +104,9 @@ class FleetScaler:
         re-split a sync batch among the workers now collecting."""
         engine = self.engine
         now = self._clock()
-        held = engine.figures.take_held()
+        # sync: workers are asked all at once, and idle meanwhile only while holding their batch; async:
+        # a worker asked again only after its batch was yielded is idle until then too
+        held = engine.figures.take_held() if engine.traits.sync else engine.figures.take_idle()
         if self._asked is not None and (self._yielded is not None or not self._recorded):
             # the very first batch is recorded (and not used: it waited for the workers to start) so that
             # the controller's batches are the collector's; a later iteration's first is not measured

@@ -23,6 +23,8 @@ class _Figures:
     held_s: float = 0.0
     policy_lag: int | None = None
     host: str | None = None
+    #: when its last batch was taken
+    taken_at: float | None = None
 
 
 class WorkerFigures:
@@ -46,7 +48,7 @@ class WorkerFigures:
         #: ``worker -> (request id, sent at, policy version then)`` of its last rollout asked for
         self._sent: dict[int, tuple[int, float, int]] = {}
         self._figures: dict[int, _Figures] = {}
-        self._held = 0.0
+        self._held = self._idle = 0.0
 
     def sent(self, worker: int, request_id: int) -> None:
         """A rollout was asked of ``worker`` (``WorkerRequests.on_collect``)."""
@@ -57,6 +59,7 @@ class WorkerFigures:
         seconds its rollout took (the reply's ``times``), is the time it held a finished batch."""
         now = self._clock()
         figures = self._figures.setdefault(worker, _Figures())
+        previous, figures.taken_at = figures.taken_at, now
         figures.frames += int(reply.frames)
         rollout = sum(reply.times) if reply.times is not None else None
         if rollout is not None:
@@ -71,11 +74,21 @@ class WorkerFigures:
             held = max(0.0, now - sent[1] - rollout)
             figures.held_s += held
             self._held += held
+            # idle: held, and before that not asked since its last batch was taken (a worker asked
+            # again only after its batch was yielded waits for the learner meanwhile)
+            start = previous if previous is not None and previous < sent[1] else sent[1]
+            self._idle += max(0.0, now - start - rollout)
 
     def take_held(self) -> float:
-        """Seconds workers held finished batches, summed, since the last call."""
-        held, self._held = self._held, 0.0
+        """Seconds workers held finished batches, summed, since the last call (of either)."""
+        held, self._held, self._idle = self._held, 0.0, 0.0
         return held
+
+    def take_idle(self) -> float:
+        """Seconds workers were not collecting between two of their batches being taken (holding a
+        finished batch, or not asked for the next yet), summed, since the last call (of either)."""
+        idle, self._held, self._idle = self._idle, 0.0, 0.0
+        return idle
 
     def forget(self, worker: int) -> None:
         """``worker`` is replaced or leaves: its successor starts afresh."""
