@@ -1,18 +1,20 @@
-"""Autoscaling (docs/elastic.md, "Autoscaling"): does a fleet started with one worker settle near the
-best fixed worker count for the learner's pace, and follow a change of pace?
+"""Autoscaling (docs/elastic.md, "Autoscaling"): does a collector started with one worker and
+``autoscale=Autoscale(1, --max)`` settle near the best fixed worker count for the learner's pace, and
+follow a change of pace?
 
-    .venv/bin/python benchmarks/autoscale.py [--step-s 0.005] [--frames 20] [--fast-s 0.02]
-        [--slow-s 0.15] [--phase-batches 200 100 200] [--max 8] [--sweep 1 2 3 4 5 6 7 8]
-        [--sweep-batches 60] [--skip-sweep] [--plot docs/autoscale.png] [--json PATH]
+    .venv/bin/python benchmarks/autoscale.py [--kind async|sync] [--step-s 0.005] [--frames 20]
+        [--fast-s S] [--slow-s S] [--phase-batches N N N] [--max 8] [--sweep 1 2 ...]
+        [--sweep-batches N] [--skip-sweep] [--plot PATH] [--json PATH]
 
 The envs wait on I/O (a CountingEnv sleeping ``--step-s`` per step), so workers scale on 2 cores;
 the learner "trains" by sleeping its time per batch (a learner on an accelerator leaves the CPUs to
 the workers): ``--fast-s`` per batch, then ``--slow-s``, then fast again, for ``--phase-batches``
-batches each. A ``MultiAsyncCollector`` of ``--frames``-frame batches runs under the autoscaling
-adapter (``rlharvest/collectors/_autoscale_adapter.py``) with ``Autoscale(1, --max)`` and its
-defaults. (Not ``MultiSyncCollector``: today each of its workers keeps its share of a batch, so a
-batch grows with the workers and the learner's wait does not fall; the collectors' own
-``autoscale=`` will keep ``frames_per_batch``.)
+batches each. ``--kind async``: a ``MultiAsyncCollector`` whose batches are one worker's
+``--frames`` frames; ``--kind sync``: a ``MultiSyncCollector`` whose ``--frames`` are re-split among
+the workers whenever their number changes (the learner waits for the whole batch, so the paces
+that make scaling matter are slower: defaults 0.2 s and 1.0 s against async's 0.02 s and 0.15 s).
+The collector measures and decides by itself (its ``autoscale=``, defaults of ``Autoscale``); this
+script only times each ``next()`` (the learner's wait) and reads ``active_workers``.
 
 (a) The sweep: each fixed worker count for each pace, ``--sweep-batches`` batches after a warm-up of
 as many batches as workers: the learner's wait (fraction of its time) and batches/s. The best fixed
@@ -34,13 +36,12 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
-from rlharvest.collectors import MultiAsyncCollector
-from rlharvest.collectors._autoscale_adapter import AutoscaledIteration
-from rlharvest.collectors.autoscale import Autoscale
+from rlharvest.collectors import Autoscale, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.envs import CountingEnv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +76,10 @@ def load() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def make_collector(args, workers: int) -> MultiAsyncCollector:
-    return MultiAsyncCollector([EnvFactory(args.step_s)] * workers, frames_per_batch=args.frames, total_frames=-1)
+def make_collector(args, workers: int, autoscale: Autoscale | None = None):
+    cls = MultiSyncCollector if args.kind == "sync" else MultiAsyncCollector
+    return cls([EnvFactory(args.step_s)] * workers, frames_per_batch=args.frames, total_frames=-1,
+               autoscale=autoscale)
 
 
 def learner_wait(rows: list) -> float:
@@ -93,7 +96,7 @@ def fixed_run(args, workers: int, work_s: float) -> dict:
         asked = yielded = None
         for index, batch in enumerate(collector):
             got = time.perf_counter()
-            if index >= workers and asked is not None:  # warm-up: every worker delivered once
+            if index >= (workers if args.kind == "async" else 2) and asked is not None:  # warm-up: every worker delivered once
                 rows.append((got, 0, got - asked, asked - yielded))
             if len(rows) == args.sweep_batches:
                 break
@@ -129,21 +132,27 @@ def best_fixed(runs: list[dict], target: float) -> dict:
 
 
 def autoscaled_run(args) -> tuple[list, list[dict], list[tuple[str, float, int]]]:
-    """The phases under the autoscaler: its history, its decisions, and ``(pace, learner s, batches)``."""
+    """The phases under ``autoscale=``: per batch ``(seconds, workers, wait_s, work_s)``, the decisions,
+    and ``(pace, learner s, batches)``."""
     phases = [("fast", args.fast_s), ("slow", args.slow_s), ("fast", args.fast_s)]
     phases = [(pace, work_s, count) for (pace, work_s), count in zip(phases, args.phase_batches)]
-    collector = make_collector(args, 1)
-    scaled = AutoscaledIteration(collector, Autoscale(1, args.max), create_env_fn=EnvFactory(args.step_s))
+    collector = make_collector(args, 1, Autoscale(1, args.max))
     schedule = [work_s for _, work_s, count in phases for _ in range(count)]
+    history, start, asked, worked = [], None, time.perf_counter(), 0.0
     try:
-        for index, batch in enumerate(scaled):
+        for index, batch in enumerate(collector):
+            got = time.perf_counter()
+            start = got if start is None else start
+            history.append((got - start, len(collector.active_workers), got - asked, worked))
             if index + 1 == len(schedule):
                 break
-            time.sleep(schedule[index])
-        decisions = scaled.stats()["autoscale/decisions"]
+            time.sleep(schedule[index])  # the learner's training step
+            asked = time.perf_counter()
+            worked = asked - got
+        decisions = collector.stats()["autoscale/decisions"]
     finally:
         collector.shutdown()
-    return scaled.history, decisions, phases
+    return history, decisions, phases
 
 
 def phase_report(history: list, decisions: list[dict], phases: list, sweep_results: dict | None,
@@ -161,8 +170,7 @@ def phase_report(history: list, decisions: list[dict], phases: list, sweep_resul
         entry = {"phase": f"{number + 1}:{pace}", "learner_s": work_s, "batches": len(rows),
                  "settled_after_batches": settled, "workers": rows[-1][1] if rows else None,
                  "decisions": len(inside), "wait_before": learner_wait(rows[:SMOOTH]),
-                 "wait_after": learner_wait(after), "idle_after": _idle(after),
-                 "batches_per_s_after": _rate(after)}
+                 "wait_after": learner_wait(after), "batches_per_s_after": _rate(after)}
         if sweep_results is not None:
             best = best_fixed(sweep_results[pace], target)
             entry.update(best_fixed=best["workers"], best_fixed_wait=best["learner_wait"],
@@ -179,11 +187,6 @@ def phase_report(history: list, decisions: list[dict], phases: list, sweep_resul
 def _rate(rows: list) -> float:
     seconds = rows[-1][0] - rows[0][0] if len(rows) > 1 else 0.0
     return (len(rows) - 1) / seconds if seconds > 0 else 0.0
-
-
-def _idle(rows: list) -> float:
-    worker_time = sum(r[1] * (r[2] + r[3]) for r in rows)
-    return sum(r[4] for r in rows) / worker_time if worker_time else 0.0
 
 
 def plot(history: list, phases: list, report: list[dict], path: Path, title: str) -> None:
@@ -227,29 +230,37 @@ def plot(history: list, phases: list, report: list[dict], path: Path, title: str
 
 def json_with_history(figures: dict, history: list) -> str:
     """``figures`` indented, then ``"history"``: one line per batch, ``[seconds, workers, wait_s,
-    work_s, idle_s]`` rounded to 0.1 ms."""
+    work_s]`` rounded to 0.1 ms."""
     rows = ",\n  ".join(json.dumps([round(value, 4) for value in row]) for row in history)
     return json.dumps(figures, indent=1)[:-2] + ',\n "history": [\n  ' + rows + "\n ]\n}\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=("async", "sync"), default="async")
     parser.add_argument("--step-s", type=float, default=0.005, help="seconds each env step waits")
     parser.add_argument("--frames", type=int, default=20, help="frames per batch")
-    parser.add_argument("--fast-s", type=float, default=0.02, help="the fast learner's seconds per batch")
-    parser.add_argument("--slow-s", type=float, default=0.15, help="the slow learner's seconds per batch")
-    parser.add_argument("--phase-batches", type=int, nargs=3, default=[200, 100, 200])
+    parser.add_argument("--fast-s", type=float, default=None, help="the fast learner's seconds per batch")
+    parser.add_argument("--slow-s", type=float, default=None, help="the slow learner's seconds per batch")
+    parser.add_argument("--phase-batches", type=int, nargs=3, default=None)
     parser.add_argument("--max", type=int, default=8, help="max_collectors")
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
-    parser.add_argument("--sweep-batches", type=int, default=60)
+    parser.add_argument("--sweep-batches", type=int, default=None)
     parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "autoscale.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/autoscale-<kind>.png")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
+    defaults = {"async": (0.02, 0.15, [200, 100, 200], 60), "sync": (0.2, 1.0, [80, 40, 80], 20)}[args.kind]
+    for name, value in zip(("fast_s", "slow_s", "phase_batches", "sweep_batches"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.plot is None:
+        args.plot = ROOT / "docs" / f"autoscale-{args.kind}.png"
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="frames_per_batch=.* is not divisible")  # sync sweep: rounded up
     logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)8.0f ms %(message)s", stream=sys.stdout)
     logging.getLogger("rlharvest.autoscale").setLevel(logging.INFO)
-    kind = "MultiAsyncCollector"
+    kind = "MultiSyncCollector" if args.kind == "sync" else "MultiAsyncCollector"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {kind}, env step "
           f"{args.step_s * 1000:g} ms, {args.frames} frames per batch, learner {args.fast_s * 1000:g} / "
           f"{args.slow_s * 1000:g} ms per batch")
@@ -258,8 +269,8 @@ def main() -> None:
     print(f"\nautoscaled run, load before {before}")
     history, decisions, phases = autoscaled_run(args)
     report = phase_report(history, decisions, phases, sweep_results, Autoscale(1, 2).grow_above)
-    title = (f"{kind}, Autoscale(1, {args.max}); env step {args.step_s * 1000:g} ms x {args.frames} frames; "
-             f"load {before}")
+    title = (f"{kind}(autoscale=Autoscale(1, {args.max})); env step {args.step_s * 1000:g} ms x {args.frames} "
+             f"frames per batch; load {before}")
     plot(history, phases, report, args.plot, title)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,14 @@ class SimulatedFleet:
     Asynchronous: each worker holds at most one finished batch and starts its next rollout once its
     batch is taken (the first finished is served). Synchronous: every batch asks one rollout of
     ``rollout_s / n`` of each of the ``n`` workers (a batch keeps its size) and the learner waits for
-    the slowest; the others hold theirs meanwhile. Implements ``ScalingTarget``.
+    the slowest, plus ``overhead_s`` per worker (what a batch costs besides its rollouts); the others
+    hold theirs meanwhile. Implements ``ScalingTarget``.
     """
 
     def __init__(self, workers: int, rollout_s: float, work_s: float, *, sync: bool = False,
-                 noise: float = 0.0, seed: int = 0) -> None:
+                 noise: float = 0.0, seed: int = 0, overhead_s: float = 0.0) -> None:
         self.rollout_s, self.work_s, self.sync, self.noise = rollout_s, work_s, sync, noise
+        self.overhead_s = overhead_s
         self.rng = random.Random(seed)
         self.now = 0.0
         self.done_at: dict[int, float] = {}  # async: worker -> when its rollout in flight finishes
@@ -69,7 +71,7 @@ class SimulatedFleet:
         if self.sync:
             share = self.rollout_s / len(self.done_at)
             rollouts = [self._jitter(share) for _ in self.done_at]
-            wait = max(rollouts)
+            wait = max(rollouts) + self.overhead_s * len(rollouts)
             self.now += wait
             return wait, work, sum(wait - r for r in rollouts)
         worker = min(self.done_at, key=self.done_at.get)
@@ -192,6 +194,20 @@ def test_sync_grows_while_the_learner_waits_and_shrinks_when_it_slows():
     slow = run(fleet, autoscaler, 300)
     assert slow[-1] in (1, 2)
     assert {d.reason for d in autoscaler.decisions if d.action == "remove"} == {"learner_wait"}
+
+
+def test_sync_undoes_an_add_that_did_not_shorten_the_wait():
+    # a batch of 0.1 s of rollouts plus 0.01 s per worker that does not split: the wait per batch is
+    # 0.1 / n + 0.01 n (0.11, 0.07, 0.063, 0.065 with 1-4 workers), never 10% of 0.2 s of work
+    fleet = SimulatedFleet(1, rollout_s=0.1, work_s=0.2, sync=True, overhead_s=0.01)
+    autoscaler = scaler(fleet, 1, 8)
+    counts = run(fleet, autoscaler, 300)
+    assert [(d.action, d.reason, d.wanted) for d in autoscaler.decisions] == \
+        [("add", "learner_wait", 2), ("add", "learner_wait", 4), ("remove", "no_gain", 2)]
+    assert counts[-1] == 2 and fleet.removed == [2, 3]
+    fleet.rollout_s = 1.0  # longer rollouts: more workers help again (0.51 s per batch with 2)
+    counts = run(fleet, autoscaler, 300)
+    assert counts[-1] > 2 and autoscaler.decisions[3].action == "add"
 
 
 def test_sync_never_removes_a_worker_the_learner_would_wait_for():

@@ -34,6 +34,9 @@ MAX_BACKOFF = 8
 #: how far the demand (rollout seconds per second of learner work) must fall before the fleet
 #: shrinks back to a count at which the learner starved: by half, well beyond the noise of a window
 PACE_CHANGE = 0.5
+#: synchronous: the share of its predicted drop in the learner's wait per batch an add must bring,
+#: else it is undone (per-batch costs that do not shrink with more workers left the wait where it was)
+MIN_GAIN = 0.5
 
 
 class ScalingTarget(Protocol):
@@ -63,7 +66,8 @@ class ScalingDecision:
     action: str
     """``"add"`` or ``"remove"``."""
     reason: str
-    """``"learner_wait"``, ``"worker_idle"``, ``"min_collectors"`` or ``"max_collectors"``."""
+    """``"learner_wait"``, ``"worker_idle"``, ``"no_gain"`` (an add undone), ``"min_collectors"`` or
+    ``"max_collectors"``."""
     collectors: int
     """Workers collecting before the decision."""
     wanted: int
@@ -110,6 +114,12 @@ class Autoscaler:
     5. Never back to a count at which the learner starved, until the demand (which does not depend
        on the count) has fallen by half since: timings that jitter around a count that is just
        enough would otherwise undo the add they called for a window later, over and over.
+    6. Synchronously, an add must bring the learner's wait per batch down by at least half of what it
+       predicted (``n / m``); else it is undone at the next decision (reason ``"no_gain"``) and the
+       fleet grows no further than that count until the wait per batch there doubles (longer
+       rollouts to share): what a sync batch costs besides its rollouts (commands, transport,
+       stacking) does not shrink with more workers, and can keep the wait above ``grow_above`` at
+       any count.
 
     The workers removed are those with the highest indices, the newest: the workers of construction
     stay, and with ``launcher="external"`` the nodes that joined last leave first.
@@ -173,6 +183,10 @@ class Autoscaler:
         self._failed_adds = 0
         #: ``(count, demand)``: the learner starved with one worker fewer than ``count`` at that demand
         self._floor: tuple[int, float] | None = None
+        #: synchronous: ``(count before, count after, wait per batch before)`` of the last add, until judged
+        self._last_add: tuple[int, int, float] | None = None
+        #: synchronous: ``(count, wait per batch there)``: no add beyond ``count`` (an add there gained nothing)
+        self._ceiling: tuple[int, float] | None = None
         #: ``launcher="external"``: ``(wanted, asked at)`` while the nodes asked for have not joined
         self._pending: tuple[int, float] | None = None
         #: every decision so far, oldest first
@@ -257,8 +271,13 @@ class Autoscaler:
     def _rule(self, count: int) -> tuple[str, str, int] | None:
         samples = [s for s in self._samples if s.epoch == self._epoch]
         learner_wait, _ = fleet_signals(samples)
-        if learner_wait > self.config.grow_above and count < self.config.max_collectors:
-            return "add", "learner_wait", min(self.config.max_collectors, self._grown(samples, count))
+        undo = self._no_gain(samples, count)
+        if undo is not None:
+            return "remove", "no_gain", undo
+        most = self.config.max_collectors if self._ceiling is None else min(self.config.max_collectors,
+                                                                               self._ceiling[0])
+        if learner_wait > self.config.grow_above and count < most:
+            return "add", "learner_wait", min(most, self._grown(samples, count))
         if count <= self.config.min_collectors or learner_wait >= self.config.shrink_below \
                 or self._since_decision < max(self._cooldown, self.config.window):
             return None
@@ -296,6 +315,26 @@ class Autoscaler:
             wanted -= 1
         return wanted
 
+    def _no_gain(self, samples: list[Sample], count: int) -> int | None:
+        """Synchronous: the count to go back to when the last add did not bring the learner's wait per
+        batch down by ``MIN_GAIN`` of its prediction (rule 6), else None; lifts the ceiling once the wait
+        per batch at it doubled."""
+        if not self.sync or not samples:
+            return None
+        wait = sum(s.wait_s for s in samples) / len(samples)
+        if self._ceiling is not None and count >= self._ceiling[0] and wait > 2 * self._ceiling[1]:
+            self._ceiling = None  # longer rollouts to share: more workers may help again
+        last, self._last_add = self._last_add, None
+        if last is None or count != last[1]:
+            return None
+        before, after, wait_before = last
+        predicted_drop = wait_before * (1.0 - before / after)
+        if predicted_drop <= 0 or wait_before - wait >= MIN_GAIN * predicted_drop:
+            return None
+        self._ceiling = (before, wait_before)
+        self._floor = None  # the count it starved at is the best there is
+        return max(before, self.config.min_collectors)
+
     def _lowest(self) -> int:
         """The fewest workers the learner did not starve with at about today's demand: ``PACE_CHANGE``
         keeps timings that jitter around a count that is just enough from undoing the add they called
@@ -316,6 +355,9 @@ class Autoscaler:
             floor = len(active) + 1
             self._floor = (floor, demand) if self._floor is None else (max(floor, self._floor[0]),
                                                                        min(demand, self._floor[1]))
+        epoch = [s for s in self._samples if s.epoch == self._epoch]
+        if self.sync and action == "add" and reason == "learner_wait" and epoch:
+            self._last_add = (len(active), wanted, sum(s.wait_s for s in epoch) / len(epoch))
         started = self._clock()
         workers: tuple[int, ...] = ()
         error = None
@@ -335,6 +377,8 @@ class Autoscaler:
                                    learner_wait=learner_wait, worker_idle=worker_idle, workers=workers,
                                    seconds=self._clock() - started, error=error)
         self.decisions.append(decision)
+        if error is not None or not workers and self._join_command is None:
+            self._last_add = None  # nothing was added: nothing to judge
         self._failed_adds = self._failed_adds + 1 if error is not None else 0
         self._cooldown = self.config.cooldown * min(2 ** self._failed_adds, MAX_BACKOFF)
         self._new_epoch()
