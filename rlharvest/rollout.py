@@ -13,10 +13,9 @@ step ``t + 1``.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -400,10 +399,8 @@ class Rollout:
         return td
 
     def resize(self, time_steps: int) -> None:
-        """Batches of ``time_steps`` steps from the next one on (a parent re-split its batch); the
-        buffer is allocated again at that size."""
-        self.settings = dataclasses.replace(self.settings, time_steps=int(time_steps))
-        self.buffer, self._probe = None, 0
+        """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
+        self.settings, self.buffer, self._probe = replace(self.settings, time_steps=int(time_steps)), None, 0
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""

@@ -29,6 +29,8 @@ class MultiCollector(BaseCollector, dispatch="process"):
 
     ``MultiCollector(create_env_fn, policy, sync=True, ...)`` returns a :class:`MultiSyncCollector`,
     ``sync=False`` a :class:`MultiAsyncCollector`; both are instances of this class.
+    ``autoscale=Autoscale(min_collectors, max_collectors)`` sizes the fleet while collecting
+    (docs/elastic.md, "Autoscaling").
 
     Example:
         >>> from rlharvest.envs import CountingEnv

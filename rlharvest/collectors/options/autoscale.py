@@ -35,7 +35,9 @@ def _fraction(name: str, value: Any, low: float, high: float) -> float:
 class Autoscale:
     """How a collector sizes its fleet while collecting: a worker is added while the learner starves
     for data, one is removed while workers sit idle holding batches nobody takes, always within
-    ``[min_collectors, max_collectors]`` (docs/elastic.md, "Autoscaling").
+    ``[min_collectors, max_collectors]`` (docs/elastic.md, "Autoscaling"). Passed as ``autoscale=``
+    to ``MultiSyncCollector``, ``MultiAsyncCollector``, ``DistributedCollector``, ``RPCCollector`` and
+    ``RayCollector``; with ``sync=True`` a batch keeps ``frames_per_batch``, re-split among the workers.
 
     The signals are fractions over the recent batches: ``learner_wait`` is the share of the learner's
     time spent waiting inside the iterator for a batch, ``worker_idle`` the share of the workers' time
