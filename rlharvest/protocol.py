@@ -33,6 +33,7 @@ class Command(enum.Enum):
     CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
     ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
     ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage
+    RESIZE = "resize"                    # payload: frames per rollout from the next one -> the frames it collects
     CLOSE = "close"
 
 
@@ -70,6 +71,8 @@ class Reply:
     written: bool = False
     #: for BATCH replies: seconds the worker's env and policy took for it (``stats()``), or None
     times: tuple[float, float] | None = None
+    #: the name of the host the worker runs on, in its first BATCH reply (``stats()``), else None
+    host: str | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -397,6 +397,10 @@ class Rollout:
         td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=device)
         td.refine_names(*([None] * dim), "time")
         return td
+
+    def resize(self, time_steps: int) -> None:
+        """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
+        self.settings, self.buffer, self._probe = replace(self.settings, time_steps=int(time_steps)), None, 0
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""

@@ -14,6 +14,7 @@ from . import distributed  # noqa: F401  (its faces answer Collector(backend="di
 from .async_batched import AsyncBatchedCollector
 from .base import BaseCollector
 from .evaluator import Evaluator
+from .options.autoscale import Autoscale
 from .multi import AsyncCollector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from .single import Collector
 
@@ -45,4 +46,5 @@ __all__ = [
     "aSyncDataCollector",
     "DataCollectorBase",
     "Evaluator",
+    "Autoscale",
 ]

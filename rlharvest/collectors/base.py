@@ -368,6 +368,11 @@ class BaseCollector(IterableDataset):
         """Count policy versions from ``version`` on (a worker replacing another joins at the current one)."""
         self._engine.weights.set_version(version)
 
+    def resize_batches(self, frames: int) -> int:
+        """Collect ``frames`` frames per batch from the next one on (a parent re-split its batch among a
+        changed number of workers); returns the frames, rounded up to the env batch."""
+        return self._engine.resize_batches(frames)
+
     # ------------------------------------------------------------------ seeds, state, attributes
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the envs: the env (``Collector``), or worker 0 with ``seed`` and worker k with what worker

@@ -17,6 +17,7 @@ from . import _workers
 from .base import BaseCollector
 from .engine.engine import CollectionEngine
 from .engine.legacy import cached_weights, push_staged, staged_weights
+from .options.autoscale import Autoscale
 from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
 from .single import Collector
 
@@ -28,6 +29,8 @@ class MultiCollector(BaseCollector, dispatch="process"):
 
     ``MultiCollector(create_env_fn, policy, sync=True, ...)`` returns a :class:`MultiSyncCollector`,
     ``sync=False`` a :class:`MultiAsyncCollector`; both are instances of this class.
+    ``autoscale=Autoscale(min_collectors, max_collectors)`` sizes the fleet while collecting
+    (docs/elastic.md, "Autoscaling").
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -93,6 +96,7 @@ class MultiCollector(BaseCollector, dispatch="process"):
         compact_obs: bool = False,
         init_fn: Callable[[], None] | None = None,
         auto_register_policy_transforms: bool | None = None,
+        autoscale: Autoscale | None = None,
     ) -> None:
         self._build(WorkerProcessOptions.parse(
             type(self).__name__, sync=isinstance(self, MultiSyncCollector), default_collector=Collector,
@@ -115,7 +119,7 @@ class MultiCollector(BaseCollector, dispatch="process"):
             pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook,
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
-            auto_register_policy_transforms=auto_register_policy_transforms))
+            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
 
     def _build(self, options: WorkerProcessOptions) -> None:
         self._engine = CollectionEngine(options, self)
@@ -274,11 +278,15 @@ class AsyncCollector(MultiAsyncCollector):
         compact_obs: bool = False,
         init_fn: Callable[[], None] | None = None,
         auto_register_policy_transforms: bool | None = None,
+        autoscale: Autoscale | None = None,
     ) -> None:
         if isinstance(create_env_fn, (list, tuple)):
             raise TypeError("AsyncCollector takes one env constructor, not a list (use MultiAsyncCollector).")
         if num_workers != 1:
             raise ValueError(f"AsyncCollector runs exactly one worker, got num_workers={num_workers!r}.")
+        if autoscale is not None:
+            raise ValueError("AsyncCollector runs exactly one worker, so autoscale must be None: use "
+                             "MultiAsyncCollector(autoscale=...) for a fleet that sizes itself.")
         self._build(WorkerProcessOptions.parse(
             type(self).__name__, sync=False, default_collector=Collector, create_env_fn=[create_env_fn],
             num_workers=None, create_env_kwargs=[create_env_kwargs or {}],
@@ -300,4 +308,4 @@ class AsyncCollector(MultiAsyncCollector):
             pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook,
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
-            auto_register_policy_transforms=auto_register_policy_transforms))
+            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))

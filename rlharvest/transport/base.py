@@ -111,6 +111,10 @@ class WorkerHandle(ABC):
     def fetch_batch(self, reply: Any) -> TensorDictBase:
         """The batch a BATCH reply refers to, readable in the parent (valid until the next command)."""
 
+    def batch_resized(self) -> None:
+        """The worker's batches change size from its next one: the layout it sends then replaces the one
+        kept (no other change of layout is accepted)."""
+
     @abstractmethod
     def terminate(self, deadline: float) -> None:
         """Make sure the worker is gone by ``deadline`` (monotonic seconds): join, terminate, kill."""
@@ -136,6 +140,10 @@ class WorkerEndpoint(ABC):
     def batch_buffer(self) -> TensorDictBase | None:
         """The buffer batches are published from, once there is one (rollouts may write into it)."""
         return None
+
+    def batch_resized(self) -> None:
+        """The worker's batches change size from the next one (a sync parent re-split its batch): the
+        next is published afresh, its buffer or layout travelling with its reply."""
 
     def wait_handle(self) -> Any | None:
         """An object ``multiprocessing.connection.wait`` wakes on when a command arrives, or None."""

@@ -156,6 +156,9 @@ class MPWorkerEndpoint(PipeEndpoint):
     def batch_buffer(self) -> TensorDictBase | None:
         return self._shared
 
+    def batch_resized(self) -> None:
+        self._shared = None  # the next batch is shared afresh and travels once, in its reply
+
     def parent_alive(self) -> bool:
         # Started by a forkserver (no parent pid to compare): the pipe's EOF tells.
         return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)

@@ -123,9 +123,10 @@ class TorchDistBackend(Backend):
 
     @property
     def growable(self) -> bool:
-        """Nodes can be added (``add_collectors``) where one can be replaced: each forms a group of its
-        own with this process, like a replacement."""
-        return self.backend in PAIR_BACKENDS and self.launcher not in ("submitit_delayed", "external")
+        """Nodes can be added where one can be replaced: each forms a group of its own with this process,
+        like a replacement (``add_collectors``; with ``"external"``, the autoscaler takes nodes that joined
+        the slots it opened, docs/elastic.md "Autoscaling")."""
+        return self.backend in PAIR_BACKENDS and self.launcher != "submitit_delayed"
 
     def grow(self, count: int, options=None) -> None:
         super().grow(count, options)

@@ -157,6 +157,9 @@ class DistWorkerHandle(WorkerHandle):
     def interrupt_mark(self) -> int:
         return self._interrupts
 
+    def batch_resized(self) -> None:
+        self._layout = None  # the node's next reply carries its new layout
+
     def fetch_batch(self, reply) -> TensorDictBase:
         if isinstance(reply.value, TensorDictBase):  # a batch that does not fit a flat buffer
             return reply.value
@@ -265,6 +268,9 @@ class DistWorkerEndpoint(WorkerEndpoint):
 
     def batch_buffer(self) -> TensorDictBase | None:
         return self._batch_buffer
+
+    def batch_resized(self) -> None:
+        self._layout = self._flat = self._batch_buffer = None  # the next reply carries the new layout
 
     def receiver_links(self) -> NodeGroupLinks:
         return NodeGroupLinks(self.group, key=self.key, rank=self.worker_idx + 1)

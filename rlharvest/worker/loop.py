@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import multiprocessing.connection
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -72,6 +73,10 @@ class WorkerCollector(Protocol):
 
     def set_policy_version(self, version: int) -> None:
         """Start counting policy versions from ``version`` (a replacement joins at the current one)."""
+
+    def resize_batches(self, frames: int) -> int:
+        """Collect rollouts of ``frames`` frames from the next one on (rounded up to the env batch);
+        returns the frames it will collect."""
 
     def register_scheme_receiver(self, weight_recv_schemes: dict) -> None: ...
     def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
@@ -133,6 +138,7 @@ class Worker:
         self._free_ids = itertools.count()
         self._free_frames = 0
         self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
+        self._host: str | None = socket.gethostname()  # said once, in the first BATCH reply
         #: when SIGTERM arrived (monotonic seconds), or None: the worker is being preempted
         self.preempted_at: float | None = None
         #: the rollout in progress was cut short by the preemption: it is handed back, not delivered
@@ -152,6 +158,7 @@ class Worker:
             Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
             Command.ENABLE_PROFILE: self._enable_profile,
             Command.ATTACH_BUFFER: self._attach_buffer,
+            Command.RESIZE: self._resize,
             Command.CLOSE: self._close,
         }
 
@@ -290,6 +297,11 @@ class Worker:
         frames = batch.numel() if ids is None else int((ids != -1).sum())
         return batch, frames
 
+    def _said_host(self) -> str | None:
+        """This host's name the first time it is asked, then None (the parent keeps it)."""
+        host, self._host = self._host, None
+        return host
+
     def _new_times(self) -> tuple[float, float]:
         """Env and policy seconds of the collector since they were last reported."""
         split = self.collector.time_split()
@@ -320,11 +332,12 @@ class Worker:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
-            return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times())
+            return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times(),
+                         host=self._said_host())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
             self.collector.keep_for_replay_buffer(batch)
         value = batch if self.endpoint is None else self._publish(batch)
-        return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times())
+        return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times(), host=self._said_host())
 
     def _free_rollout_reported(self) -> None:
         """A rollout while running free; when it raises and batches are pushed to the parent, the
@@ -404,6 +417,17 @@ class Worker:
     def _attach_buffer(self, storage: TensorDictBase) -> str:
         self.spec.replay_buffer.attach_storage(storage)
         return "attached"
+
+    def _resize(self, frames: int) -> int:
+        """Rollouts of ``frames`` frames from the next one on (a sync parent re-split its batch among a
+        changed number of workers, docs/elastic.md "Autoscaling"): the rollout's buffer is rebuilt and the
+        transport publishes the next batch afresh (its new buffer or layout travels with its reply)."""
+        if self.endpoint is not None:
+            self.endpoint.before_rollout()  # the last batch has left before its buffer is let go
+        collected = self.collector.resize_batches(int(frames))
+        if self.endpoint is not None:
+            self.endpoint.batch_resized()
+        return collected
 
     def _close(self, _) -> str:
         self.closed = True

@@ -18,6 +18,7 @@ from .. import _workers
 from ..base import BaseCollector
 from ..engine.checkpoint import as_actor_list, from_actor_list
 from ..engine.engine import CollectionEngine
+from ..options.autoscale import Autoscale
 from ..options.ray import RayOptions
 from ..single import Collector
 from . import _node_api
@@ -99,6 +100,7 @@ class RayCollector(BaseCollector, dispatch="ray"):
         traj_format: str | None = None,
         pre_collect_hook=None,
         post_collect_hook=None,
+        autoscale: Autoscale | None = None,
     ) -> None:
         self._build(RayOptions.parse(
             type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
@@ -118,7 +120,7 @@ class RayCollector(BaseCollector, dispatch="ray"):
             max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
             preemption_grace=preemption_grace, trust_policy=trust_policy, use_env_creator=use_env_creator,
             no_cuda_sync=no_cuda_sync, trajs_per_batch=trajs_per_batch, traj_format=traj_format,
-            pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook
+            pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook, autoscale=autoscale
         ))
 
     def _build(self, options: RayOptions) -> None:

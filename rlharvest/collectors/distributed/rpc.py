@@ -14,6 +14,7 @@ from .. import _workers
 from ..base import BaseCollector
 from ..engine.engine import CollectionEngine
 from ..engine.extras import RPCReferences
+from ..options.autoscale import Autoscale
 from ..options.rpc import RPCOptions
 from ..single import Collector
 from . import _node_api
@@ -94,6 +95,7 @@ class RPCCollector(BaseCollector, dispatch="rpc"):
         preemption_grace: float = 5.0,
         mp_start_method: str | None = None,
         bind_address: str | None = None,
+        autoscale: Autoscale | None = None,
     ) -> None:
         self._build(RPCOptions.parse(
             type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
@@ -114,7 +116,7 @@ class RPCCollector(BaseCollector, dispatch="rpc"):
             track_policy_version=track_policy_version, worker_timeout=worker_timeout,
             heartbeat_timeout=heartbeat_timeout, max_worker_restarts=max_worker_restarts,
             restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
-            bind_address=bind_address
+            bind_address=bind_address, autoscale=autoscale
         ))
 
     def _build(self, options: RPCOptions) -> None:

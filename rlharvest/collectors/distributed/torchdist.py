@@ -15,6 +15,7 @@ from ...policies import ExplorationType
 from .. import _workers
 from ..base import BaseCollector
 from ..engine.engine import CollectionEngine
+from ..options.autoscale import Autoscale
 from ..options.torchdist import TorchDistOptions
 from ..single import Collector
 from . import _node_api
@@ -68,6 +69,8 @@ class DistributedCollector(BaseCollector, dispatch="distributed"):
         authkey: the key nodes must prove they hold (bytes or hex, 16+ bytes). Default:
             ``$RLHARVEST_AUTHKEY``, else a fresh one; ``"submitit_delayed"`` needs one of the two.
         handshake_timeout: seconds a connecting peer has to authenticate (strangers are dropped).
+        autoscale: an :class:`~rlharvest.collectors.Autoscale`: the fleet sizes itself while collecting
+            (docs/elastic.md, "Autoscaling"; with ``"external"``, through ``Autoscale(on_scale=...)``).
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -120,6 +123,7 @@ class DistributedCollector(BaseCollector, dispatch="distributed"):
         bind_address: str | None = None,
         authkey: bytes | str | None = None,
         handshake_timeout: float = 5.0,
+        autoscale: Autoscale | None = None,
     ) -> None:
         self._build(TorchDistOptions.parse(
             type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
@@ -139,7 +143,7 @@ class DistributedCollector(BaseCollector, dispatch="distributed"):
             worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
             max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
             preemption_grace=preemption_grace, mp_start_method=mp_start_method, bind_address=bind_address,
-            authkey=authkey, handshake_timeout=handshake_timeout
+            authkey=authkey, handshake_timeout=handshake_timeout, autoscale=autoscale
         ))
 
     def _build(self, options: TorchDistOptions) -> None:

@@ -43,12 +43,14 @@ from .output import BatchOutput
 from .progress import ProgressMeter
 from .restarts import RestartCause, RestartPolicy
 from .running import Background
+from .scaling import FleetScaler
 from .schedule import WeightSchedule
 from .served import PolicyServer
 from .stats import StatsSnapshot, fleet_stats
 from .updates import WeightUpdates
 from .traj_ids import PerWorkerIds, SharedIds
 from .weights import WeightPublisher
+from .worker_figures import WorkerFigures
 
 __all__ = ["CollectionEngine"]
 
@@ -97,6 +99,8 @@ class CollectionEngine:
         self.hooks: dict[str, Any] = {"pre_collect_hook": self.config.pre_collect_hook,
                                       "post_collect_hook": self.config.post_collect_hook}
         self.progress = ProgressMeter()
+        #: each worker's figures, kept from its replies (``stats()``)
+        self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.updates = WeightUpdates(self)
         self.weights = WeightPublisher(self.updates, self.progress, options.version_tracker)
         self.output = BatchOutput(self.config, assembles=options.assembles_trajectories)
@@ -117,6 +121,11 @@ class CollectionEngine:
             self.extras.append(RPCReferences(self))
         #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
         self.server = PolicyServer(options, self) if self.traits.gather == "chunks" else None
+        #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
+        self.scaler: FleetScaler | None = None
+        if getattr(options, "autoscale", None) is not None:
+            self.scaler = FleetScaler(self, options.autoscale)
+            self.membership.share = self.scaler.frames_of
 
     # ------------------------------------------------------------------ construction
     def start(self) -> None:
@@ -138,7 +147,7 @@ class CollectionEngine:
             hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                 _weakly(self._after_replacement), _weakly(self._after_leave))
             self.fleet = Fleet(self.backend, self.weights.sender_schemes or {}, options.worker_timeout,
-                               RestartPolicy.of(self.config, self.traits.noun), hooks)
+                               RestartPolicy.of(self.config, self.traits.noun), hooks, on_collect=self.figures.sent)
             self.loop.choose_gather(self.fleet)
             self.broadcast = WorkerBroadcast(self.fleet, _weakly(self.loop.drain), self.traits.noun)
             _LIVE.add(self)
@@ -158,10 +167,15 @@ class CollectionEngine:
         self.closed = False
         for extra in self.extras:
             extra.after_start()
+        if self.scaler is not None:
+            self.scaler.start()
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, self.face())
         if options.weight_recv_schemes is not None:
             self.register_receivers(options.weight_recv_schemes)
+
+    def _policy_version(self) -> int:
+        return self.weights.version
 
     def _started_hook(self):
         """What runs once the workers are started, before they are awaited (a policy server)."""
@@ -233,9 +247,16 @@ class CollectionEngine:
         if self.background.workers_run_free():
             raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
         self.iteration_started = True
+        scaler = self.scaler if not self.is_running() else None  # running free (start()): nobody waits in here
+        if scaler is not None:
+            scaler.restarted()
         for batch in self.loop.batches():
             self.progress.record(self.frames, batch, self.weights.policy_version)
+            if scaler is not None:  # between two batches: workers may join and leave
+                scaler.batch_ready()
             yield batch
+            if scaler is not None:
+                scaler.asked()
         if self.traits.shutdown_after_total and self.reached_total():  # TorchRL's Ray collector does so
             self.shutdown()
 
@@ -277,6 +298,11 @@ class CollectionEngine:
 
     def add_step_check(self, check) -> None:
         """Rollouts run in this engine's workers, which check their own parent link."""
+
+    def resize_batches(self, frames: int) -> int:
+        """Raises: NotImplementedError: a node running workers of its own is not re-split (autoscaling
+        refuses such nodes with ``sync=True`` at construction)."""
+        raise NotImplementedError(f"{self.name} inside a node cannot change the frames of its batches.")
     #: legacy updaters' ``{device: weights}`` staging area (``legacy.py``), made on first use
     legacy_staging: dict | None = None
 
@@ -308,6 +334,7 @@ class CollectionEngine:
     def _before_replacement(self, worker: int) -> None:
         """Drop what ``worker`` had in flight before it is replaced or leaves."""
         self.loop.forget(worker)
+        self.figures.forget(worker)
         for extra in self.extras:
             extra.before_replacement(worker)
 

@@ -74,6 +74,7 @@ class Fleet:
         timeout: seconds a worker may take to answer while making no progress.
         restarts: which failed workers are replaced (default: none, failures raise).
         replacement: the collector's hooks around a replacement.
+        on_collect: called with ``(worker, request_id)`` once each rollout is asked for (``WorkerRequests``).
 
     Example:
         >>> from rlharvest.collectors import Collector
@@ -88,8 +89,10 @@ class Fleet:
     """
 
     def __init__(self, backend: Backend, schemes: dict[str, Any], timeout: float,
-                 restarts: RestartPolicy | None = None, replacement: Replacement | None = None) -> None:
+                 restarts: RestartPolicy | None = None, replacement: Replacement | None = None,
+                 on_collect: Callable[[int, int], None] | None = None) -> None:
         self.backend = backend
+        self.on_collect = on_collect
         self.restarts = restarts if restarts is not None else RestartPolicy(0, 0.0, backend.noun)
         self.replacement = replacement if replacement is not None else Replacement()
         self.schemes = schemes
@@ -153,7 +156,8 @@ class Fleet:
             handles = self.backend.start_all(self.specs)
             if started is not None:
                 started()
-            self._requests = WorkerRequests(handles, timeout=self.timeout, noun=self.backend.noun)
+            self._requests = WorkerRequests(handles, timeout=self.timeout, noun=self.backend.noun,
+                                            on_collect=self.on_collect)
             self._reporting_start_failures(lambda: [scheme.connect() for scheme in self.schemes.values()])
             if wait:
                 for worker in range(len(handles)):

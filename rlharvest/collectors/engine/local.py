@@ -244,6 +244,15 @@ class LocalEngine:
         if trajectories is not None:
             trajectories.ingest(self.output.postprocess(batch))
 
+    def resize_batches(self, frames: int) -> int:
+        """Rollouts of ``frames`` frames (rounded up to the env batch) from the next one on, for a parent
+        that re-split its batch (docs/elastic.md, "Autoscaling"); returns the frames it will collect."""
+        rounded = -(-int(frames) // self.env_batch) * self.env_batch
+        if rounded != self.frames_per_batch:
+            self.frames_per_batch = rounded
+            self.rollout.resize(rounded // self.env_batch)
+        return rounded
+
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         if self.rollout.buffer is batch:
             self.rollout.set_buffer(buffer)

@@ -225,6 +225,7 @@ class Iteration:
     def take(self, worker: int, reply) -> TensorDictBase | None:
         """The worker's batch as a private copy with collector-wide ids, or None if it went to the buffer."""
         engine = self.engine
+        engine.figures.taken(worker, reply)
         if reply.written:
             self.record_times(reply)
             return None

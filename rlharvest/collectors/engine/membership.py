@@ -100,10 +100,20 @@ class Membership:
             ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
                 weight sender cannot grow. RuntimeError: see :meth:`Membership.check_resizable`.
         """
-        engine = self.engine
-        if engine.traits.external_joins:
+        if self.engine.traits.external_joins:
             raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
                                       "nodes that join (join_command()); add_collectors cannot add slots to it.")
+        self.grow(create_env_fn, num_envs, policy, collector_kwargs, backend_options)
+
+    def grow(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+             backend_options: Any = None) -> None:
+        """What :meth:`add_collectors` does once its arguments are accepted; the autoscaler also grows a
+        ``launcher="external"`` collector by the nodes that joined the slots it opened.
+
+        Raises:
+            as :meth:`add_collectors`.
+        """
+        engine = self.engine
         self.check_resizable("add")
         if engine.weights.updater is not None:
             raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
@@ -139,11 +149,17 @@ class Membership:
 
     def resized(self) -> None:
         """Bookkeeping once workers joined or left: a sync batch holds the current workers' shares from
-        the next batch on; ``len()`` counts the batches of the former size so far."""
+        the next batch on (autoscaling: ``frames_per_batch`` re-split among them); ``len()`` counts the
+        batches of the former size so far."""
         engine = self.engine
         if not engine.traits.sync:
             return
+        scaler = engine.scaler
+        if scaler is not None and not self.collecting:  # else at the end of the batch being collected
+            scaler.resplit()
         self.resize_point = (engine.iter + 1, engine.frames)
+        if scaler is not None:  # batches keep their size: nothing to warn about
+            return
         config = engine.config
         remaining = config.total_frames - engine.frames
         per_batch = engine.requested_frames_per_batch

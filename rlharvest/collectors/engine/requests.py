@@ -22,7 +22,7 @@ import itertools
 import multiprocessing.connection
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ...errors import WorkerError, WorkerTimeoutError
 from ...transport.base import WorkerHandle
@@ -40,14 +40,17 @@ class WorkerRequests:
             :class:`WorkerTimeoutError`.
         liveness_interval: how often liveness is checked during a wait.
         noun: how errors name a worker ("worker", "node").
+        on_collect: ``on_collect(worker, request_id)`` once each COLLECT request was sent (the collector
+            measures how long the worker held its batch, ``stats()``), or None.
     """
 
     #: request id of the reply every worker sends once it is built (or failed to build)
     READY = READY
 
     def __init__(self, handles: Sequence[WorkerHandle], timeout: float, liveness_interval: float = 0.2,
-                 noun: str = "worker") -> None:
+                 noun: str = "worker", on_collect: Callable[[int, int], None] | None = None) -> None:
         self.handles = list(handles)
+        self.on_collect = on_collect
         self.timeout = float(timeout)
         self.liveness_interval = liveness_interval
         self.noun = noun
@@ -142,6 +145,8 @@ class WorkerRequests:
             self._settle_start(worker)
             raise self._death_error(worker, command) from err
         self._outstanding[worker][request_id] = command
+        if command is Command.COLLECT and self.on_collect is not None:
+            self.on_collect(worker, request_id)
         return request_id
 
     def request(self, worker: int, command: Command, payload: Any = None, timeout: float | None = None) -> Any:

@@ -100,11 +100,14 @@ Raises:
     if engine.fleet is not None:  # kept here, no worker is asked
         snapshot.fleet.update(engine.fleet.restarts.stats(engine.num_workers))
         snapshot.fleet["workers_removed"] = engine.num_workers - len(active)
+        snapshot.fleet.update(engine.figures.stats(active))  # kept from the replies
     if engine.traits.stats_asks_workers and answers:
         snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
     snapshot.per_worker = answers
     for extra in engine.extras:
         snapshot.extra.update(extra.stats())
+    if engine.scaler is not None:
+        snapshot.extra.update(engine.scaler.stats())
     return snapshot
 
 

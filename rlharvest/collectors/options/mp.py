@@ -15,6 +15,7 @@ from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
+from .autoscale import Autoscale, parse_autoscale
 from .common import (WorkerSetup, check_policy_args, default_schemes, env_functions, per_worker, stateless_copy,
                      typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
@@ -68,6 +69,8 @@ class WorkerProcessOptions:
     default_collector: Any = None
     """rlharvest's ``Collector``, which workers build from typed options (the face gives it); a
     ``collector_class`` of the user's own is built from keyword arguments instead."""
+    autoscale: Autoscale | None = None
+    """How the fleet sizes itself while collecting (docs/elastic.md, "Autoscaling"), or None."""
 
     #: the collectors with workers wait this long for them to close at shutdown (seconds)
     shutdown_timeout = 10.0
@@ -82,7 +85,7 @@ class WorkerProcessOptions:
               worker_timeout: Any = DEFAULT_WORKER_TIMEOUT, mp_start_method: str | None = None, init_fn: Any = None,
               weight_updater: Any = None, weight_sync_schemes: dict | None = None,
               weight_recv_schemes: dict | None = None, reset_when_done: bool = True, local_init_rb: bool | None = None,
-              **config_arguments: Any) -> WorkerProcessOptions:
+              autoscale: Any = None, **config_arguments: Any) -> WorkerProcessOptions:
         """Validate a worker-process collector's constructor arguments, once (a node running one is
         given them by its parent, parsed there: the defaults are the constructor's).
 
@@ -107,6 +110,10 @@ class WorkerProcessOptions:
             raise ValueError(f"Per-worker frames {list(frames)} differ, so batches cannot be stacked: pass "
                              "cat_results=-1 to concatenate them along time.")
         config.check_workers(count)
+        typed = collector_class is None or typed_class(collector_class, [default_collector])
+        scaling = parse_autoscale(autoscale, sync=bool(sync), typed_workers=typed,
+                                  legacy_updater=weight_updater is not None,
+                                  distinct_factories=factories is not None and len({id(f) for f in factories}) > 1)
         return cls(config=config, sync=bool(sync), env_fns=tuple(env_fns), policy=policy,
                    policy_factories=tuple(factories) if factories is not None else None, frames_per_worker=frames,
                    collector_class=collector_class, num_sub_threads=num_sub_threads, num_threads=num_threads,
@@ -114,7 +121,7 @@ class WorkerProcessOptions:
                    update_at_each_batch=bool(update_at_each_batch),
                    worker_timeout=positive_seconds("worker_timeout", worker_timeout), mp_start_method=mp_start_method,
                    init_fn=init_fn, weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-                   weight_recv_schemes=weight_recv_schemes, default_collector=default_collector)
+                   weight_recv_schemes=weight_recv_schemes, default_collector=default_collector, autoscale=scaling)
 
     def with_hooks(self, hooks: dict) -> WorkerProcessOptions:
         """These options with the pre/post-collect ``hooks`` (``{name: hook}``) set (for its workers too)."""
@@ -282,6 +289,11 @@ class WorkerProcessOptions:
         factories = self.policy_factories + (factory,) * count if self.policy_factories else None
         return replace(self, config=config, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories,
                        frames_per_worker=self.frames_per_worker + (self.frames_per_worker[0],) * count)
+
+    def scaled_backend_options(self, count: int) -> None:
+        """What the backend needs of ``count`` workers the autoscaler adds: their devices follow the
+        collector's (``added``)."""
+        return None
 
     def torch_threads(self) -> int:
         """The torch threads of the collector's own process."""

@@ -15,6 +15,7 @@ from ...config import CollectorConfig, positive_seconds
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
+from .autoscale import Autoscale, parse_autoscale
 from .common import WorkerSetup, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import WorkerProcessOptions
@@ -110,6 +111,8 @@ class NodeOptions:
     """``{model_id: scheme}`` (None: the backend's default)."""
     weight_recv_schemes: dict | None
     """Schemes through which this collector itself receives weights."""
+    autoscale: Autoscale | None = None
+    """How the fleet sizes itself while collecting (docs/elastic.md, "Autoscaling"), or None."""
 
     #: seconds nodes have to close at shutdown
     shutdown_timeout = 10.0
@@ -130,7 +133,9 @@ class NodeOptions:
                      collector_kwargs: Any, num_workers_per_collector: int, update_after_each_batch: bool,
                      max_weight_update_interval: int, update_interval: int | None, worker_timeout: Any,
                      heartbeat_timeout: Any, weight_updater: Any, weight_sync_schemes: dict | None,
-                     weight_recv_schemes: dict | None, **config_arguments: Any) -> NodeOptions:
+                     weight_recv_schemes: dict | None, autoscale: Any = None, launcher: str | None = None,
+                     group_backend: str | None = None, joins: bool = False,
+                     **config_arguments: Any) -> NodeOptions:
         """The fields every node collector shares, validated, as a :class:`NodeOptions` (each backend's
         ``parse`` widens it with its own fields, :meth:`widened`).
 
@@ -166,6 +171,10 @@ class NodeOptions:
         if policy is not None and factories is None and not has_weights(policy) and not _is_module(policy):
             warnings.warn("The policy is not an nn.Module and no policy_factory was given: update_policy_weights_ "
                           "will be a no-op.", stacklevel=user_stacklevel())
+        scaling = parse_autoscale(autoscale, sync=bool(sync), typed_workers=typed_class(node_class, [single]),
+                                  launcher=launcher, backend=group_backend, joins=joins,
+                                  legacy_updater=weight_updater is not None,
+                                  distinct_factories=factories is not None and len({id(f) for f in factories}) > 1)
         tracker = config.track_policy_version or any(e.get("track_policy_version") for e in user_kwargs) or None
         node_configs = tuple(_node_config(config, node, count, frames_per_node, entry, owner, typed_class(node_class,
                                                                                                          [single]))
@@ -182,7 +191,7 @@ class NodeOptions:
             track_versions=tracker, worker_timeout=positive_seconds("worker_timeout", worker_timeout),
             heartbeat_timeout=positive_seconds("heartbeat_timeout", heartbeat_timeout),
             weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
-            weight_recv_schemes=weight_recv_schemes)
+            weight_recv_schemes=weight_recv_schemes, autoscale=scaling)
 
     @classmethod
     def widened(cls, common: NodeOptions, **own: Any):
@@ -323,6 +332,11 @@ class NodeOptions:
         """
         if backend_options is not None:
             raise ValueError("this collector's add_collectors takes no backend options.")
+        return None
+
+    def scaled_backend_options(self, count: int) -> Any:
+        """What the backend needs of ``count`` nodes the autoscaler adds (None: what it gives new nodes
+        by default)."""
         return None
 
     def _new_num_envs(self, num_envs: int | None, noun: str) -> int:

@@ -77,6 +77,10 @@ class RayOptions(NodeOptions):
     def added_backend_options(self, backend_options: Any, count: int) -> list[dict]:
         return remote_configs_of(backend_options, count, f"new {self.noun} (one per entry of create_env_fn)")
 
+    def scaled_backend_options(self, count: int) -> list[dict]:
+        """Actors the autoscaler adds take the first actor's ``remote_configs``."""
+        return [dict(self.remote_configs[0]) for _ in range(count)]
+
     def build_backend(self) -> Backend:
         return RayBackend(self.num_workers, run_worker, list(self.remote_configs),
                           heartbeat_timeout=self.heartbeat_timeout, start_timeout=self.worker_timeout)

@@ -51,7 +51,7 @@ class RPCOptions(NodeOptions):
         if launcher == EXTERNAL:
             check_external(backend, slurm_kwargs, mp_start_method)
         check_backend(backend)
-        shared = cls.parse_common(owner, update_interval=None, **common)
+        shared = cls.parse_common(owner, update_interval=None, launcher=launcher, **common)
         count = shared.num_workers
         if visible_devices is not None and len(visible_devices) != count:
             raise ValueError(f"visible_devices must hold one device per node ({count}).")

@@ -82,7 +82,8 @@ class TorchDistOptions(NodeOptions):
         if launcher == EXTERNAL:
             check_external(backend, slurm_kwargs, mp_start_method)
         check_backend(backend)
-        shared = cls.parse_common(owner, **common)
+        shared = cls.parse_common(owner, launcher=launcher, group_backend=backend, joins=launcher == EXTERNAL,
+                                  **common)
         network = NetworkConfig.parse(launcher=launcher, tcp_port=tcp_port, bind_address=bind_address,
                                       authkey=authkey, worker_timeout=shared.worker_timeout,
                                       heartbeat_timeout=shared.heartbeat_timeout, handshake_timeout=handshake_timeout)

@@ -420,3 +420,26 @@ def test_add_collectors_submits_a_new_node_job(in_tmp):
     ids = [set(torch.cat([b["collector", "traj_ids"][node] for b in batches[node:]]).tolist()) for node in (0, 1)]
     assert ids[0].isdisjoint(ids[1])  # the new node's trajectory ids were never used
     assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=2)
+
+
+@pytest.mark.timeout(180)
+def test_autoscale_submits_a_node_job_while_the_learner_starves(in_tmp):
+    """autoscale= with "submitit": the node the autoscaler adds is a new SLURM job, and the sync batch
+    is re-split between the two nodes from the next batch on (docs/elastic.md, "Autoscaling")."""
+    from mocks import SlowCountingEnv, check_trajectories, weight_policy
+
+    from rlharvest.collectors import Autoscale
+
+    collector = make([lambda: SlowCountingEnv(max_steps=7, delay=0.01)], policy=weight_policy(1.0),
+                     frames_per_batch=12, total_frames=12 * 12,
+                     sync=True, autoscale=Autoscale(1, 2, window=4, cooldown=4, grow_above=0.5, shrink_below=0.3))
+    try:
+        batches = [batch.clone() for batch in collector]
+        decisions = collector.stats()["autoscale/decisions"]
+    finally:
+        shutdown_seconds = timed_shutdown(collector)
+    assert [(d["action"], d["workers"]) for d in decisions] == [("add", (1,))]
+    added = decisions[0]["batch"]
+    assert [tuple(b.shape) for b in batches] == [(1, 12)] * added + [(2, 6)] * (12 - added)
+    check_trajectories(batches, 12 * 12)
+    assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=2)
