@@ -136,6 +136,7 @@ def test_new_workers_use_autoscales_env_fn_and_stats_name_each_workers_figures()
     # the slow env's worker collects at a lower pace: a straggler shows
     assert stats["worker_0/rollout_frames_per_s"] < stats["worker_1/rollout_frames_per_s"]
     assert sum(stats[f"worker_{w}/frames"] for w in (0, 1)) == stats["frames"] == 24
+    assert sum(b.numel() for b in batches) == 24
 
 
 def test_a_worker_replaced_after_a_failure_collects_the_share_it_was_told():
