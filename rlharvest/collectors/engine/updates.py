@@ -7,6 +7,7 @@ meanwhile is replaced, starting with the new weights), the automatic pushes of i
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -122,12 +123,12 @@ class WeightUpdates:
             # only for its initial weights would run the factory where the user did not ask for it.
             return None
         factories = options.policy_factories or ()
-        if self.fallback_policy is None and factories and len({id(f) for f in factories}) == 1:
-            # update_policy_weights_() without weights: the factory's policy is the main-side copy
+        if (self.fallback_policy is None and factories and len({id(f) for f in factories}) == 1
+                and _takes_no_argument(factories[0])):
+            # update_policy_weights_() without weights: the factory's policy is the main-side copy (a
+            # factory of the env, as the Evaluator's, has none: its updates carry their weights)
             self.fallback_policy = factories[0]()
         return self.fallback_policy
-
-
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme of this collector (inside a node) applied ``weights``: our workers get them."""
         self.update(weights, weights, None, model_id, None)
@@ -137,3 +138,12 @@ class WeightUpdates:
         scheme = (self.engine.weights.sync_schemes or {}).get(model_id)
         if scheme is not None and self.engine.requests is not None:
             scheme.send(weights=weights)
+
+
+def _takes_no_argument(factory: Any) -> bool:
+    """Whether ``factory()`` is a valid call (every parameter has a default, or the signature is unknown)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
