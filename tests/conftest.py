@@ -45,6 +45,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` each grouped test's id must carry its group (``...@ray``), which is
+    how pytest-xdist sends a group to one worker. pytest-xdist 3.8 writes it where pytest up to 9.1
+    reads node ids, not pytest 9.2: there the groups were silently ignored (a Ray per pytest process,
+    a docs page's blocks split between processes), hence the pin in requirements-dev.txt and this check."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if any(True for _ in item.iter_markers("xdist_group")) and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup: {len(lost)} grouped tests lost their group (pytest-xdist and "
+                                f"pytest disagree on node ids), e.g. {lost[0]}")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for every Ray test of the session (2 CPUs, no dashboard, 200 MB object store),

@@ -34,6 +34,7 @@ from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"<!--\s*pytest-mark:\s*([\w-]+)\s*-->\s*\Z")
+MARK_RAY = re.compile(r"^<!--\s*pytest-mark:\s*ray\s*-->", re.M)
 FRAGMENT = re.compile(r"""\s*(["'])fragment: \S.*\1\s*\Z""")
 
 
@@ -50,6 +51,9 @@ def _collect() -> tuple[list, list]:
     params, skips = [], []
     for page, document in _documents():
         skip_next = False
+        # A page's blocks share one namespace, in page order: they run in one pytest process (with -n),
+        # the Ray tests' one for a page with a Ray block.
+        group = pytest.mark.xdist_group("ray" if MARK_RAY.search(document.text) else "docs")
         for example in document.examples():
             where = f"{page.relative_to(ROOT)}:{example.line}"
             if isinstance(example.region.evaluator, Skipper):
@@ -61,7 +65,7 @@ def _collect() -> tuple[list, list]:
                 skip_next = False
                 continue
             mark = MARK.search(document.text, 0, example.region.start)
-            marks = [getattr(pytest.mark, mark.group(1))] if mark else []
+            marks = [getattr(pytest.mark, mark.group(1)), group] if mark else [group]
             params.append(pytest.param(page, example, id=where, marks=marks))
     return params, skips
 
