@@ -37,11 +37,14 @@ def pytest_collection_modifyitems(config, items):
     every interface) then never runs beside the other tests of its process, whose checks it would
     disturb. With ``-n 2 --dist loadgroup`` (``make test``) the Ray tests all go to one pytest worker
     (one Ray for the session) and the SLURM tests to one (one job queue), each group beside the
-    others' tests."""
+    others' tests; so do the tests of hosts in network namespaces (one set of hosts at a time)."""
     for item in items:
         for group in ("ray", "slurm"):
             if item.get_closest_marker(group) is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
+        if "require_netns" in getattr(item, "fixturenames", ()):
+            # hosts in network namespaces: their checks of /dev/shm see the whole machine's carriers
+            item.add_marker(pytest.mark.xdist_group("netns"))
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
 
 
@@ -51,7 +54,7 @@ def pytest_collection_finish(session):
     how pytest-xdist sends a group to one worker. pytest-xdist 3.8 writes it where pytest up to 9.1
     reads node ids, not pytest 9.2: there the groups were silently ignored (a Ray per pytest process,
     a docs page's blocks split between processes), hence the pin in requirements-dev.txt and this check."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):
         return
     lost = [item.nodeid for item in session.items
             if any(True for _ in item.iter_markers("xdist_group")) and "@" not in item.nodeid]

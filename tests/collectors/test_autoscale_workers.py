@@ -28,6 +28,10 @@ def slow_env():
     return SlowCountingEnv(max_steps=7, delay=0.01)
 
 
+def slower_env():
+    return SlowCountingEnv(max_steps=7, delay=0.04)
+
+
 def collect(collector, batches: int | None = None, work_s: float = 0.0) -> list:
     """The collector's batches (``batches`` of them, or all), the learner working ``work_s`` on each."""
     out = []
@@ -51,7 +55,10 @@ def rows_per_batch(decisions: list[dict], batches: int, start: int) -> list[int]
 @pytest.mark.parametrize("cls", [MultiAsyncCollector, MultiSyncCollector])
 def test_a_starving_learner_grows_the_fleet_and_batches_keep_their_size(cls, caplog):
     # the learner takes each batch at once: it always waits for the workers
-    collector = cls([slow_env], weight_policy(1.0), frames_per_batch=12, total_frames=12 * 16,
+    # synchronously each add must shorten the batch by half of its prediction (rule 6): rollouts long
+    # beside a batch's own costs (tens of ms on a loaded machine) make that hold at any load
+    env = slow_env if cls is MultiAsyncCollector else slower_env
+    collector = cls([env], weight_policy(1.0), frames_per_batch=12, total_frames=12 * 16,
                     autoscale=Autoscale(1, 3, **LENIENT))
     with caplog.at_level(logging.INFO, logger="rlharvest"):
         batches = collect(collector)

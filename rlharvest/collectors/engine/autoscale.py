@@ -253,6 +253,11 @@ class Autoscaler:
             if count < wanted and self._clock() - asked < self.config.join_timeout:
                 return None
             self._pending = None
+            if count != self._workers:
+                # the nodes joined since the last batch was measured: what came before measured another fleet
+                self._workers = count
+                self._new_epoch()
+                return None
         choice = self._bounds(count)
         cooling = self._since_decision < self._cooldown
         if choice is None and not cooling:
