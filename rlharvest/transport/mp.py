@@ -68,12 +68,30 @@ class SharedTrajectoryCounter(TrajectoryCounter):
             view[1] = 0
         return first
 
+    #: seconds the lock may stay taken, with no live holder recorded, before it counts as a dead one's
+    #: (a live worker holds it for a few microseconds)
+    STUCK_AFTER = 1.0
+
     def recover(self, pid: int | None) -> None:
-        """Release the lock if the process ``pid``, now dead, died holding it."""
+        """Release the lock if the process ``pid``, now dead, died holding it.
+
+        The holder's pid is written once the lock is taken and cleared before it is released: a
+        worker killed in between the two (a few bytecodes, but workers of short episodes take ids
+        thousands of times a second) leaves the lock taken with no holder recorded. So when the lock
+        cannot be taken for :attr:`STUCK_AFTER` seconds and no other process is recorded holding it,
+        it is released too.
+        """
+        if pid is None:
+            return
         view = self._value.numpy()
-        if pid is not None and int(view[1]) == pid:
+        if int(view[1]) == pid:
             view[1] = 0
             self._lock.release()  # a semaphore: any process may release it
+        elif self._lock.acquire(timeout=self.STUCK_AFTER):
+            self._lock.release()
+        elif int(view[1]) in (0, pid):
+            view[1] = 0
+            self._lock.release()
 
     def peek(self) -> int:
         with self._lock:
