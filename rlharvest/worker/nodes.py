@@ -20,7 +20,7 @@ import torch
 from .._utils import use_worker_scheduling
 from ..errors import RemoteFailure
 from ..protocol import READY, Reply
-from ..transport.rpc import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
+from ..transport.rpc_node import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
 from ..transport.torchdist import DistWorkerEndpoint, join_as_node
 from ..transport.torchdist_join import join_collector
 from ..transport.weight_pool import attach_named
