@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import errno
 import socket
-import time
 
-from ..errors import AddressNotAvailableError, CollectorUnreachable, PortInUseError
+from ..errors import AddressNotAvailableError, PortInUseError
 
 __all__ = ["free_port", "free_port_block", "port_is_free", "PortInUseError", "AddressNotAvailableError", "boot_id",
-           "is_loopback", "not_this_host", "check_local_address", "wait_for_listener"]
+           "is_loopback", "not_this_host", "check_local_address"]
 
 
 def not_this_host(err: OSError, host: str, argument: str = "bind_address") -> AddressNotAvailableError | None:
@@ -90,24 +89,3 @@ def boot_id() -> str:
 
 def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("localhost", "::1")
-
-
-def wait_for_listener(host: str, port: int, timeout: float) -> None:
-    """Return once something accepts connections at ``host:port``, trying again every 0.2 s while
-    nothing does (a collector may start after its nodes). Imports no torch: the node command calls
-    it first, so that a wrong address fails before the node pays for importing torch.
-
-    Raises:
-        CollectorUnreachable: nothing accepted within ``timeout`` seconds, naming the last reason.
-    """
-    deadline, why = time.monotonic() + timeout, "nothing answered"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s ({why}).")
-        try:
-            socket.create_connection((host, port), timeout=min(left, 5.0)).close()
-            return
-        except OSError as err:  # refused (not listening yet), unreachable, a name that does not resolve
-            why = err.strerror or str(err) or type(err).__name__
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -35,7 +35,6 @@ from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel, slot_key
 from .launchers import LaunchedNode
 from .pairing import PairingFailed, form_pair
-from .ports import wait_for_listener
 from .rendezvous import Rendezvous
 
 __all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
@@ -264,7 +263,9 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
     """
     deadline = time.monotonic() + timeout
     try:
-        wait_for_listener(host, int(port), timeout)
+        # open_channel retries while nothing listens (a collector may start after its nodes); no bare
+        # probe first: the collector would log each as a dropped connection, and its log of drops is
+        # rate-limited, so probes could hide a real refusal or stranger
         conn = open_channel(host, int(port), authkey, max(0.1, deadline - time.monotonic()), user_timeout,
                             handshake_timeout)
     except OSError as err:

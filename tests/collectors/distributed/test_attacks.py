@@ -157,6 +157,12 @@ def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
     listens on while a node collects (the command port of nodes that join, open for the collector's
     life; gloo's ports close once their pair formed): the learner's descriptors and memory stay
     bounded, and the batches keep coming."""
+    me = psutil.Process()
+
+    def listening() -> set[int]:
+        return {c.laddr.port for c in me.net_connections("inet") if c.status == "LISTEN"}
+
+    before = listening()  # what earlier tests of this pytest process may still hold until collected
     collector = DistributedCollector([counting_env], weight_policy(1.0), launcher="external", tcp_port=0,
                                      bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True)
     clients: list[socket.socket] = []
@@ -164,8 +170,7 @@ def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
         start_node(collector.join_command(), nodes)
         batches = iter(collector)
         next(batches)
-        me = psutil.Process()
-        ports = sorted({c.laddr.port for c in me.net_connections("inet") if c.status == "LISTEN"})
+        ports = sorted(listening() - before)
         assert ports == [int(collector.tcp_port)], ports  # gloo's ports closed after pairing
         fds, rss = learner_fds(), me.memory_info().rss
         blob = os.urandom(7 << 20)
