@@ -120,6 +120,45 @@ class WorkerHandle(ABC):
         """Make sure the worker is gone by ``deadline`` (monotonic seconds): join, terminate, kill."""
 
 
+class DepartedHandle(WorkerHandle):
+    """What stays in the slot of a worker that left for good: nothing of its own.
+
+    One instance stands in for every departed worker, so a run of days with a departure every few
+    minutes keeps one list entry per slot, not the handle, its pipe wrapper and its signal row
+    (docs/elastic.md, "What a departed worker leaves"). It answers as a worker that is gone.
+    """
+
+    worker_idx = -1
+
+    def send(self, message: Any) -> None:
+        raise BrokenPipeError("this worker left: its slot is empty.")
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return False
+
+    def recv(self) -> Any:
+        raise EOFError("this worker left: its slot is empty.")
+
+    def fileno(self) -> int:
+        raise OSError("this worker left: its slot has no connection.")
+
+    def is_alive(self) -> bool:
+        return False
+
+    def exit_description(self) -> str:
+        return "it left (its slot is empty)"
+
+    def fetch_batch(self, reply: Any) -> TensorDictBase:
+        raise RuntimeError("this worker left: it has no batch.")
+
+    def terminate(self, deadline: float) -> None:
+        pass
+
+
+#: the one handle of every departed worker's slot
+DEPARTED = DepartedHandle()
+
+
 class WorkerEndpoint(ABC):
     """A worker's end of its connection to the parent."""
 
@@ -263,7 +302,9 @@ class Backend(ABC):
 
     def retire(self, index: int) -> None:
         """Worker ``index`` left for good (removed, or preempted and not replaced) and was stopped
-        (:meth:`stop_one`): release what the backend kept for its slot. Its index stays (an empty slot)."""
+        (:meth:`stop_one`): release what the backend kept for its slot. Its index stays (an empty slot:
+        ``handles[index]`` is None). A backend that keeps more per slot releases it, then calls this."""
+        self.handles[index] = None
 
     def stop_all(self, deadline: float, closing: Collection[int] = ()) -> None:
         """Make sure every worker is gone, and release what the backend holds; idempotent.

@@ -298,6 +298,7 @@ class MPBackend(Backend):
 
     def retire(self, index: int) -> None:
         self.signals.release(index)
+        super().retire(index)
 
     def stop_all(self, deadline: float, closing=()) -> None:
         super().stop_all(deadline, closing)

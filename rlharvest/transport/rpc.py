@@ -395,6 +395,10 @@ class RPCBackend(Backend):
         elif node is not None:
             node.terminate(deadline)
 
+    def retire(self, index: int) -> None:
+        self.launched[index] = None  # its launcher's record (a process or a job) goes with it
+        super().retire(index)
+
     def _close_pipes(self, handle: RPCWorkerHandle) -> None:
         """Make TensorPipe close its connections to a node that is gone. It notices a peer that closed
         them only when it uses them: a node that ended gracefully (removed, preempted) would leave this

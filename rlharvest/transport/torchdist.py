@@ -248,6 +248,10 @@ class TorchDistBackend(Backend):
         if self.joins is not None and (handle is not None or node is not None):
             self.joins.want(index)  # an empty slot: the next node that joins takes it
 
+    def retire(self, index: int) -> None:
+        self.launched[index] = None  # its launcher's record (a process or a job) goes with it
+        super().retire(index)
+
     def stop_all(self, deadline: float, closing=()) -> None:
         if self.joins is not None:
             self.joins.close()

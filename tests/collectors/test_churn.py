@@ -8,17 +8,26 @@ checks, the samples) in ``tests/churn.py``, which ``benchmarks/soak.py`` runs fo
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from churn import Churn, FrameCheck, churn_frames, drive, leftovers, open_fds, resources
 from mocks import counting_env_7, echo_weight_policy
 
 from rlharvest.collectors import MultiAsyncCollector, MultiSyncCollector
+from rlharvest.transport.mp import MPWorkerHandle
 
 pytestmark = pytest.mark.timeout(120)
 
 SHARE = 8  # frames of one worker's rollout
 EVENTS = 14
 WORKERS = 2  # at the samples
+
+
+def live_handles() -> int:
+    """How many worker handles this process still holds (a departed worker's slot keeps none)."""
+    gc.collect()
+    return sum(isinstance(obj, MPWorkerHandle) for obj in gc.get_objects())
 
 
 def assert_not_growing(report) -> None:
@@ -52,6 +61,7 @@ def test_churn_loses_nothing_and_holds_nothing_for_departed_workers(collector_cl
         assert len(causes) == report.events.count("kill") + report.events.count("term")
         assert_not_growing(report)
         assert report.end["children"] == 2
+        assert live_handles() == len(collector.active_workers)  # nothing kept of the departed
     finally:
         collector.shutdown()
     assert resources()["children"] == 0

@@ -150,8 +150,9 @@ class RayCollector(BaseCollector, dispatch="ray"):
 
     @property
     def remote_collectors(self) -> list:
-        """The Ray actor handles of the workers, in worker order (each runs one collector)."""
-        return [handle.actor for handle in self._engine.handles()]
+        """The Ray actor handles of the workers, in worker order (each runs one collector); None in the
+        slot of an actor that left (``remove_collectors``, preempted and not replaced)."""
+        return [getattr(handle, "actor", None) for handle in self._engine.handles()]
 
     def local_policy(self):
         """The policy of this process (the source of the actors' weights)."""

@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
 from ...errors import WorkerError, WorkerTimeoutError
-from ...transport.base import WorkerHandle
+from ...transport.base import DEPARTED, WorkerHandle
 from ...protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply
 
 __all__ = ["WorkerRequests"]
@@ -85,6 +85,9 @@ class WorkerRequests:
         self.forget(worker)
         self.retired.add(worker)
         self._dead.add(worker)
+        self.leaving.pop(worker, None)
+        self.unresponsive.discard(worker)
+        self.handles[worker] = DEPARTED  # what the worker's handle held goes with it
         self._free = collections.deque(item for item in self._free if item[0] != worker)
 
     def take_pushed(self, worker: int) -> list[Reply]:
@@ -396,8 +399,8 @@ class WorkerRequests:
 
     def forget(self, worker: int) -> None:
         """Drop the outstanding requests and stashed replies of ``worker`` (e.g. at shutdown)."""
-        self._outstanding[worker].clear()
-        self._stash[worker].clear()
+        self._outstanding.pop(worker, None)
+        self._stash.pop(worker, None)
         self._abandoned = {key for key in self._abandoned if key[0] != worker}
         self._deadlines = {key: deadline for key, deadline in self._deadlines.items() if key[0] != worker}
 
