@@ -104,4 +104,5 @@ def test_no_module_imports_itself_through_others():
 def test_the_module_graph_sees_every_module():
     graph = _module_graph()
     assert "rlharvest.collectors.engine.engine" in graph and "rlharvest.collectors.base" in graph
-    assert "rlharvest.collectors.engine.engine" in graph["rlharvest.collectors.multi"]
+    assert "rlharvest.collectors.engine.engine" in graph["rlharvest.collectors._workers"]
+    assert "rlharvest.collectors._workers" in graph["rlharvest.collectors.multi"]

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-__all__ = ["WORKER_METHODS"]
+from .engine.engine import CollectionEngine
+
+__all__ = ["WORKER_METHODS", "with_workers"]
+
+
+def build_engine(self, options: Any) -> None:
+    """Build this collector's engine from its parsed options and start its workers."""
+    self._engine = CollectionEngine(options, self)
+    self._engine.start()
 
 
 def worker_pids(self) -> list[int | None]:
@@ -107,7 +115,7 @@ def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs:
     self._open("add_collectors()").add_workers(create_env_fn, num_envs, policy, collector_kwargs)
 
 
-#: ``{name: attribute}`` each face with workers takes (``vars().update(WORKER_METHODS)`` in its body)
+#: ``{name: attribute}`` each face with workers takes (:func:`with_workers`)
 WORKER_METHODS = {
     "worker_pids": worker_pids,
     "num_workers": property(_num_workers),
@@ -116,3 +124,13 @@ WORKER_METHODS = {
     "remove_collectors": remove_collectors,
     "add_collectors": add_collectors,
 }
+
+
+def with_workers(cls: type) -> type:
+    """Class decorator of a face whose collection runs in workers: it gets :data:`WORKER_METHODS` and
+    :func:`build_engine` as ``_build``, except those it writes itself (Ray's ``add_collectors`` takes
+    actor options; its ``_build`` starts Ray first)."""
+    for name, attribute in {**WORKER_METHODS, "_build": build_engine}.items():
+        if name not in vars(cls):
+            setattr(cls, name, attribute)
+    return cls

@@ -15,7 +15,6 @@ from tensordict import TensorDictBase
 from ..policies import ExplorationType
 from . import _workers
 from .base import BaseCollector
-from .engine.engine import CollectionEngine
 from .engine.legacy import cached_weights, push_staged, staged_weights
 from .options.autoscale import Autoscale
 from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
@@ -24,6 +23,7 @@ from .single import Collector
 __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
 
 
+@_workers.with_workers
 class MultiCollector(BaseCollector, dispatch="process"):
     """Collectors whose rollouts run in worker processes on this machine.
 
@@ -120,17 +120,6 @@ class MultiCollector(BaseCollector, dispatch="process"):
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
             auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
-
-    def _build(self, options: WorkerProcessOptions) -> None:
-        self._engine = CollectionEngine(options, self)
-        self._engine.start()
-
-    worker_pids = _workers.worker_pids
-    num_workers = _workers.WORKER_METHODS["num_workers"]
-    active_workers = _workers.WORKER_METHODS["active_workers"]
-    restart_causes = _workers.WORKER_METHODS["restart_causes"]
-    remove_collectors = _workers.remove_collectors
-    add_collectors = _workers.add_collectors
 
     # ------------------------------------------------------------------ what the options hold
     @property

@@ -12,7 +12,7 @@ from ..engine.extras import ExternalJoins
 from ..multi import MultiAsyncCollector, MultiSyncCollector
 from ..single import Collector
 
-__all__ = ["NODE_CLASSES", "join_command", "push_legacy_weights", "option"]
+__all__ = ["NODE_CLASSES", "node_api"]
 
 #: what ``collector_class="single"``, ``"sync"`` and ``"async"`` stand for
 NODE_CLASSES = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
@@ -83,3 +83,50 @@ def push_legacy_weights(self, worker: int, weights: Any, wait: bool = True) -> N
     scheme = (self._engine.weights.sender_schemes or {}).get("policy")
     if scheme is not None:
         scheme.send(weights=weights, worker_ids=[worker], wait=wait)
+
+
+#: the attributes every face with nodes (or actors) shows, by name
+_COMMON = {
+    "policy": option("policy", "The policy run on every node (actor), and the main-side source of weights."),
+    "policy_factory": policy_factory,
+    "policy_weights": policy_weights,
+    "collector_class": option("collector_class", "The collector each node (actor) runs."),
+    "collector_kwargs": collector_kwargs,
+    "num_workers_per_collector": option("num_workers_per_collector"),
+    "update_after_each_batch": option("update_after_each_batch"),
+    "max_weight_update_interval": option("max_weight_update_interval"),
+    "push_legacy_weights": push_legacy_weights,
+}
+
+#: those some faces show besides, as they name them
+_MORE = {
+    "update_interval": option("update_interval"),
+    "launcher": option("launcher", "How nodes are started (``\"mp\"``, ``\"submitit\"``, ...)."),
+    "backend": option("backend", "The process groups' backend (``\"gloo\"``, ...)."),
+    "slurm_kwargs": option("slurm_kwargs"),
+    "tcp_port": tcp_port,
+    "join_command": join_command,
+    "visible_devices": option("visible_devices"),
+    "tensorpipe_options": option("tensorpipe_options"),
+}
+
+
+def node_api(*more: str):
+    """Class decorator of a face with one node (or actor) per env constructor: it gets the attributes
+    every such face shows (its options, ``policy_weights``, the legacy updater's push) and those of
+    ``more`` it names (``"launcher"``, ``"join_command"``, ...).
+
+    Raises:
+        ValueError: for a name in ``more`` that is not one of them.
+    """
+    unknown = sorted(set(more) - set(_MORE))
+    if unknown:
+        raise ValueError(f"node_api: no attribute {unknown}; known: {sorted(_MORE)}.")
+
+    def decorate(cls: type) -> type:
+        for name in (*_COMMON, *more):
+            if name not in vars(cls):
+                setattr(cls, name, {**_COMMON, **_MORE}[name])
+        return cls
+
+    return decorate

@@ -17,7 +17,6 @@ from ...transport.ray import ensure_ray, require_ray
 from .. import _workers
 from ..base import BaseCollector
 from ..engine.checkpoint import as_actor_list, from_actor_list
-from ..engine.engine import CollectionEngine
 from ..options.autoscale import Autoscale
 from ..options.ray import RayOptions
 from ..single import Collector
@@ -26,6 +25,8 @@ from . import _node_api
 __all__ = ["RayCollector"]
 
 
+@_workers.with_workers
+@_node_api.node_api()
 class RayCollector(BaseCollector, dispatch="ray"):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
@@ -125,23 +126,7 @@ class RayCollector(BaseCollector, dispatch="ray"):
 
     def _build(self, options: RayOptions) -> None:
         ensure_ray(options.ray_init_config)
-        self._engine = CollectionEngine(options, self)
-        self._engine.start()
-
-    worker_pids = _workers.worker_pids
-    num_workers = _workers.WORKER_METHODS["num_workers"]
-    active_workers = _workers.WORKER_METHODS["active_workers"]
-    restart_causes = _workers.WORKER_METHODS["restart_causes"]
-    remove_collectors = _workers.remove_collectors
-    policy = _node_api.option("policy", "The policy run on every actor, and the main-side source of weights.")
-    policy_factory = _node_api.policy_factory
-    policy_weights = _node_api.policy_weights
-    collector_class = _node_api.option("collector_class", "The collector each actor runs.")
-    collector_kwargs = _node_api.collector_kwargs
-    num_workers_per_collector = _node_api.option("num_workers_per_collector")
-    update_after_each_batch = _node_api.option("update_after_each_batch")
-    max_weight_update_interval = _node_api.option("max_weight_update_interval")
-    push_legacy_weights = _node_api.push_legacy_weights
+        _workers.build_engine(self, options)
 
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property

@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence
 from ...policies import ExplorationType
 from .. import _workers
 from ..base import BaseCollector
-from ..engine.engine import CollectionEngine
 from ..options.autoscale import Autoscale
 from ..options.torchdist import TorchDistOptions
 from ..single import Collector
@@ -23,6 +22,8 @@ from . import _node_api
 __all__ = ["DistributedCollector"]
 
 
+@_workers.with_workers
+@_node_api.node_api("update_interval", "launcher", "backend", "slurm_kwargs", "tcp_port", "join_command")
 class DistributedCollector(BaseCollector, dispatch="distributed"):
     """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
 
@@ -146,28 +147,3 @@ class DistributedCollector(BaseCollector, dispatch="distributed"):
             authkey=authkey, handshake_timeout=handshake_timeout, autoscale=autoscale
         ))
 
-    def _build(self, options: TorchDistOptions) -> None:
-        self._engine = CollectionEngine(options, self)
-        self._engine.start()
-
-    worker_pids = _workers.worker_pids
-    num_workers = _workers.WORKER_METHODS["num_workers"]
-    active_workers = _workers.WORKER_METHODS["active_workers"]
-    restart_causes = _workers.WORKER_METHODS["restart_causes"]
-    remove_collectors = _workers.remove_collectors
-    add_collectors = _workers.add_collectors
-    policy = _node_api.option("policy", "The policy run on every node, and the main-side source of weights.")
-    policy_factory = _node_api.policy_factory
-    policy_weights = _node_api.policy_weights
-    collector_class = _node_api.option("collector_class", "The collector each node runs.")
-    collector_kwargs = _node_api.collector_kwargs
-    num_workers_per_collector = _node_api.option("num_workers_per_collector")
-    update_after_each_batch = _node_api.option("update_after_each_batch")
-    max_weight_update_interval = _node_api.option("max_weight_update_interval")
-    update_interval = _node_api.option("update_interval")
-    push_legacy_weights = _node_api.push_legacy_weights
-    launcher = _node_api.option("launcher", "How nodes are started (``\"mp\"``, ``\"submitit\"``, ...).")
-    backend = _node_api.option("backend", "The process groups' backend (``\"gloo\"``, ...).")
-    slurm_kwargs = _node_api.option("slurm_kwargs")
-    tcp_port = _node_api.tcp_port
-    join_command = _node_api.join_command
