@@ -33,11 +33,16 @@ def free_port():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Ray tests run last: the session's Ray (its daemons, and the driver's gRPC port, which listens on
-    every interface) then never runs beside the other tests of its process, whose checks it would
-    disturb. With ``-n 2 --dist loadgroup`` (``make test``) the Ray tests all go to one pytest worker
-    (one Ray for the session) and the SLURM tests to one (one job queue), each group beside the
-    others' tests; so do the tests of hosts in network namespaces (one set of hosts at a time)."""
+    """With ``-n 2 --dist loadgroup`` (``make test``) the Ray tests all go to one pytest worker (one
+    Ray for the session) and the SLURM tests to one (one job queue), each group beside the others'
+    tests; so do the tests of hosts in network namespaces (one set of hosts at a time).
+
+    The groups come first, the Ray group first of all: a group runs one test after another in one
+    process, so the longest ones start first and the other process takes the single tests meanwhile
+    (with the Ray tests last, one process ran them alone for minutes at the end). The Ray tests of a
+    process run one after another, and Ray is shut down after the last (:func:`pytest_runtest_teardown`):
+    its daemons and the driver's gRPC port, which listens on every interface, never run beside the
+    other tests of its process, whose checks they would disturb."""
     for item in items:
         for group in ("ray", "slurm"):
             if item.get_closest_marker(group) is not None:
@@ -45,7 +50,31 @@ def pytest_collection_modifyitems(config, items):
         if "require_netns" in getattr(item, "fixturenames", ()):
             # hosts in network namespaces: their checks of /dev/shm see the whole machine's carriers
             item.add_marker(pytest.mark.xdist_group("netns"))
-    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+    items.sort(key=_group_order)
+
+
+def _groups(item) -> set[str]:
+    return {marker.args[0] if marker.args else marker.kwargs.get("name") for marker in item.iter_markers("xdist_group")}
+
+
+def _group_order(item) -> int:
+    """Ray's group first, then the other groups, then the single tests (a stable sort: a docs page's
+    blocks, which share one group, keep their order)."""
+    groups = _groups(item)
+    return 0 if "ray" in groups else 1 if groups else 2
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of Ray's group in this process (the next one is not of it), Ray is shut
+    down: the tests that follow in this process see no Ray daemon, port or child process."""
+    if "ray" not in _groups(item) or (nextitem is not None and "ray" in _groups(nextitem)):
+        return
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.hookimpl(trylast=True)
