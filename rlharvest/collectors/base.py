@@ -93,6 +93,16 @@ class BaseCollector(IterableDataset):
     def total_frames(self) -> int:
         return self._engine.config.total_frames
 
+    # TorchRL's counters of frames collected and batches yielded (-1 before the first), private there
+    # too but read by scripts and by TorchRL's own tests (``test_collector_reloading``)
+    @property
+    def _frames(self) -> int:
+        return self._engine.frames
+
+    @property
+    def _iter(self) -> int:
+        return self._engine.iter
+
     @property
     def replay_buffer(self):
         return self._engine.config.replay_buffer

@@ -186,3 +186,28 @@ def test_trajectory_arguments_are_validated():
                           ({"trajs_per_write": 2}, "trajs_per_write")]:
         with pytest.raises(ValueError, match=match):
             Collector(CountingEnv(), frames_per_batch=4, **kwargs)
+
+
+@pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector])
+def test_the_private_counters_torchrl_scripts_read_follow_the_batches_and_a_reload(collector_class):
+    """``_frames`` and ``_iter``, read by TorchRL's own reloading test: frames collected and the index
+    of the last batch, carried by ``state_dict``."""
+    make = lambda: (Collector(CountingEnv(max_steps=3), CountingPolicy(), frames_per_batch=4, total_frames=20)  # noqa: E731
+                    if collector_class is Collector else
+                    collector_class(envs(2), CountingPolicy(), frames_per_batch=4, total_frames=20))
+    collector = make()
+    try:
+        assert (collector._frames, collector._iter) == (0, -1)
+        for index, _ in enumerate(collector):
+            if index == 2:
+                break
+        assert (collector._frames, collector._iter) == (12, 2)
+        state = collector.state_dict()
+    finally:
+        collector.shutdown()
+    collector = make()
+    try:
+        collector.load_state_dict(state)
+        assert (collector._frames, collector._iter) == (12, 2)
+    finally:
+        collector.shutdown()
