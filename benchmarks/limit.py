@@ -9,6 +9,11 @@ Rows (a markdown table, with the date and the load average before and after):
 * ``multisync_cartpole`` / ``multiasync_cartpole``: 2 workers against two raw loops run concurrently in
   2 processes (their steps/s summed).
 
+Beside each ratio of frames/s (wall time: what a user gets, meaningful on a quiet machine), the CPU
+microseconds per frame of the collector's processes (all of them) and of the raw loop, and their
+ratio: on a busy machine, where wall time mostly measures the scheduler, the steadier comparison
+(though contention inflates both).
+
 Each workload runs in a fresh process, as ``rlharvest bench`` runs it (``harness.run_in_subprocess`` on
 ``rlharvest_side.py``, the budgets of ``common.FULL`` / ``common.QUICK``); its limit is measured right
 after it, for as many seconds as the workload collects, so both see about the same machine.
@@ -58,14 +63,16 @@ def raw_loops(processes: int, seconds: float) -> dict[str, Any]:
         for child in children:
             child.stdin.write("go\n")
             child.stdin.flush()
-        rates = [json.loads(child.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1])["steps_per_s"]
-                 for child in children]
+        results = [json.loads(child.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1])
+                   for child in children]
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    return {"steps_per_s": sum(rates), "per_process": rates}
+    rates = [r["steps_per_s"] for r in results]
+    return {"steps_per_s": sum(rates), "per_process": rates,
+            "cpu_us_per_step": sum(r["cpu_us_per_step"] for r in results) / len(results)}
 
 
 def _raw_child(seconds: float) -> None:
@@ -75,7 +82,13 @@ def _raw_child(seconds: float) -> None:
     common.raw_gym_loop_for(0.05)  # warm-up: first calls, gymnasium's registry
     print("ready", flush=True)
     sys.stdin.readline()
-    print(json.dumps({"steps_per_s": common.raw_gym_loop_for(seconds)}), flush=True)
+    import time
+
+    cpu = time.process_time()  # the loop's CPU time (gym.make and the policy's construction included: ms)
+    steps_per_s = common.raw_gym_loop_for(seconds)
+    cpu = time.process_time() - cpu
+    print(json.dumps({"steps_per_s": steps_per_s, "cpu_us_per_step": cpu / (steps_per_s * seconds) * 1e6}),
+          flush=True)
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -92,6 +105,9 @@ def throughput_row(workload: str, processes: int, quick: bool) -> dict[str, Any]
     result = _workload(workload, quick)
     limit = raw_loops(processes, seconds)
     figure = result["frames_per_s"]
+    # CPU time per frame of the collector's whole process tree (``ours_cpu``: cores used while timed)
+    # beside the raw loop's per step: on a busy machine the steadier comparison (docs/performance.md)
+    cpu = result.get("ours_cpu", float("nan")) / figure * 1e6
     where = "1 process" if processes == 1 else f"{processes} processes at once"
     return {
         "workload": workload,
@@ -101,6 +117,9 @@ def throughput_row(workload: str, processes: int, quick: bool) -> dict[str, Any]
         "note": f"frames/s; limit: raw gymnasium + MLP loop, {where}; collector used "
                 f"{result.get('ours_cpu', float('nan')):.2f} cores, others {result.get('background_cpu', float('nan')):.2f}",
         "raw_per_process": limit["per_process"],
+        "cpu_us_per_frame": cpu,
+        "limit_cpu_us_per_frame": limit["cpu_us_per_step"],
+        "cpu_ratio": limit["cpu_us_per_step"] / cpu,
     }
 
 
@@ -133,10 +152,14 @@ def _number(value: Any) -> str:
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"limits, {report['date']}, load average {report['load_before']} before, {report['load_after']} after"
              + (" (quick)" if report["quick"] else ""), "",
-             "| workload | figure | limit | ratio | note |", "|---|---:|---:|---:|---|"]
+             "| workload | figure | limit | ratio | CPU us/frame (limit) | CPU ratio | note |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for row in report["rows"]:
+        cpu = (f"{row['cpu_us_per_frame']:.1f} ({row['limit_cpu_us_per_frame']:.1f})"
+               if "cpu_us_per_frame" in row else "")
+        cpu_ratio = f"{row['cpu_ratio']:.2f}" if "cpu_ratio" in row else ""
         lines.append(f"| {row['workload']} | {_number(row['figure'])} | {_number(row['limit'])} | "
-                     f"{row['ratio']:.2f} | {row['note']} |")
+                     f"{row['ratio']:.2f} | {cpu} | {cpu_ratio} | {row['note']} |")
     return "\n".join(lines)
 
 

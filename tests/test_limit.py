@@ -24,9 +24,9 @@ def test_limit_quick_throughput_rows(tmp_path):
     names = [row["workload"] for row in report["rows"]]
     assert names == ["collector_cartpole", "multisync_cartpole", "multiasync_cartpole"]
     for row in report["rows"]:
-        assert row["figure"] > 0 and row["limit"] > 0 and row["ratio"] > 0
+        assert row["figure"] > 0 and row["limit"] > 0 and row["ratio"] > 0 and row["cpu_ratio"] > 0
         assert f"| {row['workload']} |" in completed.stdout
-    assert "load average" in completed.stdout and "| workload | figure | limit | ratio | note |" in completed.stdout
+    assert "load average" in completed.stdout and "| workload | figure | limit | ratio |" in completed.stdout
 
 
 def test_limit_takes_rows_of_limit_updates_when_present(tmp_path, monkeypatch):
@@ -41,5 +41,5 @@ def test_limit_takes_rows_of_limit_updates_when_present(tmp_path, monkeypatch):
     monkeypatch.setattr(limit, "ROWS", [])
     report = limit.run(quick=True)
     assert report["rows"] == [{"workload": "update_1m", "figure": 2.0, "limit": 1.0, "ratio": 2.0, "note": "True"}]
-    assert "| update_1m | 2.000 | 1.000 | 2.00 | True |" in limit.format_table(report)
+    assert "| update_1m | 2.000 | 1.000 | 2.00 |  |  | True |" in limit.format_table(report)
     assert limit.run(quick=True, updates=False)["rows"] == []
