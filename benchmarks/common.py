@@ -512,6 +512,32 @@ def raw_gym_loop(steps: int, seed: int = 0) -> float:
     return rate(steps, elapsed)
 
 
+def raw_gym_loop_for(seconds: float, seed: int = 0) -> float:
+    """Steps per second of :func:`raw_gym_loop`'s loop run for ``seconds`` (checked every 100 steps)
+    rather than a step count: the limit that ``benchmarks/limit.py`` runs in several processes at once,
+    each for as long as the collector it is compared with collects."""
+    import gymnasium as gym
+
+    env = gym.make("CartPole-v1")
+    policy = make_cartpole_mlp(seed)
+    obs, _ = env.reset(seed=seed)
+    steps = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    with torch.no_grad():
+        while time.perf_counter() < deadline:
+            for _ in range(100):
+                one_hot = policy(torch.from_numpy(obs))
+                action = int(one_hot.argmax())
+                obs, _, terminated, truncated, _ = env.step(action)
+                if terminated or truncated:
+                    obs, _ = env.reset()
+            steps += 100
+    elapsed = time.perf_counter() - start
+    env.close()
+    return rate(steps, elapsed)
+
+
 def inprocess_copy_seconds(n_params: int, repeats: int = 20) -> float:
     """Median seconds of one in-process ``dst.copy_(src)`` of ``n_params`` floats.
 

@@ -208,14 +208,36 @@ class TensorModuleStep(PolicyStep):
     """Calls key-to-key stages directly on tensors: no TensorDict per step."""
 
     def __init__(self, stages: list[tuple[Callable, list, list]], device: torch.device | None):
-        self.stages = stages
         self.device = device
+        self.stages = stages
         produced: list = []
         for _, _, outs in stages:
             produced += [k for k in outs if k not in produced]
         self.out_keys = produced
 
+    @property
+    def stages(self) -> list[tuple[Callable, list, list]]:
+        """``(module, in_keys, out_keys)`` of each key-to-key stage, run in order."""
+        return self._stages
+
+    @stages.setter
+    def stages(self, stages: list[tuple[Callable, list, list]]) -> None:
+        self._stages = stages
+        # One module reading one key, on the device the values are on: the usual policy, called with
+        # nothing around it (every step pays for what this call does besides the module).
+        one = len(stages) == 1 and len(stages[0][1]) == 1 and self.device is None
+        self._one = (stages[0][0], stages[0][1][0], stages[0][2]) if one else None
+
     def __call__(self, root: dict) -> dict:
+        one = self._one
+        if one is not None:
+            result = one[0](root[one[1]])
+            if isinstance(result, torch.Tensor):
+                return {one[2][0]: result}
+            return dict(zip(one[2], result))
+        return self._call_stages(root)
+
+    def _call_stages(self, root: dict) -> dict:
         values = dict(root) if len(self.stages) > 1 else root
         outputs: dict = {}
         device = self.device

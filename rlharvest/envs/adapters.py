@@ -158,23 +158,25 @@ class ArrayEnvAdapter(EnvAdapter):
         observations, reward, terminated, truncated = self.env._step_arrays(actions)
         nxt = dict(observations)
         nxt[self.reward_key] = reward
-        if self._batched:
-            terminated = _as_tensor(terminated)
+        if not self._batched:  # the common case first: Python flags, one env
+            terminated = bool(terminated)
             nxt["terminated"] = terminated
             if self.has_truncated:
-                truncated = _as_tensor(truncated)
+                truncated = bool(truncated)
                 nxt["truncated"] = truncated
-                done = terminated | truncated
-            else:
-                done = terminated
-            nxt["done"] = done
-            return StepOutcome(nxt, done.reshape(self.batch_size + (-1,)).any(-1), None)
-        done = bool(terminated) or (self.has_truncated and bool(truncated))
-        nxt["terminated"] = bool(terminated)
+                terminated = terminated or truncated
+            nxt["done"] = terminated
+            return StepOutcome(nxt, terminated, None)
+        terminated = _as_tensor(terminated)
+        nxt["terminated"] = terminated
         if self.has_truncated:
-            nxt["truncated"] = bool(truncated)
+            truncated = _as_tensor(truncated)
+            nxt["truncated"] = truncated
+            done = terminated | truncated
+        else:
+            done = terminated
         nxt["done"] = done
-        return StepOutcome(nxt, done, None)
+        return StepOutcome(nxt, done.reshape(self.batch_size + (-1,)).any(-1), None)
 
     def next_root(self, nxt: dict, root: dict) -> dict:
         keys = self._observation_keys

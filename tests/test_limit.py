@@ -1,0 +1,45 @@
+"""Smoke test of `benchmarks/limit.py` (figures are not asserted: timings never are)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.timeout(240)
+def test_limit_quick_throughput_rows(tmp_path):
+    output = tmp_path / "limit.json"
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "limit.py"), "--quick", "--no-updates", "--out", str(output)],
+        capture_output=True, text=True, timeout=220,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(output.read_text())
+    names = [row["workload"] for row in report["rows"]]
+    assert names == ["collector_cartpole", "multisync_cartpole", "multiasync_cartpole"]
+    for row in report["rows"]:
+        assert row["figure"] > 0 and row["limit"] > 0 and row["ratio"] > 0 and row["cpu_ratio"] > 0
+        assert f"| {row['workload']} |" in completed.stdout
+    assert "load average" in completed.stdout and "| workload | figure | limit | ratio |" in completed.stdout
+
+
+def test_limit_takes_rows_of_limit_updates_when_present(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import limit
+
+    (tmp_path / "limit_updates.py").write_text(
+        "def rows(quick):\n"
+        "    return [{'workload': 'update_1m', 'figure': 2.0, 'limit': 1.0, 'ratio': 2.0, 'note': str(quick)}]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "limit_updates", raising=False)
+    monkeypatch.setattr(limit, "ROWS", [])
+    report = limit.run(quick=True)
+    assert report["rows"] == [{"workload": "update_1m", "figure": 2.0, "limit": 1.0, "ratio": 2.0, "note": "True"}]
+    assert "| update_1m | 2.000 | 1.000 | 2.00 |  |  | True |" in limit.format_table(report)
+    assert limit.run(quick=True, updates=False)["rows"] == []
