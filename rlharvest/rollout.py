@@ -230,7 +230,7 @@ class Rollout:
         act = self.random_step if random else self.policy_step
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
-        # references moved (docs/performance.md, "Where each microsecond goes").
+        # references moved (docs/performance.md, "Where each microsecond of a frame goes").
         env_step, next_root_of, any_done = adapter.step, adapter.next_root, adapter.any_done
         scalar = not self.batch_size  # one env: done is a Python bool
         move = self._to_env_device if self._move_actions else None
