@@ -93,7 +93,12 @@ def install() -> None:
           lambda s, r, *a, **k: log("apply_end"))
     sender = sender_mod.DistWeightSender
     _wrap(sender, "deliver", lambda s, p, v, w: log("deliver_start", v), lambda s, r, p, v, w: log("deliver_end", v))
-    _wrap(sender, "_stage_shared", lambda s, *a: log("stage_start"), lambda s, r, *a: log("stage_end"))
+    if hasattr(sender, "_stage_shared"):  # trees before the generation book
+        _wrap(sender, "_stage_shared", lambda s, *a: log("stage_start"), lambda s, r, *a: log("stage_end"))
+    else:
+        from rlharvest.transport.weight_pool import GenerationBook
+
+        _wrap(GenerationBook, "stage", lambda s, *a, **k: log("stage_start"), lambda s, r, *a, **k: log("stage_end"))
     _wrap(sender, "wait_acks", lambda s, v, *a: log("wait_start", v), lambda s, r, v, *a: log("wait_end", v))
 
     def took(self, worker, message):
