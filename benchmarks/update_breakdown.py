@@ -93,7 +93,12 @@ def install() -> None:
           lambda s, r, *a, **k: log("apply_end"))
     sender = sender_mod.DistWeightSender
     _wrap(sender, "deliver", lambda s, p, v, w: log("deliver_start", v), lambda s, r, p, v, w: log("deliver_end", v))
-    _wrap(sender, "_stage_shared", lambda s, *a: log("stage_start"), lambda s, r, *a: log("stage_end"))
+    if hasattr(sender, "_stage_shared"):  # trees before the generation book
+        _wrap(sender, "_stage_shared", lambda s, *a: log("stage_start"), lambda s, r, *a: log("stage_end"))
+    else:
+        from rlharvest.transport.weight_pool import GenerationBook
+
+        _wrap(GenerationBook, "stage", lambda s, *a, **k: log("stage_start"), lambda s, r, *a, **k: log("stage_end"))
     _wrap(sender, "wait_acks", lambda s, v, *a: log("wait_start", v), lambda s, r, v, *a: log("wait_end", v))
 
     def took(self, worker, message):
@@ -123,7 +128,26 @@ def install() -> None:
                 log("notice_read", message[1])
             return message
 
-    receiver_mod._read_loop = lambda conn, inbox, wake: original_loop(TimedConn(conn), inbox, wake)  # noqa: SLF001
+    receiver_mod._read_loop = lambda conn, *rest: original_loop(TimedConn(conn), *rest)  # noqa: SLF001
+
+    # An update the reader thread takes itself (trees with WeightSyncScheme._take_early): "receive"
+    # is the mapping (load), "apply" from the mapping's end to the version moved (_cascade).
+    early = getattr(WeightSyncScheme, "_take_early", None)
+    if early is not None:
+        def take_early(self, version, load):
+            worker = getattr(self._receiver, "worker_idx", None)  # noqa: SLF001
+
+            def timed_load():
+                log("receive_start", None, worker)
+                weights = load()
+                log("receive_end", version, worker)
+                log("apply_start", version, worker)
+                return weights
+
+            return early(self, version, timed_load)
+
+        WeightSyncScheme._take_early = take_early  # noqa: SLF001
+        _wrap(WeightSyncScheme, "_cascade", lambda s, *a: log("apply_end"))
 
 
 def collect(args: argparse.Namespace) -> None:
@@ -191,7 +215,7 @@ def analyse(by_pid: dict[int, list[dict]], main_pid: int) -> dict[str, float]:
             if node is None:
                 continue
             add("node: first notice written -> its reader thread has one", node["notice_read"] - first["notice_write"])
-            add("node: wait for a step boundary (reader -> loop takes it)", node["receive_start"] - node["notice_read"])
+            add("node: reader has it -> taken (a step boundary, or at once by the reader)", node["receive_start"] - node["notice_read"])
             add("node: map generation (receive)", node["receive_end"] - node["receive_start"])
             add("node: swap tensors (apply_weights)", node["apply_end"] - node["apply_start"])
             add("node: apply end -> ack written (cascade)", node["ack_write"] - node["apply_end"])

@@ -556,3 +556,21 @@ def check_trajectories(batches: list, total_frames: int, step: int = 1) -> dict:
         assert len(values) == len(set(values)), f"trajectory {traj} has a frame twice: {values}"
         assert all(b - a == step for a, b in zip(values, values[1:])), f"trajectory {traj} skips: {values}"
     return seen
+
+
+class StampedPolicy(torch.nn.Module):
+    """Two scalar parameters ``a`` and ``b``, always updated to the same value: writes ``action = a``,
+    ``b`` (under ``"b"``) and ``"stamp"``, the ``time.monotonic()`` of the action (float64). A frame
+    with ``a != b`` ran on half-swapped weights; its stamp tells whether it acted after an update."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(float(value)), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.tensor(float(value)), requires_grad=False)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        shape = (*tensordict.batch_size, 1)
+        tensordict.set("action", self.a.expand(shape).clone())
+        tensordict.set("b", self.b.expand(shape).clone())
+        tensordict.set("stamp", torch.full(shape, time.monotonic(), dtype=torch.float64))
+        return tensordict

@@ -414,6 +414,9 @@ class WeightReceiver(ABC):
 
     #: whether received payloads are buffers reserved for this receiver (swapped in, not copied)
     zero_copy = False
+    #: a lock held while an update is taken, when updates may also be taken outside the worker loop
+    #: (:meth:`take_early`); None otherwise
+    taking = None
 
     @abstractmethod
     def connect(self, timeout: float) -> TensorDictBase | None:
@@ -433,6 +436,11 @@ class WeightReceiver(ABC):
 
     def nack(self, failure) -> None:
         """Tell the sender that applying an update failed (a RemoteFailure)."""
+
+    def take_early(self, apply) -> bool:
+        """Let the receiver's own thread take updates that need no waiting, through ``apply(version,
+        load)`` (see ``DistWeightReceiver.take_early``); None stops it. Whether this receiver can."""
+        return False
 
     def wait_handle(self) -> Any | None:
         """An object ``multiprocessing.connection.wait`` wakes on when an update arrives, or None."""

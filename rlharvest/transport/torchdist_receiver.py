@@ -2,17 +2,25 @@
 the node's weight channel, the worker loop maps or receives each announced payload and swaps it in
 between two env steps; as its host's carrier it receives the update into a slot the host's other
 nodes map (docs/weights.md, "One copy per host"). The sender is :mod:`.torchdist_weights`.
+
+A generation to map (nothing to wait for) can be taken by the reader thread itself, when the scheme
+asked for it (:meth:`DistWeightReceiver.take_early`): it maps the generation, the scheme swaps it in
+under the policy's lock and acknowledges, so the update does not wait for the collection loop to
+reach its next step boundary. Updates the loop takes and updates the thread takes are taken in the
+order they arrived, one at a time (:attr:`DistWeightReceiver.taking`).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
@@ -68,6 +76,10 @@ class DistWeightReceiver(WeightReceiver):
         self._downstream: Links | None = None  # the link to the next carrier, kept between updates
         self._forwarder: Forwarder | None = None  # the last update's forwarding, which reads its slot
         self._key: bytes | None = None  # this node's weight key (derived: docs/security.md, "The key")
+        #: held while an update is taken (by the worker loop or the reader thread), one at a time
+        self.taking = threading.Lock()
+        self._early: Callable[[int, Callable[[], TensorDictBase]], bool] | None = None
+        self._early_box: list = [None]  # what the reader thread calls (a weak reference to this receiver)
 
     def fileno(self) -> int:
         return self._wake_r
@@ -102,7 +114,8 @@ class DistWeightReceiver(WeightReceiver):
         # The thread holds the channel and the inbox, not the receiver: when it ends it must not drop
         # the last reference to the weight buffers (deallocating tensors in a daemon thread while the
         # interpreter finalizes can abort the process).
-        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_box),
+        self._thread = threading.Thread(target=_read_loop, args=(self.conn, self._inbox, self._wake_box,
+                                                                 self._early_box),
                                         name="rlharvest-weights-reader", daemon=True)
         self._thread.start()
         return None if body is None else self._payload(version, body, timeout)
@@ -194,6 +207,36 @@ class DistWeightReceiver(WeightReceiver):
             raise RuntimeError("weights over a process group need the node's group: this receiver has none.")
         self.links.group.recv([flat], self.links.parent_rank, WEIGHTS_TAG).wait(datetime.timedelta(seconds=timeout))
 
+    def take_early(self, apply: Callable[[int, Callable[[], TensorDictBase]], bool] | None) -> bool:
+        """Let the reader thread take updates that need no waiting (a generation to map): it calls
+        ``apply(version, load)`` holding :attr:`taking`, when no earlier update waits for the worker
+        loop; ``apply`` calls ``load()`` for the weights (the generation mapped), swaps them in and
+        acknowledges, and returns True, or returns False (before ``load``) to leave the update to the
+        loop. An exception in ``apply`` leaves the update to the loop too, which takes it again and
+        raises. None stops it. Returns True (this receiver supports it)."""
+        self._early = apply
+        self._early_box[0] = None if apply is None else functools.partial(_take_early, weakref.ref(self))
+        return True
+
+    def _take_early(self, message) -> bool:
+        """The reader thread: take ``message`` now (True), or leave it to the worker loop (False)."""
+        apply = self._early
+        if apply is None or not (isinstance(message, tuple) and len(message) == 3):
+            return False
+        kind, version, body = message
+        if kind != "update" or not (isinstance(body, tuple) and body and body[0] == "shm"):
+            return False
+        if not self.taking.acquire(blocking=False):  # the loop is taking an update: this one comes after it
+            return False
+        try:
+            if not self._inbox.empty():  # an earlier update waits for the loop: keep the order
+                return False
+            return bool(apply(version, lambda: self._payload(version, body, 0.0)))
+        except Exception:  # noqa: BLE001 - the loop takes it again and reports the failure
+            return False
+        finally:
+            self.taking.release()
+
     def pending(self) -> bool:
         return not self._inbox.empty()
 
@@ -215,6 +258,7 @@ class DistWeightReceiver(WeightReceiver):
         self.conn.send(("error", failure))
 
     def close(self) -> None:
+        self._early, self._early_box[0] = None, None
         if self.conn is not None:
             # close() alone does not wake a recv() blocked in the reader thread; shutdown() does. The
             # reader ends first: a connection closed under its recv() raised TypeError in the thread.
@@ -251,14 +295,23 @@ class DistWeightReceiver(WeightReceiver):
                     pass
 
 
-def _read_loop(conn, inbox: queue.Queue, wake_box: list[int]) -> None:
+def _take_early(receiver_ref: weakref.ref, message) -> bool:
+    receiver = receiver_ref()
+    return receiver is not None and receiver._take_early(message)
+
+
+def _read_loop(conn, inbox: queue.Queue, wake_box: list[int], early_box: list) -> None:
     """Move weight-channel messages to ``inbox`` and wake the worker loop (through the descriptor in
-    ``wake_box``, -1 once the receiver closed it), until the channel closes."""
+    ``wake_box``, -1 once the receiver closed it), until the channel closes; a message the function
+    in ``early_box`` takes at once (:meth:`DistWeightReceiver.take_early`) goes nowhere else."""
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
+        early = early_box[0]
+        if early is not None and early(message):
+            continue
         inbox.put(message)
         try:
             if wake_box[0] < 0:

@@ -23,6 +23,8 @@ nothing else of it.
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from typing import Any
 
@@ -313,6 +315,8 @@ class WeightSyncScheme:
                 initial = self._receiver.connect(self.timeout)
                 if initial is not None:
                     self.apply_initial(initial)
+                if self._receiver.zero_copy:
+                    self._receiver.take_early(self._take_early)
             self.synchronized_on_receiver = True
             return
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first.")
@@ -412,24 +416,47 @@ class WeightSyncScheme:
             raise RuntimeError("receive() needs init_on_receiver() first.")
         if not self.synchronized_on_receiver:
             raise RuntimeError("receive() needs connect() first.")
-        if self._receiver is None:
+        receiver = self._receiver
+        if receiver is None:
             return None
-        got = self._receiver.receive(0.0 if timeout is None else timeout)
-        if got is None:
-            return None
-        version, weights = got
-        try:
-            # Zero-copy transports hand over a buffer reserved for this update: swap it in.
-            self.apply_weights(weights, inplace=not self._receiver.zero_copy)
-            self._version = version
-            self._cascade(weights)
-        except BaseException as err:
-            from ..errors import RemoteFailure
+        with receiver.taking if receiver.taking is not None else contextlib.nullcontext():
+            got = receiver.receive(0.0 if timeout is None else timeout)
+            if got is None:
+                return None
+            version, weights = got
+            try:
+                # Zero-copy transports hand over a buffer reserved for this update: swap it in.
+                self.apply_weights(weights, inplace=not receiver.zero_copy)
+                self._version = version
+                self._cascade(weights)
+            except BaseException as err:
+                from ..errors import RemoteFailure
 
-            self._receiver.nack(RemoteFailure.capture(err, self._worker_idx))
-            raise
+                receiver.nack(RemoteFailure.capture(err, self._worker_idx))
+                raise
+            receiver.ack(version)
+            return weights
+
+    def _take_early(self, version: int, load) -> bool:
+        """The receiver's thread has an update that needs no waiting (``load()`` maps it): swap it in
+        now, under the policy's lock, and acknowledge, when the collector allows it
+        (``ReceiverContext.swaps_between_steps``: its policy runs under that lock, an env step's
+        action and the version it records together, and taking the update only moves the version).
+        The policy then runs on the new weights from its next action on, and every action after the
+        acknowledgement (so after ``send`` returned, when it waits) uses them. False: the worker
+        loop takes it between two env steps, as any other update."""
+        context = self.context
+        allows = getattr(context, "swaps_between_steps", None)
+        model = self.model
+        if allows is None or not isinstance(model, torch.nn.Module) or not allows(self._model_id, model):
+            return False
+        weights = load()
+        with context.policy_lock:  # between two actions: never half-swapped weights
+            self._strategy.apply_weights(model, weights, inplace=False)
+            self._version = version
+            self._cascade(weights)  # the version the actions record moves with the weights
         self._receiver.ack(version)
-        return weights
+        return True
 
     def _cascade(self, weights: TensorDictBase) -> None:
         context = self.context

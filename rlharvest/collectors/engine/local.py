@@ -58,6 +58,7 @@ class LocalEngine:
         self.weights = WeightPublisher(self, self.progress, config.track_policy_version)
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
+        self._served = served is not None
         self._setup_policy(served if served is not None else options.policy, options.policy_factory)
         check_env_options(config, self.env)
         self.frames_per_batch = round_frames_per_batch(config, self.env_batch)
@@ -335,6 +336,15 @@ class LocalEngine:
             return
         weights_api.update(weights, weights, None, model_id, None)
 
+    def swaps_between_steps(self, model_id: str, model: Any) -> bool:
+        """Whether a receiver scheme may swap ``model``'s weights in from its own thread, under
+        :attr:`policy_lock`: the policy runs here under that lock (an env step's action and the
+        version it records at once), and :meth:`weights_received` then only moves the version."""
+        weights_api = self.weights
+        return (model_id == "policy" and model is self.get_model("policy") and not self.policy_is_copy
+                and weights_api.updater is None and not weights_api.sync_schemes
+                and weights_api.version_tracker in (None, False, True) and not self._served)
+
     def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
         """No workers of our own: nothing to pass on."""
 
@@ -373,11 +383,14 @@ class LocalEngine:
         return "Collector" if self.worker_idx is None else f"worker {self.worker_idx}"
 
     def state_dict(self, env_state: bool) -> dict:
-        with self.thread_run.at_batch_boundary():
+        # under the policy's lock too: a receiver may swap weights in (and move the version) from its
+        # own thread (swaps_between_steps), and a checkpoint holds one version's weights with its number
+        with self.thread_run.at_batch_boundary(), self.rollout.policy_lock:
             return checkpoint.local_state(self, env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool) -> None:
-        checkpoint.load_local_state(self, state_dict, strict)
+        with self.rollout.policy_lock:
+            checkpoint.load_local_state(self, state_dict, strict)
 
     # ------------------------------------------------------------------ hooks, attributes, profiling
     def set_hook(self, name: str, hook: Any) -> None:
