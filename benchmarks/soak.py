@@ -47,6 +47,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -243,21 +244,22 @@ class Soak:
                            pid_of=ray_pid_of() if args.collector == "ray" else None)
         self.check, self.weight = FrameCheck(), 1.0
         self.check.sent(self.weight)
-        self.samples: list[dict] = []
-        self.marks: list[tuple[float, str]] = []
+        #: the samples and the events' marks, kept on disk: the learner's own memory is what is sampled
+        self.records = Records()
+        #: named /dev/shm files seen that still exist (a name once gone never comes back)
         self.shm_seen: set[str] = set()
         self.batches = 0
         self.start = time.monotonic()
 
     def sample(self) -> None:
         named = process_tree_shm()
-        self.shm_seen |= named
+        self.shm_seen = {name for name in self.shm_seen if os.path.exists(name)} | named
         stats, collector = self.collector.stats(), self.collector
-        self.samples.append({"t": round(time.monotonic() - self.start, 2), **resources(), "shm_named": len(named),
-                             "dev_shm": dev_shm_count(), "workers": len(collector.active_workers),
-                             "frames": self.check.frames, "batches": self.batches, "events": len(self.churn.done),
-                             "restarts": stats.get("restarts", 0), "preemptions": stats.get("preemptions", 0)})
-        last = self.samples[-1]
+        last = {"t": round(time.monotonic() - self.start, 2), **resources(), "shm_named": len(named),
+                "dev_shm": dev_shm_count(), "workers": len(collector.active_workers),
+                "frames": self.check.frames, "batches": self.batches, "events": len(self.churn.done),
+                "restarts": stats.get("restarts", 0), "preemptions": stats.get("preemptions", 0)}
+        self.records.add("sample", last)
         print(f"[{last['t']:7.0f} s] {last['frames']} frames, {last['events']} events, {last['workers']} workers, "
               f"fds {last['fds']}, rss {last['rss'] / 2**20:.0f} MB", file=sys.stderr, flush=True)
 
@@ -274,7 +276,7 @@ class Soak:
             event = kind if self.joiners.signal(kind, self.churn.rng) else "none"
         else:
             event = self.churn.step()
-        self.marks.append((round(time.monotonic() - self.start, 2), event))
+        self.records.add("mark", (round(time.monotonic() - self.start, 2), event))
         if self.joiners is not None and event in ("kill", "term", "remove"):
             self.joiners.start(1)  # a new node joins: it takes the slot (after a removal: at the next batch)
 
@@ -321,15 +323,38 @@ def run(args) -> dict:
     gc.collect()
     fds_left = {fd: target for fd, target in open_fds().items() if before.get(fd) != target}
     frames = soak.check.frames
+    samples, marks = soak.records.read()
     return {"collector": args.collector, "minutes": args.minutes, "seconds": round(elapsed, 1), "seed": args.seed,
             "frames": frames, "batches": soak.batches, "frames_per_s": round(frames / elapsed, 1),
-            "events": {kind: sum(1 for _, e in soak.marks if e == kind) for kind in EVENTS},
+            "events": {kind: sum(1 for _, e in marks if e == kind) for kind in EVENTS},
             "restart_causes": {kind: causes.count(kind) for kind in sorted(set(causes))},
-            "growth": growth(soak.samples),
+            "growth": growth(samples),
             "after_shutdown": {"children": after_shutdown["children"],
                                "shm_left": sorted(n for n in soak.shm_seen if os.path.exists(n)), "node_exits": exits},
             "fds_left_after_drop": {str(fd): target for fd, target in sorted(fds_left.items())},
-            "stalls": watchdog.stalls, "samples": soak.samples, "marks": soak.marks}
+            "stalls": watchdog.stalls, "samples": samples, "marks": marks}
+
+
+class Records:
+    """What a run records, one JSON line each in a temporary file, read back at the end: held in the
+    learner's process, samples and marks would themselves grow its RSS (an hour of samples every 5 s
+    and the names of every worker's shared-memory files: about 0.8 MiB)."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile("w+")
+
+    def add(self, kind: str, value) -> None:
+        self._file.write(json.dumps([kind, value]) + "\n")
+        self._file.flush()
+
+    def read(self) -> tuple[list[dict], list[tuple[float, str]]]:
+        """The samples and the marks, in order."""
+        self._file.seek(0)
+        samples, marks = [], []
+        for line in self._file:
+            kind, value = json.loads(line)
+            (samples if kind == "sample" else marks).append(value if kind == "sample" else tuple(value))
+        return samples, marks
 
 
 class Watchdog:
