@@ -74,7 +74,7 @@ def test_breakdown_analysis_of_one_update(bench_modules):
     medians = breakdown.analyse({1: main, 2: node}, 1)
     assert medians["total (send called -> returned)"] == pytest.approx(10.0)
     assert medians["main thread runnable, waiting for a core, during send"] == pytest.approx(3.0)
-    assert medians["node: wait for a step boundary (reader -> loop takes it)"] == pytest.approx(1.0)
+    assert medians["node: reader has it -> taken (a step boundary, or at once by the reader)"] == pytest.approx(1.0)
     assert medians["ack on the wire (node writes -> main reads)"] == pytest.approx(1.0)
     offsets = breakdown.timeline({1: main, 2: node}, 1)
     assert offsets["node A: ack_write"] == pytest.approx(8.0) and offsets["main: ack_read #1"] == pytest.approx(9.0)
