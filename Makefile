@@ -33,9 +33,9 @@ setup-torchrl: $(TRL_STAMP)
 services:
 	./ci/slurm_up.sh
 
-# Three pytest processes (the Ray tests in two groups, a Ray each; the SLURM tests in one: tests/conftest.py).
+# Two pytest processes over independent files (Ray tests in one, with one Ray; SLURM tests in one).
 test: setup setup-torchrl services
-	$(BIN)/python -m pytest -q -n 3 --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 	cd compat && ../$(TRL_VENV)/bin/python -m pytest -q -n 2
 
 # rlharvest's collectors with TorchRL 0.14.1's envs, policies and replay buffers (compat/).

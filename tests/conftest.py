@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 from process_check import assert_no_children, children
@@ -35,35 +33,24 @@ def free_port():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """With ``-n 3 --dist loadgroup`` (``make test``) the Ray tests go to two pytest workers
-    (:func:`_ray_group`: one Ray in each), the SLURM tests to one (one job queue), each group beside the
-    others' tests; so do the tests of hosts in network namespaces (one set of hosts at a time).
+    """With ``-n 2 --dist loadgroup`` (``make test``) the Ray tests all go to one pytest worker (one
+    Ray for the session) and the SLURM tests to one (one job queue), each group beside the others'
+    tests; so do the tests of hosts in network namespaces (one set of hosts at a time).
 
-    The groups come first, Ray's first of all: a group runs one test after another in one
+    The groups come first, the Ray group first of all: a group runs one test after another in one
     process, so the longest ones start first and the other process takes the single tests meanwhile
     (with the Ray tests last, one process ran them alone for minutes at the end). The Ray tests of a
     process run one after another, and Ray is shut down after the last (:func:`pytest_runtest_teardown`):
     its daemons and the driver's gRPC port, which listens on every interface, never run beside the
     other tests of its process, whose checks they would disturb."""
     for item in items:
-        if item.get_closest_marker("ray") is not None and not _groups(item):
-            item.add_marker(pytest.mark.xdist_group(_ray_group(item)))
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        for group in ("ray", "slurm"):
+            if item.get_closest_marker(group) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
         if "require_netns" in getattr(item, "fixturenames", ()):
             # hosts in network namespaces: their checks of /dev/shm see the whole machine's carriers
             item.add_marker(pytest.mark.xdist_group("netns"))
     items.sort(key=_group_order)
-
-
-def _ray_group(item) -> str:
-    """The Ray tests form two groups, by a hash of each test's id (each group one Ray, in one process):
-    they mostly wait on actors, and one process took 9 minutes of them alone."""
-    return RAY_GROUPS[zlib.crc32(item.nodeid.encode()) % len(RAY_GROUPS)]
-
-
-#: the groups of Ray tests (a docs page with a Ray block is in the first)
-RAY_GROUPS = ("ray", "ray-b")
 
 
 def _groups(item) -> set[str]:
@@ -74,15 +61,14 @@ def _group_order(item) -> int:
     """Ray's group first, then the other groups, then the single tests (a stable sort: a docs page's
     blocks, which share one group, keep their order)."""
     groups = _groups(item)
-    return 0 if groups & set(RAY_GROUPS) else 1 if groups else 2
+    return 0 if "ray" in groups else 1 if groups else 2
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """After the last test of Ray's group in this process (the next one is not of it), Ray is shut
     down: the tests that follow in this process see no Ray daemon, port or child process."""
-    ours = _groups(item) & set(RAY_GROUPS)
-    if not ours or (nextitem is not None and ours & _groups(nextitem)):
+    if "ray" not in _groups(item) or (nextitem is not None and "ray" in _groups(nextitem)):
         return
     import sys
 
