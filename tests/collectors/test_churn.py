@@ -9,6 +9,7 @@ checks, the samples) in ``tests/churn.py``, which ``benchmarks/soak.py`` runs fo
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 from churn import Churn, FrameCheck, churn_frames, drive, leftovers, open_fds, resources
@@ -24,10 +25,15 @@ EVENTS = 14
 WORKERS = 2  # at the samples
 
 
-def live_handles() -> int:
-    """How many worker handles this process still holds (a departed worker's slot keeps none)."""
+def handles_alive() -> weakref.WeakSet:
+    """The worker handles this process holds now (earlier tests' collectors may still be referenced)."""
     gc.collect()
-    return sum(isinstance(obj, MPWorkerHandle) for obj in gc.get_objects())
+    return weakref.WeakSet(obj for obj in gc.get_objects() if isinstance(obj, MPWorkerHandle))
+
+
+def new_handles(before: weakref.WeakSet) -> int:
+    """How many worker handles alive now were not alive in ``before`` (a departed worker's slot keeps none)."""
+    return sum(handle not in before for handle in handles_alive())
 
 
 def assert_not_growing(report) -> None:
@@ -47,7 +53,7 @@ def test_churn_loses_nothing_and_holds_nothing_for_departed_workers(collector_cl
     sync = collector_class is MultiSyncCollector
     policy = echo_weight_policy(1.0)
     total = churn_frames(SHARE, EVENTS, most=3) if sync else churn_frames(2 * SHARE, EVENTS, most=1)
-    before = open_fds()
+    before, handles_before = open_fds(), handles_alive()
     collector = collector_class([counting_env_7] * 2, policy, frames_per_batch=2 * SHARE, total_frames=total,
                                 max_worker_restarts=100, preemption_grace=2.0)
     try:
@@ -61,7 +67,7 @@ def test_churn_loses_nothing_and_holds_nothing_for_departed_workers(collector_cl
         assert len(causes) == report.events.count("kill") + report.events.count("term")
         assert_not_growing(report)
         assert report.end["children"] == 2
-        assert live_handles() == len(collector.active_workers)  # nothing kept of the departed
+        assert new_handles(handles_before) == len(collector.active_workers)  # nothing kept of the departed
     finally:
         collector.shutdown()
     assert resources()["children"] == 0
