@@ -320,10 +320,11 @@ def run(args) -> dict:
 
         ray.shutdown()
     soak.collector = soak.churn = None
+    samples, marks = soak.records.read()
+    soak.records.close()  # the harness's own descriptor, not the collector's
     gc.collect()
     fds_left = {fd: target for fd, target in open_fds().items() if before.get(fd) != target}
     frames = soak.check.frames
-    samples, marks = soak.records.read()
     return {"collector": args.collector, "minutes": args.minutes, "seconds": round(elapsed, 1), "seed": args.seed,
             "frames": frames, "batches": soak.batches, "frames_per_s": round(frames / elapsed, 1),
             "events": {kind: sum(1 for _, e in marks if e == kind) for kind in EVENTS},
@@ -355,6 +356,9 @@ class Records:
             kind, value = json.loads(line)
             (samples if kind == "sample" else marks).append(value if kind == "sample" else tuple(value))
         return samples, marks
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class Watchdog:
