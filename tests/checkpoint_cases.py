@@ -9,9 +9,7 @@ processes it started (a ParallelEnv's sub-envs, workers): the test checks none s
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
-import subprocess
 import sys
 import threading
 import warnings
@@ -19,11 +17,12 @@ import warnings
 import psutil
 import torch
 
+import fresh
+
 from rlharvest.collectors.engine import engine_of
 from mocks import CountingPolicy
 from tensordict.nn import TensorDictModule
 
-import rlharvest
 from rlharvest.checkpoint import EpisodeRestartWarning
 from rlharvest.collectors import (AsyncBatchedCollector, AsyncCollector, Collector, MultiAsyncCollector,
                                   MultiSyncCollector)
@@ -212,15 +211,12 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------------- the tests' side
 def resume_in_fresh_process(case: str, state, tmp_path: pathlib.Path, batches: int, timeout: float = 100) -> dict:
-    """Build ``case`` in a new Python process, load ``state`` from a file, collect ``batches``."""
-    checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "batches.pt"
+    """Build ``case`` in a new Python process (forked from the session's zygote: tests/fresh.py), load
+    ``state`` from a file, collect ``batches``. The test must use the ``zygote`` fixture."""
+    checkpoint, out, log = tmp_path / "checkpoint.pt", tmp_path / "batches.pt", tmp_path / "fresh.log"
     torch.save(state, checkpoint)
-    root = pathlib.Path(rlharvest.__file__).resolve().parents[1]  # the rlharvest this process runs
-    path = os.pathsep.join(filter(None, [str(TESTS), str(root), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", "import checkpoint_cases; checkpoint_cases.main()", case,
-                           str(checkpoint), str(out), str(batches)],
-                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr
+    status = fresh.current().run([case, str(checkpoint), str(out), str(batches)], log, timeout)
+    assert status == 0, log.read_text()[-4000:]
     return torch.load(out, weights_only=False)
 
 

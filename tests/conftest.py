@@ -16,6 +16,17 @@ def no_leftover_children():
     assert_no_children(before)
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """The process the checkpoint tests' fresh processes are forked from (tests/fresh.py). Session-scoped,
+    so it is set up before a test's check of child processes and is not counted as the test's."""
+    import fresh
+
+    started = fresh.start()
+    yield started
+    started.close()
+
+
 @pytest.fixture
 def require_netns():
     """Network namespaces, or the test fails saying why (skips with RLH_NETNS_ALLOW_SKIP=1)."""

@@ -23,7 +23,7 @@ from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.collectors.engine import engine_of
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("zygote")]
 
 
 def new_weights(collector) -> None:

@@ -17,7 +17,7 @@ from rlharvest.collectors import Collector
 from rlharvest.envs import CountingEnv, ParallelEnv, SerialEnv
 from rlharvest.envs.state import EnvStateUnavailable
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("zygote")]
 
 BATCHED = {"serial": SerialEnv, "parallel": ParallelEnv}
 
