@@ -1,6 +1,6 @@
 """Each collector's throughput beside its limit, in one command (issue 35).
 
-    python benchmarks/limit.py [--quick] [--out FILE.json] [--no-updates]
+    python benchmarks/limit.py [--quick] [--out FILE.json] [--no-updates] [--rows collector|multi ...]
 
 Rows (a markdown table, with the date and the load average before and after):
 
@@ -138,8 +138,9 @@ def update_rows(quick: bool) -> list[dict[str, Any]]:
     return list(importlib.import_module("limit_updates").rows(quick))
 
 
-#: The throughput rows, in order; :func:`update_rows` follows unless ``--no-updates``.
-ROWS: list[Callable[[bool], list[dict[str, Any]]]] = [collector_rows, multi_rows]
+#: The throughput rows, in order, by the name ``--rows`` takes; :func:`update_rows` follows unless
+#: ``--no-updates``.
+ROWS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {"collector": collector_rows, "multi": multi_rows}
 
 
 # ------------------------------------------------------------------------------------------- table
@@ -167,12 +168,15 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run(quick: bool, updates: bool = True) -> dict[str, Any]:
+def run(quick: bool, updates: bool = True, rows: list[str] | None = None) -> dict[str, Any]:
+    """The report of the throughput rows named in ``rows`` (all of :data:`ROWS` by default), then the
+    update rows unless ``updates`` is false."""
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_before": _load(), "quick": quick, "rows": [],
     }
-    for build in ROWS + ([update_rows] if updates else []):
+    builders = [ROWS[name] for name in (list(ROWS) if rows is None else rows)]
+    for build in builders + ([update_rows] if updates else []):
         report["rows"].extend(build(quick))
     report["load_after"] = _load()
     return report
@@ -183,12 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small runs (common.QUICK budgets)")
     parser.add_argument("--out", type=Path, help="also write the report as JSON")
     parser.add_argument("--no-updates", action="store_true", help="leave out limit_updates.py's rows")
+    parser.add_argument("--rows", action="append", choices=list(ROWS),
+                        help="only these throughput rows (repeatable; default: all)")
     parser.add_argument("--raw-child", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.raw_child is not None:
         _raw_child(args.raw_child)
         return 0
-    report = run(args.quick, updates=not args.no_updates)
+    report = run(args.quick, updates=not args.no_updates, rows=args.rows)
     print(format_table(report), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

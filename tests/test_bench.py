@@ -10,16 +10,18 @@ import pytest
 
 
 @pytest.mark.timeout(240)
-def test_bench_quick_one_workload(tmp_path):
+def test_bench_quick_end_to_end(tmp_path):
+    """`rlharvest bench --quick` on one workload of each kind: a collector, a weight sync and two
+    batched-env collectors (the raw loops are the limit test's: tests/test_limit.py)."""
     output = tmp_path / "bench.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "rlharvest", "bench", "--quick", "--no-torchrl", "--no-torchrl14", "--workload",
-         "collector_counting",
-         "--workload", "raw_gym_cartpole", "--workload", "weightsync_multisync_1m", "--output", str(output)],
-        capture_output=True, text=True, timeout=220,
-    )
+    batched = ["batched_parallel_8_small", "batched_asyncbatched_8_small"]
+    command = [sys.executable, "-m", "rlharvest", "bench", "--quick", "--no-torchrl", "--no-torchrl14",
+               "--output", str(output)]
+    for name in ["collector_counting", "weightsync_multisync_1m", *batched]:
+        command += ["--workload", name]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=220)
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "collector_counting" in completed.stdout and "raw_gym_cartpole" in completed.stdout
+    assert "collector_counting" in completed.stdout
     report = json.loads(output.read_text())
     row = report["rlharvest"]["collector_counting"]
     assert row["frames_per_s"] > 0 and row["leftover_children"] == 0 and "error" not in row
@@ -30,20 +32,7 @@ def test_bench_quick_one_workload(tmp_path):
         assert sync[f"{baseline}_s"] > 0
         assert sync[f"ratio_to_{baseline}"] == pytest.approx(sync["update_s"] / sync[f"{baseline}_s"])
     assert "/loop" in completed.stdout
-
-
-@pytest.mark.timeout(240)
-def test_bench_quick_batched_workloads(tmp_path):
-    output = tmp_path / "bench.json"
-    workloads = ["batched_raw_vector_8_small", "batched_parallel_8_small", "batched_asyncbatched_8_small"]
-    command = [sys.executable, "-m", "rlharvest", "bench", "--quick", "--no-torchrl", "--no-torchrl14",
-               "--output", str(output)]
-    for name in workloads:
-        command += ["--workload", name]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=220)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    report = json.loads(output.read_text())
-    for name in workloads:
+    for name in batched:
         row = report["rlharvest"][name]
         assert "error" not in row and row["frames_per_s"] > 0 and row.get("leftover_children", 0) == 0
     table = completed.stdout.split("many envs, one batched policy: 8 CartPole-v1, 4-64-64-2 MLP")[1]

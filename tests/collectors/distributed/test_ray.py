@@ -222,35 +222,6 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         collector.shutdown()
 
 
-def test_use_shared_memory_false_sends_every_update_through_the_object_store():
-    policy = weight_policy(1.0)
-    collector = make(count=1, policy=policy, sync=True,
-                     weight_sync_schemes={"policy": RayWeightSyncScheme(use_shared_memory=False)})
-    try:
-        iterator = iter(collector)
-        next(iterator)
-        set_weight(policy, 9.0)
-        collector.update_policy_weights_()
-        assert next(iterator)["action"].unique().tolist() == [9.0] and sender_of(collector).book.pool is None
-    finally:
-        collector.shutdown()
-
-
-def test_weights_cascade_into_a_multisync_collector_inside_an_actor():
-    policy = weight_policy(1.0)
-    collector = make(count=1, policy=policy, sync=True, collector_class="sync", num_workers_per_collector=2,
-                     )
-    try:
-        iterator = iter(collector)
-        first = next(iterator)
-        assert first["action"].unique().tolist() == [1.0] and first.shape[:2] == (1, 2)  # actor, sub-workers
-        set_weight(policy, 7.0)
-        collector.update_policy_weights_()  # the actor's MultiSyncCollector forwards it to its workers
-        assert next(iterator)["action"].unique().tolist() == [7.0]
-    finally:
-        collector.shutdown()
-
-
 def test_start_writes_into_a_replay_buffer_until_async_shutdown():
     buffer = ReplayBuffer(capacity=1000)
     collector = make(sync=False, replay_buffer=buffer)

@@ -94,7 +94,9 @@ def test_weights_cascade_through_the_channel_into_a_multisync_collector_inside_a
         sender, calls, iterator = spy_and_start(collector)
         set_weight(policy, 7.0)
         collector.update_policy_weights_()  # the actor's MultiSyncCollector forwards it to its workers
-        assert next(iterator)["action"].unique().tolist() == [7.0] and calls == []
+        batch = next(iterator)
+        assert batch.shape[:2] == (1, 2)  # actor, its sub-workers
+        assert batch["action"].unique().tolist() == [7.0] and calls == []
     finally:
         collector.shutdown()
 
@@ -108,7 +110,7 @@ def test_use_shared_memory_false_takes_an_actor_call_per_update():
         set_weight(policy, 9.0)
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[9.0], [9.0]]
-        assert sorted(calls) == [(0, False), (1, False)] and sender._server is None
+        assert sorted(calls) == [(0, False), (1, False)] and sender._server is None and sender.book.pool is None
     finally:
         collector.shutdown()
 
@@ -179,7 +181,7 @@ def test_without_epoll_actors_on_this_node_are_told_by_actor_calls(monkeypatch):
         set_weight(policy, 4.0)
         collector.update_policy_weights_()
         assert actions(next(iterator)) == [[4.0], [4.0]]
-        assert sorted(calls) == [(0, False), (1, False)] and sender._server is None
+        assert sorted(calls) == [(0, False), (1, False)] and sender._server is None and sender.book.pool is None
         assert sender.book.current == {0: 0, 1: 0}  # both swapped the same shared-memory generation in
     finally:
         collector.shutdown()
