@@ -11,8 +11,9 @@ import time
 import psutil
 import pytest
 
-# Python's own per-interpreter helpers (started once for spawn/forkserver, gone with the interpreter).
-_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Python's own per-interpreter helpers (started once for spawn/forkserver, gone with the interpreter),
+# and the checkpoint tests' zygote (tests/fresh.py: a session fixture; what it forks is counted).
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "fresh.serve()")
 
 
 def _is_ray_service(command: str) -> bool:

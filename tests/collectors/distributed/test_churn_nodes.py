@@ -61,7 +61,7 @@ def test_churn_on_nodes(collector_class, sync):
     try:
         churn = Churn(collector, counting_env_7, seed=1205 + sync)
         check = FrameCheck()
-        report = drive(collector, churn, check, policy, events=events)
+        report = drive(collector, churn, check, policy, events=events, single_at_end=sync)
         check_report(collector, report, check, total)
     finally:
         collector.shutdown()
