@@ -321,25 +321,6 @@ def test_a_killed_actor_raises_worker_error_naming_it(ray_cluster):
         collector.shutdown()
 
 
-def test_a_dead_actor_is_replaced_with_the_current_weights_and_a_fresh_env(ray_cluster):
-    policy = weight_policy(1.0)
-    collector = make(count=1, policy=policy, sync=True)
-    try:
-        iterator = iter(collector)
-        used = set(next(iterator)[IDS].reshape(-1).tolist())
-        set_weight(policy, 4.0)
-        collector.update_policy_weights_()
-        used |= set(next(iterator)[IDS].reshape(-1).tolist())
-        ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
-        engine_of(collector).fleet.renew(0)  # the seam a restart goes through (through Fleet.replace)
-        batch = next(iterator)
-        assert batch["action"].unique().tolist() == [4.0]
-        assert not used & set(batch[IDS].reshape(-1).tolist())  # fresh trajectory ids
-    finally:
-        collector.shutdown()
-
-
 def test_the_legacy_updater_pushes_to_the_listed_actors():
     policy = weight_policy(1.0)
     collector = make(policy=policy, sync=True, weight_updater=RayWeightUpdater(remote_collectors=[None, None]))
