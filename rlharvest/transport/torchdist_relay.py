@@ -48,6 +48,7 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,8 +131,22 @@ class Stream:
 
 
 def chunk_digests(data: memoryview, stream: Stream) -> bytes:
-    """The BLAKE3 hash of every chunk of ``stream`` in ``data``, concatenated (32 bytes per chunk)."""
-    return b"".join(_digest(stream.piece(data, index)) for index in range(stream.count))
+    """The BLAKE3 hash of every chunk of ``stream`` in ``data``, concatenated (32 bytes per chunk).
+
+    The learner computes them before it announces an update, while the carriers wait for it: the
+    chunks are hashed on up to 4 threads (BLAKE3 releases the GIL), which roughly halves that wait on
+    2 cores. The threads are made for the call and end with it, so a process forked later inherits
+    no pool it could not run."""
+    pieces = [stream.piece(data, index) for index in range(stream.count)]
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    threads = min(4, cores, len(pieces))
+    if threads < 2:
+        return b"".join(map(_digest, pieces))
+    with ThreadPoolExecutor(threads, thread_name_prefix="rlharvest-relay-digests") as pool:
+        return b"".join(pool.map(_digest, pieces))
 
 
 def _digest(piece: memoryview) -> bytes:
