@@ -17,8 +17,11 @@ updates or closed: whoever gives up on an update part-way closes it, and the nex
 new one. A link's hello (who opened it) is decoded as plain values, never unpickled.
 
 **Chunk digests.** On a link, an update is a header (version, a per-update nonce, sizes) and then its
-chunks. The main process computes the SHA-256 of every chunk once and sends the list to *each*
-carrier over that carrier's own authenticated weight channel, with the nonce and the sizes. A
+chunks. The main process computes the BLAKE3 hash of every chunk once (32 bytes; the ``blake3``
+package) and sends the list to *each* carrier over that carrier's own authenticated weight channel,
+with the nonce and the sizes. The hashes need no key: the channel that carries the list is what
+makes them trustworthy, and BLAKE3, like SHA-256, is collision resistant, so no one can make other
+bytes match them. It hashes about twice as fast as SHA-256 (with SHA-NI) on one core. A
 carrier checks each chunk it receives against its list before it forwards it: a chunk that a
 stranger on the path or a carrier upstream altered, moved or replayed fails, and the relay breaks.
 So a carrier, even one that holds keys, cannot forge an update for the hosts after it.
@@ -37,7 +40,6 @@ hosts after it do the same.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import hmac
 import os
 import queue
@@ -46,8 +48,11 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
+
+import blake3
 
 from .channel import AuthenticationFailed, derive_key, listen, open_channel
 from .listener import ChannelListener
@@ -126,8 +131,27 @@ class Stream:
 
 
 def chunk_digests(data: memoryview, stream: Stream) -> bytes:
-    """The SHA-256 of every chunk of ``stream`` in ``data``, concatenated (32 bytes per chunk)."""
-    return b"".join(hashlib.sha256(stream.piece(data, index)).digest() for index in range(stream.count))
+    """The BLAKE3 hash of every chunk of ``stream`` in ``data``, concatenated (32 bytes per chunk).
+
+    The learner computes them before it announces an update, while the carriers wait for it: the
+    chunks are hashed on up to 4 threads (BLAKE3 releases the GIL), which roughly halves that wait on
+    2 cores. The threads are made for the call and end with it, so a process forked later inherits
+    no pool it could not run."""
+    pieces = [stream.piece(data, index) for index in range(stream.count)]
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    threads = min(4, cores, len(pieces))
+    if threads < 2:
+        return b"".join(map(_digest, pieces))
+    with ThreadPoolExecutor(threads, thread_name_prefix="rlharvest-relay-digests") as pool:
+        return b"".join(pool.map(_digest, pieces))
+
+
+def _digest(piece: memoryview) -> bytes:
+    """A chunk's BLAKE3 hash, on this thread alone (the relay is short of CPU, not of threads)."""
+    return blake3.blake3(piece).digest()
 
 
 def local_address(conn) -> str:
@@ -374,7 +398,7 @@ def _recv_into(sock: socket.socket, view: memoryview, silence: float, deadline: 
 def receive(sock: socket.socket, data: memoryview, stream: Stream, digests: bytes, silence: float,
             forwarder: Forwarder | None = None, deadline: float | None = None) -> bool:
     """Receive ``stream`` from the link ``sock`` straight into ``data``, checking every chunk against
-    its SHA-256 in ``digests`` (from the main process) and handing it to ``forwarder`` once checked.
+    its BLAKE3 hash in ``digests`` (from the main process) and handing it to ``forwarder`` once checked.
     Whether ``data`` now holds all of it: False when the link closed, stayed silent ``silence``
     seconds, did not deliver by ``deadline`` (monotonic seconds), or sent another update or a chunk
     that fails its digest (the caller then drops the link)."""
@@ -389,7 +413,7 @@ def receive(sock: socket.socket, data: memoryview, stream: Stream, digests: byte
         for index in range(stream.count):
             piece = stream.piece(data, index)
             _recv_into(sock, piece, silence, deadline)
-            if not hmac.compare_digest(hashlib.sha256(piece).digest(), digests[index * _DIGEST:(index + 1) * _DIGEST]):
+            if not hmac.compare_digest(_digest(piece), digests[index * _DIGEST:(index + 1) * _DIGEST]):
                 return False
             if forwarder is not None:
                 forwarder.put(index)

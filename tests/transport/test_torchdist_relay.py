@@ -12,6 +12,7 @@ import pickle
 import threading
 import time
 
+import blake3
 import pytest
 import torch
 from mocks import wait_until
@@ -70,6 +71,14 @@ def test_chunks_are_about_an_eighth_of_an_update_within_bounds():
     assert stream.chunk == MIN_CHUNK_BYTES and stream.count == 4
     assert sum(len(stream.piece(memoryview(bytes(SIZE)), i)) for i in range(stream.count)) == SIZE
     assert len(_digests(_data(), stream)) == 32 * stream.count
+
+
+def test_a_chunk_digest_is_the_blake3_hash_of_its_chunk():
+    data = _data()
+    stream = Stream.new(1, SIZE)
+    pieces = [bytes(stream.piece(memoryview(data.numpy()), i)) for i in range(stream.count)]
+    assert _digests(data, stream) == b"".join(blake3.blake3(piece).digest() for piece in pieces)
+    assert len(pieces[-1]) == SIZE - 3 * stream.chunk  # the last chunk is hashed as it is, short
 
 
 def test_a_wrapped_key_is_unwrapped_by_its_holder_only():
@@ -135,7 +144,14 @@ def test_a_foreign_key_opens_no_link(relay):
         stranger.close()
 
 
-@pytest.mark.parametrize("bad", ["forged by a carrier upstream", "replayed from another update", "stale update"])
+def _one_byte_altered_in_last_chunk(data: torch.Tensor) -> torch.Tensor:
+    altered = data.clone()
+    altered[-1] ^= 1
+    return altered
+
+
+@pytest.mark.parametrize("bad", ["forged by a carrier upstream", "one byte altered in the last chunk",
+                                 "replayed from another update", "stale update"])
 def test_a_forged_chunk_or_stale_update_breaks_the_relay(relay, bad):
     """Whoever opens the link (here with the right key: a carrier upstream holds it) cannot make the
     carrier accept bytes other than those the main process's digests name."""
@@ -144,6 +160,7 @@ def test_a_forged_chunk_or_stale_update_breaks_the_relay(relay, bad):
     stream = Stream.new(5, SIZE)
     digests = _digests(data, stream)
     sent_data, sent = {"forged by a carrier upstream": (_data(9), stream),
+                       "one byte altered in the last chunk": (_one_byte_altered_in_last_chunk(data), stream),
                        "replayed from another update": (data, Stream.new(5, SIZE)),
                        "stale update": (data, Stream(4, stream.nonce, SIZE, stream.chunk))}[bad]
     sender = _stream_from(main, port, sent_data, sent)
