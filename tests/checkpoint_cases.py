@@ -1,9 +1,11 @@
 """Collectors of the checkpoint tests, built the same way in the test and in a fresh process.
 
-``python -c "import checkpoint_cases; checkpoint_cases.main()" CASE CHECKPOINT OUT BATCHES`` builds
-collector CASE, seeds it with another seed (the checkpoint must override it), loads CHECKPOINT,
-collects BATCHES batches and ``torch.save``s them to OUT (docs/checkpoints.md), with the pids of the
-processes it started (a ParallelEnv's sub-envs, workers): the test checks none survives.
+:func:`main`, with ``CASE CHECKPOINT OUT BATCHES`` as its arguments, builds collector CASE, seeds it
+with another seed (the checkpoint must override it), loads CHECKPOINT, collects BATCHES batches and
+``torch.save``s them to OUT (docs/checkpoints.md), with the pids of the processes it started (a
+ParallelEnv's sub-envs, workers): the test checks none survives. The tests run it in a fresh process
+forked from the session's zygote (:mod:`fresh`); ``python -c "import checkpoint_cases;
+checkpoint_cases.main()" CASE CHECKPOINT OUT BATCHES`` runs it by hand.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from rlharvest.collectors import (AsyncBatchedCollector, AsyncCollector, Collect
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import ContinuousMockEnv, CountingEnv, GymEnv, ParallelEnv, SerialEnv
 
-TESTS = pathlib.Path(__file__).resolve().parent
 TRAJ_IDS = ("collector", "traj_ids")
 
 
