@@ -54,6 +54,7 @@ from typing import Callable
 
 import blake3
 
+from .._utils import cpu_count
 from .channel import AuthenticationFailed, derive_key, listen, open_channel
 from .listener import ChannelListener
 
@@ -138,11 +139,7 @@ def chunk_digests(data: memoryview, stream: Stream) -> bytes:
     2 cores. The threads are made for the call and end with it, so a process forked later inherits
     no pool it could not run."""
     pieces = [stream.piece(data, index) for index in range(stream.count)]
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    threads = min(4, cores, len(pieces))
+    threads = min(4, cpu_count(), len(pieces))
     if threads < 2:
         return b"".join(map(_digest, pieces))
     with ThreadPoolExecutor(threads, thread_name_prefix="rlharvest-relay-digests") as pool:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 from tensordict import TensorDictBase
 
+from .._utils import cpu_count
 from ..data.flat import FlatLayout, flat_leaves, freeze
 
 __all__ = ["Generation", "GenerationBook", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
@@ -162,11 +163,7 @@ _copy_threads_lock = threading.Lock()
 
 def _copy_lanes() -> int:
     """Threads a big copy is split over: one per core this process may run on, at most 4."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (not Linux)
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
+    return max(1, min(4, cpu_count()))
 
 
 def parallel_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
