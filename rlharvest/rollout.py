@@ -2,9 +2,12 @@
 
 Every collector runs it: ``Collector`` in the calling process, worker processes, torch.distributed
 nodes and RPC nodes through the worker loop. Per step it only moves references around (the env and
-the policy produce the values; the loop appends them to per-key lists); once per batch it stacks
-each key into a preallocated TensorDict of shape ``(*batch_size, T)`` with the time dim named
-``"time"``. This keeps per-frame bookkeeping to a few microseconds.
+the policy produce the values; the loop keeps them in a list); every :data:`CHUNK_STEPS` steps it
+stacks each key of the steps so far into its rows of a preallocated TensorDict of shape
+``(*batch_size, T)`` with the time dim named ``"time"``, and lets the steps go. This keeps per-frame
+bookkeeping to a few microseconds, and keeps the steps alive too briefly for Python's garbage
+collector to promote them: a batch held whole until its end made it scan the whole heap every few
+batches (docs/performance.md, "The garbage collector").
 
 Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
@@ -20,18 +23,23 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._batching import STRUCTURED, or_flag, owner_of, stack_into, stack_structured, truncate_inside, value_meta
+from ._batching import or_flag, owner_of, truncate_inside, value_meta
 from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
-from .envs.adapters import EnvAdapter, make_env_adapter
-from .envs.checks import check_policy_actions, check_step_specs, raise_if_changed
-from .envs.base import to_tensor
+from .batch_buffer import BatchBuffer, Layout
+from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
+from .envs.checks import check_policy_actions, check_step_specs
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
-__all__ = ["Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
+__all__ = ["CHUNK_STEPS", "Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
 
+#: Steps kept before they are written into the batch's buffer. A step keeps ~6 objects the garbage
+#: collector tracks (its dicts, tuple and tensors); 64 steps stay under its first threshold (700), so
+#: the steps are gone before a collection could move them to the generation whose growth triggers a
+#: scan of the whole heap.
+CHUNK_STEPS = 64
 
 
 @dataclass
@@ -139,10 +147,9 @@ class Rollout:
         self.time_dim = len(self.batch_size)
         self.traj_counter = traj_counter
         self.policy_version = 0
-        self.buffer: TensorDictBase | None = None
-        self._layout: dict[NestedKey, tuple[tuple, torch.dtype]] | None = None
+        self.batches = BatchBuffer(self.batch_size, settings.time_steps, settings.storing_device,
+                                   reuse=settings.use_buffers, lazy=settings.lazy_stack)
         self._compact_keys: frozenset | None = None
-        self._structured = False
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
@@ -227,6 +234,8 @@ class Rollout:
         """
         steps: list[tuple[dict, dict, dict, Any, Any, int]] = []
         append = steps.append
+        chunk = CHUNK_STEPS if self.batches.writes_chunks else 0
+        written = 0  # steps already in the buffer
         act = self.random_step if random else self.policy_step
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
@@ -258,6 +267,12 @@ class Rollout:
                 if limit or t == last_step:
                     nxt, done = self._truncate(nxt, done, count, t == last_step)
                 append((root, actions, nxt, traj, count, version))
+                if len(steps) == chunk:
+                    if self._write_chunk(steps, written, random):
+                        written += chunk
+                        steps.clear()
+                    else:  # values kept whole: the batch is stacked at its end
+                        chunk = 0
                 if done if scalar else any_done(done):
                     root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
                 else:
@@ -268,7 +283,7 @@ class Rollout:
                     break
         self._root, self._traj, self._count = root, traj, count
         self.stepped_since_reset = True
-        batch = self._assemble(steps, random)
+        batch = self._assemble(steps, random, written)
         self.times.add(time.perf_counter() - start, probe_acted - probe_start, probe_end - probe_start)
         return batch
 
@@ -322,11 +337,11 @@ class Rollout:
         with torch.no_grad(), set_interaction_type(self.settings.exploration_type), self._policy_lock:
             return self.policy_step(dict(root))
 
-    def _build_layout(self, step, random: bool) -> dict[NestedKey, tuple[tuple, torch.dtype]]:
+    def _build_layout(self, step, random: bool) -> Layout:
         root, actions, nxt, _, _, _ = step
         if random and not isinstance(self.policy_step, RandomStep):
             actions = {**self._policy_outputs(root), **actions}
-        layout: dict[NestedKey, tuple[tuple, torch.dtype]] = {}
+        layout: Layout = {}
         flag_shape = (*self.batch_size, 1)
         for key, value in root.items():
             layout[key] = value_meta(value)
@@ -362,9 +377,14 @@ class Rollout:
         return self._compact_keys
 
     @property
-    def layout(self) -> dict[NestedKey, tuple[tuple, torch.dtype]] | None:
+    def layout(self) -> Layout | None:
         """``{key: (per-step shape, dtype)}`` once the first batch ran, else None."""
-        return self._layout
+        return self.batches.layout
+
+    @property
+    def buffer(self) -> TensorDictBase | None:
+        """The buffer batches are written into (once the first batch ran; None without ``use_buffers``)."""
+        return self.batches.buffer
 
     def fake_batch(self) -> TensorDictBase:
         """A zero batch with the keys, shapes and dtypes of the batches this loop collects.
@@ -375,10 +395,8 @@ class Rollout:
         Raises:
             NotImplementedError: before the first batch, for an env without ``fake_tensordict``.
         """
-        layout = self._layout
+        layout = self.batches.layout
         if layout is None:
-            from .envs.adapters import env_attr
-
             make_fake = env_attr(self.env, "fake_tensordict")
             if make_fake is None:
                 raise NotImplementedError(f"{type(self.env).__name__} has no fake_tensordict(): collect one batch "
@@ -390,95 +408,38 @@ class Rollout:
             root = {k: transition.get(k) for k in transition.exclude("next").keys(True, True) if k not in action_keys}
             actions = self._policy_outputs(root)
             layout = self._build_layout((root, actions, next_values, None, None, None), random=False)
-        return self._allocate(layout)
-
-    def _allocate(self, layout) -> TensorDictBase:
-        steps, dim = self.settings.time_steps, self.time_dim
-        device = self.settings.storing_device
-        leaves = {}
-        for key, (shape, dtype) in layout.items():
-            full = (*shape[:dim], steps, *shape[dim:])
-            leaves[key] = torch.zeros(full, dtype=dtype, device=device)
-        td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=device)
-        td.refine_names(*([None] * dim), "time")
-        return td
+        return self.batches.allocate(layout)
 
     def resize(self, time_steps: int) -> None:
         """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
-        self.settings, self.buffer, self._probe = replace(self.settings, time_steps=int(time_steps)), None, 0
+        self.settings, self._probe = replace(self.settings, time_steps=int(time_steps)), 0
+        self.batches.resize(time_steps)
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
-        if self.buffer is not None:
-            expected = {k: (v.shape, v.dtype) for k, v in self.buffer.items(True, True)}
-            given = {k: (v.shape, v.dtype) for k, v in buffer.items(True, True)}
-            if expected != given:
-                raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
-        self.buffer = buffer
+        self.batches.set_buffer(buffer)
 
-    def _assemble(self, steps: list, random: bool = False) -> TensorDictBase:
-        if self._layout is None:
-            self._layout = self._build_layout(steps[0], random)
-            check_step_specs(self.env, steps[0][0], steps[0][2])
-            self._structured = any(dtype is STRUCTURED for _, dtype in self._layout.values())
-        if self.settings.lazy_stack:
-            return self._assemble_lazily(steps)
-        layout = self._layout
-        use_buffers = self.settings.use_buffers and not self._structured
-        if use_buffers and self.buffer is None:
-            self.buffer = self._allocate(layout)
-        n, dim, full = len(steps), self.time_dim, self.settings.time_steps
-        out = self.buffer if use_buffers else None
-        leaves: dict = {}
-        columns = self._columns(steps)
-        for key, values in columns.items():
-            shape, dtype = layout[key]
-            if dtype is STRUCTURED:
-                leaves[key] = stack_structured(values, dim)
-                continue
-            stacked_shape = (*shape[:dim], n, *shape[dim:])
-            target = out.get(key).narrow(dim, 0, n) if out is not None else None
-            try:
-                leaves[key] = stack_into(values, target, dim, stacked_shape, dtype)
-            except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
-                raise_if_changed(key, values, shape, dtype, err)
-                raise
-        for key, (shape, dtype) in layout.items():
-            # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
-            # actions the policy's other outputs (zero, as TorchRL fills them).
-            if key not in columns and dtype is not STRUCTURED:
-                target = out.get(key).narrow(dim, 0, n) if out is not None else None
-                if target is not None:
-                    target.zero_()
-                else:
-                    leaves[key] = torch.zeros((*shape[:dim], n, *shape[dim:]), dtype=dtype)
-        if out is None:
-            td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.settings.storing_device)
-            td.refine_names(*([None] * dim), "time")
-            return td
-        if n < full and self.settings.track_traj_ids:
-            out.get(TRAJ_IDS).narrow(dim, n, full - n).fill_(-1)
-        return out
+    def _know_layout(self, step, random: bool) -> None:
+        """The batch layout, from the first step ever collected."""
+        if self.batches.layout is None:
+            layout = self._build_layout(step, random)
+            check_step_specs(self.env, step[0], step[2])
+            self.batches.set_layout(layout)
 
-    def _assemble_lazily(self, steps: list) -> TensorDictBase:
-        """Envs whose shapes change from step to step (dynamic specs): one TensorDict per step,
-        stacked lazily along time, as TorchRL does."""
-        columns = self._columns(steps)
-        batch = self.batch_size
-        per_step = []
-        for t in range(len(steps)):
-            values = {key: column[t] for key, column in columns.items()}
-            for key, (shape, dtype) in self._layout.items():
-                if key not in values and dtype is not STRUCTURED:
-                    values[key] = torch.zeros(shape, dtype=dtype)
-            values = {k: v if isinstance(v, (torch.Tensor, TensorDictBase)) else to_tensor(v) for k, v in values.items()}
-            step = TensorDict(values, batch_size=batch, device=self.settings.storing_device)
-            if self.settings.storing_device is None:
-                step.clear_device_()  # nested TensorDicts the env made keep its device: stacked, they must agree
-            per_step.append(step)
-        out = LazyStackedTensorDict.lazy_stack(per_step, self.time_dim)
-        out.refine_names(*([None] * self.time_dim), "time")
-        return out
+    def _write_chunk(self, steps: list, offset: int, random: bool) -> bool:
+        """Write ``steps`` into the buffer's rows from ``offset`` on; False (nothing written) when the
+        batch cannot go into a buffer (values kept whole), and is then stacked at its end."""
+        self._know_layout(steps[0], random)
+        if not self.batches.writes_chunks:
+            return False
+        self.batches.write(self._columns(steps), offset)
+        return True
+
+    def _assemble(self, steps: list, random: bool = False, written: int = 0) -> TensorDictBase:
+        """The batch: ``written`` steps are in the buffer already, ``steps`` follow them."""
+        if steps:
+            self._know_layout(steps[0], random)
+        return self.batches.finish(self._columns(steps) if steps else {}, written, len(steps))
 
     def _columns(self, steps: list) -> dict[NestedKey, list]:
         """Per-key lists of per-step values, in time order."""

@@ -3,11 +3,14 @@ trajectory ids, exactly (docs/collection.md)."""
 
 from __future__ import annotations
 
+import gc
+
+import pytest
 import torch
 
 from rlharvest.envs import CountingEnv
 from rlharvest.policies import RandomPolicy, wrap_policy
-from rlharvest.rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
+from rlharvest.rollout import CHUNK_STEPS, LocalTrajectoryCounter, Rollout, RolloutSettings
 from mocks import CountingPolicy
 
 
@@ -68,3 +71,53 @@ def test_random_actions_and_versions_are_stamped():
     batch = loop.collect(random=True)
     assert column(batch, "policy_version") == [3] * 4
     assert set(column(batch, "action")) <= {0, 1}
+
+
+def _batches(time_steps, stop_at=None, **settings):
+    """Two batches of a batched CountingEnv with max_frames_per_traj and policy versions (every kind of
+    column), optionally cut after ``stop_at`` steps each."""
+    loop = rollout(CountingEnv(max_steps=7, batch_size=(2,)), time_steps=time_steps, max_frames_per_traj=5,
+                   track_policy_version=True, **settings)
+    out = []
+    for _ in range(2):
+        steps = iter(range(10**6))
+        hook = None if stop_at is None else (lambda: next(steps) == stop_at - 1)
+        out.append(loop.collect(between_steps=hook).clone())
+    return out
+
+
+@pytest.mark.parametrize("time_steps, stop_at", [
+    (2 * CHUNK_STEPS + 3, None),      # two chunks and a tail
+    (2 * CHUNK_STEPS, None),          # chunks only: nothing left at the end
+    (3 * CHUNK_STEPS, CHUNK_STEPS),   # cut right after a chunk was written
+    (3 * CHUNK_STEPS, CHUNK_STEPS + 5),
+])
+def test_batches_written_chunk_by_chunk_equal_batches_stacked_whole(time_steps, stop_at):
+    """A reused buffer is written every CHUNK_STEPS steps; batches built at their end (no buffer) are
+    the reference: every key, the -1 ids of a cut batch and the zero root flags agree."""
+    chunked, whole = _batches(time_steps, stop_at), _batches(time_steps, stop_at, use_buffers=False)
+    for a, b in zip(chunked, whole):
+        n = b.shape[-1]
+        assert a.shape[-1] == time_steps and set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in b.keys(True, True):
+            assert torch.equal(a[..., :n].get(key), b.get(key)), key
+        assert (a[..., n:].get(("collector", "traj_ids")) == -1).all()
+
+
+def test_a_batch_lets_its_steps_go_as_it_writes_them():
+    """The loop holds at most CHUNK_STEPS steps: the objects the garbage collector tracks do not grow
+    with the batch (held whole, ~6 per step made it scan the whole heap every few batches)."""
+    loop = rollout(CountingEnv(max_steps=10**6), time_steps=20 * CHUNK_STEPS)
+    loop.collect()  # the buffer exists
+    alive = {}
+
+    def count():
+        step = len(alive)
+        if step in (CHUNK_STEPS, 19 * CHUNK_STEPS):
+            gc.collect()
+            alive[step] = len(gc.get_objects())
+        alive.setdefault(step, None)
+        return False
+
+    loop.collect(between_steps=count)
+    assert alive[19 * CHUNK_STEPS] - alive[CHUNK_STEPS] < 2 * CHUNK_STEPS, alive

@@ -1,0 +1,158 @@
+"""Where the rollout loop's steps become a batch.
+
+:class:`~rlharvest.rollout.Rollout` turns its steps into columns (``{key: [one value per step]}``)
+and hands them here, a chunk at a time; :class:`BatchBuffer` stacks each column into its rows of a
+TensorDict of shape ``(*batch_size, T)`` whose time dim is named ``"time"``. It knows the batch's
+layout (each key's per-step shape and dtype), the buffer reused from batch to batch (or one living in
+shared memory, :meth:`BatchBuffer.set_buffer`) and the two ways a batch is built without one: fresh
+tensors (``use_buffers=False``, or values kept whole) and a lazy stack (dynamic specs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from ._batching import STRUCTURED, stack_into, stack_structured
+from ._utils import TRAJ_IDS, NestedKey
+from .envs.base import to_tensor
+from .envs.checks import raise_if_changed
+
+__all__ = ["BatchBuffer", "Layout"]
+
+#: ``{key: (per-step shape, dtype)}``, the dtype being ``STRUCTURED`` for values kept whole
+Layout = dict[NestedKey, tuple[tuple, Any]]
+
+
+class BatchBuffer:
+    """Stacks a rollout's columns into batches of ``time_steps`` steps.
+
+    Args:
+        batch_size: the env's batch size (the time dim follows it).
+        time_steps: steps per batch.
+        device: where batches are stored (None: where the values are).
+        reuse: write every batch into one buffer (TorchRL's ``use_buffers``) rather than new tensors.
+        lazy: stack steps lazily (envs whose shapes change from step to step).
+    """
+
+    def __init__(self, batch_size: torch.Size, time_steps: int, device: torch.device | None, *, reuse: bool,
+                 lazy: bool) -> None:
+        self.batch_size = torch.Size(batch_size)
+        self.time_dim = len(self.batch_size)
+        self.time_steps = time_steps
+        self.device = device
+        self.reuse, self.lazy = reuse, lazy
+        self.layout: Layout | None = None
+        self.structured = False  # some values are kept whole: no buffer then
+        self.buffer: TensorDictBase | None = None
+        self._targets: dict[NestedKey, torch.Tensor] | None = None  # the buffer's leaves, by key
+        self._written_keys: Any = ()  # the keys of the last chunk written
+
+    def set_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        self.structured = any(dtype is STRUCTURED for _, dtype in layout.values())
+
+    @property
+    def writes_chunks(self) -> bool:
+        """Whether steps can be written into the buffer as they come (else: stacked at the batch's end)."""
+        return self.reuse and not self.lazy and not self.structured
+
+    def allocate(self, layout: Layout | None = None) -> TensorDictBase:
+        """A zero batch of ``layout`` (this buffer's by default)."""
+        steps, dim = self.time_steps, self.time_dim
+        leaves = {}
+        for key, (shape, dtype) in (layout or self.layout).items():
+            leaves[key] = torch.zeros((*shape[:dim], steps, *shape[dim:]), dtype=dtype, device=self.device)
+        td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=self.device)
+        td.refine_names(*([None] * dim), "time")
+        return td
+
+    def resize(self, time_steps: int) -> None:
+        """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
+        self.time_steps, self.buffer, self._targets = int(time_steps), None, None
+
+    def set_buffer(self, buffer: TensorDictBase) -> None:
+        """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
+        if self.buffer is not None:
+            expected = {k: (v.shape, v.dtype) for k, v in self.buffer.items(True, True)}
+            given = {k: (v.shape, v.dtype) for k, v in buffer.items(True, True)}
+            if expected != given:
+                raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
+        self.buffer, self._targets = buffer, None
+
+    def _buffer_targets(self) -> dict[NestedKey, torch.Tensor]:
+        if self.buffer is None:
+            self.buffer, self._targets = self.allocate(), None
+        if self._targets is None:
+            self._targets = {key: self.buffer.get(key) for key, (_, dtype) in self.layout.items()
+                             if dtype is not STRUCTURED}
+        return self._targets
+
+    def write(self, columns: dict[NestedKey, list], offset: int) -> None:
+        """Write a chunk of steps into the buffer's rows from ``offset`` on (:attr:`writes_chunks`)."""
+        self._written_keys = self._stack(columns, self._buffer_targets(), offset).keys()
+
+    def finish(self, columns: dict[NestedKey, list], written: int, count: int) -> TensorDictBase:
+        """The batch: ``written`` steps are in the buffer already, the ``count`` of ``columns`` follow
+        (an early stop leaves the rest: their trajectory ids are -1)."""
+        if self.lazy:
+            return self._lazily(columns, count)
+        dim, n = self.time_dim, written + count
+        if not self.writes_chunks:
+            leaves = self._stack(columns, None, 0)
+            for key, (shape, dtype) in self.layout.items():
+                # Keys no step wrote: root done flags (False under auto-reset), and in a batch of random
+                # actions the policy's other outputs (zero, as TorchRL fills them).
+                if key not in leaves and dtype is not STRUCTURED:
+                    leaves[key] = torch.zeros((*shape[:dim], n, *shape[dim:]), dtype=dtype)
+            td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.device)
+            td.refine_names(*([None] * dim), "time")
+            return td
+        targets = self._buffer_targets()
+        wrote = self._stack(columns, targets, written).keys() if count else self._written_keys
+        for key, target in targets.items():
+            if key not in wrote:  # the keys no step writes, as above
+                target.narrow(dim, 0, n).zero_()
+        if n < self.time_steps and TRAJ_IDS in targets:
+            targets[TRAJ_IDS].narrow(dim, n, self.time_steps - n).fill_(-1)
+        return self.buffer
+
+    def _stack(self, columns: dict[NestedKey, list], targets: dict[NestedKey, torch.Tensor] | None,
+               offset: int) -> dict[NestedKey, Any]:
+        """Stack each column into its ``targets`` rows from ``offset`` (new tensors when ``targets`` is
+        None); returns ``{key: stacked}``."""
+        layout, dim = self.layout, self.time_dim
+        stacked: dict[NestedKey, Any] = {}
+        for key, values in columns.items():
+            shape, dtype = layout[key]
+            if dtype is STRUCTURED:
+                stacked[key] = stack_structured(values, dim)
+                continue
+            n = len(values)
+            target = targets[key].narrow(dim, offset, n) if targets is not None else None
+            try:
+                stacked[key] = stack_into(values, target, dim, (*shape[:dim], n, *shape[dim:]), dtype)
+            except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
+                raise_if_changed(key, values, shape, dtype, err)
+                raise
+        return stacked
+
+    def _lazily(self, columns: dict[NestedKey, list], count: int) -> TensorDictBase:
+        """Envs whose shapes change from step to step (dynamic specs): one TensorDict per step,
+        stacked lazily along time, as TorchRL does."""
+        per_step = []
+        for t in range(count):
+            values = {key: column[t] for key, column in columns.items()}
+            for key, (shape, dtype) in self.layout.items():
+                if key not in values and dtype is not STRUCTURED:
+                    values[key] = torch.zeros(shape, dtype=dtype)
+            values = {k: v if isinstance(v, (torch.Tensor, TensorDictBase)) else to_tensor(v) for k, v in values.items()}
+            step = TensorDict(values, batch_size=self.batch_size, device=self.device)
+            if self.device is None:
+                step.clear_device_()  # nested TensorDicts the env made keep its device: stacked, they must agree
+            per_step.append(step)
+        out = LazyStackedTensorDict.lazy_stack(per_step, self.time_dim)
+        out.refine_names(*([None] * self.time_dim), "time")
+        return out
