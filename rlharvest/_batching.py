@@ -59,6 +59,10 @@ def stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, d
     elif isinstance(first, np.ndarray):
         stacked = torch.from_numpy(np.stack(values, dim))
     else:  # Python or numpy scalars of an unbatched env: one value per step
+        view = _numpy_view(out)
+        if view is not None:  # numpy converts a list of scalars ~8x faster than torch.tensor
+            view[...] = np.asarray(values, dtype=view.dtype).reshape(view.shape)
+            return out
         stacked = torch.tensor(values, dtype=dtype).reshape(shape)
     if stacked.dtype != dtype:  # only on this slow path: the env's dtype changed since the first step
         raise TypeError(f"dtype {stacked.dtype} instead of {dtype}")
@@ -66,6 +70,17 @@ def stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, d
         return stacked.to(dtype)
     out.copy_(stacked.reshape(out.shape))
     return out
+
+
+def _numpy_view(out: torch.Tensor | None) -> np.ndarray | None:
+    """``out`` as a numpy array sharing its memory, or None (no ``out``, another device, a dtype numpy
+    lacks)."""
+    if out is None or out.device.type != "cpu":
+        return None
+    try:
+        return out.numpy()
+    except (RuntimeError, TypeError):
+        return None
 
 
 def or_flag(previous: Any, hit: Any, like: Any, batch_size: torch.Size) -> Any:

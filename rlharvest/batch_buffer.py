@@ -48,6 +48,12 @@ class BatchBuffer:
         self.structured = False  # some values are kept whole: no buffer then
         self.buffer: TensorDictBase | None = None
         self._targets: dict[NestedKey, torch.Tensor] | None = None  # the buffer's leaves, by key
+        self._pointers: dict[NestedKey, int] = {}  # each leaf's data pointer when the views were made
+        #: ``{(key, offset, steps): rows of the leaf}``: chunks start at the same offsets every batch, and
+        #: a view costs more to make than a chunk's rows cost to write. Torch views, not numpy ones:
+        #: sharing the buffer's memory later (``share_memory_()``) moves it under them, and only views
+        #: of the same storage follow.
+        self._rows: dict[tuple, torch.Tensor] = {}
         self._written_keys: Any = ()  # the keys of the last chunk written
 
     def set_layout(self, layout: Layout) -> None:
@@ -71,7 +77,7 @@ class BatchBuffer:
 
     def resize(self, time_steps: int) -> None:
         """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
-        self.time_steps, self.buffer, self._targets = int(time_steps), None, None
+        self.time_steps, self.buffer, self._targets, self._rows = int(time_steps), None, None, {}
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
@@ -80,19 +86,27 @@ class BatchBuffer:
             given = {k: (v.shape, v.dtype) for k, v in buffer.items(True, True)}
             if expected != given:
                 raise ValueError(f"set_buffer: layout mismatch.\nexpected {expected}\ngot {given}")
-        self.buffer, self._targets = buffer, None
+        self.buffer, self._targets, self._rows = buffer, None, {}
 
-    def _buffer_targets(self) -> dict[NestedKey, torch.Tensor]:
+    def _buffer_targets(self, batch_start: bool) -> dict[NestedKey, torch.Tensor]:
+        """The buffer's leaves by key; at a batch's start, checked against the buffer (a batch handed
+        out as is, ``return_same_td``, may have had a leaf replaced: the next one goes into the new one)."""
         if self.buffer is None:
-            self.buffer, self._targets = self.allocate(), None
+            self.buffer, self._targets, self._rows = self.allocate(), None, {}
+        elif batch_start and self._targets is not None:
+            pointers = self._pointers
+            if any(self.buffer.get(key) is not leaf or leaf.data_ptr() != pointers[key]
+                   for key, leaf in self._targets.items()):
+                self._targets, self._rows = None, {}
         if self._targets is None:
             self._targets = {key: self.buffer.get(key) for key, (_, dtype) in self.layout.items()
                              if dtype is not STRUCTURED}
+            self._pointers = {key: leaf.data_ptr() for key, leaf in self._targets.items()}
         return self._targets
 
     def write(self, columns: dict[NestedKey, list], offset: int) -> None:
         """Write a chunk of steps into the buffer's rows from ``offset`` on (:attr:`writes_chunks`)."""
-        self._written_keys = self._stack(columns, self._buffer_targets(), offset).keys()
+        self._written_keys = self._stack(columns, self._buffer_targets(offset == 0), offset).keys()
 
     def finish(self, columns: dict[NestedKey, list], written: int, count: int) -> TensorDictBase:
         """The batch: ``written`` steps are in the buffer already, the ``count`` of ``columns`` follow
@@ -110,7 +124,7 @@ class BatchBuffer:
             td = TensorDict(leaves, batch_size=(*self.batch_size, n), device=self.device)
             td.refine_names(*([None] * dim), "time")
             return td
-        targets = self._buffer_targets()
+        targets = self._buffer_targets(written == 0)
         wrote = self._stack(columns, targets, written).keys() if count else self._written_keys
         for key, target in targets.items():
             if key not in wrote:  # the keys no step writes, as above
@@ -131,13 +145,19 @@ class BatchBuffer:
                 stacked[key] = stack_structured(values, dim)
                 continue
             n = len(values)
-            target = targets[key].narrow(dim, offset, n) if targets is not None else None
+            target = self._rows_of(targets, key, offset, n) if targets is not None else None
             try:
                 stacked[key] = stack_into(values, target, dim, (*shape[:dim], n, *shape[dim:]), dtype)
             except (RuntimeError, TypeError, ValueError) as err:  # did a value's shape or dtype change?
                 raise_if_changed(key, values, shape, dtype, err)
                 raise
         return stacked
+
+    def _rows_of(self, targets: dict[NestedKey, torch.Tensor], key: NestedKey, offset: int, n: int) -> torch.Tensor:
+        rows = self._rows.get((key, offset, n))
+        if rows is None:
+            rows = self._rows[(key, offset, n)] = targets[key].narrow(self.time_dim, offset, n)
+        return rows
 
     def _lazily(self, columns: dict[NestedKey, list], count: int) -> TensorDictBase:
         """Envs whose shapes change from step to step (dynamic specs): one TensorDict per step,

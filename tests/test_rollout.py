@@ -121,3 +121,22 @@ def test_a_batch_lets_its_steps_go_as_it_writes_them():
 
     loop.collect(between_steps=count)
     assert alive[19 * CHUNK_STEPS] - alive[CHUNK_STEPS] < 2 * CHUNK_STEPS, alive
+
+
+@pytest.mark.parametrize("between", ["share_memory", "replace_leaf"])
+def test_the_buffer_may_move_between_batches(between):
+    """Workers share their rollout's buffer in place (``share_memory_()`` moves its memory) and a batch
+    handed out as is may get a leaf replaced: the next batch is written where the buffer now is."""
+    time_steps = 2 * CHUNK_STEPS + 1
+    reference = _batches(time_steps, use_buffers=False)[1]
+    loop = rollout(CountingEnv(max_steps=7, batch_size=(2,)), time_steps=time_steps, max_frames_per_traj=5,
+                   track_policy_version=True)
+    first = loop.collect()
+    if between == "share_memory":
+        first.share_memory_()
+    else:
+        first.set("observation", torch.full_like(first.get("observation"), -5))
+    second = loop.collect()
+    assert second is first
+    for key in reference.keys(True, True):
+        assert torch.equal(second.get(key), reference.get(key)), key
