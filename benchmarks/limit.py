@@ -1,6 +1,6 @@
 """Each collector's throughput beside its limit, in one command (issue 35).
 
-    python benchmarks/limit.py [--quick] [--out FILE.json] [--no-updates] [--rows collector|multi ...]
+    python benchmarks/limit.py [--quick] [--out FILE.json] [--no-updates] [--rows collector|multi ...] [--pairs N]
 
 Rows (a markdown table, with the date and the load average before and after):
 
@@ -32,6 +32,7 @@ import importlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -99,36 +100,46 @@ def _workload(name: str, quick: bool) -> dict[str, Any]:
     return result
 
 
-def throughput_row(workload: str, processes: int, quick: bool) -> dict[str, Any]:
-    """``workload``'s frames/s beside ``processes`` concurrent raw loops (one each side)."""
+def throughput_row(workload: str, processes: int, quick: bool, pairs: int = 1) -> dict[str, Any]:
+    """``workload``'s frames/s beside ``processes`` concurrent raw loops, in ``pairs`` alternating pairs
+    of fresh processes (the workload, then its limit): the medians of the figures and of the pairs'
+    ratios. A fresh process's speed here moves by several percent with no change at all (where its
+    memory lands), which one pair cannot tell from a difference (docs/performance.md)."""
     seconds = (common.QUICK if quick else common.FULL).seconds
-    result = _workload(workload, quick)
-    limit = raw_loops(processes, seconds)
-    figure = result["frames_per_s"]
+    measured = []
+    for _ in range(pairs):
+        result = _workload(workload, quick)
+        measured.append((result, raw_loops(processes, seconds)))
+    results, limits = [r for r, _ in measured], [lim for _, lim in measured]
+    figure = statistics.median(r["frames_per_s"] for r in results)
     # CPU time per frame of the collector's whole process tree (``ours_cpu``: cores used while timed)
     # beside the raw loop's per step: on a busy machine the steadier comparison (docs/performance.md)
-    cpu = result.get("ours_cpu", float("nan")) / figure * 1e6
+    cpus = [r.get("ours_cpu", float("nan")) / r["frames_per_s"] * 1e6 for r in results]
     where = "1 process" if processes == 1 else f"{processes} processes at once"
+    cores = statistics.median(r.get("ours_cpu", float("nan")) for r in results)
+    others = statistics.median(r.get("background_cpu", float("nan")) for r in results)
     return {
         "workload": workload,
         "figure": figure,
-        "limit": limit["steps_per_s"],
-        "ratio": figure / limit["steps_per_s"],
-        "note": f"frames/s; limit: raw gymnasium + MLP loop, {where}; collector used "
-                f"{result.get('ours_cpu', float('nan')):.2f} cores, others {result.get('background_cpu', float('nan')):.2f}",
-        "raw_per_process": limit["per_process"],
-        "cpu_us_per_frame": cpu,
-        "limit_cpu_us_per_frame": limit["cpu_us_per_step"],
-        "cpu_ratio": limit["cpu_us_per_step"] / cpu,
+        "limit": statistics.median(lim["steps_per_s"] for lim in limits),
+        "ratio": statistics.median(r["frames_per_s"] / lim["steps_per_s"] for r, lim in measured),
+        "note": f"frames/s; limit: raw gymnasium + MLP loop, {where}; collector used {cores:.2f} cores, "
+                f"others {others:.2f}" + (f"; medians of {pairs} pairs" if pairs > 1 else ""),
+        "pairs": [{"figure": r["frames_per_s"], "limit": lim["steps_per_s"]} for r, lim in measured],
+        "raw_per_process": limits[-1]["per_process"],
+        "cpu_us_per_frame": statistics.median(cpus),
+        "limit_cpu_us_per_frame": statistics.median(lim["cpu_us_per_step"] for lim in limits),
+        "cpu_ratio": statistics.median(lim["cpu_us_per_step"] / cpu for lim, cpu in zip(limits, cpus)),
     }
 
 
-def collector_rows(quick: bool) -> list[dict[str, Any]]:
-    return [throughput_row("collector_cartpole", 1, quick)]
+def collector_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
+    return [throughput_row("collector_cartpole", 1, quick, pairs)]
 
 
-def multi_rows(quick: bool) -> list[dict[str, Any]]:
-    return [throughput_row(name, common.NUM_WORKERS, quick) for name in ("multisync_cartpole", "multiasync_cartpole")]
+def multi_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
+    return [throughput_row(name, common.NUM_WORKERS, quick, pairs)
+            for name in ("multisync_cartpole", "multiasync_cartpole")]
 
 
 def update_rows(quick: bool) -> list[dict[str, Any]]:
@@ -138,9 +149,9 @@ def update_rows(quick: bool) -> list[dict[str, Any]]:
     return list(importlib.import_module("limit_updates").rows(quick))
 
 
-#: The throughput rows, in order, by the name ``--rows`` takes; :func:`update_rows` follows unless
-#: ``--no-updates``.
-ROWS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {"collector": collector_rows, "multi": multi_rows}
+#: The throughput rows, in order, by the name ``--rows`` takes (each ``(quick, pairs)``); :func:`update_rows`
+#: follows unless ``--no-updates``.
+ROWS: dict[str, Callable[[bool, int], list[dict[str, Any]]]] = {"collector": collector_rows, "multi": multi_rows}
 
 
 # ------------------------------------------------------------------------------------------- table
@@ -168,16 +179,17 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run(quick: bool, updates: bool = True, rows: list[str] | None = None) -> dict[str, Any]:
-    """The report of the throughput rows named in ``rows`` (all of :data:`ROWS` by default), then the
-    update rows unless ``updates`` is false."""
+def run(quick: bool, updates: bool = True, rows: list[str] | None = None, pairs: int = 1) -> dict[str, Any]:
+    """The report of the throughput rows named in ``rows`` (all of :data:`ROWS` by default, each over
+    ``pairs`` pairs of processes), then the update rows unless ``updates`` is false."""
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_before": _load(), "quick": quick, "rows": [],
     }
-    builders = [ROWS[name] for name in (list(ROWS) if rows is None else rows)]
-    for build in builders + ([update_rows] if updates else []):
-        report["rows"].extend(build(quick))
+    for name in list(ROWS) if rows is None else rows:
+        report["rows"].extend(ROWS[name](quick, pairs))
+    if updates:
+        report["rows"].extend(update_rows(quick))
     report["load_after"] = _load()
     return report
 
@@ -189,12 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-updates", action="store_true", help="leave out limit_updates.py's rows")
     parser.add_argument("--rows", action="append", choices=list(ROWS),
                         help="only these throughput rows (repeatable; default: all)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="alternating pairs of fresh processes per throughput row (medians; default 1)")
     parser.add_argument("--raw-child", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
     if args.raw_child is not None:
         _raw_child(args.raw_child)
         return 0
-    report = run(args.quick, updates=not args.no_updates, rows=args.rows)
+    report = run(args.quick, updates=not args.no_updates, rows=args.rows, pairs=args.pairs)
     print(format_table(report), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

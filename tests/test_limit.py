@@ -52,10 +52,30 @@ def test_limit_rows_are_chosen_by_name(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import limit
 
-    rows = {name: (lambda quick, name=name: [{"workload": name, "figure": 1.0, "limit": 1.0, "ratio": 1.0,
+    rows = {name: (lambda quick, pairs, name=name: [{"workload": name, "figure": 1.0, "limit": 1.0, "ratio": 1.0,
                                                "note": ""}]) for name in ("collector", "multi")}
     monkeypatch.setattr(limit, "ROWS", rows)
     assert [row["workload"] for row in limit.run(quick=True, updates=False)["rows"]] == ["collector", "multi"]
     assert [row["workload"] for row in limit.run(quick=True, updates=False, rows=["multi"])["rows"]] == ["multi"]
     with pytest.raises(SystemExit):
         limit.main(["--rows", "nothing"])
+
+
+def test_throughput_row_takes_the_medians_of_its_pairs(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import limit
+
+    figures, limits = iter([100.0, 90.0, 120.0]), iter([200.0, 100.0, 150.0])
+    calls = []
+    monkeypatch.setattr(limit, "_workload", lambda name, quick: calls.append(name) or {
+        "frames_per_s": next(figures), "ours_cpu": 1.0, "background_cpu": 0.0})
+    monkeypatch.setattr(limit, "raw_loops", lambda processes, seconds: calls.append("raw") or {
+        "steps_per_s": next(limits), "per_process": [1.0], "cpu_us_per_step": 5.0})
+    row = limit.throughput_row("collector_cartpole", 1, quick=True, pairs=3)
+    assert calls == ["collector_cartpole", "raw"] * 3  # alternating: each workload run, then its limit
+    assert row["figure"] == 100.0 and row["limit"] == 150.0
+    assert row["ratio"] == 0.8  # ratios 0.5, 0.9, 0.8: the median of the pairs', not figure / limit
+    assert [pair["figure"] for pair in row["pairs"]] == [100.0, 90.0, 120.0]
+    assert "medians of 3 pairs" in row["note"]
+    with pytest.raises(SystemExit):
+        limit.main(["--pairs", "0"])
