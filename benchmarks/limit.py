@@ -161,6 +161,10 @@ def _number(value: Any) -> str:
     return str(value)
 
 
+def _ratio(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"  # a row whose side failed: its note says why
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"limits, {report['date']}, load average {report['load_before']} before, {report['load_after']} after"
              + (" (quick)" if report["quick"] else ""), "",
@@ -171,7 +175,7 @@ def format_table(report: dict[str, Any]) -> str:
                if "cpu_us_per_frame" in row else "")
         cpu_ratio = f"{row['cpu_ratio']:.2f}" if "cpu_ratio" in row else ""
         lines.append(f"| {row['workload']} | {_number(row['figure'])} | {_number(row['limit'])} | "
-                     f"{row['ratio']:.2f} | {cpu} | {cpu_ratio} | {row['note']} |")
+                     f"{_ratio(row['ratio'])} | {cpu} | {cpu_ratio} | {row['note']} |")
     return "\n".join(lines)
 
 
@@ -211,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         _raw_child(args.raw_child)
         return 0
     report = run(args.quick, updates=not args.no_updates, rows=args.rows, pairs=args.pairs)
-    print(format_table(report), flush=True)
-    if args.out:
+    if args.out:  # first: a run of minutes is kept whatever the printing does
         args.out.write_text(json.dumps(report, indent=1))
+    print(format_table(report), flush=True)
     return 0
 
 
