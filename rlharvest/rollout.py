@@ -268,11 +268,7 @@ class Rollout:
                     nxt, done = self._truncate(nxt, done, count, t == last_step)
                 append((root, actions, nxt, traj, count, version))
                 if len(steps) == chunk:
-                    if self._write_chunk(steps, written, random):
-                        written += chunk
-                        steps.clear()
-                    else:  # values kept whole: the batch is stacked at its end
-                        chunk = 0
+                    chunk, written = self._write_chunk(steps, written, random)
                 if done if scalar else any_done(done):
                     root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
                 else:
@@ -426,14 +422,17 @@ class Rollout:
             check_step_specs(self.env, step[0], step[2])
             self.batches.set_layout(layout)
 
-    def _write_chunk(self, steps: list, offset: int, random: bool) -> bool:
-        """Write ``steps`` into the buffer's rows from ``offset`` on; False (nothing written) when the
-        batch cannot go into a buffer (values kept whole), and is then stacked at its end."""
+    def _write_chunk(self, steps: list, offset: int, random: bool) -> tuple[int, int]:
+        """Write ``steps`` into the buffer's rows from ``offset`` on and empty the list; returns the
+        next chunk's size and the steps written. Nothing is written when the batch cannot go into a
+        buffer (values kept whole): it is stacked at its end (chunk size 0)."""
         self._know_layout(steps[0], random)
         if not self.batches.writes_chunks:
-            return False
+            return 0, offset
         self.batches.write(self._columns(steps), offset)
-        return True
+        count = len(steps)
+        steps.clear()
+        return count, offset + count
 
     def _assemble(self, steps: list, random: bool = False, written: int = 0) -> TensorDictBase:
         """The batch: ``written`` steps are in the buffer already, ``steps`` follow them."""
