@@ -7,7 +7,7 @@ stacks each key of the steps so far into its rows of a preallocated TensorDict o
 ``(*batch_size, T)`` with the time dim named ``"time"``, and lets the steps go. This keeps per-frame
 bookkeeping to a few microseconds, and keeps the steps alive too briefly for Python's garbage
 collector to promote them: a batch held whole until its end made it scan the whole heap every few
-batches (docs/performance.md, "The garbage collector").
+batches (docs/performance.md, "The garbage collector and the batch's steps").
 
 Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
