@@ -94,6 +94,29 @@ def test_gym_env_cartpole_one_hot_and_categorical():
     env.close()
 
 
+@pytest.mark.parametrize("categorical", [False, True])
+def test_gym_env_hands_gymnasium_the_action_numpy_would(categorical, monkeypatch):
+    """One env's discrete actions reach gymnasium as Python ints read without numpy (a faster path):
+    the first largest entry of a one-hot (ties, negative values, bools, ints, a tensor that requires
+    grad), the value of a categorical action; exactly what numpy's argmax / item() give."""
+    env = GymEnv("CartPole-v1", categorical_action_encoding=categorical)
+    sent = []
+    step = env.env.step
+    monkeypatch.setattr(env.env, "step", lambda action: (sent.append(action), step(action))[1])
+    env.reset()
+    if categorical:
+        actions = [torch.tensor(1), torch.tensor(0, dtype=torch.int32)]
+        expected = [int(a.numpy().item()) for a in actions]
+    else:
+        actions = [torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([-3.0, -2.0]),
+                   torch.tensor([True, False]), torch.tensor([0, 1]), torch.tensor([0.2, 0.7], requires_grad=True)]
+        expected = [int(a.detach().numpy().argmax()) for a in actions]
+    for action in actions:
+        env._step_arrays({"action": action})
+    assert sent == expected and all(type(a) is int for a in sent)
+    env.close()
+
+
 def test_gym_env_terminated_vs_truncated():
     env = GymEnv("CartPole-v1", max_episode_steps=5)
     collector = Collector(env, frames_per_batch=10, total_frames=10,
