@@ -142,11 +142,12 @@ def multi_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
             for name in ("multisync_cartpole", "multiasync_cartpole")]
 
 
-def update_rows(quick: bool) -> list[dict[str, Any]]:
-    """The rows of ``benchmarks/limit_updates.py`` (weight updates), none when it does not exist."""
+def update_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
+    """The rows of ``benchmarks/limit_updates.py`` (weight updates), none when it does not exist;
+    ``pairs``: alternated quiet/busy runs of rlharvest's side."""
     if importlib.util.find_spec("limit_updates") is None:
         return []
-    return list(importlib.import_module("limit_updates").rows(quick))
+    return list(importlib.import_module("limit_updates").rows(quick, pairs))
 
 
 #: The throughput rows, in order, by the name ``--rows`` takes (each ``(quick, pairs)``); :func:`update_rows`
@@ -193,7 +194,7 @@ def run(quick: bool, updates: bool = True, rows: list[str] | None = None, pairs:
     for name in list(ROWS) if rows is None else rows:
         report["rows"].extend(ROWS[name](quick, pairs))
     if updates:
-        report["rows"].extend(update_rows(quick))
+        report["rows"].extend(update_rows(quick, pairs))
     report["load_after"] = _load()
     return report
 
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", action="append", choices=list(ROWS),
                         help="only these throughput rows (repeatable; default: all)")
     parser.add_argument("--pairs", type=int, default=1,
-                        help="alternating pairs of fresh processes per throughput row (medians; default 1)")
+                        help="alternating pairs of fresh processes per throughput row, and quiet/busy runs of the "
+                        "update rows (medians; default 1)")
     parser.add_argument("--raw-child", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pairs < 1:

@@ -37,14 +37,15 @@ def test_limit_takes_rows_of_limit_updates_when_present(tmp_path, monkeypatch):
     import limit
 
     (tmp_path / "limit_updates.py").write_text(
-        "def rows(quick):\n"
-        "    return [{'workload': 'update_1m', 'figure': 2.0, 'limit': 1.0, 'ratio': 2.0, 'note': str(quick)}]\n")
+        "def rows(quick, pairs=1):\n"
+        "    return [{'workload': 'update_1m', 'figure': 2.0, 'limit': 1.0, 'ratio': 2.0, 'note': f'{quick} {pairs}'}]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "limit_updates", raising=False)
     monkeypatch.setattr(limit, "ROWS", {})
     report = limit.run(quick=True)
-    assert report["rows"] == [{"workload": "update_1m", "figure": 2.0, "limit": 1.0, "ratio": 2.0, "note": "True"}]
-    assert "| update_1m | 2.000 | 1.000 | 2.00 |  |  | True |" in limit.format_table(report)
+    assert report["rows"] == [{"workload": "update_1m", "figure": 2.0, "limit": 1.0, "ratio": 2.0, "note": "True 1"}]
+    assert "| update_1m | 2.000 | 1.000 | 2.00 |  |  | True 1 |" in limit.format_table(report)
+    assert limit.run(quick=True, pairs=3)["rows"][0]["note"] == "True 3"  # --pairs reaches the update rows
     assert limit.run(quick=True, updates=False)["rows"] == []
 
 
@@ -79,3 +80,40 @@ def test_throughput_row_takes_the_medians_of_its_pairs(monkeypatch):
     assert "medians of 3 pairs" in row["note"]
     with pytest.raises(SystemExit):
         limit.main(["--pairs", "0"])
+
+
+def test_update_rows_alternate_quiet_and_busy_runs_and_take_medians(monkeypatch):
+    """``--pairs N``: rlharvest's side of the 1M update is run N times, quiet and busy alternated (each
+    run a fresh process), the figures are the medians; TorchRL's side is run once per condition."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.delitem(sys.modules, "limit_updates", raising=False)  # not another test's stand-in
+    import limit_updates
+
+    busy_now, calls = [False], []
+
+    class Busy:
+        def __enter__(self):
+            busy_now[0] = True
+
+        def __exit__(self, *exc):
+            busy_now[0] = False
+
+    ours = {False: iter([1.0, 3.0, 2.0]), True: iter([9.0, 4.0, 5.0])}
+
+    def weightsync(python, script, quick):
+        calls.append((script, busy_now[0]))
+        if script == "torchrl_side.py":
+            return {"update_s": 20.0 if busy_now[0] else 10.0, "repeats": 10}
+        return {"update_s": next(ours[busy_now[0]]), "copy_in_loop_s": 0.5, "repeats": 10}
+
+    monkeypatch.setattr(limit_updates, "_Busy", Busy)
+    monkeypatch.setattr(limit_updates, "_weightsync", weightsync)
+    monkeypatch.setattr(limit_updates, "_torchrl_python", lambda: "python")
+    rows = {row["workload"]: row for row in limit_updates._update_rows(quick=True, pairs=3)}
+    assert calls == [("rlharvest_side.py", False), ("rlharvest_side.py", True)] * 3 + [
+        ("torchrl_side.py", False), ("torchrl_side.py", True)]
+    assert rows["update_1m_distributed/torchrl012"]["figure"] == 2.0
+    assert rows["update_1m_distributed/torchrl012"]["ratio"] == 0.2
+    assert rows["update_1m_distributed_busy/torchrl012"]["figure"] == 5.0
+    assert rows["update_1m_distributed_busy/quiet"]["ratio"] == 2.5
+    assert "median of 3 runs (9000.00, 4000.00, 5000.00 ms)" in rows["update_1m_distributed_busy/torchrl012"]["note"]
