@@ -123,9 +123,9 @@ class GymEnv(EnvBase):
 
     def _gym_action(self, action: torch.Tensor):
         if not self._vector:
-            # One env's discrete action as Python numbers: ~1 us a step in the rollout loop, against ~3 us
-            # for a numpy view of the tensor, whose making and freeing cost more there than alone
-            # (docs/performance.md, "Where each microsecond of a frame goes").
+            # One env's action of one number, or one-hot, read as Python numbers: ~1 us a step in the
+            # rollout loop, against ~3 us for a numpy view of the tensor, whose making and freeing cost
+            # more there than alone (docs/performance.md, "The action handed to gymnasium").
             if action.dim() == 0:
                 return action.item()
             if self._one_hot and action.dim() == 1:
