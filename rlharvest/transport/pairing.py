@@ -22,7 +22,12 @@ the next node's address first and become the main process's peer. So no group is
    (:func:`retire_listener`); the group keeps working over its connected sockets.
 
 Forming a group has a deadline (``timeout``, the rendezvous timeout) separate from the group's
-operation timeout (``op_timeout``), set once the pair has proved itself.
+operation timeout (``op_timeout``), set once the pair has proved itself. gloo waits up to five times
+its timeout for a pair's first connection (a peer that accepted the connection but never answers,
+e.g. a stranger's group holding the other rank's listener): a gloo group is built with a fifth of the
+deadline (:data:`GLOO_CONNECT_FACTOR`), and its store answers gloo's own waits by the deadline itself.
+gloo keeps that fifth as the default of waits given no timeout (``_set_default_timeout`` does not
+reach it in torch 2.13): every wait on a pair's group passes its own.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch.distributed as dist
 
 from .channel import Channel
 
-__all__ = ["ChannelStore", "PairingFailed", "PAIR_TAG", "distributed_state_exists", "form_pair", "make_process_group",
+__all__ = ["ChannelStore", "GLOO_CONNECT_FACTOR", "PairingFailed", "PAIR_TAG", "distributed_state_exists", "form_pair", "make_process_group",
            "mark_distributed_state", "retire_listener"]
 
 #: the tag of the proof's random bytes on the group (batches and weights use 11 and 12)
@@ -52,6 +57,9 @@ _KEY = struct.Struct("!H")
 #: what one rank may write into the pair's store (gloo writes one address of ~100 bytes)
 _MAX_VALUE, _MAX_KEYS = 64 << 10, 64
 
+
+#: how many times its timeout gloo waits for a pair's first connection (gloo's ``tcp/pair.cc``)
+GLOO_CONNECT_FACTOR = 5
 
 _STATE = {"created": False}
 
@@ -100,12 +108,11 @@ class ChannelStore(dist.Store):
         return self._data[key]
 
     def wait(self, keys, timeout: datetime.timedelta | None = None) -> None:
+        """Until every key of ``keys`` arrived, by the pairing's deadline (gloo's ``timeout`` is a fifth
+        of it, for its connect: see the module's docstring)."""
         self._check_open()
-        deadline = self.deadline
-        if timeout is not None:
-            deadline = min(deadline, time.monotonic() + timeout.total_seconds())
         while not all(key in self._data for key in keys):
-            self._read(deadline)
+            self._read(self.deadline)
 
     def check(self, keys) -> bool:
         self._check_open()
@@ -259,8 +266,10 @@ def form_pair(channel: Channel, key: bytes, rank: int, backend: str, *, timeout:
     """
     deadline = time.monotonic() + timeout
     store = ChannelStore(channel, deadline)
+    # gloo waits GLOO_CONNECT_FACTOR times its timeout for the first connection: the whole deadline
+    within = max(0.1, timeout) / GLOO_CONNECT_FACTOR if backend == "gloo" else max(0.1, timeout)
     try:
-        group = make(backend, store, rank, 2, max(0.1, timeout), device_host)
+        group = make(backend, store, rank, 2, within, device_host)
         store.settle()
         _prove(group, store, key, rank, backend, deadline)
     except PairingFailed:

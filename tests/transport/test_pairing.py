@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -118,9 +119,13 @@ def test_a_stranger_who_takes_the_main_process_side_of_the_group_fails_the_proof
     attacker = threading.Thread(target=stranger, daemon=True)
     attacker.start()
     monkeypatch.setattr(pairing, "ChannelStore", Hijacked)
+    started = time.monotonic()
     main_result, node_result = _both(
         lambda: form_pair(main, key, 0, "gloo", timeout=4.0, op_timeout=60.0, device_host="127.0.0.1"),
         lambda: form_pair(node, key, 1, "gloo", timeout=4.0, op_timeout=60.0, device_host="127.0.0.1"))
+    # neither side overruns its 4 s deadline much: gloo alone would wait 5 x its timeout for a connection
+    # the stranger's group holds (20 s), so it is given a fifth of the deadline (pairing.GLOO_CONNECT_FACTOR)
+    assert time.monotonic() - started < 10.0, (main_result, node_result)
     attacker.join(30.0)
     assert formed.is_set(), "the stranger's group never formed: the hijack was not reproduced"
     if isinstance(main_result[0], PairingFailed):  # the stranger took the main process's group
