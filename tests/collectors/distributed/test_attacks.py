@@ -229,9 +229,10 @@ def test_a_node_holding_the_key_gets_no_pickle_of_its_choosing_unpickled(nodes, 
     reply, a pickle that would run a command in the learner: the learner refuses it, drops the node
     (one more restart), and collects with the next node that joins."""
     marker = tmp_path / "pwned"
+    # the evil node sends no heartbeat after its reply: it is found dead after heartbeat_timeout
     collector = DistributedCollector([counting_env], weight_policy(1.0), launcher="external", tcp_port=0,
                                      bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True,
-                                     max_worker_restarts=2)
+                                     max_worker_restarts=2, heartbeat_timeout=4.0)
     argv = collector.join_command()
     evil = [sys.executable, "-c", EVIL_NODE, argv[5], argv[7], str(marker)]
     joiners = iter([evil, argv])  # after the first death the evil node joins, after the second a real one
