@@ -10,9 +10,9 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 from mocks import SlowCountingEnv, check_trajectories, counting_env_7, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest.collectors import AsyncCollector, Autoscale, Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.collectors.engine import engine_of
@@ -157,7 +157,7 @@ def test_a_worker_replaced_after_a_failure_collects_the_share_it_was_told():
         if len(batches) == 2:
             pid = collector.worker_pids()[1]
             os.kill(pid, signal.SIGKILL)
-            wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+            wait_until(lambda: process_gone(pid))
     stats = collector.stats()
     collector.shutdown()
     assert stats["restarts"] == 1

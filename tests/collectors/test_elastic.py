@@ -9,10 +9,10 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest import WorkerError
 from rlharvest.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
@@ -38,7 +38,7 @@ def test_a_sync_batch_shrinks_by_the_removed_share_and_indices_stay():
             start = time.perf_counter()
             collector.remove_collectors([1])
             seconds = time.perf_counter() - start
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert process_gone(pid)
             assert collector.active_workers == [0, 2] and collector.num_workers == 3
             assert collector.requested_frames_per_batch == 8
             stats = collector.stats()
@@ -245,7 +245,7 @@ def test_without_restarts_collection_goes_on_without_the_preempted_worker(sync):
         if len(batches) == 2:
             pid = worker_pid(collector, 1)
             preempt(collector, 1)
-            wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+            wait_until(lambda: process_gone(pid),
                        10.0, "the preempted worker's exit")
     stats = collector.stats()
     collector.shutdown()

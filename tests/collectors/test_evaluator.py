@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 from mocks import ActionRewardEnv, FaultyEnv, wait_until, weight_policy, weight_policy_of
+from process_check import process_gone
 
 from rlharvest import WorkerError
 from rlharvest.collectors import Evaluator
@@ -251,7 +252,7 @@ def test_a_failing_worker_is_a_worker_error_with_its_traceback_then_nothing_is_l
         assert "Traceback" in str(info.value) and "_step_arrays" in str(info.value)
     finally:
         evaluator.shutdown(timeout=5)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert process_gone(pid)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -303,7 +304,7 @@ def test_the_worker_exits_when_the_trainer_dies(tmp_path):
         assert psutil.pid_exists(worker)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
-        wait_until(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
+        wait_until(lambda: process_gone(worker),
                    timeout=20, what="the orphaned evaluation worker's exit")
     finally:
         if trainer.poll() is None:

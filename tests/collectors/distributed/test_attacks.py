@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mocks import CountingPolicy, check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest.collectors.distributed import DistributedCollector
 from rlharvest.envs import CountingEnv
@@ -133,7 +134,7 @@ def test_a_stranger_registered_for_a_replacement_does_not_pair_with_the_learner(
         stranger = Stranger(int(collector.tcp_port), rank=2, generation=1)
         victim = collector.worker_pids()[1]
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE,
+        wait_until(lambda: process_gone(victim),
                    30.0, "the killed node's exit")
         for value in (2.0, 3.0):
             with torch.no_grad():

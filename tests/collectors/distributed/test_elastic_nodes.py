@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
+from process_check import process_gone
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
 from rlharvest.transport.ports import free_port_block
@@ -29,10 +30,6 @@ def make(collector_class, count: int, **kwargs):
                            **kwargs)
 
 
-def gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("collector_class", [DistributedCollector, RPCCollector])
 def test_a_node_leaves_and_the_others_keep_their_indices(collector_class, sync):
@@ -45,7 +42,7 @@ def test_a_node_leaves_and_the_others_keep_their_indices(collector_class, sync):
             start = time.perf_counter()
             collector.remove_collectors([1])
             timings.append(time.perf_counter() - start)
-            assert gone(node)
+            assert process_gone(node)
             assert collector.active_workers == [0, 2]
             stats = collector.stats()
             assert (stats["workers"], stats["workers_alive"]) == (2, 2)
@@ -146,7 +143,7 @@ def test_a_preempted_node_is_replaced_through_its_launcher_without_spending_a_re
         if len(batches) == 2:
             node = collector.worker_pids()[1]
             os.kill(node, signal.SIGTERM)
-            wait_until(lambda: gone(node), 30.0, "the preempted node's exit")
+            wait_until(lambda: process_gone(node), 30.0, "the preempted node's exit")
     stats = collector.stats()
     collector.shutdown()
     assert (stats["preemptions"], stats["restarts"], stats["workers"]) == (1, 0, 2)
@@ -186,10 +183,6 @@ def test_a_preempted_free_running_node_is_replaced():
 
 
 # ---------------------------------------------------------------------------------- preemption of RPC nodes
-def zombie_or_gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
 @pytest.mark.parametrize("sync", [True, False])
 def test_a_preempted_rpc_node_is_replaced_without_spending_a_restart(sync):
     total = 80 if sync else 60
@@ -201,7 +194,7 @@ def test_a_preempted_rpc_node_is_replaced_without_spending_a_restart(sync):
         if len(batches) == 2:
             pid = collector.worker_pids()[1]
             os.kill(pid, signal.SIGTERM)  # it leaves by itself, whether the collector listens or not
-            wait_until(lambda: zombie_or_gone(pid), 30.0, "the preempted node's exit")
+            wait_until(lambda: process_gone(pid), 30.0, "the preempted node's exit")
     stats = collector.stats()
     causes = collector.restart_causes
     collector.shutdown()

@@ -7,9 +7,9 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 from mocks import check_trajectories, counting_env_7, wait_until, weight_policy
+from process_check import process_gone
 from ray_check import live_actors
 
 from rlharvest.collectors.distributed import RayCollector
@@ -41,10 +41,6 @@ def test_an_actor_leaves_and_the_others_keep_their_indices(ray_cluster, sync):
 def actor_pid(ray, collector, worker: int) -> int:
     """The process id of actor ``worker`` (a local Ray: a process of this machine), asked of the actor."""
     return ray.get(collector.remote_collectors[worker].pid.remote(), timeout=30)
-
-
-def process_gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_preempted_actor_is_replaced_without_spending_a_restart(ray_cluster):
