@@ -38,7 +38,8 @@ def test_limit_takes_rows_of_limit_updates_when_present(tmp_path, monkeypatch):
 
     (tmp_path / "limit_updates.py").write_text(
         "def rows(quick, pairs=1):\n"
-        "    return [{'workload': 'update_1m', 'figure': 2.0, 'limit': 1.0, 'ratio': 2.0, 'note': f'{quick} {pairs}'}]\n")
+        "    return [{'workload': 'update_1m', 'figure': 2.0, 'limit': 1.0, 'ratio': 2.0,\n"
+        "             'note': f'{quick} {pairs}'}]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "limit_updates", raising=False)
     monkeypatch.setattr(limit, "ROWS", {})

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from .channel import Channel
 
-__all__ = ["ChannelStore", "GLOO_CONNECT_FACTOR", "PairingFailed", "PAIR_TAG", "distributed_state_exists", "form_pair", "make_process_group",
-           "mark_distributed_state", "retire_listener"]
+__all__ = ["ChannelStore", "GLOO_CONNECT_FACTOR", "PairingFailed", "PAIR_TAG", "distributed_state_exists", "form_pair",
+           "make_process_group", "mark_distributed_state", "retire_listener"]
 
 #: the tag of the proof's random bytes on the group (batches and weights use 11 and 12)
 PAIR_TAG = 13
