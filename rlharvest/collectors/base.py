@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset
 from .._utils import resolve_attr_path
 from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
+from ..worker import ParentDuties
 from ._dispatch import construct, register
 from .engine.weights import merge_weight_arguments
 
@@ -246,10 +247,6 @@ class BaseCollector(IterableDataset):
         """The stored profiling configuration, or None."""
         return self._engine.profile_config
 
-    def use_profile_config(self, config: ProfileConfig) -> None:
-        """Profile the next rollouts as ``config`` says, also once iteration started (a parent asked)."""
-        self._engine.enable_profile(config)
-
     # ------------------------------------------------------------------ remote calls
     def cascade_execute(self, attr_path: str, *args, **kwargs) -> Any:
         """Resolve ``attr_path`` on this collector and call it (or return it when not callable); on a
@@ -351,37 +348,12 @@ class BaseCollector(IterableDataset):
         ``policy``, ``transport`` (batches crossing a process boundary) and ``waiting`` (for workers)."""
         return self._engine.time_split()
 
-    # ------------------------------------------------------------------ the worker-loop contract
-    # What ``rlharvest.worker.WorkerCollector`` asks of the collector a worker runs.
-    def collect_for_parent(self, random: bool) -> TensorDictBase:
-        """One batch for a parent collector."""
-        return self._engine.collect_for_parent(random)
-
-    def write_to_replay_buffer(self, buffer, batch: TensorDictBase) -> None:
-        """Write a batch collected for a parent into the replay buffer the parent shares."""
-        self._engine.write_to_replay_buffer(buffer, batch)
-
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
-        """``batch`` goes to the parent, which allocates the replay buffer's storage from it."""
-        self._engine.keep_for_replay_buffer(batch)
-
-    def add_step_check(self, check) -> None:
-        """Call ``check()`` between env steps of every rollout; a True result ends the rollout early."""
-        self._engine.add_step_check(check)
-
-    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
-        """Write future batches into ``buffer`` (same layout) when ``batch`` is this collector's own
-        output buffer, so a transport publishes them without a copy."""
-        self._engine.write_batches_into(buffer, batch)
-
-    def set_policy_version(self, version: int) -> None:
-        """Count policy versions from ``version`` on (a worker replacing another joins at the current one)."""
-        self._engine.weights.set_version(version)
-
-    def resize_batches(self, frames: int) -> int:
-        """Collect ``frames`` frames per batch from the next one on (a parent re-split its batch among a
-        changed number of workers); returns the frames, rounded up to the env batch."""
-        return self._engine.resize_batches(frames)
+    # ------------------------------------------------------------------ inside a worker
+    @property
+    def for_parent(self) -> ParentDuties:
+        """What a worker loop asks of this collector beyond TorchRL's API when it runs inside a worker
+        (one batch for the parent, the shared buffer, rollouts cut short, weights): its engine."""
+        return self._open("serving a parent")
 
     # ------------------------------------------------------------------ seeds, state, attributes
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -497,22 +469,6 @@ class BaseCollector(IterableDataset):
             RuntimeError: for a scheme already initialised as a sender.
         """
         self._engine.register_receivers(weight_recv_schemes, synchronize_weights)
-
-    def poll_weight_receivers(self) -> None:
-        """Apply any pending update of the receiver schemes (cheap when nothing is pending)."""
-        self._engine.weights.poll_receivers()
-
-    def receiver_scheme(self, model_id: str):
-        """The receiver scheme of ``model_id``.
-
-        Raises:
-            KeyError: when this collector receives no weights for ``model_id``.
-        """
-        return self._engine.weights.receiver_scheme(model_id)
-
-    def weight_receiver_waitables(self) -> list:
-        """What ``multiprocessing.connection.wait`` wakes on when a receiver scheme gets an update."""
-        return self._engine.weights.receiver_waitables()
 
     @property
     def _receiver_schemes(self) -> dict | None:

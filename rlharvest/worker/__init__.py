@@ -5,7 +5,7 @@ Backends in ``rlharvest.transport`` get these passed in as their targets; they n
 """
 
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
-from .loop import Worker, WorkerCollector, run_worker
+from .loop import ParentDuties, Worker, WorkerCollector, WorkerWeights, run_worker
 
 __all__ = [
     "Command",
@@ -15,7 +15,9 @@ __all__ = [
     "FREE_BATCH",
     "READY",
     "UnknownCommandError",
+    "ParentDuties",
     "Worker",
     "WorkerCollector",
+    "WorkerWeights",
     "run_worker",
 ]

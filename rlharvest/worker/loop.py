@@ -35,15 +35,31 @@ from ..errors import RemoteFailure
 from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
 
-__all__ = ["Worker", "WorkerCollector", "run_worker"]
+__all__ = ["ParentDuties", "Worker", "WorkerCollector", "WorkerWeights", "run_worker"]
 
 
 
-class WorkerCollector(Protocol):
-    """What the worker loop needs from the collector it serves (``BaseCollector`` implements it)."""
+class WorkerWeights(Protocol):
+    """The weights of the collector a worker serves, as the worker loop drives them."""
 
-    policy: Any
-    env: Any
+    def set_version(self, version: int) -> None:
+        """Start counting policy versions from ``version`` (a replacement joins at the current one)."""
+
+    def poll_receivers(self) -> None:
+        """Apply any weight update waiting in a receiver scheme (cheap when none is)."""
+
+    def receiver_waitables(self) -> list:
+        """Objects ``multiprocessing.connection.wait`` wakes on when an update arrives."""
+
+    def receiver_scheme(self, model_id: str) -> Any:
+        """The receiver scheme of ``model_id`` (a node applies what its reader thread mapped)."""
+
+
+class ParentDuties(Protocol):
+    """What a worker loop asks of the collector it serves beyond TorchRL's API: the collector's engine,
+    reached through ``BaseCollector.for_parent`` (docs/architecture.md)."""
+
+    weights: WorkerWeights
 
     def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One raw batch (random actions if ``random``), the unit of work of a worker."""
@@ -58,25 +74,25 @@ class WorkerCollector(Protocol):
     def add_step_check(self, check: Callable[[], bool]) -> None:
         """Call ``check`` between env steps; True ends the rollout early."""
 
-    def poll_weight_receivers(self) -> None:
-        """Apply any weight update waiting in a receiver scheme (cheap when none is)."""
-
-    def weight_receiver_waitables(self) -> list:
-        """Objects ``multiprocessing.connection.wait`` wakes on when an update arrives."""
-
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout as ``batch``) when ``batch`` is the
         collector's own output buffer: the transport publishes from ``buffer`` without a copy."""
 
-    def use_profile_config(self, config: Any) -> None:
+    def enable_profile(self, config: Any) -> None:
         """Profile the next rollouts as ``config`` says (also once iteration started)."""
-
-    def set_policy_version(self, version: int) -> None:
-        """Start counting policy versions from ``version`` (a replacement joins at the current one)."""
 
     def resize_batches(self, frames: int) -> int:
         """Collect rollouts of ``frames`` frames from the next one on (rounded up to the env batch);
         returns the frames it will collect."""
+
+
+class WorkerCollector(Protocol):
+    """What the worker loop needs from the collector it serves: TorchRL's API, and its duties to a
+    parent (``BaseCollector`` implements it)."""
+
+    policy: Any
+    env: Any
+    for_parent: ParentDuties
 
     def register_scheme_receiver(self, weight_recv_schemes: dict) -> None: ...
     def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
@@ -84,6 +100,7 @@ class WorkerCollector(Protocol):
     def state_dict(self, *, env_state: bool = True) -> dict: ...
     def load_state_dict(self, state_dict: dict) -> None: ...
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any: ...
+    def time_split(self) -> dict[str, float]: ...
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None: ...
 
 
@@ -144,6 +161,7 @@ class Worker:
         #: the rollout in progress was cut short by the preemption: it is handed back, not delivered
         self._handing_back = False
         self.collector = self._build(spec)
+        self.duties: ParentDuties = self.collector.for_parent
         self._handlers: dict[Command, Callable[[Any], Any]] = {
             Command.COLLECT: self._collect,
             Command.RUN_FREE: self._run_free,
@@ -178,10 +196,11 @@ class Worker:
             scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=spec.worker_idx)
             scheme.connect()
         collector = _build_collector(spec, policy)
+        duties = collector.for_parent
         if self.endpoint is not None:
-            collector.add_step_check(self._step_check)
+            duties.add_step_check(self._step_check)
         if spec.policy_version:
-            collector.set_policy_version(spec.policy_version)
+            duties.weights.set_version(spec.policy_version)
         if receivers:
             collector.register_scheme_receiver(receivers)
         seed = spec.start_seed()
@@ -225,7 +244,7 @@ class Worker:
             else:
                 if waitables:
                     multiprocessing.connection.wait(waitables, timeout=idle_timeout)
-                    self.collector.poll_weight_receivers()
+                    self.duties.weights.poll_receivers()
                 message = endpoint.recv(0.0 if waitables else idle_timeout)
                 if message is None:
                     if not endpoint.parent_alive():
@@ -263,7 +282,7 @@ class Worker:
             # are applied meanwhile: a parent waiting for their acknowledgement before it takes the
             # batch would otherwise wait for this node's send timeout (60 s), and this node for it.
             with contextlib.suppress(Exception):
-                self.endpoint.before_rollout(idle=self.collector.poll_weight_receivers)
+                self.endpoint.before_rollout(idle=self.duties.weights.poll_receivers)
         with contextlib.suppress(Exception):
             self.endpoint.send(Reply(LEAVING, self.worker_idx, value="handed back" if handed_back else "finished"))
         self.collector.shutdown(raise_on_error=False)
@@ -276,7 +295,7 @@ class Worker:
 
     def _waitables(self) -> list:
         own = self.endpoint.wait_handle()
-        return ([own] if own is not None else []) + list(self.collector.weight_receiver_waitables())
+        return ([own] if own is not None else []) + list(self.duties.weights.receiver_waitables())
 
     def _step_check(self) -> bool:
         """Between env steps: advertise progress; stop the rollout if the parent interrupted it."""
@@ -289,7 +308,7 @@ class Worker:
     # ------------------------------------------------------------------ rollouts
     def _rollout(self, random: bool) -> tuple[TensorDictBase, int]:
         """One batch of this worker's collector, with this worker's trajectory ids, and its valid frames."""
-        batch = self.collector.collect_for_parent(random)
+        batch = self.duties.collect_for_parent(random)
         offset = self.spec.traj_offset
         ids = batch.get(TRAJ_IDS, None)
         if offset and ids is not None:
@@ -313,14 +332,14 @@ class Worker:
         if frames < batch.numel():
             batch = batch[batch.get(TRAJ_IDS) != -1]
         if batch.numel():
-            self.collector.write_to_replay_buffer(self.spec.replay_buffer, batch)
+            self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
 
     def _publish(self, batch: TensorDictBase) -> Any:
         """Hand the batch to the transport; let the rollout write straight into what it publishes from."""
         value = self.endpoint.publish_batch(batch)
         shared = self.endpoint.batch_buffer()
         if shared is not None and shared is not batch:
-            self.collector.write_batches_into(shared, batch)
+            self.duties.write_batches_into(shared, batch)
         return value
 
     def _collect(self, request) -> Reply:
@@ -335,7 +354,7 @@ class Worker:
             return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times(),
                          host=self._said_host())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
-            self.collector.keep_for_replay_buffer(batch)
+            self.duties.keep_for_replay_buffer(batch)
         value = batch if self.endpoint is None else self._publish(batch)
         return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times(), host=self._said_host())
 
@@ -358,7 +377,7 @@ class Worker:
         buffer = self.spec.replay_buffer
         target = self.spec.init_random_frames
         done = buffer.write_count if buffer is not None else self._free_frames
-        self.endpoint.before_rollout(idle=self.collector.poll_weight_receivers)
+        self.endpoint.before_rollout(idle=self.duties.weights.poll_receivers)
         self.endpoint.clear_interrupt()
         batch, frames = self._rollout(bool(target) and done < target)
         self._free_frames += frames
@@ -411,7 +430,7 @@ class Worker:
         return [(warning.category, str(warning.message)) for warning in raised]
 
     def _enable_profile(self, config) -> str:
-        self.collector.use_profile_config(config)
+        self.duties.enable_profile(config)
         return "profiling"
 
     def _attach_buffer(self, storage: TensorDictBase) -> str:
@@ -424,7 +443,7 @@ class Worker:
         transport publishes the next batch afresh (its new buffer or layout travels with its reply)."""
         if self.endpoint is not None:
             self.endpoint.before_rollout()  # the last batch has left before its buffer is let go
-        collected = self.collector.resize_batches(int(frames))
+        collected = self.duties.resize_batches(int(frames))
         if self.endpoint is not None:
             self.endpoint.batch_resized()
         return collected

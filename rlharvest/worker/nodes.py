@@ -153,7 +153,7 @@ def _collector_of():
 
 def _apply_weights(model_id: str, version: int, payload, initial: bool = False):
     """Map or take the payload, swap it in (and cascade, unless ``initial``); returns the acknowledgement."""
-    scheme = _node_worker().collector.receiver_scheme(model_id)
+    scheme = _node_worker().duties.weights.receiver_scheme(model_id)
     gen_id = None
     if isinstance(payload, tuple):  # ("shm", gen_id, handle): a generation of the sender's pool
         _, gen_id, handle = payload
