@@ -24,32 +24,25 @@ nothing else of it.
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
+from ..errors import RemoteFailure
 from ..transport.base import WeightLinks, WeightReceiver, WeightSender
+from .backends import scheme_class
 from .context import ReceiverContext, SenderContext
 from .payloads import payload_of, resolve_worker_ids
 from .strategy import WeightStrategy, materialize, weights_of
 
 __all__ = ["WeightSyncScheme", "NoWeightSyncScheme", "SenderContext", "ReceiverContext"]
 
-_PICKLE_DROPPED = (
-    "_context_ref",
-    "_model_ref",
-    "_sender",
-    "_receiver",
-    "initialized_on_sender",
-    "initialized_on_receiver",
-    "synchronized_on_sender",
-    "synchronized_on_receiver",
-    "_last_payload",
-    "_receiver_links",
-)
+#: what a pickled copy (the scheme a worker is given) leaves out: its role is set up where it lands
+_PICKLE_DROPPED = ("_context_ref", "_model_ref", "_sender", "_receiver", "initialized_on_sender",
+                   "initialized_on_receiver", "synchronized_on_sender", "synchronized_on_receiver",
+                   "_last_payload", "_receiver_links")
 
 
 def _weak(obj: Any):
@@ -97,17 +90,6 @@ class WeightSyncScheme:
         self._version = 0
         self._reset_roles()
 
-    #: ``from_backend`` names: the scheme of each deployment backend (aliases in ``_BACKEND_ALIASES``)
-    _BACKENDS = {
-        "none": "rlharvest.weight_update.schemes:NoWeightSyncScheme",
-        "shared": "rlharvest.weight_update.shared_memory:SharedMemWeightSyncScheme",
-        "process": "rlharvest.weight_update.shared_memory:MultiProcessWeightSyncScheme",
-        "distributed": "rlharvest.weight_update.torchdist:DistributedWeightSyncScheme",
-        "rpc": "rlharvest.weight_update.rpc:RPCWeightSyncScheme",
-        "ray": "rlharvest.weight_update.ray:RayWeightSyncScheme",
-    }
-    _BACKEND_ALIASES = {"direct": "none", "thread": "shared", "multiprocessing": "process"}
-
     @classmethod
     def from_backend(cls, backend: str, **kwargs) -> WeightSyncScheme:
         """The scheme that moves weights over ``backend``, built with ``kwargs``.
@@ -124,23 +106,16 @@ class WeightSyncScheme:
             >>> WeightSyncScheme.from_backend("shared")
             SharedMemWeightSyncScheme(model_id=None, role=idle, version=0)
         """
-        return cls.class_for(backend)(**kwargs)
+        return scheme_class(backend)(**kwargs)
 
     @classmethod
     def class_for(cls, backend: str) -> type[WeightSyncScheme]:
-        """The scheme class of ``backend`` (a ``from_backend`` name).
+        """The scheme class of ``backend`` (a ``from_backend`` name; the table is ``backends.py``).
 
         Raises:
             ValueError: for another backend name.
         """
-        import importlib
-
-        name = cls._BACKEND_ALIASES.get(backend, backend)
-        if not isinstance(name, str) or name not in cls._BACKENDS:
-            choices = sorted(set(cls._BACKENDS) | set(cls._BACKEND_ALIASES))
-            raise ValueError(f"backend must be one of {choices}, got {backend!r}")
-        module, _, qualname = cls._BACKENDS[name].partition(":")
-        return getattr(importlib.import_module(module), qualname)
+        return scheme_class(backend)
 
     def _reset_roles(self) -> None:
         self._context_ref = None
@@ -430,8 +405,6 @@ class WeightSyncScheme:
                 self._version = version
                 self._cascade(weights)
             except BaseException as err:
-                from ..errors import RemoteFailure
-
                 receiver.nack(RemoteFailure.capture(err, self._worker_idx))
                 raise
             receiver.ack(version)
@@ -480,10 +453,7 @@ class WeightSyncScheme:
             raise ValueError(f"No model to apply weights to (model_id={self._model_id!r}).")
         context = self.context
         lock = context.policy_lock if context is not None else None
-        if lock is not None:
-            with lock:
-                self._strategy.apply_weights(model, weights, inplace=inplace)
-        else:
+        with lock if lock is not None else contextlib.nullcontext():  # between two actions
             self._strategy.apply_weights(model, weights, inplace=inplace)
 
     # ------------------------------------------------------------------ teardown and pickling
@@ -495,10 +465,8 @@ class WeightSyncScheme:
         self._sender = self._receiver = None
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     def __getstate__(self) -> dict:
         state = {k: v for k, v in self.__dict__.items() if k not in _PICKLE_DROPPED}
