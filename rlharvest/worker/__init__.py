@@ -5,7 +5,8 @@ Backends in ``rlharvest.transport`` get these passed in as their targets; they n
 """
 
 from ..protocol import FREE_BATCH, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
-from .loop import ParentDuties, Worker, WorkerCollector, WorkerWeights, run_worker
+from .contract import ParentDuties, WorkerCollector, WorkerWeights
+from .loop import Worker, run_worker
 
 __all__ = [
     "Command",

@@ -8,7 +8,7 @@ serves commands:
   which reads commands from a :class:`~rlharvest.transport.base.WorkerEndpoint` and sends replies;
 * pull transports (torch RPC) call :meth:`Worker.handle` remotely, one command per call.
 
-What the loop needs from the collector it runs is :class:`WorkerCollector`; it touches nothing else.
+What the loop needs from the collector it runs is written down in ``contract.py``; it touches nothing else.
 A worker never dies silently: every handler's exception becomes a failure reply carrying the remote
 traceback, which the parent raises as :class:`~rlharvest.errors.WorkerError`.
 """
@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -34,74 +34,10 @@ from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
 from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
 from ..transport.base import WorkerEndpoint
+from .contract import ParentDuties, WorkerCollector
 
-__all__ = ["ParentDuties", "Worker", "WorkerCollector", "WorkerWeights", "run_worker"]
+__all__ = ["Worker", "run_worker"]
 
-
-
-class WorkerWeights(Protocol):
-    """The weights of the collector a worker serves, as the worker loop drives them."""
-
-    def set_version(self, version: int) -> None:
-        """Start counting policy versions from ``version`` (a replacement joins at the current one)."""
-
-    def poll_receivers(self) -> None:
-        """Apply any weight update waiting in a receiver scheme (cheap when none is)."""
-
-    def receiver_waitables(self) -> list:
-        """Objects ``multiprocessing.connection.wait`` wakes on when an update arrives."""
-
-    def receiver_scheme(self, model_id: str) -> Any:
-        """The receiver scheme of ``model_id`` (a node applies what its reader thread mapped)."""
-
-
-class ParentDuties(Protocol):
-    """What a worker loop asks of the collector it serves beyond TorchRL's API: the collector's engine,
-    reached through ``BaseCollector.for_parent`` (docs/architecture.md)."""
-
-    weights: WorkerWeights
-
-    def collect_for_parent(self, random: bool) -> TensorDictBase:
-        """One raw batch (random actions if ``random``), the unit of work of a worker."""
-
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
-        """Write a batch into the replay buffer workers share with their parent."""
-
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
-        """``batch`` goes to the parent, which allocates the shared buffer's storage from it (a collector
-        assembling trajectories keeps what it needs to write them later)."""
-
-    def add_step_check(self, check: Callable[[], bool]) -> None:
-        """Call ``check`` between env steps; True ends the rollout early."""
-
-    def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
-        """Write future batches into ``buffer`` (same layout as ``batch``) when ``batch`` is the
-        collector's own output buffer: the transport publishes from ``buffer`` without a copy."""
-
-    def enable_profile(self, config: Any) -> None:
-        """Profile the next rollouts as ``config`` says (also once iteration started)."""
-
-    def resize_batches(self, frames: int) -> int:
-        """Collect rollouts of ``frames`` frames from the next one on (rounded up to the env batch);
-        returns the frames it will collect."""
-
-
-class WorkerCollector(Protocol):
-    """What the worker loop needs from the collector it serves: TorchRL's API, and its duties to a
-    parent (``BaseCollector`` implements it)."""
-
-    policy: Any
-    env: Any
-    for_parent: ParentDuties
-
-    def register_scheme_receiver(self, weight_recv_schemes: dict) -> None: ...
-    def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
-    def reset(self, *args: Any, **kwargs: Any) -> None: ...
-    def state_dict(self, *, env_state: bool = True) -> dict: ...
-    def load_state_dict(self, state_dict: dict) -> None: ...
-    def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any: ...
-    def time_split(self) -> dict[str, float]: ...
-    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None: ...
 
 
 def _is_stateless(policy: Any) -> bool:
