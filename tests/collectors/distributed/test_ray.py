@@ -43,9 +43,21 @@ def set_weight(policy, value: float) -> None:
         policy.module.weight.fill_(value)
 
 
-def test_sync_batches_stack_actors_in_order_with_unique_ids(ray_cluster):
+def test_sync_batches_stack_actors_in_order_with_unique_ids_and_stats_ask_the_actors(ray_cluster):
     collector = make(sync=True, total_frames=16)
-    batches = list(collector)
+    iterator = iter(collector)
+    batches = [next(iterator)]
+    stats = collector.stats()
+    assert stats["workers"] == stats["workers_alive"] == 2
+    assert stats["worker_frames"] == stats["frames"] == 8  # sync: each actor's 4 frames, none in flight
+    per_worker = collector.stats("per_worker")
+    assert "frames" not in per_worker and "worker_frames" not in per_worker
+    assert per_worker["worker_0/frames"] == per_worker["worker_1/frames"] == 4
+    both = collector.stats("both", timeout=None)
+    assert both["worker_frames"] == 8 and both["worker_1/frames"] == 4
+    with pytest.raises(ValueError, match="timeout"):
+        collector.stats(timeout=-1)
+    batches += list(iterator)
     assert [tuple(b.shape) for b in batches] == [(2, 4), (2, 4)]
     assert batches[0]["observation"].reshape(2, 4).tolist() == [[0, 1, 2, 0]] * 2  # auto-reset past max_steps
     assert batches[1]["observation"].reshape(2, 4).tolist() == [[1, 2, 0, 1]] * 2  # each actor's env goes on
@@ -136,37 +148,6 @@ def test_async_raises_an_actor_failure_to_build_at_the_first_batch():
         collector.shutdown()
 
 
-def test_weight_update_is_visible_in_the_next_batch_and_learner_tensors_stay_private():
-    policy = weight_policy(1.0)
-    collector = make(policy=policy, sync=True, total_frames=-1)
-    try:
-        iterator = iter(collector)
-        assert next(iterator)["action"].unique().tolist() == [1.0]
-        set_weight(policy, 0.0)
-        collector.update_policy_weights_()  # returns once both actors acknowledged
-        assert next(iterator)["action"].unique().tolist() == [0.0]
-        set_weight(policy, 5.0)  # no update: the actors must not see the learner's tensors
-        assert next(iterator)["action"].unique().tolist() == [0.0]
-    finally:
-        collector.shutdown()
-
-
-def test_subset_update_reaches_only_those_actors():
-    policy = weight_policy(1.0)
-    collector = Collector(counting(), policy, backend="ray", num_collectors=2, sync=True, frames_per_batch=8,
-                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
-    try:
-        assert isinstance(collector, RayCollector) and collector.num_collectors == 2
-        iterator = iter(collector)
-        next(iterator)
-        set_weight(policy, 3.0)
-        collector.update_policy_weights_(worker_ids=[1])
-        batch = next(iterator)
-        assert batch["action"][0].unique().tolist() == [1.0] and batch["action"][1].unique().tolist() == [3.0]
-    finally:
-        collector.shutdown()
-
-
 def sender_of(collector: RayCollector):
     return engine_of(collector).weights.sender_schemes["policy"]._sender
 
@@ -176,16 +157,21 @@ def segment_files(sender) -> list[str]:
     return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender.book.pool._generations.values()]
 
 
-def test_updates_reach_actors_on_this_node_through_shared_memory_leaving_no_segment():
+def test_updates_reach_the_actors_through_shared_memory_leaving_no_segment_and_learner_tensors_stay_private():
     policy = weight_policy(1.0)
-    collector = make(policy=policy, sync=True)
+    collector = Collector(counting(), policy, backend="ray", num_collectors=2, sync=True, frames_per_batch=8,
+                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
     try:
+        assert isinstance(collector, RayCollector) and collector.num_collectors == 2
         iterator = iter(collector)
-        next(iterator)
+        assert next(iterator)["action"].unique().tolist() == [1.0]
+        set_weight(policy, 5.0)  # no update: the actors must not see the learner's tensors
+        assert next(iterator)["action"].unique().tolist() == [1.0]
         set_weight(policy, 2.0)
-        collector.update_policy_weights_()
+        collector.update_policy_weights_()  # returns once both actors acknowledged
+        assert next(iterator)["action"].unique().tolist() == [2.0]
         set_weight(policy, 6.0)
-        collector.update_policy_weights_(worker_ids=[1])
+        collector.update_policy_weights_(worker_ids=[1])  # a subset: only actor 1
         batch = next(iterator)
         assert batch["action"][0].unique().tolist() == [2.0] and batch["action"][1].unique().tolist() == [6.0]
         sender = sender_of(collector)
@@ -220,22 +206,6 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender.book.current
     finally:
         collector.shutdown()
-
-
-def test_start_writes_into_a_replay_buffer_until_async_shutdown():
-    buffer = ReplayBuffer(capacity=1000)
-    collector = make(sync=False, replay_buffer=buffer)
-    collector.start()
-    with pytest.raises(RuntimeError, match=r"before start\(\)"):
-        collector.add_collectors([counting()])
-    wait_until(lambda: len(buffer) >= 64, timeout=30.0, what="64 frames in the buffer")
-    with collector.pause():
-        frozen = len(buffer)
-        assert len(buffer) == frozen
-    collector.async_shutdown()
-    data = buffer.sample(len(buffer)) if hasattr(buffer, "sample") else None
-    assert len(buffer) >= 64 and set(data["observation"].unique().tolist()) <= {0, 1, 2}
-    assert collector.remote_collectors == []
 
 
 class FrameCounter:
@@ -292,19 +262,24 @@ def test_actors_running_free_wait_for_a_slower_replay_buffer():
     collector = make(frames_per_batch=4, sync=False, replay_buffer=buffer)
     collector.start()
     try:
+        with pytest.raises(RuntimeError, match=r"before start\(\)"):
+            collector.add_collectors([counting()])
         wait_until(lambda: buffer.writes >= 20, timeout=30.0, what="the buffer written while the actors push")
         before = buffer.writes
         with collector.pause():  # writes what was pushed before the pause, then stops the actors
             queued = buffer.writes - before
         # per actor: a window taken by the worker pool, one pulled, one waiting in the actor, the
-        # rollout under way and the one the pause cuts short, plus the write under way when ``before``
-        # was read (it counts once done); unbounded, it is hundreds
-        assert queued <= 2 * (3 * _FREE_WINDOW + 2) + 1, queued
+        # rollout under way, one more finished while the pause is on its way (the pipeline refills as
+        # the buffer writes: 30 against the bound without it, once in six runs) and the one the pause cuts
+        # short; plus the write under way when ``before`` was read (it counts once done). Unbounded,
+        # it is hundreds.
+        assert queued <= 2 * (3 * _FREE_WINDOW + 3) + 1, queued
         written = buffer.writes
         wait_until(lambda: buffer.writes > written, timeout=30.0, what="collection resumed")
     finally:
         collector.async_shutdown()
     assert collector.remote_collectors == []
+    assert set(buffer.sample(len(buffer))["observation"].unique().tolist()) <= {0, 1, 2}
 
 
 def test_a_killed_actor_raises_worker_error_naming_it(ray_cluster):
@@ -371,27 +346,6 @@ def test_with_restarts_a_killed_actor_is_replaced_and_collection_goes_on(ray_clu
         stats = collector.stats()
         assert stats["restarts"] == 1 and stats["worker_1/restarts"] == 1
         assert not used & set(batches[-1][IDS][1].tolist())  # the replacement's trajectories are new ones
-    finally:
-        collector.shutdown()
-
-
-@pytest.mark.timeout(120)
-def test_stats_asks_the_actors_for_worker_frames():
-    collector = make(2, total_frames=32, sync=True)
-    try:
-        for _ in collector:
-            pass
-            break
-        stats = collector.stats()
-        assert stats["workers"] == stats["workers_alive"] == 2
-        assert stats["worker_frames"] == stats["frames"] == 8  # sync: each actor's 4 frames, none in flight
-        per_worker = collector.stats("per_worker")
-        assert "frames" not in per_worker and "worker_frames" not in per_worker
-        assert per_worker["worker_0/frames"] == per_worker["worker_1/frames"] == 4
-        both = collector.stats("both", timeout=None)
-        assert both["worker_frames"] == 8 and both["worker_1/frames"] == 4
-        with pytest.raises(ValueError, match="timeout"):
-            collector.stats(timeout=-1)
     finally:
         collector.shutdown()
 
