@@ -16,8 +16,7 @@ from mocks import wait_until, weight_policy
 from ray_check import live_actors
 
 from rlharvest import WorkerError
-from rlharvest.collectors import Collector
-from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme, RayWeightUpdater
+from rlharvest.collectors.distributed import RayCollector, RayWeightUpdater
 from rlharvest.data import ReplayBuffer
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.ray import _FREE_WINDOW
@@ -150,41 +149,6 @@ def test_async_raises_an_actor_failure_to_build_at_the_first_batch():
 
 def sender_of(collector: RayCollector):
     return engine_of(collector).weights.sender_schemes["policy"]._sender
-
-
-def segment_files(sender) -> list[str]:
-    """The /dev/shm files of the sender's generation buffers."""
-    return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender.book.pool._generations.values()]
-
-
-def test_updates_reach_the_actors_through_shared_memory_leaving_no_segment_and_learner_tensors_stay_private():
-    policy = weight_policy(1.0)
-    collector = Collector(counting(), policy, backend="ray", num_collectors=2, sync=True, frames_per_batch=8,
-                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
-    try:
-        assert isinstance(collector, RayCollector) and collector.num_collectors == 2
-        iterator = iter(collector)
-        assert next(iterator)["action"].unique().tolist() == [1.0]
-        set_weight(policy, 5.0)  # no update: the actors must not see the learner's tensors
-        assert next(iterator)["action"].unique().tolist() == [1.0]
-        set_weight(policy, 2.0)
-        collector.update_policy_weights_()  # returns once both actors acknowledged
-        assert next(iterator)["action"].unique().tolist() == [2.0]
-        set_weight(policy, 6.0)
-        collector.update_policy_weights_(worker_ids=[1])  # a subset: only actor 1
-        batch = next(iterator)
-        assert batch["action"][0].unique().tolist() == [2.0] and batch["action"][1].unique().tolist() == [6.0]
-        sender = sender_of(collector)
-        assert sender.book.current == {0: 0, 1: 1}  # each actor runs on a generation of its own
-        files = segment_files(sender)
-        assert len(files) == 2 and all(os.path.exists(path) for path in files)
-        set_weight(policy, 8.0)
-        collector.update_policy_weights_()  # into the one generation neither actor runs on
-        assert next(iterator)["action"].unique().tolist() == [8.0] and len(segment_files(sender)) == 3
-        files = segment_files(sender)
-    finally:
-        collector.shutdown()
-    assert not [path for path in files if os.path.exists(path)]
 
 
 def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster):

@@ -8,6 +8,7 @@ exactly which weights collected them.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 
@@ -16,6 +17,7 @@ import torch
 from mocks import ClockEnv, wait_until, weight_policy
 
 from rlharvest import WorkerError
+from rlharvest.collectors import Collector
 from rlharvest.collectors.distributed import RayCollector, RayWeightSyncScheme
 from rlharvest.envs import CountingEnv
 from rlharvest.collectors.engine import engine_of
@@ -53,21 +55,38 @@ def actions(batch) -> list:
     return [batch["action"][actor].unique().tolist() for actor in range(batch.shape[0])]
 
 
-def test_updates_of_actors_on_this_node_take_the_direct_channel_not_actor_calls():
+def segment_files(sender) -> list[str]:
+    """The /dev/shm files of the sender's generation buffers."""
+    return [f"/dev/shm/{generation.handle[0].lstrip('/')}" for generation in sender.book.pool._generations.values()]
+
+
+def test_updates_of_actors_on_this_node_take_the_direct_channel_and_shared_memory_leaving_no_segment():
     policy = weight_policy(1.0)
-    collector = RayCollector([counting] * 2, policy, frames_per_batch=8, sync=True)
+    collector = Collector(counting, policy, backend="ray", num_collectors=2, sync=True, frames_per_batch=8,
+                          weight_sync_schemes={"policy": RayWeightSyncScheme()})
     try:
+        assert isinstance(collector, RayCollector) and collector.num_collectors == 2
         sender, calls, iterator = spy_and_start(collector)
+        set_weight(policy, 5.0)  # no update: the actors must not see the learner's tensors
+        assert actions(next(iterator)) == [[1.0], [1.0]]
         set_weight(policy, 2.0)
-        collector.update_policy_weights_()
+        collector.update_policy_weights_()  # returns once both actors acknowledged
         assert actions(next(iterator)) == [[2.0], [2.0]]
         set_weight(policy, 6.0)
         collector.update_policy_weights_(worker_ids=[1])  # a subset: only actor 1 is told
         assert actions(next(iterator)) == [[2.0], [6.0]]
         assert calls == [] and set(sender._server.conns) == {0, 1}
         assert sender._server.board.tolist() == [1, 2]  # the version announced to each actor
+        assert sender.book.current == {0: 0, 1: 1}  # each actor runs on a generation of its own
+        files = segment_files(sender)
+        assert len(files) == 2 and all(os.path.exists(path) for path in files)
+        set_weight(policy, 8.0)
+        collector.update_policy_weights_()  # into the one generation neither actor runs on
+        assert actions(next(iterator)) == [[8.0], [8.0]] and len(segment_files(sender)) == 3
+        files = segment_files(sender)
     finally:
         collector.shutdown()
+    assert not [path for path in files if os.path.exists(path)]
 
 
 def test_a_replacement_on_this_node_opens_a_channel_of_its_own(ray_cluster):
