@@ -285,7 +285,7 @@ class CollectionEngine:
 
     _for_parent: Iterator | None = None
 
-    # the rest of ``ParentDuties`` (worker/loop.py; this engine's collector runs inside a node): its own workers
+    # the rest of ``ParentDuties`` (worker/contract.py; this engine's collector runs inside a node): its own workers
     # write a shared buffer themselves, and its rollouts are interrupted through its workers
     def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
         buffer.extend(batch)
