@@ -111,10 +111,9 @@ def ray_cluster():
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # Ray starts its workers at nice 15 (its ``worker_niceness``): beside the other pytest process's
-    # CPU-bound tests, an actor then gets a few percent of a core, and a two-actor collector took
-    # 7 s to build instead of 3.5 (three actors beside two busy loops: not built after 90 s, against
-    # 7.5 s at nice 0).
-    # docs/ray.md, "Actors on a busy host", says the same to users.
+    # CPU-bound tests an actor gets a few percent of a core, and a two-actor Ray test took 7 s in the
+    # suite against 3.5 alone (three actors beside two busy loops: not built after 90 s, against 7.5 s
+    # at nice 0). docs/ray.md, "Performance", says the same to users.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Actors import what the tests' env and policy constructors live in (tests/mocks.py).
     here = os.path.dirname(os.path.abspath(__file__))
