@@ -39,7 +39,6 @@ from .contract import ParentDuties, WorkerCollector
 __all__ = ["Worker", "run_worker"]
 
 
-
 def _is_stateless(policy: Any) -> bool:
     return isinstance(policy, torch.nn.Module) and any(
         t.is_meta for t in itertools.chain(policy.parameters(), policy.buffers()))
