@@ -101,6 +101,9 @@ class JoinService:
     MAX_FORMING = 4
     #: seconds between two INFO lines naming the slots the collector waits for
     LOG_EVERY = 10.0
+    #: seconds a node that finds every slot taken waits for one to empty before it is refused: the
+    #: collector says it replaces a node (a WARNING) a moment before it empties the slot
+    SLOT_GRACE = 5.0
 
     def __init__(self, rendezvous: Rendezvous, backend: str, num_slots: int, node_kwargs: dict, *,
                  timeout: float, op_timeout: float, command: str | None = None) -> None:
@@ -123,6 +126,7 @@ class JoinService:
         with self._cond:
             if index not in self._joined:  # else a node joined it already and waits to be taken
                 self._wanted.add(index)
+                self._cond.notify_all()  # a node waiting for a slot (``SLOT_GRACE``) takes it
 
     def joined(self, indices) -> list[int]:
         """Which of ``indices`` have a node that joined and waits to be taken."""
@@ -190,19 +194,29 @@ class JoinService:
         if not self._forming.acquire(blocking=False):
             self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
-        with self._cond:
-            free = sorted(self._wanted & self._awaited) or sorted(self._wanted)
-            if free:
-                index = free[0]
-                self._wanted.discard(index)
-                generation = self._generations[index] = self._generations.get(index, -1) + 1
-        if not free:
-            self._forming.release()
-            self._refuse(channel, peer, who, "every slot is taken")
-            return
         node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
-        threading.Thread(target=self._join, args=(channel, peer, who, index, generation, node),
+        threading.Thread(target=self._join, args=(channel, peer, who, node),
                          name="rlharvest-join", daemon=True).start()
+
+    def _slot(self) -> tuple[int, int] | None:
+        """An empty slot for a joining node, within ``SLOT_GRACE`` seconds, and its generation."""
+        deadline, said = time.monotonic() + self.SLOT_GRACE, False
+        with self._cond:
+            while True:
+                free = sorted(self._wanted & self._awaited) or sorted(self._wanted)
+                if free:
+                    index = free[0]
+                    self._wanted.discard(index)
+                    self._generations[index] = self._generations.get(index, -1) + 1
+                    return index, self._generations[index]
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    return None
+                if not said:
+                    said = True
+                    logger.info("rlharvest: a node waits up to %g s for a slot to empty: every slot is taken",
+                                self.SLOT_GRACE)
+                self._cond.wait(left)
 
     def _refuse(self, channel: Channel, peer, who: str, reason: str) -> None:
         with contextlib.suppress(OSError):
@@ -210,8 +224,14 @@ class JoinService:
         channel.close()
         self.rendezvous.listener.drop(peer, f"{who} refused: {reason}")
 
-    def _join(self, channel: Channel, peer, who: str, index: int, generation: int, node: JoinedNode) -> None:
-        """Tell the node its slot and form its group with it (on a thread of its own)."""
+    def _join(self, channel: Channel, peer, who: str, node: JoinedNode) -> None:
+        """Give the node a slot and form its group with it (on a thread of its own)."""
+        slot = self._slot()
+        if slot is None:
+            self._forming.release()
+            self._refuse(channel, peer, who, "every slot is taken")
+            return
+        index, generation = slot
         try:
             rank = index + 1
             channel.send(("slot", rank, generation, self.backend, self.node_kwargs))
