@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+import fresh
 import psutil
 import pytest
 import torch
@@ -29,7 +30,7 @@ from rlharvest.collectors.distributed import DistributedCollector
 from rlharvest.envs import CountingEnv
 from rlharvest.transport.ports import free_port_block
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("zygote")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(os.path.dirname(HERE))
@@ -90,7 +91,7 @@ class Stranger:
 @pytest.fixture
 def nodes():
     """Nodes started with a collector's join command; any still running at the end is killed."""
-    started: list[subprocess.Popen] = []
+    started: list[fresh.FreshProcess | subprocess.Popen] = []
     yield started
     for node in started:
         if node.poll() is None:
@@ -98,9 +99,10 @@ def nodes():
         node.wait(30.0)
 
 
-def start_node(argv: list[str], started: list) -> subprocess.Popen:
-    node = subprocess.Popen([sys.executable, *argv[1:]], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+def start_node(argv: list[str], started: list) -> fresh.FreshProcess:
+    """The join command, forked from the session's zygote (tests/fresh.py)."""
+    node = fresh.popen([sys.executable, *argv[1:]], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True)
     started.append(node)
     return node
 
@@ -242,9 +244,9 @@ def test_a_node_holding_the_key_gets_no_pickle_of_its_choosing_unpickled(nodes, 
         def emit(self, record: logging.LogRecord) -> None:
             if "restarting node" in record.getMessage():
                 command = next(joiners, None)
-                if command is not None:
-                    nodes.append(subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL,
-                                                  stderr=subprocess.DEVNULL))
+                if command is not None:  # the evil node is a script, the real one the join command
+                    start = subprocess.Popen if command is evil else fresh.popen
+                    nodes.append(start(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     handler = Restarts()
     logging.getLogger("rlharvest.restarts").addHandler(handler)

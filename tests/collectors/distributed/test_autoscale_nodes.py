@@ -1,7 +1,7 @@
 """``autoscale=`` on node collectors (docs/elastic.md, "Autoscaling"): DistributedCollector and
 RPCCollector with ``launcher="mp"`` (a new node is a new process), and DistributedCollector with
-``launcher="external"``, whose nodes are started by ``on_scale`` (here: the join command as a
-subprocess on loopback). Growth while the learner starves, shrinking while it is slow, sync batches
+``launcher="external"``, whose nodes are started by ``on_scale`` (here: the join command on
+loopback, forked from the session's zygote). Growth while the learner starves, shrinking while it is slow, sync batches
 keeping ``frames_per_batch`` (a node's batch layout changes with its share), every frame collected
 once, nothing left after shutdown (the autouse fixture; joined nodes exit by themselves)."""
 
@@ -11,7 +11,7 @@ import os
 import subprocess
 import time
 
-import mocks
+import fresh
 import pytest
 from mocks import SlowCountingEnv, check_trajectories, counting_env_7, wait_until, weight_policy
 
@@ -22,8 +22,6 @@ from rlharvest.transport.ports import free_port_block
 pytestmark = pytest.mark.timeout(240)
 
 LENIENT = {"window": 4, "cooldown": 4, "grow_above": 0.5, "shrink_below": 0.3}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mocks.__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(os.path.abspath(mocks.__file__))])}
 
 
 def slow_env():
@@ -72,14 +70,15 @@ def test_a_slow_learner_lets_a_node_go(collector_class, sync):
     check_trajectories(batches, 12 * 12)
 
 
+@pytest.mark.usefixtures("zygote")
 def test_external_nodes_are_asked_of_on_scale_and_removed_by_the_collector():
-    nodes: list[subprocess.Popen] = []
+    nodes: list[fresh.FreshProcess] = []  # the join command, forked from the session's zygote (tests/fresh.py)
     asked: list[int] = []
 
     def start_nodes(wanted: int, join_command: list[str]) -> None:
         asked.append(wanted)
         running = [node for node in nodes if node.poll() is None]
-        nodes.extend(subprocess.Popen(join_command, env=ENV) for _ in range(wanted - len(running)))
+        nodes.extend(fresh.popen(join_command) for _ in range(wanted - len(running)))
 
     collector = DistributedCollector([slow_env], weight_policy(1.0), launcher="external", tcp_port=0,
                                      bind_address="127.0.0.1", frames_per_batch=12, total_frames=-1, sync=True,

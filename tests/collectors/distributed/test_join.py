@@ -1,8 +1,8 @@
 """Nodes that join a running DistributedCollector from anywhere (``launcher="external"``, docs/elastic.md).
 
-Every node here is started by the test with the collector's ``join_command()`` as a subprocess on
-loopback; a node never started by the collector is ended by the test (SIGKILL, SIGTERM) or exits
-when the collector shuts down.
+Every node here runs the collector's ``join_command()`` on loopback, forked from the session's zygote
+(tests/fresh.py: the command's own process, without importing torch again); a node never started by the
+collector is ended by the test (SIGKILL, SIGTERM) or exits when the collector shuts down.
 """
 
 from __future__ import annotations
@@ -15,23 +15,20 @@ import subprocess
 import sys
 import threading
 
-import mocks
+import fresh
 import pytest
 from mocks import check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
 
 from rlharvest.collectors.distributed import DistributedCollector
 from rlharvest.errors import WorkerTimeoutError
 
-pytestmark = pytest.mark.timeout(300)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mocks.__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(os.path.abspath(mocks.__file__))])}
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("zygote")]
 
 
 @pytest.fixture(autouse=True)
 def started():
     """The nodes a test starts; any still running when it ends (it failed) is killed."""
-    nodes: list[subprocess.Popen] = []
+    nodes: list[fresh.FreshProcess] = []
     _STARTED.append(nodes)
     yield nodes
     _STARTED.pop()
@@ -46,18 +43,18 @@ def make(count: int, **kwargs) -> DistributedCollector:
                                 bind_address="127.0.0.1", **kwargs)
 
 
-_STARTED: list[list[subprocess.Popen]] = []
+_STARTED: list[list[fresh.FreshProcess]] = []
 
 
-def start_node(argv: list[str], **popen) -> subprocess.Popen:
+def start_node(argv: list[str], **popen) -> fresh.FreshProcess:
     """Run the join command: this interpreter, as the collector names it."""
     assert argv[:5] == [sys.executable, "-m", "rlharvest", "node", "--join"]
-    node = subprocess.Popen(argv, env=ENV, **popen)
+    node = fresh.popen(argv, **popen)
     _STARTED[-1].append(node)
     return node
 
 
-def ended(nodes: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
+def ended(nodes: list[fresh.FreshProcess], timeout: float = 60.0) -> list[int]:
     wait_until(lambda: all(node.poll() is not None for node in nodes), timeout, "the nodes' exit")
     return [node.returncode for node in nodes]
 
@@ -96,7 +93,10 @@ def start_when(logged: Logged, argv: list[str], started: list) -> threading.Thre
     return thread
 
 
-def test_nodes_join_collect_and_a_node_too_many_or_without_the_key_is_refused(tmp_path, caplog):
+def test_nodes_join_collect_and_a_node_too_many_or_without_the_key_is_refused(tmp_path, caplog, monkeypatch):
+    from rlharvest.transport.torchdist_join import JoinService
+
+    monkeypatch.setattr(JoinService, "SLOT_GRACE", 1.0)  # a node too many waits for a slot that long (5 s)
     collector = make(2, frames_per_batch=8, total_frames=32, sync=True)
     argv = collector.join_command()
     key_file = argv[-1]
@@ -157,6 +157,25 @@ def test_a_killed_node_is_replaced_by_the_next_join_and_a_leave_is_not_counted()
     check_trajectories(batches, 64)
     codes = ended(nodes)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == codes[3] == 0
+
+
+def test_a_node_that_finds_every_slot_taken_takes_one_that_empties_within_the_grace():
+    """The collector says it replaces a node a moment before it empties the slot: a node started on
+    that word (or just before) must not be refused."""
+    collector = make(1, frames_per_batch=4, total_frames=-1, sync=True, max_worker_restarts=1)
+    argv = collector.join_command()
+    first = start_node(argv)
+    batches = iter(collector)
+    assert next(batches).shape == (1, 4)
+    with Logged("rlharvest", "waits up to 5 s for a slot", logging.INFO) as waiting:
+        second = start_node(argv)
+        assert waiting.seen.wait(60.0), "the second node was not told to wait"
+    first.kill()
+    assert [next(batches).shape for _ in range(2)] == [(1, 4)] * 2  # the death found, the second node took over
+    stats = collector.stats()
+    collector.shutdown()
+    assert (stats["restarts"], stats["workers"]) == (1, 1)
+    assert ended([first, second]) == [-signal.SIGKILL, 0]
 
 
 def test_a_slot_left_empty_takes_the_next_node_that_joins():
