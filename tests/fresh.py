@@ -13,7 +13,7 @@ of child processes; what it forks is checked like any child. The node command's 
 Protocol, one JSON line each way. The test sends ``{"id", "target", "argv", "env", "stdout",
 "stderr"}``; the zygote forks a child (its own process group, ``os.environ`` and ``sys.argv``
 replaced, output to the files named or to the zygote's stderr) that calls ``target`` (``module:function``)
-and exits with what it returns, and answers ``{"id", "pid"}``; later ``{"pid", "returncode"}`` when that
+and exits with what it returns, and answers ``{"id", "pid"}``; later ``{"id", "returncode"}`` when that
 child ended (negative: killed by that signal, as :class:`subprocess.Popen` says it).
 """
 
@@ -84,19 +84,20 @@ class _Output:
 class FreshProcess:
     """The parts of :class:`subprocess.Popen` the tests use, for a process the zygote forked."""
 
-    def __init__(self, zygote: "Zygote", pid: int, args: list[str], outputs: dict[str, str], text: bool) -> None:
-        self._zygote, self.pid, self.args, self.returncode = zygote, pid, args, None
+    def __init__(self, zygote: "Zygote", request: int, pid: int, args: list[str], outputs: dict[str, str],
+                 text: bool) -> None:
+        self._zygote, self._request, self.pid, self.args, self.returncode = zygote, request, pid, args, None
         self.stdout = _Output(self, outputs["stdout"], text) if "stdout" in outputs else None
         self.stderr = _Output(self, outputs["stderr"], text) if "stderr" in outputs else None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._zygote.returncode(self.pid, 0.0)
+            self.returncode = self._zygote.returncode(self._request, 0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self._zygote.returncode(self.pid, timeout)
+            self.returncode = self._zygote.returncode(self._request, timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
@@ -131,7 +132,7 @@ class Zygote:
         self._changed = threading.Condition()
         self._writing = threading.Lock()
         self._pids: dict[int, int] = {}  # request id -> pid
-        self._ended: dict[int, int] = {}  # pid -> returncode
+        self._ended: dict[int, int] = {}  # request id -> returncode (a pid may be reused)
         self._gone = False
         self._outputs = tempfile.TemporaryDirectory(prefix="fresh-")  # what PIPE means here, until close()
         self._reader = threading.Thread(target=self._read, name="zygote-answers", daemon=True)
@@ -141,10 +142,10 @@ class Zygote:
         for line in self.process.stdout:
             answer = json.loads(line)
             with self._changed:
-                if "id" in answer:
+                if "pid" in answer:
                     self._pids[answer["id"]] = answer["pid"]
                 else:
-                    self._ended[answer["pid"]] = answer["returncode"]
+                    self._ended[answer["id"]] = answer["returncode"]
                 self._changed.notify_all()
         with self._changed:
             self._gone = True
@@ -188,10 +189,11 @@ class Zygote:
             raise FreshProcessTimeout("the zygote did not fork in 60 s")
         piped = {name: path for name, path in outputs.items() if path != os.devnull and
                  (stdout if name == "stdout" else stderr) == subprocess.PIPE}
-        return FreshProcess(self, pid, args or [target, *argv], piped, text)
+        return FreshProcess(self, request, pid, args or [target, *argv], piped, text)
 
-    def returncode(self, pid: int, timeout: float | None) -> int | None:
-        return self._until(lambda: self._ended.get(pid), timeout, f"process {pid} ended")
+    def returncode(self, request: int, timeout: float | None) -> int | None:
+        """The exit status of the process forked for ``request``, waiting up to ``timeout`` seconds."""
+        return self._until(lambda: self._ended.get(request), timeout, f"fresh process {request} ended")
 
     def run(self, argv: list[str], log: Path, timeout: float) -> int:
         """Run ``checkpoint_cases.main()`` with ``argv`` in a fresh process; its exit status. Its output
@@ -271,19 +273,19 @@ def serve() -> None:
     import checkpoint_cases  # noqa: F401  (torch, tensordict, rlharvest and the cases)
     import rlharvest.cli  # noqa: F401
 
-    running: set[int] = set()
+    running: dict[int, int] = {}  # pid -> request id
     pending = b""
     closed = False
     while not closed or running:
-        if closed:
-            for pid in running:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        elif select.select([0], [], [], 0.05)[0]:
+        if not closed and select.select([0], [], [], 0.05)[0]:
             data = os.read(0, 1 << 16)
-            closed = not data
+            if not data:
+                closed = True
+                for pid in running:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -291,11 +293,10 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request)
-                running.add(pid)
+                running[pid] = request["id"]
                 _answer({"id": request["id"], "pid": pid})
         while running:
             pid, status = os.waitpid(-1, 0 if closed else os.WNOHANG)
             if pid == 0:
                 break
-            running.discard(pid)
-            _answer({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            _answer({"id": running.pop(pid), "returncode": os.waitstatus_to_exitcode(status)})
