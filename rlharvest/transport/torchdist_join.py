@@ -7,7 +7,8 @@ opens the authenticated command channel there (:mod:`rlharvest.transport.channel
 it holds the key before anything is decoded) and says ``("join", pid, hostname)`` (plain values,
 never unpickled). On that same channel the main process answers
 
-* ``("refused", reason)`` when no slot is empty (logged at WARNING, the channel closed), or
+* ``("refused", reason)`` when no slot is empty, nor empties within :attr:`JoinService.SLOT_GRACE`
+  seconds (logged at WARNING, the channel closed), or
 * ``("slot", rank, generation, backend, kwargs)``: both sides then form the slot's group over the
   channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
   spec (env constructor, policy, weight channel) once the collector takes the slot.
@@ -198,7 +199,7 @@ class JoinService:
         threading.Thread(target=self._join, args=(channel, peer, who, node),
                          name="rlharvest-join", daemon=True).start()
 
-    def _slot(self) -> tuple[int, int] | None:
+    def _slot(self, who: str) -> tuple[int, int] | None:
         """An empty slot for a joining node, within ``SLOT_GRACE`` seconds, and its generation."""
         deadline, said = time.monotonic() + self.SLOT_GRACE, False
         with self._cond:
@@ -214,7 +215,7 @@ class JoinService:
                     return None
                 if not said:
                     said = True
-                    logger.info("rlharvest: a node waits up to %g s for a slot to empty: every slot is taken",
+                    logger.info("rlharvest: %s waits up to %g s for a slot to empty: every slot is taken", who,
                                 self.SLOT_GRACE)
                 self._cond.wait(left)
 
@@ -226,7 +227,7 @@ class JoinService:
 
     def _join(self, channel: Channel, peer, who: str, node: JoinedNode) -> None:
         """Give the node a slot and form its group with it (on a thread of its own)."""
-        slot = self._slot()
+        slot = self._slot(who)
         if slot is None:
             self._forming.release()
             self._refuse(channel, peer, who, "every slot is taken")
