@@ -179,8 +179,8 @@ class Zygote:
             elif where is not None:
                 raise ValueError(f"{name} must be None, DEVNULL, PIPE or a path, got {where!r}")
         request = next(self._ids)
-        line = json.dumps({"id": request, "target": target, "argv": argv, "env": dict(env or {**os.environ, "PYTHONPATH": self.path}),
-                           **outputs}) + "\n"
+        env = dict(env or {**os.environ, "PYTHONPATH": self.path})
+        line = json.dumps({"id": request, "target": target, "argv": argv, "env": env, **outputs}) + "\n"
         with self._writing:
             self.process.stdin.write(line)
             self.process.stdin.flush()

@@ -1,9 +1,10 @@
 """``autoscale=`` on node collectors (docs/elastic.md, "Autoscaling"): DistributedCollector and
 RPCCollector with ``launcher="mp"`` (a new node is a new process), and DistributedCollector with
 ``launcher="external"``, whose nodes are started by ``on_scale`` (here: the join command on
-loopback, forked from the session's zygote). Growth while the learner starves, shrinking while it is slow, sync batches
-keeping ``frames_per_batch`` (a node's batch layout changes with its share), every frame collected
-once, nothing left after shutdown (the autouse fixture; joined nodes exit by themselves)."""
+loopback, forked from the session's zygote). Growth while the learner starves, shrinking while it
+is slow, sync batches keeping ``frames_per_batch`` (a node's batch layout changes with its share),
+every frame collected once, nothing left after shutdown (the autouse fixture; joined nodes exit by
+themselves)."""
 
 from __future__ import annotations
 

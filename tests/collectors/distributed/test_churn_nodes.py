@@ -110,10 +110,10 @@ def test_churn_on_ray_actors(ray_cluster):
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("zygote")
 def test_churn_with_nodes_that_join():
-    """``launcher="external"``: every node is a process started here with ``join_command()`` (forked from
-    the session's zygote, tests/fresh.py); after each
-    departure (SIGKILL, SIGTERM, ``remove_collectors``) a new node joins and takes the empty slot.
-    Endless (a node takes seconds to start, while the other collects: frames are not the budget)."""
+    """``launcher="external"``: every node is a process started here with ``join_command()`` (forked
+    from the session's zygote, tests/fresh.py); after each departure (SIGKILL, SIGTERM,
+    ``remove_collectors``) a new node joins and takes the empty slot. Endless (how many batches a
+    node's joining takes varies: frames are not the budget)."""
     import subprocess
     import sys
 
