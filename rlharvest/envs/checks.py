@@ -28,6 +28,7 @@ import torch
 from .._utils import NestedKey, as_tuple_key, unravel_key
 from ..errors import ActionKeyError, ActionSpecError
 from .adapters import env_attr
+from .specs import CompositeLike, SpecLike
 
 __all__ = ["check_step_specs", "check_policy_actions", "raise_if_changed"]
 
@@ -43,7 +44,7 @@ def _meta(value: Any) -> tuple[tuple | None, torch.dtype | None]:
     return None, None
 
 
-def _leaf_specs(spec: Any) -> dict[NestedKey, Any]:
+def _leaf_specs(spec: CompositeLike) -> dict[NestedKey, SpecLike]:
     """``{key: leaf spec}`` of a composite spec (ours or TorchRL's)."""
     return {unravel_key(key): leaf for key, leaf in spec.items(True, True)
             if isinstance(getattr(leaf, "dtype", None), torch.dtype)}
@@ -126,7 +127,7 @@ def raise_if_changed(key: NestedKey, values: list, shape: tuple, dtype: torch.dt
 
 
 # ---------------------------------------------------------------------------------------------- actions
-def describe_spec(spec: Any) -> str:
+def describe_spec(spec: SpecLike) -> str:
     """``OneHot(shape=(2,), dtype=torch.int64)``: a leaf spec in one line (TorchRL's repr takes many)."""
     n = getattr(spec, "n", None)
     extra = f", n={n}" if isinstance(n, int) else ""
@@ -150,7 +151,7 @@ def _written(actions: dict, key: NestedKey) -> bool:
     return False
 
 
-def _misfit(spec: Any, value: torch.Tensor) -> str | None:
+def _misfit(spec: SpecLike, value: torch.Tensor) -> str | None:
     """Why ``value`` cannot be an action of ``spec`` (None if it can): another number of values, or
     values its dtype cannot hold. Lenient on purpose: another dtype of the same kind, or floats that
     are whole numbers (a one-hot sample of 0. and 1., as TorchRL's ``OneHotCategorical`` draws it),

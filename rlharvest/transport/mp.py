@@ -182,7 +182,7 @@ class MPWorkerEndpoint(PipeEndpoint):
         return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
 
-def _process_main(target: WorkerTarget, spec, conn, signals, row: int, worker_idx: int, parent_pid: int | None,
+def _process_main(target: WorkerTarget, spec: WorkerSpec, conn, signals, row: int, worker_idx: int, parent_pid: int | None,
                   death_signal: bool) -> None:
     """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
     if not prepare_worker_process(parent_pid, death_signal):
