@@ -106,3 +106,80 @@ def test_the_module_graph_sees_every_module():
     assert "rlharvest.collectors.engine.engine" in graph and "rlharvest.collectors.base" in graph
     assert "rlharvest.collectors.engine.engine" in graph["rlharvest.collectors._workers"]
     assert "rlharvest.collectors._workers" in graph["rlharvest.collectors.multi"]
+
+
+#: the names of the seams between the engine's parts, its options and the faces (docs/architecture.md)
+SEAM_NAMES = {"engine", "options", "face", "collector", "parent", "spec"}
+
+
+def _is_any(annotation: ast.expr | None) -> bool:
+    return (isinstance(annotation, ast.Name) and annotation.id == "Any") or (
+        isinstance(annotation, ast.Attribute) and annotation.attr == "Any") or (
+        isinstance(annotation, ast.Constant) and annotation.value == "Any")
+
+
+def _untyped_seams() -> list[str]:
+    """Parameters and annotated attributes named after a seam (``engine``, ``options``, ``face``,
+    ``collector``, ``parent``, ``spec``, with or without a leading ``_``) typed ``Any`` or not at all."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args
+                for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                            *filter(None, [arguments.vararg, arguments.kwarg])]:
+                    if arg.arg.lstrip("_") in SEAM_NAMES and (arg.annotation is None or _is_any(arg.annotation)):
+                        found.append(f"{where}:{node.lineno} {node.name}({arg.arg})")
+            elif isinstance(node, ast.AnnAssign) and _is_any(node.annotation):
+                target = node.target
+                name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+                if name.lstrip("_") in SEAM_NAMES:
+                    found.append(f"{where}:{node.lineno} {name}")
+    return found
+
+
+def test_the_seams_are_typed():
+    """No parameter or attribute named engine, options, face, collector, parent or spec is typed ``Any``
+    (or left untyped): each part names what it is given (docs/architecture.md)."""
+    assert _untyped_seams() == []
+
+
+def _setattr_on_classes() -> list[str]:
+    """``setattr(cls, ...)`` calls in ``rlharvest/collectors/`` whose target is a class: a parameter or
+    name called ``cls``/``klass``, a class defined in the module, or anything passed to a decorator."""
+    found = []
+    for path in sorted((PACKAGE / "collectors").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+                target = node.args[0]
+                name = target.id if isinstance(target, ast.Name) else ""
+                is_class = name in ("cls", "klass", "kind") or name in classes or (
+                    isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "type")
+                if is_class:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_member_is_added_to_a_class_at_run_time():
+    """A reader sees every public member of a face in its class body or in ``BaseCollector``: no
+    decorator ``setattr``-s members onto the classes of ``rlharvest/collectors/``."""
+    assert _setattr_on_classes() == []
+
+
+def test_the_engine_parts_are_handed_their_collaborators():
+    """Inside ``collectors/engine/``, no part reads through a reference to the whole engine: each is given
+    what it uses (the engine files themselves, which wire the parts, excepted)."""
+    reads = []
+    for path in sorted((PACKAGE / "collectors" / "engine").glob("*.py")):
+        if path.name in ("engine.py", "local.py", "__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                value = node.value
+                name = value.id if isinstance(value, ast.Name) else getattr(value, "attr", None)
+                if name in ("engine", "_engine"):
+                    reads.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert reads == []

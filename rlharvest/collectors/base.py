@@ -21,6 +21,10 @@ from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
 from ..worker import ParentDuties
 from ._dispatch import construct, register
+from .engine.contract import EngineOptions
+from .engine.engine import CollectionEngine
+from .engine.local import LocalEngine
+from .options.local import LocalOptions
 from .engine.weights import merge_weight_arguments
 
 __all__ = ["BaseCollector"]
@@ -40,7 +44,8 @@ class BaseCollector(IterableDataset):
         [10, 10, 10]
     """
 
-    _engine: Any = None
+    #: the engine behind this face: the rollout loop in this process (``Collector``), or workers
+    _engine: LocalEngine | CollectionEngine | None = None
     _persistent_iterator: Iterator | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -52,20 +57,20 @@ class BaseCollector(IterableDataset):
             register(dispatch, cls)
 
     @classmethod
-    def from_options(cls, options: Any) -> BaseCollector:
+    def from_options(cls, options: LocalOptions | EngineOptions) -> BaseCollector:
         """A collector built from typed options parsed elsewhere (a worker's, from its parent's spec:
         nothing is parsed again)."""
         collector = object.__new__(cls)
         collector._build(options)
         return collector
 
-    def _build(self, options: Any) -> None:  # pragma: no cover - every face builds its engine
+    def _build(self, options: LocalOptions | EngineOptions) -> None:  # pragma: no cover - every face builds its own
         raise NotImplementedError
 
-    def _open(self, action: str) -> Any:
+    def _open(self, action: str) -> LocalEngine | CollectionEngine:
         """The engine, or the error saying this collector is shut down."""
         engine = self._engine
-        if engine is None or engine.closed:
+        if engine is None or engine.life.closed:
             name = type(self).__name__
             raise CollectorShutdownError(f"{name} is shut down: {action} is not possible any more (build a new "
                                          f"{name} to collect again).")
@@ -75,7 +80,7 @@ class BaseCollector(IterableDataset):
     @property
     def worker_idx(self) -> int | None:
         """Index of this collector inside a parent collector; None at the top level."""
-        return self._engine.worker_idx
+        return self._engine.config.worker_idx
 
     @property
     def config(self):
@@ -98,11 +103,11 @@ class BaseCollector(IterableDataset):
     # too but read by scripts and by TorchRL's own tests (``test_collector_reloading``)
     @property
     def _frames(self) -> int:
-        return self._engine.frames
+        return self._engine.tally.frames
 
     @property
     def _iter(self) -> int:
-        return self._engine.iter
+        return self._engine.tally.iter
 
     @property
     def replay_buffer(self):
@@ -228,7 +233,7 @@ class BaseCollector(IterableDataset):
             ...                          save_path="traces/trace_{worker_idx}.json")
         """
         engine = self._open("enable_profile()")
-        if engine.iteration_started:
+        if engine.life.started:
             raise RuntimeError("Cannot enable profiling after iteration has started; call it before iterating.")
         engine.enable_profile(ProfileConfig(
             workers=list(workers) if workers is not None else [0], num_rollouts=num_rollouts,
@@ -341,7 +346,7 @@ class BaseCollector(IterableDataset):
             >>> collector.stats()["frames"]                          # doctest: +SKIP
             0
         """
-        return self._open("stats()").stats(workers, timeout).as_dict(workers)
+        return self._open("stats()").snapshot(workers, timeout).as_dict(workers)
 
     def time_split(self) -> dict[str, float]:
         """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),

@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from ..policies import ExplorationType
 from . import _workers
 from .base import BaseCollector
-from .engine.legacy import cached_weights, push_staged, staged_weights
+from .engine.engine import CollectionEngine
 from .options.autoscale import Autoscale
 from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
 from .single import Collector
@@ -23,7 +23,6 @@ from .single import Collector
 __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
 
 
-@_workers.with_workers
 class MultiCollector(BaseCollector, dispatch="process"):
     """Collectors whose rollouts run in worker processes on this machine.
 
@@ -121,6 +120,17 @@ class MultiCollector(BaseCollector, dispatch="process"):
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
             auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
 
+    # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
+    def _build(self, options: WorkerProcessOptions) -> None:
+        self._engine = CollectionEngine.started(options, self)
+
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.num_workers
+    active_workers = _workers.active_workers
+    restart_causes = _workers.restart_causes
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+
     # ------------------------------------------------------------------ what the options hold
     @property
     def policy(self) -> Any:
@@ -157,16 +167,16 @@ class MultiCollector(BaseCollector, dispatch="process"):
     def get_cached_weights(self, model_id: str) -> TensorDictBase | None:
         """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or
         None when that model's scheme keeps none (pipes, or no update yet)."""
-        return cached_weights(self._engine, model_id)
+        return self._engine.legacy.cached_weights(model_id)
 
     @property
     def policy_weights(self) -> dict:
         """``{device: weights}`` staging area of legacy updaters (private copies; pushed on write)."""
-        return staged_weights(self._engine)
+        return self._engine.legacy.staged_weights()
 
     def legacy_weights_written(self, device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
-        push_staged(self._engine, self.weight_updater, device)
+        self._engine.legacy.push_staged(self.weight_updater.policy_weights, device)
 
 
 class MultiSyncCollector(MultiCollector, dispatch="process-sync"):

@@ -243,6 +243,9 @@ class Backend(ABC):
     growable = False
     #: whether a new worker can take the slot of one that left (nodes that join: ``launcher="external"``)
     refills_slots = False
+    #: whether a worker can be started again at the index of one that failed or left (a preempted one
+    #: is then replaced; False: nodes started elsewhere, which only leave)
+    replaceable = True
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers

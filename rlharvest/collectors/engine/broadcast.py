@@ -122,6 +122,29 @@ class WorkerBroadcast:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
         return self._requests.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
 
+    def map_fn(self, method_name: str, list_of_args: Sequence | None, list_of_kwargs: Sequence | None) -> list[Any]:
+        """``map_fn``: ``method_name`` called in the ``k``-th current worker's collector with the ``k``-th
+        arguments (one entry per current worker).
+
+        Raises:
+            ValueError: for lists of different lengths, or not one entry per worker.
+        """
+        return self.call_each(method_name, argument_sets(list_of_args, list_of_kwargs, len(self._all())))
+
+    def cascade(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
+        """``cascade_execute("workers[i].<path>")`` runs inside worker i's collector (its result),
+        ``"workers.<path>"`` inside every worker (their results, in worker order).
+
+        Raises:
+            ValueError: when nothing follows ``workers[i].``.
+        """
+        head, _, rest = attr_path.partition(".")
+        if not rest:
+            raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
+        workers = self._all() if head == "workers" else [int(head[len("workers["):-1])]
+        results = self.call(rest, args, kwargs, workers)
+        return results if head == "workers" else results[0]
+
     def getattr_policy(self, name: str) -> Any:
         return self._requests.request(self._all()[0], Command.GETATTR_POLICY, name)
 

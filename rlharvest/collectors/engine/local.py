@@ -16,16 +16,17 @@ from ...config import resolve_devices
 from ...envs.factory import close_env, make_env
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
-from ...rollout import LocalTrajectoryCounter, Rollout
+from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
 from ...weight_update.strategy import copy_weights_, weights_of
 from ..options.local import LocalOptions
-from . import checkpoint
 from .broadcast import argument_sets
+from .checkpoint import LocalCheckpoint
 from ._model_paths import resolve_env_transform_path
-from .local_setup import check_env_options, compile_policy, round_frames_per_batch, rollout_settings
+from .local_setup import check_env_options, compile_policy
 from .output import BatchOutput
 from .progress import ProgressMeter
 from .running import ThreadRun
+from .state import Lifecycle, Tally
 from .stats import StatsSnapshot, check_view
 from .weights import WeightPublisher
 
@@ -40,37 +41,36 @@ class LocalEngine:
         face: the public collector (held weakly; attribute paths given as weights resolve on it).
     """
 
-    def __init__(self, options: LocalOptions, face: Any) -> None:
-        self.name = type(face).__name__
+    def __init__(self, options: LocalOptions, face: object) -> None:
+        self.life = Lifecycle(type(face).__name__)  # closed until construction succeeds
+        self.name = self.life.name
         self._face = weakref.ref(face)
         self.options = options
         self.config = config = options.config
-        self.closed = True  # until construction succeeds
-        self.frames, self.iter = 0, -1
-        self.iteration_started = False
+        self.tally = Tally(config)
         self.profile_config: ProfileConfig | None = None
-        #: ``(seed, static_seed, next seed)`` of the last ``set_seed`` (a checkpoint keeps the seed chain)
-        self.seed_chain: tuple | None = None
         self.extra_checks: tuple = ()
         self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
                                       "post_collect_hook": unwrap(config.post_collect_hook)}
         self.progress = ProgressMeter()
-        self.weights = WeightPublisher(self, self.progress, config.track_policy_version)
+        self.weights = WeightPublisher(self, self.progress, config.track_policy_version, self.resolve)
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
         self._served = served is not None
         self._setup_policy(served if served is not None else options.policy, options.policy_factory)
         check_env_options(config, self.env)
-        self.frames_per_batch = round_frames_per_batch(config, self.env_batch)
+        settings = RolloutSettings.of(config, self.env, self.devices())
         counter = options.trajectory_counter or LocalTrajectoryCounter()
-        self.rollout = Rollout(self.env, self.policy, rollout_settings(config, self.env, self.frames_per_batch, self.devices()), counter)
+        self.rollout = Rollout(self.env, self.policy, settings, counter)
         if served is not None:
             served.connect(self.env, self.rollout.root)
         self.output = BatchOutput(config, private_copy=self.rollout.settings.use_buffers and not config.return_same_td)
         compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
-        self.closed = False
+        self.checkpoint = LocalCheckpoint(self.env, self.rollout, lambda: self.policy, self.tally, self.weights,
+                                          self.output, config, lambda: self.frames_per_batch, self.where())
+        self.life.closed = False
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, face)
         self._init_sender_schemes(options.weight_sync_schemes)
@@ -117,6 +117,11 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ what the face reads
     @property
+    def frames_per_batch(self) -> int:
+        """Frames of each batch: the rollout's time steps times the envs stepped at once."""
+        return self.rollout.settings.time_steps * self.env_batch
+
+    @property
     def requested_frames_per_batch(self) -> int:
         return self.frames_per_batch
 
@@ -128,11 +133,6 @@ class LocalEngine:
     def policy_lock(self):
         return self.rollout.policy_lock
 
-    def check_open(self, action: str) -> None:
-        """Raises: RuntimeError naming ``action`` once the collector is shut down."""
-        if self.closed:
-            raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
-
     def is_running(self) -> bool:
         return self.thread_run.is_running()
 
@@ -143,9 +143,6 @@ class LocalEngine:
         return split
 
     # ------------------------------------------------------------------ iteration
-    def reached_total(self) -> bool:
-        return not self.config.endless and self.frames >= self.config.total_frames
-
     def num_batches(self) -> int:
         """Raises: RuntimeError for an endless collector."""
         if self.config.endless:
@@ -155,22 +152,22 @@ class LocalEngine:
 
     def iterate(self) -> Iterator[TensorDictBase | None]:
         for batch in self._batches():
-            self.progress.record(self.frames, batch, self.weights.policy_version)
+            self.progress.record(self.tally.frames, batch, self.weights.policy_version)
             yield batch
 
     def _batches(self) -> Iterator[TensorDictBase | None]:
-        self.iteration_started = True
+        self.life.started = True
         buffer = self.config.replay_buffer
         output = self.output
         trajectories = output.trajectories
-        while not self.reached_total():
+        while not self.tally.reached_total():
             if self.thread_run.should_stop():
                 return
             pre = self.hooks["pre_collect_hook"]
             if pre is not None:
                 pre()
             batch = self.rollout_batch()
-            self.frames += self._batch_frames(batch)
+            self.tally.frames += self._batch_frames(batch)
             post = self.hooks["post_collect_hook"]
             if buffer is not None and (not self.config.return_same_td or trajectories is not None):
                 self._write_buffer(buffer, batch, hook=post)
@@ -181,10 +178,10 @@ class LocalEngine:
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
         """One raw batch (no postproc): the unit of work of a worker."""
-        self.iteration_started = True
-        self.iter += 1
+        self.life.started = True
+        self.tally.iter += 1
         if random is None:
-            random = self.config.in_random_phase(self.frames)
+            random = self.tally.random_phase()
         if self.config.reset_at_each_iter and self.rollout.stepped_since_reset:
             self.rollout.reset()
         hook = self._between_steps()
@@ -199,7 +196,7 @@ class LocalEngine:
         if pre is not None:
             pre()
         batch = self.rollout_batch(random)
-        self.frames += self._batch_frames(batch)
+        self.tally.frames += self._batch_frames(batch)
         post = self.hooks["post_collect_hook"]
         if post is not None:
             post(batch)
@@ -250,7 +247,6 @@ class LocalEngine:
         that re-split its batch (docs/elastic.md, "Autoscaling"); returns the frames it will collect."""
         rounded = -(-int(frames) // self.env_batch) * self.env_batch
         if rounded != self.frames_per_batch:
-            self.frames_per_batch = rounded
             self.rollout.resize(rounded // self.env_batch)
         return rounded
 
@@ -293,25 +289,21 @@ class LocalEngine:
                 return model
         return resolve_attr_path(self._face(), model_id)
 
-    def update_local_policy(self, value: Any) -> None:
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
         if value is None:
             source = self.weight_source
             if source is None or source is self.policy or not isinstance(source, torch.nn.Module):
-                self.weights.increment()
+                weights.increment()
                 return
             value = source
-        self.copy_into_local_policy(self.weights.weights_from_value(value))
-        self.weights.increment()
+        self.copy_into_local_policy(weights.weights_from_value(value))
+        weights.increment()
 
     def copy_into_local_policy(self, weights: TensorDictBase) -> None:
         if not isinstance(self.policy, torch.nn.Module):
             return
         with self.rollout.policy_lock:
             copy_weights_(weights_of(self.policy), weights)
-
-    def after_weights_sent(self, model_ids: list[str]) -> None:
-        if "policy" in model_ids:
-            self.weights.increment()
 
     def on_version_bump(self, version: int) -> None:
         self.rollout.policy_version = version
@@ -358,7 +350,7 @@ class LocalEngine:
     def set_seed(self, seed: int, static_seed: bool) -> int:
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
-        self.seed_chain = (seed, bool(static_seed), out)
+        self.checkpoint.seed_chain = (seed, bool(static_seed), out)
         self.rollout.reset()
         if self.output.trajectories is not None:
             self.output.trajectories.drop_in_flight()  # those episodes will never end
@@ -386,11 +378,11 @@ class LocalEngine:
         # under the policy's lock too: a receiver may swap weights in (and move the version) from its
         # own thread (swaps_between_steps), and a checkpoint holds one version's weights with its number
         with self.thread_run.at_batch_boundary(), self.rollout.policy_lock:
-            return checkpoint.local_state(self, env_state)
+            return self.checkpoint.state(env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool) -> None:
         with self.rollout.policy_lock:
-            checkpoint.load_local_state(self, state_dict, strict)
+            self.checkpoint.load(state_dict, strict)
 
     # ------------------------------------------------------------------ hooks, attributes, profiling
     def set_hook(self, name: str, hook: Any) -> None:
@@ -426,11 +418,11 @@ class LocalEngine:
         self.profile_config = None
 
     # ------------------------------------------------------------------ stats
-    def stats(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
+    def snapshot(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
         check_view(workers)
         return StatsSnapshot(
-            frames=self.frames, batches=self.iter + 1,
-            total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
+            frames=self.tally.frames, batches=self.tally.batches,
+            total_frames=None if self.config.endless else self.config.total_frames, completed=self.tally.reached_total(),
             requested_frames_per_batch=self.frames_per_batch, policy_version=self.weights.policy_version,
             progress=self.progress.stats(), times=self.time_split())
 
@@ -441,7 +433,7 @@ class LocalEngine:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")
-        self.iteration_started = True
+        self.life.started = True
         self.thread_run.start()
 
     @contextlib.contextmanager
@@ -453,9 +445,9 @@ class LocalEngine:
 
     def shutdown(self, timeout: float | None = None, close_env_too: bool = True, raise_on_error: bool = True) -> None:
         """Stop the background thread, the profiler, and close the env (idempotent)."""
-        if self.closed:
+        if self.life.closed:
             return
-        self.closed = True
+        self.life.closed = True
         try:
             self.thread_run.stop(timeout)
             if self.profiler is not None:
@@ -471,4 +463,4 @@ class LocalEngine:
     def describe(self) -> str:
         total = "endless" if self.config.endless else self.config.total_frames
         return (f"{self.name}(frames_per_batch={self.frames_per_batch}, total_frames={total}, "
-                f"frames={self.frames})")
+                f"frames={self.tally.frames})")

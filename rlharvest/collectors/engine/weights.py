@@ -2,8 +2,7 @@
 legacy ``weight_updater`` and policy versions, once for every collector (docs/weights.md).
 
 What differs between engines is where the weights go when no scheme carries them (a policy in this
-process, a policy server) and when a version is counted: an engine hands the publisher a
-:class:`WeightOwner` saying so.
+process, a policy server, none): an engine hands the publisher a :class:`LocalPolicy` saying so.
 """
 
 from __future__ import annotations
@@ -16,12 +15,13 @@ import torch
 from tensordict import TensorDictBase
 
 from ..._utils import user_stacklevel
+from ...weight_update.context import ReceiverContext
 from ...weight_update.schemes import WeightSyncScheme
 from ...weight_update.strategy import weights_of
-from ...weight_update.updaters import WeightUpdaterBase
+from ...weight_update.updaters import UpdaterHost, WeightUpdaterBase
 from .progress import ProgressMeter
 
-__all__ = ["WeightOwner", "WeightPublisher", "merge_weight_arguments"]
+__all__ = ["LocalPolicy", "NO_LOCAL_POLICY", "WeightPublisher", "merge_weight_arguments", "has_weights"]
 
 
 def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kwargs: dict) -> Any:
@@ -49,37 +49,52 @@ def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kw
     return None
 
 
-class WeightOwner(Protocol):
-    """What the publisher asks of the engine it belongs to."""
+class LocalPolicy(Protocol):
+    """Where weights go when no scheme carries them: the policy an engine runs itself (``Collector``), a
+    policy served to env workers (``AsyncBatchedCollector``), or none (:data:`NO_LOCAL_POLICY`)."""
 
-    def update_local_policy(self, value: Any) -> None:
-        """No scheme and no updater: bring the policy this engine runs itself up to date."""
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
+        """No scheme and no updater: bring the policy up to date from ``value`` (None: its own source)
+        and count the version in ``weights``."""
 
     def copy_into_local_policy(self, weights: TensorDictBase) -> None:
-        """Copy ``weights`` into the policy this engine runs itself (``receive_weights``)."""
-
-    def after_weights_sent(self, model_ids: list[str]) -> None:
-        """Schemes delivered ``model_ids``: count the version where this engine counts it."""
+        """Copy ``weights`` into the policy (``receive_weights``)."""
 
     def on_version_bump(self, version: int) -> None:
         """Reflect a new version where rollouts stamp it."""
 
-    def resolve(self, path: str) -> Any:
-        """An attribute path on the collector (weights given as a string)."""
+
+class _NoLocalPolicy:
+    """A collector whose policy runs only in its workers: nothing to copy, versions still move."""
+
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
+        weights.version += 1  # a parameter-free policy: nothing to send, versions still move
+
+    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
+        """The workers' policies take weights through the schemes only."""
+
+    def on_version_bump(self, version: int) -> None:
+        """Workers count their own versions."""
+
+
+NO_LOCAL_POLICY: LocalPolicy = _NoLocalPolicy()
 
 
 class WeightPublisher:
     """Versions, schemes and the legacy updater of one collector.
 
     Args:
-        owner: the engine (what differs per engine, :class:`WeightOwner`).
+        local: where weights go when no scheme carries them (:class:`LocalPolicy`).
         progress: where update latencies are recorded (``stats()``: ``weight_sync_s_*``).
         version_tracker: ``track_policy_version``: False/None (untracked), True, or an object with
             ``version`` and ``increment_version()``.
+        resolve: the object at an attribute path of the collector (weights given as a string).
     """
 
-    def __init__(self, owner: WeightOwner, progress: ProgressMeter, version_tracker: Any = None) -> None:
-        self.owner = owner
+    def __init__(self, local: LocalPolicy, progress: ProgressMeter, version_tracker: Any = None,
+                 resolve: Callable[[str], Any] | None = None) -> None:
+        self.local = local
+        self.resolve = resolve
         self.progress = progress
         self.version_tracker = version_tracker or None
         self.version = 0
@@ -114,14 +129,14 @@ class WeightPublisher:
                 raise RuntimeError(f"The policy-version tracker {tracker!r} has no increment_version().")
             tracker.increment_version()
         self.version += 1
-        self.owner.on_version_bump(self.version)
+        self.local.on_version_bump(self.version)
 
     def set_version(self, version: int) -> None:
         self.version = int(version)
-        self.owner.on_version_bump(self.version)
+        self.local.on_version_bump(self.version)
 
     # ------------------------------------------------------------------ legacy updater
-    def set_updater(self, value: Any, collector: Any) -> None:
+    def set_updater(self, value: Any, collector: UpdaterHost) -> None:
         """Install a legacy updater (an instance or a constructor of one), registered with ``collector``.
 
         Raises:
@@ -171,13 +186,14 @@ class WeightPublisher:
                                f"Available models: {sorted(schemes)}")
             for mid, entry in work.items():
                 schemes[mid].send(weights=entry, worker_ids=worker_ids)
-            self.owner.after_weights_sent(list(work))
+            if "policy" in work:  # workers bumped their own versions when they applied it: ours moves here
+                self.increment()
             return
         if weights_dict is not None:
             value = weights_dict.get("policy")
         elif model_id not in (None, "policy"):
             return
-        self.owner.update_local_policy(value)
+        self.local.update_local_policy(value, self)
 
     def weights_from_value(self, value: Any) -> TensorDictBase:
         """The weights ``value`` stands for (a module, weights, or an attribute path on the collector).
@@ -186,7 +202,9 @@ class WeightPublisher:
             ValueError: for per-worker weights, which only a per-worker scheme takes.
         """
         if isinstance(value, str):
-            value = self.owner.resolve(value)
+            if self.resolve is None:
+                raise ValueError(f"Cannot resolve weights path {value!r} without a collector.")
+            value = self.resolve(value)
         if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
             raise ValueError("Per-worker weights ({worker_idx: weights}) need a SharedMemWeightSyncScheme "
                              "with per_worker_weights=True.")
@@ -207,9 +225,9 @@ class WeightPublisher:
                 scheme.receive()
             return
         if value is not None:
-            self.owner.copy_into_local_policy(self.weights_from_value(value))
+            self.local.copy_into_local_policy(self.weights_from_value(value))
 
-    def register_receivers(self, schemes: dict[str, WeightSyncScheme], context: Any, worker_idx: int | None,
+    def register_receivers(self, schemes: dict[str, WeightSyncScheme], context: ReceiverContext, worker_idx: int | None,
                            synchronize: bool) -> None:
         """Register schemes through which the collector receives weights from a parent.
 
@@ -269,5 +287,7 @@ class WeightPublisher:
                 scheme.shutdown()
 
 
-def is_module(value: Any) -> bool:
-    return isinstance(value, torch.nn.Module)
+def has_weights(policy: Any) -> bool:
+    """Whether ``policy`` is a module with parameters or buffers (something a weight update changes)."""
+    return isinstance(policy, torch.nn.Module) and (
+        any(True for _ in policy.parameters()) or any(True for _ in policy.buffers()))

@@ -181,7 +181,7 @@ def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on d
         assert collector.worker_idx is None  # None at the top level, as TorchRL documents
     finally:
         collector.async_shutdown()
-    assert engine_of(collector).closed
+    assert engine_of(collector).life.closed
 
 
 def test_enable_profile_on_nodes(tmp_path):  # docs/torchrl-compatibility.md, "enable_profile on distributed collectors"
