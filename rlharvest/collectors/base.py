@@ -21,6 +21,7 @@ from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
 from ..worker import ParentDuties
 from ._dispatch import construct, register
+from .engine.events import FleetEvents
 from .engine.weights import merge_weight_arguments
 
 __all__ = ["BaseCollector"]
@@ -342,6 +343,12 @@ class BaseCollector(IterableDataset):
             0
         """
         return self._open("stats()").stats(workers, timeout).as_dict(workers)
+
+    @property
+    def events(self) -> FleetEvents:
+        """What happened to the workers, in order: restarts, preemptions, joins, adds, removes, autoscaling
+        decisions (``events.since(seq)``, ``events.counts()``; docs/restarts.md, "Watching a run")."""
+        return self._engine.events
 
     def time_split(self) -> dict[str, float]:
         """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),

@@ -4,12 +4,16 @@ replaced or added, shutdown) through :class:`EngineExtra`'s methods, all no-ops 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...transport.join_keys import JoinKey, join_argv
+from .events import EventKind
 
 
 __all__ = ["EngineExtra", "ExternalJoins", "RPCReferences"]
+
+_log = logging.getLogger("rlharvest")
 
 
 class EngineExtra:
@@ -80,6 +84,8 @@ class ExternalJoins(EngineExtra):
         rejoined = joins.joined(sorted(requests.retired))
         for worker in rejoined:
             fleet.renew(worker)
+            fleet.events.publish(EventKind.JOIN, f"a node joined empty slot {worker}", workers=(worker,),
+                                 logger=_log)
         return rejoined
 
     def after_stop(self) -> None:
