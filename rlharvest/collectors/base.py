@@ -23,6 +23,7 @@ from ..worker import ParentDuties
 from ._dispatch import construct, register
 from .engine.contract import EngineOptions
 from .engine.engine import CollectionEngine
+from .engine.events import FleetEvents
 from .engine.local import LocalEngine
 from .options.local import LocalOptions
 from .engine.weights import merge_weight_arguments
@@ -347,6 +348,12 @@ class BaseCollector(IterableDataset):
             0
         """
         return self._open("stats()").snapshot(workers, timeout).as_dict(workers)
+
+    @property
+    def events(self) -> FleetEvents:
+        """What happened to the workers, in order: restarts, preemptions, joins, adds, removes, autoscaling
+        decisions (``events.since(seq)``, ``events.counts()``; docs/restarts.md, "Watching a run")."""
+        return self._engine.events
 
     def time_split(self) -> dict[str, float]:
         """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),

@@ -35,6 +35,7 @@ from ...protocol import Command
 from .broadcast import WorkerBroadcast
 from .checkpoint import FleetCheckpoint
 from .contract import EngineOptions, WorkerSetup
+from .events import EventKind, FleetEvents
 from .extras import EngineExtra, ExternalJoins
 from .fleet import Fleet, Replacement
 from .legacy import LegacyStaging
@@ -100,6 +101,8 @@ class CollectionEngine:
                                       "post_collect_hook": config.post_collect_hook}
         self.profile_config: ProfileConfig | None = None
         self.progress = ProgressMeter()
+        #: what happened to the fleet (restarts, joins, leaves, autoscaling): log, stats and monitor read it
+        self.events = FleetEvents()
         self.backend = options.build_backend()
         #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
         self.server = options.served_policy(self.backend)
@@ -111,10 +114,10 @@ class CollectionEngine:
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.ids = options.trajectory_ids()
         self.output = BatchOutput(config, assembles=options.assembles_trajectories)
-        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy.of(config, noun),
+        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy.of(config, noun, self.events),
                            Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                        _weakly(self._after_replacement), _weakly(self._after_leave)),
-                           on_collect=self.figures.sent)
+                           on_collect=self.figures.sent, events=self.events)
         self.receiving = Receiving()
         refused = None if gathering.stands_still else f"{self.life.name} pushes weights every update_interval batches by itself."
         self.updates = WeightUpdates(
@@ -162,7 +165,7 @@ class CollectionEngine:
                            add=_weakly(self._scaled_add), grow=_weakly(self._joined_grow),
                            remove=_weakly(self._scaled_remove), requested=lambda: self.options.requested_frames,
                            share=options.frames_share, backend_options=options.scaled_backend_options,
-                           env_fn=options.env_fns[0], joins=joins, sync=sync)
+                           env_fn=options.env_fns[0], joins=joins, events=self.events, sync=sync)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -206,6 +209,8 @@ class CollectionEngine:
                     raise self.server.setup_error() from err  # the policy's or the env's own error
             raise
         self.life.closed = False
+        self.events.publish(EventKind.START, f"{self.life.name} started {options.num_workers} {options.noun}s",
+                            workers=tuple(range(options.num_workers)))
         for extra in self.extras:
             extra.after_start()
         if self.scaler is not None:
@@ -477,6 +482,7 @@ class CollectionEngine:
                 self.server.stop()
             self.weights.shutdown()
             _LIVE.discard(self)
+            self.events.publish(EventKind.SHUTDOWN, f"{self.life.name} shut down")
 
     def describe(self) -> str:
         return f"{self.life.name}(num_workers={len(self.fleet) or self.options.num_workers}, frames={self.tally.frames})"

@@ -5,14 +5,18 @@ all no-ops by default."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from ...transport.join_keys import JoinKey, join_argv
 from ...transport.torchdist_join import JoinService
+from .events import EventKind
 from .fleet import Fleet
 from .state import Lifecycle
 
 __all__ = ["EngineExtra", "ExternalJoins", "RPCReferences", "JoiningBackend", "JoinAddress"]
+
+_log = logging.getLogger("rlharvest")
 
 
 class EngineExtra:
@@ -118,6 +122,8 @@ class ExternalJoins(EngineExtra):
         rejoined = joins.joined(sorted(requests.retired))
         for worker in rejoined:
             self.fleet.renew(worker)
+            self.fleet.events.publish(EventKind.JOIN, f"a node joined empty slot {worker}", workers=(worker,),
+                                      logger=_log)
         return rejoined
 
     # ------------------------------------------------------------------ slots the autoscaler opens

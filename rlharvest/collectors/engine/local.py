@@ -21,6 +21,7 @@ from ...weight_update.strategy import copy_weights_, weights_of
 from ..options.local import LocalOptions
 from .broadcast import argument_sets
 from .checkpoint import LocalCheckpoint
+from .events import FleetEvents
 from ._model_paths import resolve_env_transform_path
 from .local_setup import check_env_options, compile_policy
 from .output import BatchOutput
@@ -53,6 +54,7 @@ class LocalEngine:
         self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
                                       "post_collect_hook": unwrap(config.post_collect_hook)}
         self.progress = ProgressMeter()
+        self.events = FleetEvents()  # one process, no fleet: nothing is published (the monitor reads it alike)
         self.weights = WeightPublisher(self, self.progress, config.track_policy_version, self.resolve)
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready

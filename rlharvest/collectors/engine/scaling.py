@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ...protocol import Command
 from ..options.autoscale import Autoscale
 from .autoscale import Autoscaler
+from .events import FleetEvents
 from .extras import ExternalJoins
 from .fleet import Fleet
 from .state import Lifecycle, Tally
@@ -55,6 +56,7 @@ class FleetScaler:
         backend_options: what the backend needs of ``count`` workers the autoscaler adds.
         env_fn: the env constructor of the first slot (``Autoscale.env_fn`` otherwise).
         joins: nodes that join from anywhere (``launcher="external"``), or None.
+        events: where the autoscaler's decisions are published (and logged).
         sync: whether every batch holds one rollout of every worker.
         clock: seconds, for the learner's wait and work.
     """
@@ -63,7 +65,8 @@ class FleetScaler:
                  add: Callable[[list, Any], None], grow: Callable[[list], None],
                  remove: Callable[[list[int]], None], requested: Callable[[], int], share: Callable[[int], int],
                  backend_options: Callable[[int], Any], env_fn: Callable, joins: ExternalJoins | None = None,
-                 sync: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+                 events: FleetEvents | None = None, sync: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.fleet = fleet
         self.figures = figures
@@ -75,6 +78,7 @@ class FleetScaler:
         self.backend_options = backend_options
         self.env_fn = config.env_fn if config.env_fn is not None else env_fn
         self.joins = joins
+        self.events = events
         self.sync = sync
         self._clock = clock
         self.controller: Autoscaler | None = None
@@ -91,7 +95,7 @@ class FleetScaler:
         """Once the engine's workers are started: the controller (with the join command where nodes join)."""
         command = self.joins.command() if self.joins is not None else None
         config = self.config if command is None else dataclasses.replace(self.config, on_scale=self._on_scale)
-        self.controller = Autoscaler(config, self, sync=self.sync, join_command=command)
+        self.controller = Autoscaler(config, self, sync=self.sync, join_command=command, events=self.events)
 
     # ------------------------------------------------------------------ ScalingTarget
     def active_workers(self) -> list[int]:
