@@ -143,7 +143,8 @@ class RayCollector(BaseCollector, dispatch="ray"):
 
     def _build(self, options: RayOptions) -> None:
         ensure_ray(options.ray_init_config)
-        self._engine = CollectionEngine.started(options, self)
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
 
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property

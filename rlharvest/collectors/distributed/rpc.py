@@ -121,7 +121,8 @@ class RPCCollector(BaseCollector, dispatch="rpc"):
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
     def _build(self, options: RPCOptions) -> None:
-        self._engine = CollectionEngine.started(options, self)
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
 
     worker_pids = _workers.worker_pids
     num_workers = _workers.num_workers

@@ -95,7 +95,8 @@ class DistributedSyncCollector(BaseCollector):
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
     def _build(self, options: TorchDistOptions) -> None:
-        self._engine = CollectionEngine.started(options, self)
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
 
     worker_pids = _workers.worker_pids
     num_workers = _workers.num_workers

@@ -1,14 +1,19 @@
 """The engine behind every public collector, and its parts (docs/architecture.md).
 
-* ``local.py``: :class:`LocalEngine`, the rollout loop in this process (``Collector``).
+* ``local.py``: :class:`LocalEngine`, the rollout loop in this process (``Collector``), its weights
+  (``local_weights.py``).
 * ``engine.py``: :class:`CollectionEngine`, every collector with workers, whatever the backend; it wires
   the parts, each given only its collaborators: the fleet (``fleet.py``, ``requests.py``,
-  ``restarts.py``), the loop of batches (``loops.py``, ``gather.py``), the broadcast (``broadcast.py``),
-  the weights (``weights.py``, ``updates.py``, ``schedule.py``, ``legacy.py``), membership
-  (``membership.py``, ``sizes.py``, ``extras.py``), trajectory ids (``traj_ids.py``), background runs
-  (``running.py``, ``pushed.py``), a policy served here (``served.py``), checkpoints (``checkpoint.py``)
-  and ``stats()`` (``stats.py``, ``progress.py``, ``worker_figures.py``); what several share is in
-  ``state.py``, what it reads of its options is ``contract.py``.
+  ``restarts.py``, ``events.py``), the loop of batches (``loops.py``, ``gather.py``), the calls asked of
+  every worker (``broadcast.py``), the weights (``weights.py``, ``updates.py``, ``schedule.py``,
+  ``legacy.py``), membership (``membership.py``, ``extras.py``), trajectory ids (``traj_ids.py``),
+  background runs (``running.py``, ``pushed.py``), a policy served here (``served.py``), autoscaling
+  (``scaling.py``, ``autoscale.py``), checkpoints (``checkpoint.py``) and ``stats()`` (``stats.py``,
+  ``progress.py``, ``worker_figures.py``). What several parts share (the counters, whether the collector
+  is open, what a batch holds) is ``state.py``; what the engine reads of its options, ``contract.py``.
+
+A face calls the same parts on either engine: ``updates``, ``calls``, ``background``, ``stats``,
+``sizes``, ``weights``, ``output``, ``tally``, ``life``, ``hooks``, ``events``.
 
 The engine knows nothing of TorchRL's class names: the public classes (``collectors/*.py``,
 ``collectors/distributed/*.py``) are faces that build one from their typed options.

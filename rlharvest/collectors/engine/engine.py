@@ -8,7 +8,7 @@ The engine wires the parts and owns their lifetimes; each part is given, typed, 
   :class:`~.output.BatchOutput` (post-processing, replay buffer, complete trajectories);
 * the :class:`~.weights.WeightPublisher` (schemes, legacy updater, versions) and the
   :class:`~.updates.WeightUpdates` (updates that meet failed workers, automatic pushes);
-* the :class:`~.membership.Membership` (workers that join and leave) and the :class:`~.sizes.BatchSizes`,
+* the :class:`~.membership.Membership` (workers that join and leave) and the :class:`~.state.BatchSizes`,
   the :class:`~.running.Background` (``start()``), the :class:`~.checkpoint.FleetCheckpoint` and the
   :class:`~.stats.FleetStats`; what its backend adds (``extras.py``, ``served.py``, ``scaling.py``).
 
@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 from tensordict import TensorDictBase
 
 from ..._utils import resolve_attr_path
+from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
 from ...protocol import Command
@@ -38,6 +39,7 @@ from .contract import EngineOptions, WorkerSetup
 from .events import EventKind, FleetEvents
 from .extras import EngineExtra, ExternalJoins
 from .fleet import Fleet, Replacement
+from .gather import Gathering
 from .legacy import LegacyStaging
 from .loops import LoopParts
 from .membership import Membership
@@ -47,9 +49,8 @@ from .pushed import Receiving
 from .restarts import RestartPolicy
 from .running import Background
 from .scaling import FleetScaler
-from .sizes import BatchSizes
-from .state import Lifecycle, Tally
-from .stats import FleetStats, StatsSnapshot
+from .state import BatchSizes, Lifecycle, Tally
+from .stats import FleetStats
 from .updates import WeightUpdates
 from .weights import NO_LOCAL_POLICY, WeightPublisher
 from .worker_figures import WorkerFigures
@@ -119,9 +120,12 @@ class CollectionEngine:
                                        _weakly(self._after_replacement), _weakly(self._after_leave)),
                            on_collect=self.figures.sent, events=self.events)
         self.receiving = Receiving()
+        #: the calls asked of every worker (their in-flight rollouts answered first: the loop drains them)
+        self.calls = WorkerBroadcast(self.fleet, lambda: self.loop.drain(), noun,
+                                     self.server.policy if self.server is not None else None)
         refused = None if gathering.stands_still else f"{self.life.name} pushes weights every update_interval batches by itself."
         self.updates = WeightUpdates(
-            self.weights, self.fleet, options.pushes, self.receiving, self.life, self.backend.weight_links,
+            self.weights, self.fleet, self.calls, options.pushes, self.receiving, self.life, self.backend.weight_links,
             self.weights.resolve, policy=options.policy,
             fallback_factories=options.policy_factories if options.factory_fallback else None,
             worker_idx=config.worker_idx, refused=refused, num_workers=options.num_workers)
@@ -130,32 +134,36 @@ class CollectionEngine:
         self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life)
         #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
         self.scaler = self._scaler(options, gathering.sync)
-        fleet = self.fleet
-        self.sizes = BatchSizes(lambda: self.options.requested_frames,
-                                self.scaler.frames_of if self.scaler is not None else options.frames_share,
-                                lambda: fleet.active, gathering.sync, self.tally)
+        self._compose_batches(options, gathering)
+        #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
+        self.legacy = LegacyStaging(self.weights, self.updates.get_model, config, self.fleet)
+        #: what the workers' specs were built with (``add_collectors`` builds more)
+        self.setup: WorkerSetup | None = None
+
+    def _compose_batches(self, options: EngineOptions, gathering: Gathering) -> None:
+        """The parts around the batches: their sizes, the loop the options chose, running free, who
+        collects, checkpoints and ``stats()``."""
+        fleet, config, noun = self.fleet, options.config, options.noun
+        self.sizes = BatchSizes(self.tally, lambda: self.options.requested_frames, sync=gathering.sync,
+                                share=self.scaler.frames_of if self.scaler is not None else options.frames_share,
+                                active=lambda: fleet.active)
         self.loop = gathering.loop(LoopParts(
             fleet=fleet, tally=self.tally, progress=self.progress, figures=self.figures, ids=self.ids,
             output=self.output, config=config, sizes=self.sizes, pacing=self.updates,
             between_batches=_weakly(self._between_batches), hooks=self.hooks,
             policy_error=self.server.policy_error if self.server is not None else lambda: None,
             workers_write_buffer=options.workers_write_buffer))
-        self.broadcast = WorkerBroadcast(fleet, self.loop.drain, noun)
         self.background = Background(options.free_run, self.loop, fleet, self.receiving, config, self.iterate,
                                      self.life, noun)
-        self.membership = Membership(fleet, self.loop, self.broadcast, self.weights, self.schedule, self.ids,
+        self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
                                      self.scaler, noun)
-        self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.broadcast, self.loop, self.weights,
+        self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
                                           config, self.sizes.frames_per_batch, self.ids, [self.schedule],
                                           self.server)
         self.stats = FleetStats(self.tally, self.progress, lambda: self.weights.policy_version,
-                                self.sizes.frames_per_batch, fleet, self.figures, self.broadcast, self.life,
+                                self.sizes.frames_per_batch, fleet, self.figures, self.calls, self.life,
                                 options.census, [*self.extras, *([self.scaler] if self.scaler is not None else [])])
-        #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
-        self.legacy = LegacyStaging(self.weights, self.updates.get_model, config, fleet)
-        #: what the workers' specs were built with (``add_collectors`` builds more)
-        self.setup: WorkerSetup | None = None
 
     def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:
@@ -168,13 +176,6 @@ class CollectionEngine:
                            env_fn=options.env_fns[0], joins=joins, events=self.events, sync=sync)
 
     # ------------------------------------------------------------------ construction
-    @staticmethod
-    def started(options: EngineOptions, face: object) -> CollectionEngine:
-        """An engine built from ``options`` for ``face``, its workers started (as :meth:`start`)."""
-        engine = CollectionEngine(options, face)
-        engine.start()
-        return engine
-
     def start(self) -> None:
         """Set the weights up, start the workers and wait for them (as the options say)."""
         options, fleet = self.options, self.fleet
@@ -218,7 +219,7 @@ class CollectionEngine:
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, self._face())
         if options.weight_recv_schemes is not None:
-            self.register_receivers(options.weight_recv_schemes)
+            self.updates.register_receivers(options.weight_recv_schemes)
 
     def _policy_version(self) -> int:
         return self.weights.version
@@ -229,17 +230,9 @@ class CollectionEngine:
 
     # ------------------------------------------------------------------ what the faces read
     @property
-    def config(self):
+    def config(self) -> CollectorConfig:
         """The collector's arguments now (they grow with ``add_collectors``)."""
         return self.options.config
-
-    @property
-    def closed(self) -> bool:
-        return self.life.closed
-
-    @property
-    def requested_frames_per_batch(self) -> int:
-        return self.sizes.frames_per_batch()
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
@@ -259,14 +252,6 @@ class CollectionEngine:
                 scaler.asked()
         if self.options.shutdown_after_total and self.tally.reached_total():  # TorchRL's Ray collector does so
             self.shutdown()
-
-    def num_batches(self) -> int:
-        """``len()``.
-
-        Raises:
-            RuntimeError: for an endless collector.
-        """
-        return self.sizes.num_batches()
 
     def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One batch for a parent collector (this engine's collector runs inside a node)."""
@@ -294,25 +279,6 @@ class CollectionEngine:
         """Raises: NotImplementedError: a node running workers of its own is not re-split (autoscaling
         refuses such nodes with ``sync=True`` at construction)."""
         raise NotImplementedError(f"{self.life.name} inside a node cannot change the frames of its batches.")
-
-    # ------------------------------------------------------------------ weights
-    def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
-                       weights_dict: dict | None) -> None:
-        self.updates.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
-
-    def increment_version(self) -> None:
-        """``increment_version()`` asked by the user: here and in every worker."""
-        self.weights.increment()
-        self.broadcast.increment_version()
-
-    def get_model(self, model_id: str) -> Any:
-        return self.updates.get_model(model_id)
-
-    def weight_links(self):
-        return self.backend.weight_links()
-
-    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
-        self.weights.register_receivers(schemes, self.updates, self.config.worker_idx, synchronize)
 
     # ------------------------------------------------------------------ failed workers (docs/restarts.md)
     def _before_replacement(self, worker: int) -> None:
@@ -378,7 +344,7 @@ class CollectionEngine:
         if not self.gathering.stands_still:
             raise NotImplementedError(f"{self.life.name} does not support set_seed (nodes run free).")
         self.loop.drop()
-        seed = self.broadcast.seed(self.fleet.active, seed, static_seed)
+        seed = self.calls.seed(self.fleet.active, seed, static_seed)
         if self.output.trajectories is not None:
             self.output.trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
@@ -386,39 +352,22 @@ class CollectionEngine:
     def reset(self, reset_idx: Sequence[bool] | None) -> None:
         if self.output.trajectories is not None:
             self.output.trajectories.flush()
-        self.broadcast.reset([w for w in self.fleet.active if reset_idx is None or reset_idx[w]])
-
-    def get_distant_attr(self, attr: str) -> list[Any]:
-        return self.broadcast.get_attr(attr)
-
-    def map_fn(self, method_name: str, list_of_args: Sequence | None, list_of_kwargs: Sequence | None) -> list[Any]:
-        return self.broadcast.map_fn(method_name, list_of_args, list_of_kwargs)
-
-    def cascade_execute(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
-        return self.broadcast.cascade(attr_path, args, kwargs)
+        self.calls.reset([w for w in self.fleet.active if reset_idx is None or reset_idx[w]])
 
     def set_hook(self, name: str, hook: Any) -> None:
         self.hooks[name] = hook
         if self.gathering.hooks_in_workers:
-            self.broadcast.set_hook(name, hook)
-
-    def getattr_policy(self, name: str) -> Any:
-        if self.server is not None:  # the policy lives here (AsyncBatchedCollector)
-            return getattr(self.server.policy, name)
-        return self.broadcast.getattr_policy(name)
-
-    def getattr_env(self, name: str) -> Any:
-        return self.broadcast.getattr_env(name)
+            self.calls.set_hook(name, hook)
 
     def enable_profile(self, config: ProfileConfig) -> None:
         self.profile_config = config
-        self.broadcast.enable_profile(config)
+        self.calls.enable_profile(config)
 
     def disable_profile(self) -> None:
-        self.broadcast.disable_profile()
+        self.calls.disable_profile()
         self.profile_config = None
 
-    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md), stats
+    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
     def state_dict(self, env_state: bool) -> dict:
         name = self.life.name
         if not self.gathering.stands_still:
@@ -436,22 +385,6 @@ class CollectionEngine:
             raise NotImplementedError(f"{self.life.name} has no load_state_dict: its nodes run free "
                                       "(docs/checkpoints.md).")
         self.checkpoint.load(state_dict)
-
-    def snapshot(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
-        return self.stats.snapshot(workers, timeout)
-
-    def time_split(self) -> dict[str, float]:
-        return dict(self.progress.seconds)
-
-    # ------------------------------------------------------------------ running free
-    def start_free(self) -> None:
-        self.background.start()
-
-    def pause(self) -> contextlib.AbstractContextManager:
-        return self.background.pause()
-
-    def is_running(self) -> bool:
-        return self.background.is_running()
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:

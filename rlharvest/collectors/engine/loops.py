@@ -24,8 +24,7 @@ from ...protocol import Command, Reply
 from .fleet import Fleet
 from .output import BatchOutput
 from .progress import ProgressMeter
-from .sizes import BatchSizes
-from .state import Tally
+from .state import BatchSizes, Tally
 from .traj_ids import TrajectoryIds
 from .worker_figures import WorkerFigures
 

@@ -17,8 +17,7 @@ from .broadcast import WorkerBroadcast
 from .extras import EngineExtra
 from .fleet import Fleet
 from .loops import BatchLoop
-from .sizes import BatchSizes
-from .state import Lifecycle
+from .state import BatchSizes, Lifecycle
 from .traj_ids import TrajectoryIds
 from .weights import WeightPublisher
 from .schedule import WeightSchedule

@@ -18,7 +18,7 @@ from .loops import BatchLoop
 from .pushed import PushedBatchReceiver, Receiving
 from .state import Lifecycle
 
-__all__ = ["Background", "FreeRun", "IN_A_THREAD", "WORKERS_WRITE", "PUSHED_TO_A_RECEIVER", "ThreadRun",
+__all__ = ["Background", "LocalRun", "FreeRun", "IN_A_THREAD", "WORKERS_WRITE", "PUSHED_TO_A_RECEIVER", "ThreadRun",
            "WorkersRun", "PushedRun"]
 
 
@@ -330,3 +330,41 @@ class Background:
                     return
                 except WorkerError as again:  # the replacement failed at once: one more failure
                     err = again
+
+
+class LocalRun:
+    """A ``Collector``'s background collection (``start()``): a thread of this process iterating into the
+    replay buffer until ``async_shutdown()``; it cannot pause, as TorchRL's ``Collector``.
+
+    Args:
+        thread_run: the thread.
+        config: the collector's arguments (its replay buffer).
+        life: the collector's name, and whether it started iterating.
+    """
+
+    def __init__(self, thread_run: ThreadRun, config: CollectorConfig, life: Lifecycle) -> None:
+        self.thread_run = thread_run
+        self.config = config
+        self.life = life
+
+    def is_running(self) -> bool:
+        return self.thread_run.is_running()
+
+    def start(self) -> None:
+        """Raises: RuntimeError without a replay buffer or when already running."""
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self.life.started = True
+        self.thread_run.start()
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Raises: NotImplementedError, as TorchRL's ``Collector`` (its background thread stops with
+        ``async_shutdown()``)."""
+        raise NotImplementedError(f"Collector pause() is not implemented for {self.life.name}.")
+        yield  # pragma: no cover
+
+    def stop(self, timeout: float | None) -> None:
+        self.thread_run.stop(timeout)

@@ -1,12 +1,17 @@
 """What several parts of one collector read and none owns alone: its counters against its budget
-(:class:`Tally`), and whether it is open (:class:`Lifecycle`). The engine makes one of each and hands
-it to the parts that read it (docs/architecture.md)."""
+(:class:`Tally`), whether it is open (:class:`Lifecycle`), and what its batches hold
+(:class:`BatchSizes`: the frames of one sync batch once workers joined or left, docs/elastic.md, and how
+many batches ``len()`` counts). The engine makes one of each and hands it to the parts that read it
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 from ...config import CollectorConfig
 
-__all__ = ["Tally", "Lifecycle"]
+__all__ = ["Tally", "Lifecycle", "BatchSizes"]
 
 
 class Tally:
@@ -75,3 +80,69 @@ class Lifecycle:
         """Raises: RuntimeError naming ``action`` once the collector is shut down."""
         if self.closed:
             raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
+
+
+class BatchSizes:
+    """The size of a collector's batches, as the workers collecting now make it.
+
+    Args:
+        tally: the frames and batches so far, against ``total_frames``.
+        requested: the ``frames_per_batch`` of a batch (read at each call: the options grow with the
+            workers, a ``Collector`` inside a node is resized).
+        sync: whether every batch holds one rollout of every worker (only then do workers that join or
+            leave change a batch's size).
+        share: ``share(worker)``: frames ``worker`` adds to every sync batch (the autoscaler's re-split
+            share, when it re-splits).
+        active: the indices of the workers collecting now.
+
+    Example:
+        >>> from rlharvest.config import CollectorConfig
+        >>> tally = Tally(CollectorConfig(frames_per_batch=8, total_frames=32))
+        >>> sizes = BatchSizes(tally, lambda: 8, sync=True, share=lambda worker: 4, active=lambda: [0, 1, 2])
+        >>> sizes.frames_per_batch(), sizes.num_batches()
+        (8, 4)
+        >>> sizes.resized()  # a third worker joined before the first batch: batches of 12 frames from now on
+        >>> sizes.frames_per_batch(), sizes.num_batches()
+        (12, 3)
+    """
+
+    def __init__(self, tally: Tally, requested: Callable[[], int], *, sync: bool = False,
+                 share: Callable[[int], int] | None = None, active: Callable[[], list[int]] | None = None) -> None:
+        self.tally = tally
+        self.requested = requested
+        self.sync = sync
+        self.share = share if share is not None else (lambda worker: requested())
+        self.active = active if active is not None else list
+        #: ``(batches, frames)`` when the workers of a sync collection changed: ``len()`` counts batches
+        #: of the former size up to there
+        self.resize_point: tuple[int, int] | None = None
+
+    def frames_per_batch(self) -> int:
+        """Frames of the next batch: the user's ``frames_per_batch``, or once workers joined or left a
+        sync collection, the shares of the current workers."""
+        if self.sync and self.resize_point is not None:
+            return sum(self.share(worker) for worker in self.active())
+        return self.requested()
+
+    def resized(self) -> None:
+        """The workers of a sync collection changed: batches hold the current workers' shares from the
+        next batch on, and ``len()`` counts the batches of the former size so far."""
+        if self.sync:
+            self.resize_point = (self.tally.iter + 1, self.tally.frames)
+
+    def num_batches(self) -> int:
+        """``len()``: the batches to ``total_frames`` (of the former sizes so far, then of the current one).
+
+        Raises:
+            RuntimeError: for an endless collector.
+        """
+        config = self.tally.config
+        if config.endless:
+            raise RuntimeError(f"Non-terminating collector (total_frames={config.total_frames}): len() is "
+                               "undefined.")
+        point = self.resize_point
+        if point is None:
+            return config.num_batches(self.requested())
+        batches, frames = point
+        remaining = max(0, config.total_frames - frames)
+        return batches + math.ceil(remaining / self.frames_per_batch())

@@ -19,7 +19,7 @@ from .progress import ProgressMeter
 from .state import Lifecycle, Tally
 from .worker_figures import WorkerFigures
 
-__all__ = ["StatsSnapshot", "StatsSource", "WORKER_VIEWS", "FleetStats", "WorkerCensus", "ASKED_WHEN_VIEWED",
+__all__ = ["StatsSnapshot", "StatsSource", "WORKER_VIEWS", "FleetStats", "LocalStats", "WorkerCensus", "ASKED_WHEN_VIEWED",
            "ASKED_EVERY_TIME", "check_view", "check_timeout"]
 
 #: what ``stats(workers=...)`` accepts
@@ -199,3 +199,43 @@ class FleetStats:
         for source in self.sources:
             snapshot.extra.update(source.stats())
         return snapshot
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds per part of collection (the workers' env and policy seconds come with their replies)."""
+        return dict(self.progress.seconds)
+
+
+class LocalStats:
+    """The snapshot of a ``Collector``: its counters and progress, and where its rollouts' time goes.
+
+    Args:
+        tally: frames and batches so far, against ``total_frames``.
+        progress: throughput, lag, weight-update latency and where the time goes.
+        version: the current policy version when tracked, else None.
+        frames_per_batch: the frames of its batches.
+        rollout_seconds: the seconds its rollouts spent in the env and in the policy.
+    """
+
+    def __init__(self, tally: Tally, progress: ProgressMeter, version: Callable[[], Any],
+                 frames_per_batch: Callable[[], int], rollout_seconds: Callable[[], tuple[float, float]]) -> None:
+        self.tally = tally
+        self.progress = progress
+        self.version = version
+        self.frames_per_batch = frames_per_batch
+        self.rollout_seconds = rollout_seconds
+
+    def snapshot(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
+        """Raises: ValueError for another ``workers`` view."""
+        check_view(workers)
+        tally, config = self.tally, self.tally.config
+        return StatsSnapshot(
+            frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
+            completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
+            policy_version=self.version(), progress=self.progress.stats(), times=self.time_split())
+
+    def time_split(self) -> dict[str, float]:
+        split = dict(self.progress.seconds)
+        env, policy = self.rollout_seconds()
+        split["env"] += env
+        split["policy"] += policy
+        return split

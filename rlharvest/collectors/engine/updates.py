@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 
 from ...errors import WorkerError
 from ...transport.base import WeightLinks
+from .broadcast import WorkerBroadcast
 from .fleet import Fleet
 from .pushed import Receiving
 from .schedule import WeightPushes, WeightSchedule
@@ -29,6 +30,7 @@ class WeightUpdates:
     Args:
         weights: the publisher (schemes, legacy updater, versions).
         fleet: the workers (a failed one is replaced, starting with the new weights).
+        broadcast: commands to every worker (a version bump asked by the user goes to them too).
         pushes: when weights are pushed without being asked (the :class:`WeightSchedule` made here).
         receiving: whether a receiver thread owns the workers (it then replaces a failed one), and the
             lock updates take meanwhile.
@@ -47,12 +49,14 @@ class WeightUpdates:
     policy_device = None
     policy_lock = None
 
-    def __init__(self, weights: WeightPublisher, fleet: Fleet, pushes: WeightPushes, receiving: Receiving,
-                 life: Lifecycle, links: Callable[[], WeightLinks], resolve: Callable[[str], Any], *,
+    def __init__(self, weights: WeightPublisher, fleet: Fleet, broadcast: WorkerBroadcast, pushes: WeightPushes,
+                 receiving: Receiving, life: Lifecycle, links: Callable[[], WeightLinks],
+                 resolve: Callable[[str], Any], *,
                  policy: Any = None, fallback_factories: Sequence[Callable | None] | None = None,
                  worker_idx: int | None = None, refused: str | None = None, num_workers: int = 0) -> None:
         self.weights = weights
         self.fleet = fleet
+        self.broadcast = broadcast
         self.receiving = receiving
         self.life = life
         self.links = links
@@ -103,6 +107,15 @@ class WeightUpdates:
                     self.fleet.recover(err, policy_version=self.weights.version + step)
                 if counted:
                     self.weights.increment()
+
+    def increment_version(self) -> None:
+        """``increment_version()`` asked by the user: here and in every worker."""
+        self.weights.increment()
+        self.broadcast.increment_version()
+
+    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
+        """Schemes through which this collector (inside a node) receives weights from its parent."""
+        self.weights.register_receivers(schemes, self, self.worker_idx, synchronize)
 
     def push(self, workers: list[int] | None) -> None:
         """An automatic weight update (``WeightSchedule``): only where something carries weights."""
