@@ -140,7 +140,7 @@ def _node(ns: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:  # missing, readable by others, not hex
         return _node_failed(f"error: {err}", EXIT_USAGE)
     try:
-        start_node(args, key)
+        start_node(args, key, _node_says)
     except JoinRefused as err:
         return _node_failed(str(err), EXIT_REFUSED)
     except CollectorUnreachable as err:
@@ -153,8 +153,13 @@ def _node(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _node_says(line: str) -> None:
+    """One line on stderr per change of the node's state, prefixed so that it can be grepped."""
+    print(f"rlharvest node: {line}", file=sys.stderr, flush=True)
+
+
 def _node_failed(message: str, status: int) -> int:
-    print(f"rlharvest node: {message}", file=sys.stderr)
+    _node_says(message)
     return status
 
 
