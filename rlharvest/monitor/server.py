@@ -38,9 +38,11 @@ _HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Ref
 
 def _load_prometheus() -> Any:
     try:
+        import prometheus_client  # noqa: F401  (before our module that uses it, which may be loaded)
+
         from . import metrics
     except ImportError as err:
-        if "prometheus_client" not in str(err):
+        if (err.name or "").split(".")[0] != "prometheus_client":
             raise
         raise ImportError("rlharvest.monitor needs prometheus-client: pip install 'rlharvest[monitor]' (or "
                           "prometheus-client)") from err

@@ -5,41 +5,20 @@ updates, a killed worker's restart, autoscaling) on every kind of collector with
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 from mocks import SlowCountingEnv, counting_env_7, wait_until, weight_policy
 from process_check import process_gone
-from prometheus_client.parser import text_string_to_metric_families
+from scrape import api_stats, scrape, value
 
 from rlharvest.collectors import Autoscale, Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.collectors.engine import engine_of
 from rlharvest.monitor import Monitor
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def scrape(monitor: Monitor) -> dict[str, list]:
-    """``{sample name: [(labels, value), ...]}`` of one scrape of ``/metrics``."""
-    text = urllib.request.urlopen(monitor.url + "metrics", timeout=10).read().decode()
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    [found] = [v for sample_labels, v in samples[name] if all(sample_labels.get(k) == w for k, w in labels.items())]
-    return found
-
-
-def api_stats(monitor: Monitor, since: int = 0) -> dict:
-    return json.loads(urllib.request.urlopen(f"{monitor.url}api/stats?since={since}", timeout=10).read())
 
 
 def test_metrics_follow_a_collection_and_a_killed_workers_restart():

@@ -20,6 +20,7 @@ const SVG = "http://www.w3.org/2000/svg";
 function fmtInt(n) { return n == null ? "–" : Math.round(n).toLocaleString("en-US"); }
 function fmtRate(n) {
   if (n == null || !isFinite(n)) return "–";
+  if (n === 0) return "0";
   if (n >= 1e6) return (n / 1e6).toFixed(2) + "M";
   if (n >= 1e4) return (n / 1e3).toFixed(1) + "k";
   return n >= 100 ? Math.round(n).toString() : n.toFixed(1);
@@ -270,7 +271,8 @@ function drawHistogram(svg, histogram, stats) {
     return;
   }
   $("sync-summary").textContent = `${fmtInt(histogram.count)} · last ${fmtSeconds(stats.weight_sync_s_last)}` +
-    ` · median ${fmtSeconds(stats.weight_sync_s_median)} · mean ${fmtSeconds(histogram.sum_s / histogram.count)}`;
+    ` · median ${fmtSeconds(stats.weight_sync_s_median)}`;
+  $("sync-summary").title = `mean ${fmtSeconds(histogram.sum_s / histogram.count)} over all updates`;
   const counts = histogram.cumulative.map((c, i) => c - (i ? histogram.cumulative[i - 1] : 0));
   counts.push(histogram.count - histogram.cumulative[histogram.cumulative.length - 1]);
   let first = counts.findIndex((c) => c > 0), last = counts.length - 1 - [...counts].reverse().findIndex((c) => c > 0);
