@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..collectors.engine import engine_of
+from ..collectors.evaluator import Evaluator
 from ..collectors.engine.events import EventKind, FleetEvent
 from ..collectors.engine.stats import StatsSnapshot
 
@@ -96,7 +97,7 @@ class FleetReader:
         max_age: seconds a read is shared by the requests that come meanwhile.
 
     Raises:
-        TypeError: for an object without ``stats()`` and ``events`` (not a collector).
+        TypeError: for an object without ``stats()`` and ``events`` (not a collector), or an Evaluator.
 
     Example:
         >>> from rlharvest.collectors import MultiSyncCollector
@@ -110,6 +111,10 @@ class FleetReader:
     """
 
     def __init__(self, collector: Any, timeout: float = 1.0, max_age: float = 0.1) -> None:
+        if isinstance(collector, Evaluator):
+            raise TypeError("an Evaluator has no fleet to watch: each evaluation runs to its end on its own "
+                            "collector. Monitor the collector you train with, and send the evaluator's results "
+                            "to your logger with on_result= (docs/monitoring.md).")
         events = getattr(type(collector), "events", None)
         if not callable(getattr(type(collector), "stats", None)) or events is None:
             raise TypeError(f"the monitor watches an rlharvest collector (Collector, MultiSyncCollector, "

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from mocks import counting_env_7, weight_policy
 
-from rlharvest.collectors import Collector
+from rlharvest.collectors import Collector, Evaluator
 from rlharvest.monitor import Monitor
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,6 +96,10 @@ def test_bad_arguments_are_refused_by_name(collector):
         Monitor(collector, token="short")
     with pytest.raises(TypeError, match="the monitor watches an rlharvest collector.*got dict"):
         Monitor({})
+    evaluator = Evaluator(counting_env_7(), weight_policy(1.0), num_trajectories=1, max_steps=8)
+    with pytest.raises(TypeError, match="an Evaluator has no fleet to watch.*on_result="):
+        Monitor(evaluator)
+    evaluator.shutdown()
 
 
 def test_without_prometheus_client_the_error_names_the_extra(collector, monkeypatch):

@@ -1,0 +1,116 @@
+"""What watching a collector costs it: frames/s of a ``MultiSyncCollector`` with and without a
+``Monitor`` whose page is open in headless Chromium (polling twice a second) while another process
+scrapes ``/metrics`` every 100 ms, as Prometheus would (docs/performance.md, "The monitor").
+
+    .venv/bin/python benchmarks/monitor_cost.py [--pairs 6] [--seconds 4] [--workers 2]
+
+Rounds without and with the monitor alternate in one run (each pair in a random order), each measured
+after a second of warm-up; the ratio of the medians is the figure, with the machine's load average beside
+it. Needs Debian's chromium and chromium-driver (tests/browser.py). Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path.insert(0, str(TESTS))
+
+from browser import Browser  # noqa: E402
+from mocks import weight_policy  # noqa: E402
+
+from rlharvest.collectors import MultiSyncCollector  # noqa: E402
+from rlharvest.envs import CountingEnv  # noqa: E402
+from rlharvest.monitor import Monitor  # noqa: E402
+
+#: the scraping process: GET /metrics every 100 ms until its stdin closes (bounded: at most 10 minutes)
+SCRAPER = """
+import sys, threading, time, urllib.request
+url, stop = sys.argv[1], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+deadline, scrapes = time.monotonic() + 600, 0
+while not stop.is_set() and time.monotonic() < deadline:
+    urllib.request.urlopen(url, timeout=5).read()
+    scrapes += 1
+    stop.wait(0.1)
+print(scrapes)
+"""
+
+
+def frames_per_s(collector, batches, seconds: float) -> float:
+    """Frames per second of ``batches`` over ``seconds``, after one second of warm-up."""
+    warm = time.monotonic() + 1.0
+    while time.monotonic() < warm:
+        next(batches)
+    start, frames = time.monotonic(), 0
+    while time.monotonic() - start < seconds:
+        frames += next(batches).numel()
+    return frames / (time.monotonic() - start)
+
+
+def watched_round(collector, batches, browser: Browser, seconds: float) -> tuple[float, float]:
+    """Frames per second while the page polls and a process scrapes; and the scrapes per second."""
+    with Monitor(collector) as monitor:
+        browser.driver.get(monitor.url)
+        scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, monitor.url + "metrics"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        start = time.monotonic()
+        try:
+            rate = frames_per_s(collector, batches, seconds)
+        finally:
+            out, _ = scraper.communicate("", timeout=30)
+        scraped = int(out.strip() or 0) / (time.monotonic() - start)
+        browser.driver.get("about:blank")
+    return rate, scraped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--frames-per-batch", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    collector = MultiSyncCollector([CountingEnv] * args.workers, weight_policy(1.0),
+                                   frames_per_batch=args.frames_per_batch, total_frames=-1)
+    browser = Browser()
+    plain, watched, scrapes = [], [], []
+    load_before = os.getloadavg()
+    try:
+        batches = iter(collector)
+        for pair in range(args.pairs):
+            order = ["plain", "watched"]
+            random.Random(pair).shuffle(order)
+            for kind in order:
+                if kind == "plain":
+                    plain.append(frames_per_s(collector, batches, args.seconds))
+                else:
+                    rate, scraped = watched_round(collector, batches, browser, args.seconds)
+                    watched.append(rate)
+                    scrapes.append(scraped)
+            print(f"pair {pair + 1}: without {plain[-1]:,.0f} frames/s, with the monitor {watched[-1]:,.0f} "
+                  f"frames/s ({scrapes[-1]:.1f} scrapes/s)", flush=True)
+    finally:
+        browser.quit()
+        collector.shutdown()
+    load_after = os.getloadavg()
+    ratio = statistics.median(watched) / statistics.median(plain)
+    print(f"MultiSyncCollector, {args.workers} workers, CountingEnv, {args.frames_per_batch} frames per batch: "
+          f"median without {statistics.median(plain):,.0f} frames/s, with the monitor "
+          f"{statistics.median(watched):,.0f} frames/s -> ratio {ratio:.3f} ({100 * (1 - ratio):+.1f} % lost); "
+          f"per-pair ratios {[round(w / p, 3) for w, p in zip(watched, plain)]}; load average "
+          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)")
+
+
+if __name__ == "__main__":
+    main()
