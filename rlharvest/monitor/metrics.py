@@ -125,7 +125,8 @@ def _workers(reading: Reading) -> Iterator[Any]:
     for row in reading.workers:
         worker = str(row.index)
         info.add_metric([worker, row.host or "", row.state], 1)
-        frames.add_metric([worker], row.frames)
+        if row.frames is not None:
+            frames.add_metric([worker], row.frames)
         restarts.add_metric([worker], row.restarts)
         held.add_metric([worker], row.held_s)
         if row.rollout_frames_per_s is not None:

@@ -37,8 +37,9 @@ class WorkerRow:
     """``"starting"`` (no batch taken yet), ``"collecting"``, ``"failed"`` (found dead, not replaced
     yet), or ``"in process"`` (``Collector``: the rollout runs in the learner's process)."""
     host: str | None = None
-    frames: int = 0
-    """Frames it delivered (since it started: a replacement starts from 0)."""
+    frames: int | None = None
+    """Frames it delivered since it started (a replacement starts from 0); None before its first batch,
+    and for env workers that send steps, not batches (``AsyncBatchedCollector``)."""
     rollout_frames_per_s: float | None = None
     """Frames per second of its own rollouts."""
     held_s: float = 0.0
@@ -171,7 +172,7 @@ class FleetReader:
             prefix = f"worker_{worker}/"
             lag = fleet.get(prefix + "policy_lag")
             rows.append(WorkerRow(
-                index=worker, state=state, host=fleet.get(prefix + "host"), frames=int(fleet.get(prefix + "frames", 0)),
+                index=worker, state=state, host=fleet.get(prefix + "host"), frames=fleet.get(prefix + "frames"),
                 rollout_frames_per_s=fleet.get(prefix + "rollout_frames_per_s"),
                 held_s=float(fleet.get(prefix + "held_s", 0.0)), policy_lag=lag,
                 policy_version=_version(snapshot, lag), restarts=int(fleet.get(prefix + "restarts", 0)),

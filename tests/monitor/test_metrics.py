@@ -14,9 +14,12 @@ from mocks import SlowCountingEnv, counting_env_7, wait_until, weight_policy
 from process_check import process_gone
 from scrape import api_stats, scrape, value
 
-from rlharvest.collectors import Autoscale, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors import AsyncBatchedCollector, Autoscale, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors.distributed import RPCCollector
 from rlharvest.collectors.engine import engine_of
+from rlharvest.envs import CountingEnv
 from rlharvest.monitor import Monitor
+from rlharvest.transport.ports import free_port_block
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,3 +127,27 @@ def test_reads_are_shared_by_requests_that_come_together():
         wait_until(lambda: time.time() - first.time > monitor.reader.max_age, 5, "the read's age")
         assert monitor.reader.read() is not first
     collector.shutdown()
+
+
+def _async_batched():
+    return AsyncBatchedCollector([CountingEnv] * 2, policy=weight_policy(1.0), frames_per_batch=8, total_frames=48)
+
+
+def _rpc():
+    return RPCCollector([counting_env_7] * 2, weight_policy(1.0), frames_per_batch=8, total_frames=48, launcher="mp",
+                        tcp_port=free_port_block(3))
+
+
+@pytest.mark.parametrize("make", [_async_batched, _rpc], ids=["AsyncBatchedCollector", "RPCCollector"])
+def test_the_other_collectors_have_their_rows_and_counters(make):
+    collector = make()
+    with Monitor(collector) as monitor:
+        frames = sum(batch.numel() for batch in collector)
+        samples = scrape(monitor)
+        page = api_stats(monitor)
+    collector.shutdown()
+    assert value(samples, "rlharvest_frames_total") == frames == 48
+    assert [(row["index"], row["state"]) for row in page["workers"]] == [(0, "collecting"), (1, "collecting")]
+    delivered = [row["frames"] for row in page["workers"]]
+    # env workers of a policy server send steps, not batches: no frames of their own
+    assert delivered == ([None, None] if isinstance(collector, AsyncBatchedCollector) else [24, 24])

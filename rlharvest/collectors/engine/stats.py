@@ -114,9 +114,12 @@ Raises:
     if engine.traits.stats_asks_workers and answers:
         snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
     snapshot.per_worker = answers
+    # env workers of a policy server send steps, not batches: they collect from their start
+    steps_only = engine.traits.gather == "chunks"
     snapshot.worker_states = {
         worker: "failed" if requests is not None and requests.is_dead(worker)
-        else "collecting" if f"worker_{worker}/frames" in snapshot.fleet else "starting" for worker in active}
+        else "collecting" if steps_only or f"worker_{worker}/frames" in snapshot.fleet else "starting"
+        for worker in active}
     for extra in engine.extras:
         snapshot.extra.update(extra.stats())
     if engine.scaler is not None:

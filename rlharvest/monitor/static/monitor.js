@@ -164,6 +164,7 @@ function renderWorkers(rows, now) {
 
 // frames per second a worker delivered over the last few seconds (a replacement starts afresh)
 function workerRate(row, now) {
+  if (row.frames == null) return null;
   let history = state.workers.get(row.index);
   if (!history || (history.length && row.frames < history[history.length - 1].frames)) history = [];
   if (!history.length || history[history.length - 1].t < now) history.push({ t: now, frames: row.frames });
