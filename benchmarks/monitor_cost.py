@@ -37,11 +37,11 @@ SCRAPER = """
 import sys, threading, time, urllib.request
 url, stop = sys.argv[1], threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-deadline, scrapes = time.monotonic() + 600, 0
-while not stop.is_set() and time.monotonic() < deadline:
+start, scrapes = time.monotonic(), 0
+while not stop.is_set() and time.monotonic() < start + 600:
     urllib.request.urlopen(url, timeout=5).read()
     scrapes += 1
-    stop.wait(0.1)
+    stop.wait(max(0.0, start + 0.1 * scrapes - time.monotonic()))  # one every 100 ms
 print(scrapes)
 """
 
@@ -73,6 +73,26 @@ def watched_round(collector, batches, browser: Browser, seconds: float) -> tuple
     return rate, scraped
 
 
+def request_costs(collector, calls: int = 300) -> tuple[float, float]:
+    """Milliseconds of CPU time (this thread's: what a busy machine does not inflate) one ``/metrics``
+    and one ``/api/stats`` answer take to build (each a fresh read of the collector: no read shared),
+    median of 3 rounds of ``calls``."""
+    from prometheus_client.exposition import generate_latest
+
+    with Monitor(collector) as monitor:
+        monitor.reader.max_age = 0.0
+        costs = []
+        for build in (lambda: generate_latest(monitor.registry), lambda: monitor.stats_json(0)):
+            rounds = []
+            for _ in range(3):
+                start = time.thread_time()
+                for _ in range(calls):
+                    build()
+                rounds.append((time.thread_time() - start) / calls * 1e3)
+            costs.append(statistics.median(rounds))
+    return costs[0], costs[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6)
@@ -88,6 +108,9 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         batches = iter(collector)
+        next(batches)
+        for _ in range(16):  # the weight-update histogram is part of every answer, as in a training run
+            collector.update_policy_weights_()
         for pair in range(args.pairs):
             order = ["plain", "watched"]
             random.Random(pair).shuffle(order)
@@ -100,11 +123,14 @@ def main() -> None:
                     scrapes.append(scraped)
             print(f"pair {pair + 1}: without {plain[-1]:,.0f} frames/s, with the monitor {watched[-1]:,.0f} "
                   f"frames/s ({scrapes[-1]:.1f} scrapes/s)", flush=True)
+        metrics_ms, api_ms = request_costs(collector)
     finally:
         browser.quit()
         collector.shutdown()
     load_after = os.getloadavg()
     ratio = statistics.median(watched) / statistics.median(plain)
+    print(f"one /metrics answer: {metrics_ms:.2f} ms, one /api/stats answer: {api_ms:.2f} ms of CPU in the learner's "
+          f"process; 10 scrapes and 2 polls a second: {(10 * metrics_ms + 2 * api_ms) / 10:.2f} % of one core")
     print(f"MultiSyncCollector, {args.workers} workers, CountingEnv, {args.frames_per_batch} frames per batch: "
           f"median without {statistics.median(plain):,.0f} frames/s, with the monitor "
           f"{statistics.median(watched):,.0f} frames/s -> ratio {ratio:.3f} ({100 * (1 - ratio):+.1f} % lost); "

@@ -6,16 +6,18 @@ docs/elastic.md). The nodes are real ``rlharvest node`` processes."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 
 import mocks
 import pytest
-from mocks import counting_env_7, weight_policy
+from mocks import counting_env_7, wait_until, weight_policy
 from scrape import scrape, value
 
 from rlharvest.collectors.distributed import DistributedCollector
+from rlharvest.collectors.engine.events import EventKind
 from rlharvest.monitor import Monitor
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,43 +31,50 @@ def said(stderr: str) -> list[str]:
     return [line[len("rlharvest node: "):] for line in stderr.splitlines() if line.startswith("rlharvest node: ")]
 
 
-def test_a_joining_node_says_what_it_does_and_the_monitor_counts_joins_and_refusals(monkeypatch):
-    from rlharvest.transport.torchdist_join import JoinService
-
-    monkeypatch.setattr(JoinService, "SLOT_GRACE", 1.0)  # a node too many waits that long for a slot (5 s)
+def test_joining_nodes_say_what_they_do_and_the_monitor_counts_joins_leaves_and_refusals():
+    # one slot: node a joins, leaves on SIGTERM, node b takes the slot back, node c finds it taken
     collector = DistributedCollector([counting_env_7], weight_policy(1.0), launcher="external", tcp_port=0,
-                                     bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True)
+                                     bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True,
+                                     max_worker_restarts=1, preemption_grace=2.0)
     argv = collector.join_command()
     address = argv[5]
-    node = subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True)
+    nodes = [subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True)]
     try:
         with Monitor(collector) as monitor:
             batches = iter(collector)
-            for _ in range(3):
+            for _ in range(2):
                 next(batches)
-            extra = subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True)
-            _, refused = extra.communicate(timeout=120)
+            nodes[0].send_signal(signal.SIGTERM)
+            nodes.append(subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True))
+            wait_until(lambda: next(batches) is None or collector.events.counts()[EventKind.JOIN] == 2, 120,
+                       "node b taking the slot back")
+            for _ in range(2):
+                next(batches)
+            nodes.append(subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True))
+            nodes[2].wait(120)  # refused once the slot stayed taken for JoinService.SLOT_GRACE seconds
             samples = scrape(monitor)
-            assert value(samples, "rlharvest_joins_total") == 1
+            assert value(samples, "rlharvest_joins_total") == 2
             assert value(samples, "rlharvest_joins_refused_total") == 1
-            assert value(samples, "rlharvest_worker_frames_total", worker="0") == 24
-            kinds = [event.kind.value for event in collector.events.since(0)]
-            assert kinds == ["start", "join", "join_refused"]  # the slots open at the start
+            assert value(samples, "rlharvest_worker_preemptions_total") == 1
+            assert value(samples, "rlharvest_worker_restarts_total") == 0  # a leave is not a failure
+            assert value(samples, "rlharvest_workers_active") == 1
     finally:
         collector.shutdown()
-        _, stderr = node.communicate(timeout=60)
-    assert extra.returncode == 3
-    assert said(refused) == [f"connecting to {address}",
-                             f"the collector at {address} refused this node: every slot is taken."]
-    assert node.returncode == 0
-    assert said(stderr) == [f"connecting to {address}", f"joined as node 0 of 1 ({address})", "collecting as node 0",
-                            "the collector closed this node (it shut down, or removed this node): exiting"]
+        outputs = [node.communicate(timeout=60)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0, 3]
+    joined = [f"connecting to {address}", f"joined as node 0 of 1 ({address})", "collecting as node 0"]
+    assert said(outputs[0]) == joined + ["left the collector on SIGTERM (preempted), after its rollout: exiting"]
+    assert said(outputs[1]) == joined + ["the collector closed this node (it shut down, or removed this node): "
+                                         "exiting"]
+    assert said(outputs[2]) == [f"connecting to {address}",
+                                f"the collector at {address} refused this node: every slot is taken."]
 
 
 def test_the_learner_warns_that_it_waits_for_nodes_without_any_logging_set_up():
     script = textwrap.dedent("""
-        from mocks import counting_env_7, weight_policy
+        from mocks import counting_env_7, wait_until, weight_policy
         from rlharvest.collectors.distributed import DistributedCollector
+from rlharvest.collectors.engine.events import EventKind
         from rlharvest.errors import WorkerTimeoutError
 
         collector = DistributedCollector([counting_env_7] * 2, weight_policy(1.0), launcher="external", tcp_port=0,
