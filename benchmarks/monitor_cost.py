@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
@@ -57,20 +58,34 @@ def frames_per_s(collector, batches, seconds: float) -> float:
     return frames / (time.monotonic() - start)
 
 
-def watched_round(collector, batches, browser: Browser, seconds: float) -> tuple[float, float]:
-    """Frames per second while the page polls and a process scrapes; and the scrapes per second."""
+def _cpu_seconds(processes: list) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def watched_round(collector, batches, browser: Browser, seconds: float) -> tuple[float, float, float]:
+    """Frames per second while the page polls and a process scrapes; the scrapes per second; and the
+    share of one core the browser and the scraper used meanwhile (the watchers' own load on this machine)."""
     with Monitor(collector) as monitor:
         browser.driver.get(monitor.url)
         scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, monitor.url + "metrics"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True)
-        start = time.monotonic()
+        watchers = psutil.Process(browser.service.process.pid).children(recursive=True) + [psutil.Process(scraper.pid)]
+        start, cpu = time.monotonic(), _cpu_seconds(watchers)
         try:
             rate = frames_per_s(collector, batches, seconds)
+            watching = (_cpu_seconds(watchers) - cpu) / (time.monotonic() - start)
         finally:
             out, _ = scraper.communicate("", timeout=30)
         scraped = int(out.strip() or 0) / (time.monotonic() - start)
         browser.driver.get("about:blank")
-    return rate, scraped
+    return rate, scraped, watching
 
 
 def request_costs(collector, calls: int = 300) -> tuple[float, float]:
@@ -104,7 +119,7 @@ def main() -> None:
     collector = MultiSyncCollector([CountingEnv] * args.workers, weight_policy(1.0),
                                    frames_per_batch=args.frames_per_batch, total_frames=-1)
     browser = Browser()
-    plain, watched, scrapes = [], [], []
+    plain, watched, scrapes, watchers = [], [], [], []
     load_before = os.getloadavg()
     try:
         batches = iter(collector)
@@ -118,11 +133,13 @@ def main() -> None:
                 if kind == "plain":
                     plain.append(frames_per_s(collector, batches, args.seconds))
                 else:
-                    rate, scraped = watched_round(collector, batches, browser, args.seconds)
+                    rate, scraped, watching = watched_round(collector, batches, browser, args.seconds)
                     watched.append(rate)
                     scrapes.append(scraped)
+                    watchers.append(watching)
             print(f"pair {pair + 1}: without {plain[-1]:,.0f} frames/s, with the monitor {watched[-1]:,.0f} "
-                  f"frames/s ({scrapes[-1]:.1f} scrapes/s)", flush=True)
+                  f"frames/s ({scrapes[-1]:.1f} scrapes/s; browser and scraper {100 * watchers[-1]:.0f} % of a "
+                  f"core)", flush=True)
         metrics_ms, api_ms = request_costs(collector)
     finally:
         browser.quit()

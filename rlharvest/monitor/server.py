@@ -70,6 +70,9 @@ def _check(host: Any, port: Any, token: Any) -> None:
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection; the connections still open are cut by :meth:`close_connections`
+    (a browser keeps its connection alive between polls)."""
+
     daemon_threads = True
     # a port some other process holds must fail the bind, not be shared
     allow_reuse_address = False
@@ -77,7 +80,31 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], monitor: "Monitor") -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.monitor = monitor
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._connections_lock:
+                self._connections.discard(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client gone mid-request (or cut by close()) is no error of the monitor's
+        logger.debug("rlharvest monitor: the connection from %s ended", client_address, exc_info=True)
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile
+                pass
 
 
 class Monitor:
@@ -144,12 +171,13 @@ class Monitor:
         return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop serving and close the port (idempotent); requests in progress end on their own."""
+        """Stop serving: close the port and the connections still open (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_connections()  # a page's kept-alive connection is answered no more
         self._thread.join(timeout)
 
     def __enter__(self) -> "Monitor":
@@ -198,6 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     server_version = "rlharvest-monitor"
+    #: seconds a connection may stay idle (or a client take to send its request) before it is closed
+    timeout = 30.0
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         logger.debug("%s - %s", self.address_string(), format % args)

@@ -72,11 +72,18 @@ def test_the_monitor_is_read_only_and_a_loopback_one_answers_loopback_hosts_only
         assert status(f"http://localhost:{monitor.port}/api/stats") == 200
 
 
-def test_close_closes_the_port_for_good(collector):
+def test_close_closes_the_port_and_the_connections_kept_alive_for_good(collector):
     monitor = Monitor(collector)
     port = monitor.port
     assert status(monitor.url + "metrics") == 200
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # as a browser keeps its connection
+    kept.request("GET", "/api/stats")
+    assert kept.getresponse().read() and kept.sock is not None
     monitor.close()
+    with pytest.raises((ConnectionError, http.client.RemoteDisconnected, OSError)):
+        kept.request("GET", "/api/stats")
+        kept.getresponse()
+    kept.close()
     monitor.close()  # idempotent
     assert monitor.closed
     with pytest.raises(ConnectionRefusedError):
