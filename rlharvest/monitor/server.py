@@ -58,6 +58,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _this_host() -> str | None:
+    """This host's name, when it resolves (what a link shared with others should name)."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        return None
+    return name
+
+
 def _check(host: Any, port: Any, token: Any) -> None:
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be an address to bind (e.g. '127.0.0.1', '0.0.0.0'), got {host!r}")
@@ -150,6 +160,10 @@ class Monitor:
         self.registry.register(metrics.FleetMetrics(self.reader))
         self._server = _Server((host, port), self)
         self.host, self.port = host, self._server.server_address[1]
+        url_host = host
+        if host in ("0.0.0.0", "::"):  # every interface: this host's name, if it resolves
+            url_host = _this_host() or ("127.0.0.1" if host == "0.0.0.0" else "::1")
+        self._url_host = f"[{url_host}]" if ":" in url_host else url_host
         self._closed = False
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="rlharvest-monitor", daemon=True)
@@ -159,12 +173,7 @@ class Monitor:
     @property
     def url(self) -> str:
         """The page's address (with ``?token=...`` when a token is required)."""
-        host = self.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}/" + (f"?token={quote(self.token)}" if self.token else "")
+        return f"http://{self._url_host}:{self.port}/" + (f"?token={quote(self.token)}" if self.token else "")
 
     @property
     def closed(self) -> bool:
