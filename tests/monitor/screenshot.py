@@ -1,4 +1,4 @@
-"""The screenshot of docs/monitoring.md (docs/img/monitor.png): a MultiSyncCollector of four workers
+"""The screenshot of docs/monitoring.md (docs/img/monitor.png): a MultiSyncCollector of three workers
 with autoscaling, weight updates after every batch and a worker killed on purpose, seen in the session
 browser of the page tests (tests/browser.py) after ~25 s.
 
@@ -36,7 +36,7 @@ def main(out: str = "docs/img/monitor.png", seconds: float = 25.0) -> None:
                                    max_worker_restarts=2, autoscale=Autoscale(2, 4, window=6, cooldown=6))
     browser = Browser()
     try:
-        browser.driver.set_window_size(1440, 900)
+        browser.driver.set_window_size(1366, 900)  # a laptop screen
         with Monitor(collector) as monitor:
             batches = iter(collector)
             next(batches)

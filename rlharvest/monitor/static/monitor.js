@@ -31,6 +31,10 @@ function fmtSeconds(s) {
   if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 2 : 1) + " ms";
   return s.toFixed(2) + " s";
 }
+function fmtBound(s) {  // a bucket's bound, short: 500µs, 2.5ms, 10s
+  const [value, unit] = s < 1e-3 ? [s * 1e6, "µs"] : s < 1 ? [s * 1e3, "ms"] : [s, "s"];
+  return String(+value.toPrecision(3)) + unit;
+}
 function clock(t) { return new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false }); }
 
 // ------------------------------------------------------------------------------------------- polling
@@ -233,7 +237,7 @@ function frame(svg) {
 function niceMax(value) {
   if (!(value > 0)) return 1;
   const power = Math.pow(10, Math.floor(Math.log10(value)));
-  for (const step of [1, 2, 2.5, 5, 10]) if (step * power >= value) return step * power;
+  for (const step of [1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (step * power >= value) return step * power;
   return 10 * power;
 }
 
@@ -279,7 +283,7 @@ function drawHistogram(svg, histogram, stats) {
   let first = counts.findIndex((c) => c > 0), last = counts.length - 1 - [...counts].reverse().findIndex((c) => c > 0);
   first = Math.max(0, first - 1); last = Math.min(counts.length - 1, last + 1);
   const shown = counts.slice(first, last + 1);
-  const labels = histogram.bounds.map((b) => "≤" + fmtSeconds(b)).concat([">" + fmtSeconds(histogram.bounds[histogram.bounds.length - 1])]);
+  const labels = histogram.bounds.map((b) => "≤" + fmtBound(b)).concat([">" + fmtBound(histogram.bounds[histogram.bounds.length - 1])]);
   const yMax = niceMax(Math.max(...shown));
   const slot = (box.right - box.left) / shown.length;
   for (const fraction of [0, 0.5, 1]) {
@@ -292,7 +296,7 @@ function drawHistogram(svg, histogram, stats) {
     const bar = svgEl("rect", { x: box.left + i * slot + 2, y: box.bottom - h, width: Math.max(1, slot - 4),
                                 height: h, class: "bar" }, svg);
     svgEl("title", {}, bar).textContent = `${labels[first + i]}: ${count}`;
-    if (shown.length <= 8 || i % 2 === 0) {
+    if (slot >= 46 || i % Math.ceil(46 / slot) === 0) {  // labels never overlap
       svgEl("text", { x: box.left + (i + 0.5) * slot, y: box.height - 4, "text-anchor": "middle" }, svg)
         .textContent = labels[first + i];
     }
