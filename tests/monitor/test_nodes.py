@@ -72,9 +72,8 @@ def test_joining_nodes_say_what_they_do_and_the_monitor_counts_joins_leaves_and_
 
 def test_the_learner_warns_that_it_waits_for_nodes_without_any_logging_set_up():
     script = textwrap.dedent("""
-        from mocks import counting_env_7, wait_until, weight_policy
+        from mocks import counting_env_7, weight_policy
         from rlharvest.collectors.distributed import DistributedCollector
-from rlharvest.collectors.engine.events import EventKind
         from rlharvest.errors import WorkerTimeoutError
 
         collector = DistributedCollector([counting_env_7] * 2, weight_policy(1.0), launcher="external", tcp_port=0,
