@@ -73,10 +73,10 @@ def _check(host: Any, port: Any, token: Any) -> None:
         raise ValueError(f"host must be an address to bind (e.g. '127.0.0.1', '0.0.0.0'), got {host!r}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
         raise ValueError(f"port must be an int in 0..65535 (0: one the OS chooses), got {port!r}")
-    if token is not None and (not isinstance(token, str) or len(token) < 8 or not token.isprintable()
+    if token is not None and (not isinstance(token, str) or not token or not token.isprintable()
                               or any(char.isspace() for char in token)):
-        raise ValueError("token must be None (generated when bound beyond loopback) or a printable string of at "
-                         "least 8 characters without spaces")
+        raise ValueError(f"token must be None (one is generated when bound beyond loopback) or a non-empty printable "
+                         f"string without spaces, got {token!r}")
 
 
 class _Server(ThreadingHTTPServer):

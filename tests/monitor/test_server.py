@@ -99,8 +99,9 @@ def test_bad_arguments_are_refused_by_name(collector):
         Monitor(collector, port=70000)
     with pytest.raises(ValueError, match="host must be an address"):
         Monitor(collector, host="")
-    with pytest.raises(ValueError, match="token must be None"):
-        Monitor(collector, token="short")
+    for token in ("", "two words", b"bytes"):
+        with pytest.raises(ValueError, match="token must be None"):
+            Monitor(collector, token=token)
     with pytest.raises(TypeError, match="the monitor watches an rlharvest collector.*got dict"):
         Monitor({})
     evaluator = Evaluator(counting_env_7(), weight_policy(1.0), num_trajectories=1, max_steps=8)
