@@ -434,7 +434,8 @@ class LocalEngine:
             frames=self.frames, batches=self.iter + 1,
             total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
             requested_frames_per_batch=self.frames_per_batch, policy_version=self.weights.policy_version,
-            progress=self.progress.stats(), times=self.time_split())
+            progress=self.progress.stats(), times=self.time_split(), weight_version=self.weights.version,
+            weight_syncs=self.progress.weight_sync_histogram())
 
     # ------------------------------------------------------------------ running free, shutdown
     def start_free(self) -> None:
