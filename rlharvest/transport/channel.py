@@ -338,9 +338,10 @@ def accept_channel(server: socket.socket, authkey: Keys, timeout: float, user_ti
 
 
 def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float,
-                 handshake_timeout: float = 5.0, key_id: int = 0) -> Channel:
+                 handshake_timeout: float = 5.0, key_id: int = 0,
+                 on_retry: Callable[[BaseException], None] | None = None) -> Channel:
     """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate with
-    ``authkey``, whose id is ``key_id``.
+    ``authkey``, whose id is ``key_id``; ``on_retry(error)`` is called before each retry.
 
     Raises:
         AuthenticationFailed: the listener is not one holding ``authkey``; it is refused before
@@ -357,9 +358,11 @@ def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_time
                 raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
         except AuthenticationFailed as err:
             raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
-        except OSError:
+        except OSError as err:
             if time.monotonic() > deadline:
                 raise
+            if on_retry is not None:
+                on_retry(err)
         time.sleep(0.1)
 
 

@@ -32,7 +32,7 @@ from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .pairing import form_pair, make_process_group
 from .rendezvous import CONTROL_KEY, PAIR_BACKENDS, Paired, Rendezvous
 from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle
-from .torchdist_join import JoinService
+from .torchdist_join import JoinService, JoinWatcher
 from .torchdist_weights import NodeWeightLinks
 
 __all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_authkey"]
@@ -179,9 +179,10 @@ class TorchDistBackend(Backend):
         return handle
 
     # ------------------------------------------------------------------ nodes that join (launcher="external")
-    def open_joins(self, command: list[str] | None = None) -> None:
+    def open_joins(self, command: list[str] | None = None, watcher: JoinWatcher | None = None) -> None:
         """``launcher="external"``: listen on ``tcp_port`` and take joining nodes from now on
-        (idempotent). ``command``: the argv that joins a node, named in the log while slots wait."""
+        (idempotent). ``command``: the argv that joins a node, named in the log while slots wait;
+        ``watcher``: told of each node that joins and each refused."""
         if self.joins is not None:
             return
         net = self.net
@@ -189,7 +190,8 @@ class TorchDistBackend(Backend):
         self.rendezvous = self._rendezvous()
         kwargs = {key: value for key, value in net.node_kwargs().items() if key in ("heartbeat_interval",)}
         self.joins = JoinService(self.rendezvous, self.backend, self.num_workers, kwargs, timeout=net.worker_timeout,
-                                 op_timeout=self.op_timeout, command=" ".join(command) if command else None)
+                                 op_timeout=self.op_timeout, command=" ".join(command) if command else None,
+                                 watcher=watcher)
 
     def _take_joined(self, specs: list[WorkerSpec], what: str) -> list[DistWorkerHandle]:
         """The handles of the nodes that joined the slots of ``specs`` (waiting up to ``worker_timeout``)."""

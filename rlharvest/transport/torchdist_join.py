@@ -17,8 +17,11 @@ Groups are formed on at most :attr:`JoinService.MAX_FORMING` threads at once, ea
 rendezvous timeout, so a node joins while the collector collects; the collector takes the joined
 node when it starts that slot (``TorchDistBackend``: ``start_all`` for the first nodes,
 ``start_one`` for a replacement), always on its own thread. While the collector waits for empty
-slots it says so (logger ``rlharvest``, INFO, every :attr:`JoinService.LOG_EVERY` seconds), with the
-command that joins a node.
+slots it says so, with the command that joins a node: once at WARNING after
+:attr:`JoinService.WARN_AFTER` seconds (a user who configured no logging sees it on stderr), then at
+INFO every :attr:`JoinService.LOG_EVERY` seconds. Whoever opens the service may be told of each node
+that joins a slot and each that is refused (:class:`JoinWatcher`): the collector publishes them as
+fleet events, without this module knowing of collectors.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel, slot_key
@@ -38,7 +41,7 @@ from .launchers import LaunchedNode
 from .pairing import PairingFailed, form_pair
 from .rendezvous import Rendezvous
 
-__all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
+__all__ = ["JoinRefused", "JoinService", "JoinWatcher", "JoinedNode", "Seat", "join_collector"]
 
 logger = logging.getLogger("rlharvest")
 
@@ -76,6 +79,15 @@ class Joined:
     store: Any = None
 
 
+class JoinWatcher(NamedTuple):
+    """What the service tells whoever opened it, on the service's own threads (keep them short)."""
+
+    joined: Callable[[int, str, str], None]
+    """``(slot, hostname, address)``: a node joined ``slot`` (its group formed), waiting to be taken."""
+    refused: Callable[[str, str], None]
+    """``(who, reason)``: a node that came to join was refused."""
+
+
 def _local_address(channel: Channel) -> str:
     """The local address of ``channel``'s socket: the interface that reaches the peer (gloo binds it)."""
     sock = socket.socket(fileno=os.dup(channel.fileno()))
@@ -96,10 +108,13 @@ class JoinService:
         timeout: seconds a joining node has to form its group and prove it.
         op_timeout: seconds a group operation may take.
         command: the command that joins a node, for the log while slots wait.
+        watcher: told of each node that joins a slot and each that is refused.
     """
 
     #: groups formed at once (each takes a thread for up to ``timeout``)
     MAX_FORMING = 4
+    #: seconds the collector waits for nodes before it says so at WARNING (once; INFO afterwards)
+    WARN_AFTER = 3.0
     #: seconds between two INFO lines naming the slots the collector waits for
     LOG_EVERY = 10.0
     #: seconds a node that finds every slot taken waits for one to empty before it is refused: the
@@ -107,8 +122,12 @@ class JoinService:
     SLOT_GRACE = 5.0
 
     def __init__(self, rendezvous: Rendezvous, backend: str, num_slots: int, node_kwargs: dict, *,
-                 timeout: float, op_timeout: float, command: str | None = None) -> None:
+                 timeout: float, op_timeout: float, command: str | None = None,
+                 watcher: JoinWatcher | None = None) -> None:
         self.rendezvous, self.backend, self.node_kwargs = rendezvous, backend, dict(node_kwargs)
+        self.node_kwargs.setdefault("slots", num_slots)  # a node says "joined as node i of n"
+        self.watcher = watcher
+        self._warned = False
         self.timeout, self.op_timeout, self.command = timeout, op_timeout, command
         self._cond = threading.Condition()
         self._wanted: set[int] = set(range(num_slots))
@@ -142,7 +161,7 @@ class JoinService:
             WorkerTimeoutError: naming the slots still empty then.
         """
         deadline = time.monotonic() + timeout
-        next_log = time.monotonic() + self.LOG_EVERY
+        next_log = time.monotonic() + (self.LOG_EVERY if self._warned else min(self.WARN_AFTER, self.LOG_EVERY))
         with self._cond:
             self._awaited.update(indices)
             try:
@@ -155,9 +174,10 @@ class JoinService:
                         break
                     if now >= next_log:
                         next_log = now + self.LOG_EVERY
-                        logger.info("rlharvest: waiting for nodes to join slot%s %s (%s, %.0f s left); start one per "
-                                    "empty slot with: %s", "s" if len(empty) > 1 else "", empty, what, deadline - now,
-                                    self.command or "collector.join_command()")
+                        level, self._warned = logging.INFO if self._warned else logging.WARNING, True
+                        logger.log(level, "rlharvest: waiting for nodes to join slot%s %s (%s, %.0f s left); start "
+                                   "one per empty slot with: %s", "s" if len(empty) > 1 else "", empty, what,
+                                   deadline - now, self.command or "collector.join_command()")
                     self._cond.wait(min(deadline - now, next_log - now, 0.5))
             finally:
                 self._awaited.difference_update(indices)
@@ -224,6 +244,8 @@ class JoinService:
             channel.send(("refused", reason))
         channel.close()
         self.rendezvous.listener.drop(peer, f"{who} refused: {reason}")
+        if self.watcher is not None:
+            self.watcher.refused(who, reason)
 
     def _join(self, channel: Channel, peer, who: str, node: JoinedNode) -> None:
         """Give the node a slot and form its group with it (on a thread of its own)."""
@@ -253,6 +275,8 @@ class JoinService:
             self._joined[index] = Joined(index, channel, group, node, store)
             self._cond.notify_all()
         logger.info("rlharvest: a node joined slot %d from %s (%s)", index, node.hostname, node.address)
+        if self.watcher is not None:
+            self.watcher.joined(index, node.hostname, node.address)
 
 
 @dataclass
@@ -267,14 +291,17 @@ class Seat:
     store: Any
     payload: bytes
     key: bytes = field(repr=False)
+    slots: int | None = None
+    """The collector's slots (None from a collector that does not say)."""
 
 
 def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,
-                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0) -> Seat:
+                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0,
+                   on_retry: Callable[[BaseException], None] | None = None) -> Seat:
     """A joining node's side: join at the command port, form the slot's group, receive the spec.
 
     ``timeout`` bounds everything up to the collector's answer (reaching its store, its command port,
-    the handshake), as one deadline.
+    the handshake), as one deadline; ``on_retry(error)`` is called each time nothing answered yet.
 
     Raises:
         CollectorUnreachable: no collector answered at ``host:port`` within ``timeout``.
@@ -288,7 +315,7 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
         # probe first: the collector would log each as a dropped connection, and its log of drops is
         # rate-limited, so probes could hide a real refusal or stranger
         conn = open_channel(host, int(port), authkey, max(0.1, deadline - time.monotonic()), user_timeout,
-                            handshake_timeout)
+                            handshake_timeout, on_retry=on_retry)
     except OSError as err:
         if isinstance(err, ConnectionError) and not isinstance(err, ConnectionRefusedError):
             raise  # AuthenticationFailed, a reset: the collector answered
@@ -304,7 +331,9 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
     group, store = form_pair(conn, key, 1, backend, timeout=timeout, op_timeout=op_timeout,
                              device_host=_local_address(conn))
     payload = conn.recv_bytes()
-    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload, key)
+    slots = kwargs.get("slots")
+    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload, key,
+                slots if type(slots) is int else None)
 
 
 def _why(err: BaseException) -> str:

@@ -25,6 +25,7 @@ from .gather import Gathering
 from .running import FreeRun
 from .schedule import WeightPushes
 from .served import PolicyServer
+from .events import FleetEvents
 from .state import Lifecycle
 from .stats import WorkerCensus
 from .traj_ids import TrajectoryIds
@@ -157,7 +158,7 @@ class EngineOptions(Protocol):
     def served_policy(self, backend: Backend) -> PolicyServer | None:
         """A policy served in this process to the workers (``AsyncBatchedCollector``), or None."""
 
-    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         """The parts the backend adds (nodes that join, remote references)."""
 
     def prepare(self, backend: Backend) -> WorkerSetup:

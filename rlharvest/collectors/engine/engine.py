@@ -131,7 +131,7 @@ class CollectionEngine:
             worker_idx=config.worker_idx, refused=refused, num_workers=options.num_workers)
         self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
-        self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life)
+        self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)
         #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
         self.scaler = self._scaler(options, gathering.sync)
         self._compose_batches(options, gathering)
@@ -161,9 +161,10 @@ class CollectionEngine:
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
                                           config, self.sizes.frames_per_batch, self.ids, [self.schedule],
                                           self.server)
-        self.stats = FleetStats(self.tally, self.progress, lambda: self.weights.policy_version,
-                                self.sizes.frames_per_batch, fleet, self.figures, self.calls, self.life,
-                                options.census, [*self.extras, *([self.scaler] if self.scaler is not None else [])])
+        self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
+                                self.figures, self.calls, self.life, options.census,
+                                [*self.extras, *([self.scaler] if self.scaler is not None else [])],
+                                steps_only=self.server is not None)
 
     def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:

@@ -2,7 +2,7 @@
 (docs/restarts.md, "Watching a run").
 
 A part that changes the fleet (a failed worker replaced, a worker preempted, workers added or removed,
-a node joining a slot, an autoscaling decision) publishes one :class:`FleetEvent` to the collector's
+a node joining a slot or refused, an autoscaling decision) publishes one :class:`FleetEvent` to the collector's
 :class:`FleetEvents`. Publishing writes the event's line to the part's logger (the messages users
 already read), keeps the event in a bounded ring for whoever reads the timeline
 (:meth:`FleetEvents.since`), counts it for good (:meth:`FleetEvents.counts`, which the ring's bound
@@ -40,7 +40,10 @@ class EventKind(str, enum.Enum):
     PREEMPTION = "preemption"
     """A worker was preempted (SIGTERM): replaced where it can be, else its slot stays empty."""
     JOIN = "join"
-    """A node joined an empty slot (``launcher="external"``, docs/elastic.md)."""
+    """A node joined a slot: the first node of a slot, or one taking an emptied slot back
+    (``launcher="external"``, docs/elastic.md)."""
+    JOIN_REFUSED = "join_refused"
+    """A node that came to join was refused (every slot taken, or too many joining at once)."""
     ADD = "add"
     """Workers were added (``add_collectors``, the autoscaler)."""
     REMOVE = "remove"

@@ -9,8 +9,8 @@ import logging
 from typing import Any, Protocol
 
 from ...transport.join_keys import JoinKey, join_argv
-from ...transport.torchdist_join import JoinService
-from .events import EventKind
+from ...transport.torchdist_join import JoinService, JoinWatcher
+from .events import EventKind, FleetEvents
 from .fleet import Fleet
 from .state import Lifecycle
 
@@ -60,8 +60,9 @@ class JoiningBackend(Protocol):
 
     joins: JoinService | None
 
-    def open_joins(self, command: list[str] | None = None) -> None:
-        """Listen for joining nodes from now on, the join ``command`` named in the log."""
+    def open_joins(self, command: list[str] | None = None, watcher: JoinWatcher | None = None) -> None:
+        """Listen for joining nodes from now on, the join ``command`` named in the log; ``watcher`` is told
+        of each node that joins and each refused."""
 
 
 class JoinAddress(Protocol):
@@ -82,13 +83,16 @@ class ExternalJoins(EngineExtra):
         backend: the backend taking joining nodes.
         fleet: the workers (an empty slot a node joined is renewed through the replacement path).
         life: the collector's name, and whether it is open.
+        events: where each node that joins, and each refused, is published.
     """
 
-    def __init__(self, network: JoinAddress, backend: JoiningBackend, fleet: Fleet, life: Lifecycle) -> None:
+    def __init__(self, network: JoinAddress, backend: JoiningBackend, fleet: Fleet, life: Lifecycle,
+                 events: FleetEvents) -> None:
         self.network = network
         self.backend = backend
         self.fleet = fleet
         self.life = life
+        self.events = events
         self.key: JoinKey | None = None
         #: slots opened for nodes the autoscaler asked ``on_scale`` for, not taken yet
         self.slots: list[int] = []
@@ -96,7 +100,16 @@ class ExternalJoins(EngineExtra):
     def before_start(self) -> None:
         self.key = JoinKey(self.network.authkey)
         # the join command goes to the log while slots wait for nodes
-        self.backend.open_joins(join_argv(self.network.advertised_host, self.network.tcp_port, self.key.path))
+        self.backend.open_joins(join_argv(self.network.advertised_host, self.network.tcp_port, self.key.path),
+                                JoinWatcher(self._joined, self._refused))
+
+    def _joined(self, worker: int, host: str, address: str) -> None:
+        # the join service logged it already
+        self.events.publish(EventKind.JOIN, f"a node joined slot {worker} from {host} ({address})",
+                            workers=(worker,), details={"host": host, "address": address})
+
+    def _refused(self, who: str, reason: str) -> None:
+        self.events.publish(EventKind.JOIN_REFUSED, f"{who} was refused: {reason}", details={"reason": reason})
 
     def command(self) -> list[str]:
         """The argv a node runs to join.
@@ -120,10 +133,9 @@ class ExternalJoins(EngineExtra):
         if joins is None or requests is None or not requests.retired:
             return []
         rejoined = joins.joined(sorted(requests.retired))
-        for worker in rejoined:
+        for worker in rejoined:  # its join was published when it joined (``_joined``)
             self.fleet.renew(worker)
-            self.fleet.events.publish(EventKind.JOIN, f"a node joined empty slot {worker}", workers=(worker,),
-                                      logger=_log)
+            _log.info("a node took empty slot %d back", worker)
         return rejoined
 
     # ------------------------------------------------------------------ slots the autoscaler opens

@@ -76,7 +76,7 @@ class LocalEngine:
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
         self.background = LocalRun(self.thread_run, config, self.life)
         self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
-        self.stats = LocalStats(self.tally, self.progress, lambda: self.weights.policy_version,
+        self.stats = LocalStats(self.tally, self.progress, self.weights,
                                 lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy))
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
                                           self.output, config, lambda: self.frames_per_batch, self.where())

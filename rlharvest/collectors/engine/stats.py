@@ -15,8 +15,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .broadcast import WorkerBroadcast
 from .fleet import Fleet
-from .progress import ProgressMeter
+from .progress import LatencyHistogram, ProgressMeter
 from .state import Lifecycle, Tally
+from .weights import WeightPublisher
 from .worker_figures import WorkerFigures
 
 __all__ = ["StatsSnapshot", "StatsSource", "WORKER_VIEWS", "FleetStats", "LocalStats", "WorkerCensus", "ASKED_WHEN_VIEWED",
@@ -56,6 +57,13 @@ class StatsSnapshot:
     """Each worker's own snapshot, by index (asked of the workers)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Figures of optional parts (the autoscaler's ``autoscale/...``)."""
+    weight_version: int = 0
+    """Weight updates published so far (the policy version, tracked or not)."""
+    weight_syncs: LatencyHistogram | None = None
+    """Every weight update's latency so far, in buckets (what the monitor exports; not in :meth:`as_dict`)."""
+    worker_states: dict[int, str] = field(default_factory=dict)
+    """Each active worker's state (not in :meth:`as_dict`): ``"starting"`` (no batch taken from it
+    yet), ``"collecting"`` or ``"failed"`` (found dead, not replaced yet)."""
 
     def as_dict(self, workers: str = "aggregate") -> dict[str, Any]:
         """The flat dict TorchRL's ``stats()`` returns: this collector's figures (``"aggregate"``),
@@ -154,23 +162,25 @@ class FleetStats:
     Args:
         tally: frames and batches so far, against ``total_frames``.
         progress: throughput, lag, weight-update latency and where the time goes.
-        version: the current policy version when tracked, else None.
+        weights: the policy version (tracked or not).
         frames_per_batch: the frames of the next batch.
-        fleet: the workers (restarts, who left).
+        fleet: the workers (restarts, who left, who is found dead).
         figures: each worker's figures, kept from its replies.
         broadcast: asks the workers for their own snapshots.
         life: whether the collector is open (a closed one asks nobody).
         census: when the workers are asked, and who counts as alive.
         sources: the parts that add figures (a backend's extras, the autoscaler).
+        steps_only: the workers send steps, not batches (env workers of a policy server): they are
+            collecting from their start.
     """
 
-    def __init__(self, tally: Tally, progress: ProgressMeter, version: Callable[[], Any],
+    def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
                  frames_per_batch: Callable[[], int], fleet: Fleet, figures: WorkerFigures,
                  broadcast: WorkerBroadcast, life: Lifecycle, census: WorkerCensus = ASKED_WHEN_VIEWED,
-                 sources: Sequence[StatsSource] = ()) -> None:
+                 sources: Sequence[StatsSource] = (), steps_only: bool = False) -> None:
         self.tally = tally
         self.progress = progress
-        self.version = version
+        self.weights = weights
         self.frames_per_batch = frames_per_batch
         self.fleet = fleet
         self.figures = figures
@@ -178,24 +188,32 @@ class FleetStats:
         self.life = life
         self.census = census
         self.sources = list(sources)
+        self.steps_only = steps_only
 
     def snapshot(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
         """Raises: ValueError for another ``workers`` view or a negative ``timeout``."""
         check_view(workers)
         check_timeout(timeout)
-        tally, config, fleet = self.tally, self.tally.config, self.fleet
+        tally, config, fleet, progress = self.tally, self.tally.config, self.fleet, self.progress
         snapshot = StatsSnapshot(
             frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
-            policy_version=self.version(), progress=self.progress.stats(), times=dict(self.progress.seconds))
+            policy_version=self.weights.policy_version, progress=progress.stats(), times=dict(progress.seconds),
+            weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram())
         active = fleet.active
-        answers = self.census.answers(self.broadcast, active, workers, timeout) if not self.life.closed else {}
-        alive = self.census.alive(answers, fleet, active) if not self.life.closed else 0
+        open_ = not self.life.closed
+        answers = self.census.answers(self.broadcast, active, workers, timeout) if open_ else {}
+        alive = self.census.alive(answers, fleet, active) if open_ else 0
         slots = len(fleet)
         snapshot.fleet = {"workers": len(active), "workers_alive": alive, **fleet.restarts.stats(slots),
                           "workers_removed": slots - len(active), **self.figures.stats(active)}
         snapshot.extra.update(self.census.figures(answers))
         snapshot.per_worker = answers
+        requests = fleet.requests if open_ else None
+        snapshot.worker_states = {
+            worker: "failed" if requests is not None and requests.is_dead(worker)
+            else "collecting" if self.steps_only or f"worker_{worker}/frames" in snapshot.fleet else "starting"
+            for worker in active}
         for source in self.sources:
             snapshot.extra.update(source.stats())
         return snapshot
@@ -211,16 +229,16 @@ class LocalStats:
     Args:
         tally: frames and batches so far, against ``total_frames``.
         progress: throughput, lag, weight-update latency and where the time goes.
-        version: the current policy version when tracked, else None.
+        weights: the policy version (tracked or not).
         frames_per_batch: the frames of its batches.
         rollout_seconds: the seconds its rollouts spent in the env and in the policy.
     """
 
-    def __init__(self, tally: Tally, progress: ProgressMeter, version: Callable[[], Any],
+    def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
                  frames_per_batch: Callable[[], int], rollout_seconds: Callable[[], tuple[float, float]]) -> None:
         self.tally = tally
         self.progress = progress
-        self.version = version
+        self.weights = weights
         self.frames_per_batch = frames_per_batch
         self.rollout_seconds = rollout_seconds
 
@@ -231,7 +249,8 @@ class LocalStats:
         return StatsSnapshot(
             frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
-            policy_version=self.version(), progress=self.progress.stats(), times=self.time_split())
+            policy_version=self.weights.policy_version, progress=self.progress.stats(), times=self.time_split(),
+            weight_version=self.weights.version, weight_syncs=self.progress.weight_sync_histogram())
 
     def time_split(self) -> dict[str, float]:
         split = dict(self.progress.seconds)

@@ -23,6 +23,7 @@ from ..engine.gather import Gathering
 from ..engine.running import IN_A_THREAD, FreeRun
 from ..engine.schedule import WeightPushes
 from ..engine.served import PolicyServer, ServedChunks
+from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import SharedIds, TrajectoryIds
@@ -246,7 +247,7 @@ class AsyncBatchedOptions:
         """One counter every worker shares."""
         return SharedIds()
 
-    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         return []
 
     def served_policy(self, backend: Backend) -> PolicyServer:

@@ -22,6 +22,7 @@ from ..engine.gather import FirstReadyBatches, Gathering, Stacked
 from ..engine.running import IN_A_THREAD, WORKERS_WRITE, FreeRun
 from ..engine.schedule import WeightPushes
 from ..engine.served import PolicyServer
+from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, SharedIds, TrajectoryIds
@@ -184,7 +185,7 @@ class WorkerProcessOptions:
         mapped here."""
         return SharedIds() if self.typed_workers else PerWorkerIds(self.num_workers)
 
-    def extras(self, backend: MPBackend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: MPBackend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         return []
 
     def served_policy(self, backend: MPBackend) -> PolicyServer | None:

@@ -22,6 +22,7 @@ from ..engine.gather import FirstReadyBatches, Gathering, Stacked
 from ..engine.running import PUSHED_TO_A_RECEIVER, FreeRun
 from ..engine.schedule import WeightPushes
 from ..engine.served import PolicyServer
+from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
@@ -255,7 +256,7 @@ class NodeOptions:
         """Each node counts its own trajectory ids, mapped to collector-wide ones here."""
         return PerWorkerIds(self.num_workers)
 
-    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         """Parts a backend adds (none by default)."""
         return []
 

@@ -15,6 +15,7 @@ from ...worker.nodes import RPC_CALLS, node_main
 from ..engine.extras import EngineExtra, RPCReferences
 from ..engine.fleet import Fleet
 from ..engine.running import IN_A_THREAD, FreeRun
+from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from .common import has_weights
 from .network import NetworkConfig
@@ -72,7 +73,7 @@ class RPCOptions(NodeOptions):
         here keeps requesting batches, as iteration does."""
         return IN_A_THREAD
 
-    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         """A remote reference to each node's collector (``collector_rrefs``)."""
         return [RPCReferences(fleet, self.worker_timeout)]
 

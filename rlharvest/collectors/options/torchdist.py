@@ -18,6 +18,7 @@ from ..engine.fleet import Fleet
 from ..engine.gather import Gathering, PushedBatches
 from ..engine.running import FreeRun
 from ..engine.schedule import WeightPushes
+from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from .common import has_weights
 from .network import NetworkConfig
@@ -149,9 +150,9 @@ class TorchDistOptions(NodeOptions):
         """Nodes that join are awaited at the first use (the constructor returns before any joined)."""
         return Startup(deferred=self.joins)
 
-    def extras(self, backend: TorchDistBackend, fleet: Fleet, life: Lifecycle) -> list[EngineExtra]:
+    def extras(self, backend: TorchDistBackend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
         """``launcher="external"``: the join key and command, slots filled again by nodes that join."""
-        return [ExternalJoins(self.network, backend, fleet, life)] if self.joins else []
+        return [ExternalJoins(self.network, backend, fleet, life, events)] if self.joins else []
 
     @property
     def group_backend(self) -> str | None:
