@@ -18,9 +18,9 @@ from .extras import EngineExtra
 from .fleet import Fleet
 from .loops import BatchLoop
 from .state import BatchSizes, Lifecycle
+from .schedule import WeightSchedule
 from .traj_ids import TrajectoryIds
 from .weights import WeightPublisher
-from .schedule import WeightSchedule
 
 __all__ = ["Membership", "Growable"]
 
