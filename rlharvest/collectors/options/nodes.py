@@ -1,7 +1,7 @@
 """The options every collector with one node (or actor) per env constructor shares:
 ``DistributedCollector`` and ``DistributedSyncCollector`` (``torchdist.py``), ``RPCCollector``
 (``rpc.py``) and ``RayCollector`` (``ray.py``). Parsed once from their arguments; what differs between
-them (the backend, where nodes run, their traits) is the fields each adds."""
+them (the backend, where nodes run, the ready objects they hand the engine) is what each adds."""
 
 from __future__ import annotations
 
