@@ -1,4 +1,4 @@
-"""How the collectors scale with the number of workers (docs/performance.md, "Scaling with workers").
+"""How the collectors scale with the number of workers (docs/performance-at-scale.md, "Scaling with workers").
 
 For each N in ``--workers`` (default 2, 4, 8, 16, 32), each collector kind in ``--kinds`` and each
 side (rlharvest, then TorchRL 0.12 when its venv exists; the order alternates from point to point),
@@ -30,7 +30,7 @@ Prints a table, writes the JSON and an SVG plot (``--plot``, default ``docs/img/
 Bound: ``--budget`` (default 1200 s) caps the whole grid; points not reached are reported as
 skipped. The default grid (6 kinds x 5 N, rlharvest and TorchRL, 25M at N = 2 and 8) is 60 point
 processes: on a quiet 2-core host it fits the budget only for rlharvest; on a shared host, narrow it
-(``--workers 2,8,32 --torchrl-workers 2,32 --w25m-workers 2``: docs/performance.md says what ran).
+(``--workers 2,8,32 --torchrl-workers 2,32 --w25m-workers 2``: docs/performance-at-scale.md says what ran).
 """
 
 from __future__ import annotations
