@@ -44,7 +44,7 @@ class MultiCollector(BaseCollector):
     def _construct(cls, args: tuple, kwargs: dict) -> Any:
         """``MultiCollector`` picks by ``sync``; its subclasses check that ``sync`` does not contradict them."""
         sync = kwargs.get("sync")
-        if cls is MultiCollector:
+        if cls is __class__:  # this class itself, whatever its module's name now holds (mock.patch)
             return object.__new__(MultiAsyncCollector if sync is False else MultiSyncCollector)
         own = issubclass(cls, MultiSyncCollector)
         if sync is not None and bool(sync) != own:

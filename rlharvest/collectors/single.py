@@ -81,7 +81,7 @@ class Collector(BaseCollector):
 
     @classmethod
     def _construct(cls, args: tuple, kwargs: dict) -> Any:
-        return construct(Collector, cls, args, kwargs)  # Collector(backend=...) (``_dispatch.py``)
+        return construct(__class__, cls, args, kwargs)  # Collector(backend=...) (``_dispatch.py``)
 
     def __init__(
         self,

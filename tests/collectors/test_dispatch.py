@@ -9,7 +9,7 @@ import pytest
 from mocks import CountingPolicy
 
 from rlharvest import service_backend
-from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
 from rlharvest.envs import CountingEnv
 
@@ -89,6 +89,19 @@ def test_a_service_backend_context_builds_the_class_found_when_collector_is_call
     with mock.patch("rlharvest.collectors.distributed.RPCCollector") as target, service_backend("rpc"):
         built = Collector(CountingEnv, num_collectors=2, frames_per_batch=8)
     assert built is target.return_value and target.call_args.kwargs["sync"] is False
+
+
+def test_collector_and_multicollector_keep_their_rules_while_their_module_names_are_replaced():
+    with mock.patch("rlharvest.collectors.multi.MultiCollector"), mock.patch("rlharvest.collectors.single.Collector"):
+        collector = MultiCollector([CountingEnv], frames_per_batch=4, total_frames=4, sync=False)
+        try:
+            assert type(collector) is MultiAsyncCollector
+        finally:
+            collector.shutdown()
+        with pytest.raises(TypeError, match="only Collector"):  # a subclass still refuses the selectors
+            type("MyCollector", (Collector,), {})(CountingEnv, frames_per_batch=4, num_collectors=2)
+        direct = Collector(CountingEnv, frames_per_batch=4, total_frames=4)
+        assert type(direct) is Collector
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
