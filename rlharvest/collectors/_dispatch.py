@@ -1,12 +1,12 @@
 """``Collector(..., backend=...)``: one constructor for every place rollouts can run.
 
-``Collector.__new__`` hands every construction to :func:`construct`. Calling
-:class:`~rlharvest.collectors.Collector` itself with ``backend``, ``backend_options``,
-``num_collectors`` or ``sync`` builds the collector of that backend (``"direct"`` = the in-process
-Collector, ``"process"`` = worker processes, ``"distributed"``, ``"rpc"``, ``"submitit"``, ``"ray"``)
-and returns it; subclasses of Collector refuse these four arguments. Without ``backend``, an
-enclosing ``service_backend(...)`` context picks it (rlharvest's, or TorchRL's). The rules are TorchRL
-0.14's (docs/torchrl-compatibility.md).
+``Collector(...)`` hands every construction to :func:`construct` (``BaseCollector.__new__`` calls
+``Collector._construct``). Calling :class:`~rlharvest.collectors.Collector` itself with ``backend``,
+``backend_options``, ``num_collectors`` or ``sync`` builds the collector of that backend
+(``"direct"`` = the in-process Collector, ``"process"`` = worker processes, ``"distributed"``,
+``"rpc"``, ``"submitit"``, ``"ray"``) and returns it; subclasses of Collector refuse these four
+arguments. Without ``backend``, an enclosing ``service_backend(...)`` context picks it (rlharvest's,
+or TorchRL's). The rules are TorchRL 0.14's (docs/torchrl-compatibility.md).
 
 The class of each backend is looked up by its public import path when ``Collector`` is called, as
 TorchRL does: a class replaced there (``mock.patch``, a user's subclass) is the one built. Naming them
@@ -27,6 +27,8 @@ __all__ = ["BACKENDS", "TARGETS", "construct"]
 BACKENDS = ("direct", "process", "distributed", "rpc", "submitit", "ray")
 _ALIASES = {"multiprocessing": "process", "threading": "thread"}
 _SELECTORS = ("backend_options", "num_collectors", "num_workers", "sync")
+#: the arguments only ``Collector`` itself takes
+_DISPATCH_ARGUMENTS = ("backend", "backend_options", "num_collectors", "sync")
 
 #: the collector each backend other than ``"direct"`` builds, by the import path read at each call
 TARGETS = {
@@ -48,7 +50,7 @@ def construct(dispatcher: type, cls: type, args: tuple, kwargs: dict) -> Any:
     """
     if cls is dispatcher:
         return _from_collector(cls, args, kwargs)
-    if any(kwargs.get(name) is not None for name in ("backend", "backend_options", "num_collectors", "sync")):
+    if any(kwargs.get(name) is not None for name in _DISPATCH_ARGUMENTS):
         raise TypeError(f"{cls.__name__} takes no backend, backend_options, num_collectors or sync: only "
                         "Collector(...) itself dispatches on them.")
     return object.__new__(cls)
@@ -117,7 +119,7 @@ def _from_collector(cls: type, args: tuple, kwargs: dict) -> Any:
     _check_num_collectors(num_collectors)
     name = _backend_name(backend, num_collectors)
     rest = {key: value for key, value in kwargs.items()
-            if key not in ("backend", "backend_options", "num_collectors", "sync")}
+            if key not in _DISPATCH_ARGUMENTS}
     options = _merged_options(backend_options, args, rest)
     if name == "direct":
         if num_collectors not in (None, 1):
