@@ -10,7 +10,7 @@ from ..weight_update.updaters import (
     VanillaWeightUpdater,
     WeightUpdaterBase,
 )
-from . import distributed  # noqa: F401  (its faces answer Collector(backend="distributed"/"rpc"/"ray"))
+from . import distributed  # noqa: F401  (the multi-node collectors, as rlharvest.collectors.distributed)
 from .async_batched import AsyncBatchedCollector
 from .base import BaseCollector
 from .evaluator import Evaluator
