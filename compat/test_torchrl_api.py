@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModule
 from torchrl import service_backend as torchrl_service_backend
 from torchrl.envs import Compose, GymEnv, RewardSum
 from torchrl.envs.transforms.module import ModuleTransform
+from torchrl_objects import recurrent_actor
 
 from rlharvest.collectors import Collector, MultiAsyncCollector
 from rlharvest.collectors.distributed import RPCCollector
@@ -51,6 +52,27 @@ def test_env_model_id_indexes_the_transforms_as_torchrl_does(make_env, model_id)
         zeros = TensorDict.from_module(observation_module()).data.zero_()
         collector.update_policy_weights_(weights_dict={model_id: zeros})
         assert next(batches)["next", "observation"].abs().sum() == 0  # the workers' env module got them
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("max_frames_per_traj", [None, 50])
+def test_env_model_id_indexes_the_env_given_when_the_collector_appends_policy_transforms(max_frames_per_traj):
+    """With auto_register_policy_transforms=True, TorchRL appends the recurrent policy's transforms to
+    the env's own list; rlharvest steps a new env around it, and reads the ids through both."""
+    model_id = "env.transform[0].module"
+    collector = Collector(env_with_module_transform, num_collectors=2, sync=True, policy_factory=recurrent_actor,
+                          max_frames_per_traj=max_frames_per_traj, frames_per_batch=40, total_frames=120,
+                          auto_register_policy_transforms=True,
+                          weight_sync_schemes={"policy": MultiProcessWeightSyncScheme(),
+                                               model_id: MultiProcessWeightSyncScheme()})
+    try:
+        batches = iter(collector)
+        assert next(batches)["next", "observation"].abs().sum() > 0
+        zeros = TensorDict.from_module(observation_module()).data.zero_()
+        collector.update_policy_weights_(weights_dict={model_id: zeros})
+        batch = next(batches)
+        assert batch["next", "observation"].abs().sum() == 0 and batch["recurrent_state"].abs().sum() > 0
     finally:
         collector.shutdown()
 
