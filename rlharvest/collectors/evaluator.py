@@ -448,7 +448,8 @@ class Evaluator:
         """The background thread: run the queued requests one at a time until shutdown."""
         while True:
             with self._lock:
-                while not self._requests and not self._closed:
+                # an evaluation of the calling thread (evaluate, evaluate_episodes) runs on the same collector
+                while (not self._requests or self._running) and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     break

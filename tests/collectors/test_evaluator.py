@@ -13,10 +13,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
 import torch
+from tensordict.nn import TensorDictModule
 from mocks import ActionRewardEnv, FaultyEnv, wait_until, weight_policy, weight_policy_of
 from process_check import process_gone
 
@@ -231,6 +234,44 @@ def test_bad_arguments_name_what_is_allowed(arguments, message):
     arguments = {"env": ActionRewardEnv, "policy_factory": weight_policy_of, "max_steps": TRUNCATED, **arguments}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Evaluator(arguments.pop("env"), **arguments)
+
+
+class OverlapProbe(torch.nn.Module):
+    """Acts 1, and counts the calls that began while another one was running (two evaluations at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.running, self.overlaps, self.lock = 0, 0, threading.Lock()
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.running += 1
+            self.overlaps += self.running > 1
+        time.sleep(0.005)
+        with self.lock:
+            self.running -= 1
+        return torch.zeros(observation.shape) + self.weight
+
+
+@pytest.mark.parametrize("call", ["evaluate", "evaluate_episodes"])
+def test_a_request_queued_from_another_thread_waits_for_the_callers_evaluation(call):
+    probe = OverlapProbe()
+    evaluator = Evaluator(ActionRewardEnv(max_steps=3), TensorDictModule(probe, ["observation"], ["action"]),
+                          num_trajectories=20, max_steps=TRUNCATED, busy_policy="queue")
+    def trigger_while_busy():
+        wait_until(lambda: evaluator.pending, timeout=30, what="the caller's evaluation")
+        evaluator.trigger_eval(step=7)
+
+    helper = threading.Thread(target=trigger_while_busy)
+    try:
+        helper.start()
+        getattr(evaluator, call)()
+        helper.join(timeout=30)
+        assert evaluator.wait(timeout=30)["eval/step"] == 7
+        assert probe.overlaps == 0
+    finally:
+        evaluator.shutdown()
 
 
 def test_per_env_sampling_names_the_collector_arguments_it_does_not_use():
