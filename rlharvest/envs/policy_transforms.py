@@ -36,8 +36,9 @@ __all__ = ["missing_policy_transforms", "env_for_policy", "appended_by_collector
 
 logger = logging.getLogger(__name__)
 
-#: the envs :func:`env_for_policy` built around a user's env (known by identity)
-_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+#: the envs :func:`env_for_policy` built around a user's env, by ``id`` (any env, hashable or not, is
+#: looked up by identity)
+_WRAPPERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 INIT_KEY = "is_init"
 #: what the user can write instead of asking the collector (TorchRL's public helper)
@@ -105,7 +106,7 @@ def _appended(env: Any, transforms: list, owner: str) -> Any:
                          f"TorchRL transforms, but {owner}'s env is a {type(env).__name__}, not a TorchRL env. Build "
                          "the env with TorchRL, or give the policy what it reads some other way.")
     wrapper = envs.TransformedEnv(env, envs.Compose(*transforms), auto_unwrap=False)
-    _WRAPPERS.add(wrapper)
+    _WRAPPERS[id(wrapper)] = wrapper
     return wrapper
 
 
@@ -118,7 +119,7 @@ def appended_by_collector(env: Any) -> bool:
         >>> appended_by_collector(CountingEnv())
         False
     """
-    return env in _WRAPPERS
+    return _WRAPPERS.get(id(env)) is env
 
 
 def env_for_policy(auto_register: bool | None, env: Any, policy: Any, owner: str) -> Any:
