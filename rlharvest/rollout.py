@@ -7,7 +7,7 @@ stacks each key of the steps so far into its rows of a preallocated TensorDict o
 ``(*batch_size, T)`` with the time dim named ``"time"``, and lets the steps go. This keeps per-frame
 bookkeeping to a few microseconds, and keeps the steps alive too briefly for Python's garbage
 collector to promote them: a batch held whole until its end made it scan the whole heap every few
-batches (docs/performance.md, "The garbage collector and the batch's steps").
+batches (docs/archive/performance-history.md, "The garbage collector and the batch's steps").
 
 Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
@@ -272,7 +272,7 @@ class Rollout:
         act = self.random_step if random else self.policy_step
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
-        # references moved (docs/performance.md, "Where each microsecond of a frame goes").
+        # references moved (docs/archive/performance-history.md, "Where each microsecond of a frame goes").
         env_step, next_root_of, any_done = adapter.step, adapter.next_root, adapter.any_done
         scalar = not self.batch_size  # one env: done is a Python bool
         move = self._to_env_device if self._move_actions else None

@@ -1,4 +1,5 @@
-"""Every Python block of README.md and docs/*.md runs as written (a wrong example misleads more than none).
+"""Every Python block of README.md, docs/*.md and docs/archive/*.md runs as written (a wrong example
+misleads more than none).
 
 Sybil (https://sybil.readthedocs.io) reads the pages: it finds the fenced ``python`` blocks and its
 HTML-comment directives, and runs each block in one namespace per page, in page order, so a block may
@@ -32,7 +33,7 @@ from sybil.evaluators.skip import Skipper
 from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "archive").glob("*.md"))]
 MARK = re.compile(r"<!--\s*pytest-mark:\s*([\w-]+)\s*-->\s*\Z")
 MARK_RAY = re.compile(r"^<!--\s*pytest-mark:\s*ray\s*-->", re.M)
 FRAGMENT = re.compile(r"""\s*(["'])fragment: \S.*\1\s*\Z""")
@@ -95,4 +96,4 @@ def test_every_fragment_says_why():
 def test_every_page_with_python_is_read():
     # README.md and the pages that show Python: a parser that found nothing would pass silently
     pages = {Path(param.values[0]).name for param in BLOCKS}
-    assert {"README.md", "checkpoints.md", "evaluation.md", "ray.md", "elastic.md"} <= pages, pages
+    assert {"README.md", "checkpoints.md", "evaluation.md", "ray.md", "elastic.md", "autoscaling.md"} <= pages, pages

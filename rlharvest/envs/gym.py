@@ -125,7 +125,7 @@ class GymEnv(EnvBase):
         if not self._vector:
             # One env's action of one number, or one-hot, read as Python numbers: ~1 us a step in the
             # rollout loop, against ~3 us for a numpy view of the tensor, whose making and freeing cost
-            # more there than alone (docs/performance.md, "The action handed to gymnasium").
+            # more there than alone (docs/archive/performance-history.md, "The action handed to gymnasium").
             if action.dim() == 0:
                 return action.item()
             if self._one_hot and action.dim() == 1:

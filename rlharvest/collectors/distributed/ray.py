@@ -26,7 +26,7 @@ from . import _node_api
 __all__ = ["RayCollector"]
 
 
-class RayCollector(BaseCollector, dispatch="ray"):
+class RayCollector(BaseCollector):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
     Takes DistributedCollector's arguments except those saying where nodes run (``launcher``,

@@ -22,7 +22,7 @@ from . import _node_api
 __all__ = ["RPCCollector"]
 
 
-class RPCCollector(BaseCollector, dispatch="rpc"):
+class RPCCollector(BaseCollector):
     """Collect with one node per env constructor, commanded over torch RPC.
 
     Takes DistributedCollector's arguments except ``update_interval``, plus:

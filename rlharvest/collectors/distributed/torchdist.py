@@ -23,7 +23,7 @@ from . import _node_api
 __all__ = ["DistributedCollector"]
 
 
-class DistributedCollector(BaseCollector, dispatch="distributed"):
+class DistributedCollector(BaseCollector):
     """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
 
     Args:

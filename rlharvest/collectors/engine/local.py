@@ -16,6 +16,7 @@ from ..._utils import TRAJ_IDS, as_tuple_key, resolve_attr_path, unwrap, user_st
 from ...config import CollectorConfig, resolve_devices
 from ...envs.adapters import env_attr
 from ...envs.factory import close_env, env_keys, make_env
+from ...envs.policy_transforms import env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
 from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
@@ -92,6 +93,7 @@ class LocalEngine:
         if policy is None and policy_factory is not None:
             policy = unwrap(policy_factory)()
         config = self.config
+        self.env = env_for_policy(config.auto_register_policy_transforms, self.env, policy, self.name)
         storing, policy_device, env_device = resolve_devices(config.device, config.storing_device,
                                                              config.policy_device, config.env_device, self.env)
         self.storing_device, self.policy_device, self.env_device = storing, policy_device, env_device

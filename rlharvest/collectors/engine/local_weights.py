@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ...config import CollectorConfig
+from ...envs.policy_transforms import appended_by_collector
 from ...policies import WeakPolicyRef
 from ...rollout import Rollout
 from ...weight_update.strategy import copy_weights_, weights_of
@@ -122,8 +123,9 @@ class LocalWeights:
         if model_id == "policy":
             source = self.source()
             return source if source is not None else self.policy()
-        if self.config.max_frames_per_traj:  # TorchRL's env would have a StepCounter: ids index its transforms
-            found, model = resolve_env_transform_path(self.env, model_id)
+        step_counter = bool(self.config.max_frames_per_traj)  # TorchRL's env would have one: ids index its transforms
+        if step_counter or appended_by_collector(self.env):
+            found, model = resolve_env_transform_path(self.env, model_id, step_counter)
             if found:
                 return model
         return self.resolve(model_id)
