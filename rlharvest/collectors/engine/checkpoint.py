@@ -78,6 +78,12 @@ def section_of(state_dict: dict) -> dict | None:
     return state_dict.get(CHECKPOINT_KEY)
 
 
+def _head(layout: dict[str, Any], tally: Tally, version: int) -> dict[str, Any]:
+    """What every collector's section starts with: the format, the layout, the counters, the version."""
+    return {"format_version": FORMAT_VERSION, "layout": layout, "frames": int(tally.frames), "iter": int(tally.iter),
+            "total_frames_left": tally.frames_left(), "policy_version": int(version)}
+
+
 # ---------------------------------------------------------------------------------- Collector
 def _snapshot(weights: dict) -> dict:
     """A copy of a state dict: later updates do not change the checkpoint, and a weight that is a view
@@ -141,14 +147,9 @@ class LocalCheckpoint:
 
     def capture(self, env_state: bool = True) -> dict[str, Any]:
         """rlharvest's part of the checkpoint: a snapshot of this moment."""
-        config, rollout, tally = self.config, self.rollout, self.tally
+        config, rollout = self.config, self.rollout
         section: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
-            "layout": self.layout(),
-            "frames": int(tally.frames),
-            "iter": int(tally.iter),
-            "total_frames_left": tally.frames_left(),
-            "policy_version": int(self.weights.version),
+            **_head(self.layout(), self.tally, self.weights.version),
             "traj_counter": int(rollout.traj_counter.peek()),
             "seed_chain": list(self.seed_chain) if self.seed_chain is not None else None,
             "rng": capture_global_rng(),
@@ -309,15 +310,10 @@ class FleetCheckpoint:
         return pending
 
     def _capture(self, extra: dict[str, Any]) -> dict[str, Any]:
-        fleet, tally = self.fleet, self.tally
+        fleet = self.fleet
         chain = self.broadcast.seed_chain
         section = {
-            "format_version": FORMAT_VERSION,
-            "layout": self.layout(),
-            "frames": int(tally.frames),
-            "iter": int(tally.iter),
-            "total_frames_left": tally.frames_left(),
-            "policy_version": int(self.weights.version),
+            **_head(self.layout(), self.tally, self.weights.version),
             "seed_chain": list(chain) if chain is not None else None,
             # what a replacement (or the next one) starts from: the seed, how many failed workers it
             # replaces (its env's seed derives from it), past which trajectory ids it counts
