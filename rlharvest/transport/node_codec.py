@@ -109,6 +109,10 @@ _WIRE: dict[str, tuple[type, tuple[Callable[[Any], bool], ...]]] = {
     "FlatLayout": (FlatLayout, (_is(tuple), _is(tuple), _optional(_is(tuple)), _is(int))),  # it checks the rest
 }
 _WIRE_NAMES = {cls: (name, tuple(field.name for field in dataclasses.fields(cls))) for name, (cls, _) in _WIRE.items()}
+#: the types JSON holds as they are
+_SCALARS = frozenset({type(None), bool, int, float, str})
+_JSON_OUT = json.JSONEncoder(separators=(",", ":"))
+_JSON_IN = json.JSONDecoder()
 _FACTORIES = {None: None, "list": list, "dict": dict, "set": set, "int": int, "float": float, "str": str}
 
 
@@ -126,11 +130,11 @@ class _Encoder:
         return [self.size - length, length]
 
     def value(self, obj: Any, depth: int = 0) -> Any:
+        kind = type(obj)
+        if kind in _SCALARS:
+            return obj
         if depth > MAX_DEPTH:
             raise TypeError(f"values nested deeper than {MAX_DEPTH} levels (or a cycle) cannot be sent")
-        kind = type(obj)
-        if obj is None or kind is bool or kind is int or kind is float or kind is str:
-            return obj
         if kind is dict and all(type(key) is str for key in obj):
             return {key: self.value(item, depth + 1) for key, item in obj.items()}
         encode = _ENCODERS.get(kind)
@@ -139,7 +143,11 @@ class _Encoder:
         return self.other(obj, depth + 1)
 
     def items(self, tag: str, values, depth: int) -> list:
-        return [tag, *(self.value(value, depth) for value in values)]
+        return [tag, *[self.value(value, depth) for value in values]]
+
+    def wire(self, obj: Any, depth: int) -> list:
+        name, fields = _WIRE_NAMES[type(obj)]
+        return ["w", name, *[self.value(getattr(obj, field), depth) for field in fields]]
 
     def pairs(self, tag: str, mapping, depth: int) -> list:
         return [tag, *(self.value(part, depth) for pair in mapping.items() for part in pair)]
@@ -155,9 +163,6 @@ class _Encoder:
         if isinstance(obj, (TensorDictBase, NonTensorData)):
             return encode_tensordict(self, obj, depth)
         cls = type(obj)
-        if cls in _WIRE_NAMES:
-            name, fields = _WIRE_NAMES[cls]
-            return ["w", name, *(self.value(getattr(obj, field), depth) for field in fields)]
         if isinstance(obj, type) and issubclass(obj, Warning):
             return ["x", obj.__module__, obj.__qualname__]
         if rebuildable(cls):  # the main process rebuilds it if the user allowed its class there
@@ -214,6 +219,7 @@ _ENCODERS: dict[type, Callable[[_Encoder, Any, int], Any]] = {
     torch.dtype: lambda encoder, obj, depth: ["dt", _dtype_name(obj)],
     torch.device: lambda encoder, obj, depth: ["dev", str(obj)],
     torch.Size: lambda encoder, obj, depth: ["sz", *obj],
+    **{cls: _Encoder.wire for cls in _WIRE_NAMES},
 }
 
 
@@ -236,7 +242,7 @@ def encode(value: Any) -> bytes:
     """
     encoder = _Encoder()
     try:
-        header = json.dumps(encoder.value(value), separators=(",", ":")).encode("ascii")
+        header = _JSON_OUT.encode(encoder.value(value)).encode("ascii")
     except Exception as err:  # on the node: whatever it is, the node says what it could not send
         raise UnsendableValue(f"{type(err).__name__}: {err}" if not isinstance(err, TypeError) else str(err)) from None
     if len(header) > HEADER_MAX:
@@ -255,7 +261,10 @@ class _Decoder:
         _, length = _PREFIX.unpack_from(data)
         if length > min(HEADER_MAX, len(data) - _PREFIX.size):
             raise NodeMessageError(f"a header of {length} bytes (at most {HEADER_MAX}, and within the message)")
-        self.header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]).decode("ascii"))
+        text = bytes(data[_PREFIX.size:_PREFIX.size + length]).decode("ascii")
+        self.header, end = _JSON_IN.scan_once(text, 0)  # the C scanner: what JSONDecoder.decode runs, less its checks
+        if end != len(text):
+            raise ValueError(f"a header with {len(text) - end} bytes after its value")
         self.buffer = memoryview(data)[_PREFIX.size + length:]
         self.cursor = 0
 
@@ -269,11 +278,11 @@ class _Decoder:
         return self.buffer[offset:offset + length]
 
     def value(self, node: Any, depth: int = 0) -> Any:
+        kind = type(node)
+        if kind in _SCALARS:
+            return node
         if depth > MAX_DEPTH:
             raise ValueError(f"values nested deeper than {MAX_DEPTH} levels")
-        kind = type(node)
-        if node is None or kind is bool or kind is int or kind is float or kind is str:
-            return node
         if kind is dict:
             return {key: self.value(item, depth + 1) for key, item in node.items()}
         if kind is not list or not node or type(node[0]) is not str or node[0] not in _TAGS:
@@ -281,7 +290,7 @@ class _Decoder:
         return _TAGS[node[0]](self, node, depth + 1)
 
     def values(self, nodes: list, depth: int) -> list:
-        return [self.value(node, depth) for node in nodes]
+        return [node if type(node) in _SCALARS else self.value(node, depth) for node in nodes]
 
     def pairs(self, node: list, depth: int) -> list[tuple]:
         if len(node) % 2 == 0:
@@ -314,7 +323,7 @@ class _Decoder:
         fields, refused = [], None
         for index, item in enumerate(nodes):
             try:
-                fields.append(self.value(item, depth))
+                fields.append(item if type(item) in _SCALARS else self.value(item, depth))
             except ClassNotAllowed as err:
                 if cls is not Reply or index != 2:
                     raise
