@@ -16,6 +16,7 @@ Keys (docs/security.md, "The key"): nodes the collector starts itself get only t
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -167,7 +168,8 @@ class TorchDistBackend(Backend):
         return [self._handle(spec, paired[spec.worker_idx + 1], self.launched[spec.worker_idx]) for spec in specs]
 
     def _handle(self, spec: WorkerSpec, node: Paired, launched: LaunchedNode) -> DistWorkerHandle:
-        node.channel.expect(is_node_message, "a reply or a heartbeat")
+        node.channel.expect(functools.partial(is_node_message, worker_idx=spec.worker_idx),
+                            f"a reply of node {spec.worker_idx} or a heartbeat")
         handle = DistWorkerHandle(node.channel, node.group, node.peer_rank, spec.worker_idx, launched,
                                   self.net.heartbeat_timeout, node.store)
         handle.conn.send_bytes(cloudpickle.dumps(spec))

@@ -204,11 +204,12 @@ class DistWorkerHandle(WorkerHandle):
         self.group = self._flat = self._view = self._layout = None
 
 
-def is_node_message(message: Any) -> bool:
-    """What a node sends its parent: replies (their fields checked by the wire format) and heartbeats
-    (the main process takes nothing else on a node's command channel)."""
-    return type(message) is Reply or (type(message) is tuple and len(message) == 2 and message[0] == "hb"
-                                      and type(message[1]) is int)
+def is_node_message(message: Any, worker_idx: int) -> bool:
+    """What node ``worker_idx`` sends its parent: its replies (their fields checked by the wire format)
+    and heartbeats (the main process takes nothing else on a node's command channel)."""
+    if type(message) is Reply:
+        return message.worker_idx == worker_idx
+    return type(message) is tuple and len(message) == 2 and message[0] == "hb" and type(message[1]) is int
 
 
 class DistWorkerEndpoint(WorkerEndpoint):

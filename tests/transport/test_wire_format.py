@@ -5,6 +5,7 @@ every size, is refused before it is allocated (docs/security.md, "What a node's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pickle
 import struct
@@ -22,6 +23,8 @@ from rlharvest.protocol import Reply
 from rlharvest.transport.channel import RefusedMessage, listen, new_authkey, open_channel
 from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.node_codec import HEADER_MAX, MAX_DEPTH
+from rlharvest.transport.torchdist_endpoints import is_node_message
+from rlharvest.transport.torchdist_receiver import is_receiver_message
 from rlharvest.transport.wire import (ClassNotAllowed, NodeMessageError, UnsendableValue, allow_from_nodes,
                                       decode_from_node, encode_from_node, limit_from_nodes, node_limit)
 
@@ -218,3 +221,32 @@ def test_keys_whose_hashes_collide_are_refused_before_their_dict_is_built(tag):
     fine = [k for k in range(50_000)]  # as many keys of distinct hashes pass
     items = [part for key in fine for part in (key, None)] if tag in ("d", "od") else fine
     assert len(decode_from_node(message([tag, *items]))) == 50_000
+
+
+def test_each_channel_takes_its_own_messages_only(caplog):
+    """A node's command channel takes its own replies and heartbeats; its weight channel what a weight
+    receiver sends. Anything else closes the channel, as a malformed message does."""
+    key = new_authkey()
+    server = ChannelListener(listen("127.0.0.1", 0), key, "test", handshake_timeout=2.0, user_timeout=5.0)
+    try:
+        for check, good, bad in (
+                (functools.partial(is_node_message, worker_idx=1), [Reply(3, 1, frames=2), ("hb", 7)],
+                 [Reply(3, 2), ("hb", "7"), ("hb", 7, 8), ["hb", 7], None]),
+                (is_receiver_message, [("ack", 3, None), ("ack", 3, 5), ("ack", 3, (0, 1)), ("staged", 3, (0, 1)),
+                                       ("unrelayed", 3, (1, 2)), ("error", node_values.examples()["failure"].failure)],
+                 [("ack", 3, [0, 1]), ("staged", 3, None), ("ack", "3", None), ("error", "boom"), ("ok",), ()])):
+            for message in bad:
+                node = open_channel("127.0.0.1", server.port, key, 5.0, 5.0, 2.0)
+                node.send_hello(("hello", 1))
+                main, _, _ = server.next(5.0)
+                main.expect(check, "this channel's messages")
+                for fine in good:
+                    node.send(fine)
+                    assert node_values.same(fine, main.recv())
+                node.send(message)
+                with pytest.raises(RefusedMessage, match="a message that is not this channel's messages"):
+                    main.recv()
+                assert main.closed
+                node.close()
+    finally:
+        server.close()
