@@ -8,6 +8,7 @@ buffer; no packing copy is needed when the producer writes into the views direct
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -114,6 +115,18 @@ class FlatLayout:
     names: tuple | None
     total_bytes: int
 
+    def __post_init__(self) -> None:
+        """Every layout is one :meth:`of` could have made, whoever made it (a node announces its
+        batches' layout): a batch size and names TensorDicts take, leaves in key order, each of its
+        dtype's size, aligned, none overlapping another or past ``total_bytes``.
+
+        Raises:
+            ValueError: naming the first thing wrong.
+        """
+        problem = _layout_problem(self)
+        if problem:
+            raise ValueError(f"not a batch layout: {problem}")
+
     @classmethod
     def of(cls, td: TensorDictBase) -> FlatLayout:
         entries, offset = [], 0
@@ -140,15 +153,57 @@ class FlatLayout:
             td.refine_names(*self.names)
         return td
 
-    def allocate(self, device=None, shared: bool = False) -> tuple[torch.Tensor, TensorDictBase]:
-        """A zeroed flat buffer and its TensorDict view."""
-        flat = torch.zeros(self.total_bytes, dtype=torch.uint8, device=device)
+    def allocate(self, device=None, shared: bool = False, zeroed: bool = True) -> tuple[torch.Tensor, TensorDictBase]:
+        """A flat buffer and its TensorDict view; ``zeroed=False`` for a buffer written whole before it
+        is read (a batch received from a node): its memory is only touched as the bytes arrive."""
+        flat = (torch.zeros if zeroed else torch.empty)(self.total_bytes, dtype=torch.uint8, device=device)
         if shared:
             flat.share_memory_()
         return flat, self.view(flat)
 
     def describe(self) -> str:
         return ", ".join(f"{k}: {tuple(s)} {d}" for k, d, s, _, _ in self.entries)
+
+
+def _is_dims(value) -> bool:
+    return type(value) is tuple and all(type(n) is int and n >= 0 for n in value)
+
+
+def _sort_key(key) -> tuple | None:
+    if type(key) is str:
+        return (key,)
+    if type(key) is tuple and key and all(type(part) is str for part in key):
+        return key
+    return None
+
+
+def _layout_problem(layout: FlatLayout) -> str:
+    """What makes ``layout`` inconsistent (see :meth:`FlatLayout.__post_init__`), or ``""``."""
+    batch_size, names = layout.batch_size, layout.names
+    if not _is_dims(batch_size):
+        return f"batch size {batch_size!r:.80}"
+    if names is not None:
+        given = [name for name in names if name is not None] if type(names) is tuple else None
+        if given is None or len(names) != len(batch_size) or len(set(given)) != len(given) or \
+                not all(type(name) is str for name in given):
+            return f"names {names!r:.80} for batch size {batch_size}"
+    if type(layout.total_bytes) is not int or layout.total_bytes < _ALIGN or type(layout.entries) is not tuple:
+        return f"total bytes {layout.total_bytes!r:.40}"
+    end, previous = 0, None
+    for entry in layout.entries:
+        if type(entry) is not tuple or len(entry) != 5:
+            return f"entry {entry!r:.80}"
+        key, dtype, shape, offset, nbytes = entry
+        order = _sort_key(key)
+        if order is None or (previous is not None and (order <= previous or order[:len(previous)] == previous)):
+            return f"key {key!r:.80} out of order, repeated or under a leaf"
+        if not isinstance(dtype, torch.dtype) or not _is_dims(shape) or shape[:len(batch_size)] != batch_size:
+            return f"{key!r:.80}: dtype {dtype!r:.40}, shape {shape!r:.80} for batch size {batch_size}"
+        if type(offset) is not int or offset < end or offset % _ALIGN or type(nbytes) is not int or \
+                nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > layout.total_bytes:
+            return f"{key!r:.80}: {nbytes!r:.20} bytes at {offset!r:.20} (after {end}, in {layout.total_bytes})"
+        end, previous = offset + nbytes, order
+    return ""
 
 
 class FlatBatch:

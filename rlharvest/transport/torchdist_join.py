@@ -4,11 +4,13 @@ The collector starts no node: its slots (one per env constructor) are filled by 
 Its command port (``tcp_port``) stays open for its whole life; nothing else of it is reachable
 before a node joined. A joining node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)
 opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: each side proves
-it holds the key before anything is decoded) and says ``("join", pid, hostname)`` (plain values,
-never unpickled). On that same channel the main process answers
+it holds the key before anything is decoded) and says ``("join", pid, hostname, wire format)`` (plain
+values, never unpickled; the format of the messages it sends, :data:`~.wire.WIRE_FORMAT`). On that same
+channel the main process answers
 
 * ``("refused", reason)`` when no slot is empty, nor empties within :attr:`JoinService.SLOT_GRACE`
-  seconds (logged at WARNING, the channel closed), or
+  seconds, or the node sends messages in another format (an older rlharvest's say no format: they are
+  pickles), logged at WARNING, the channel closed; or
 * ``("slot", rank, generation, backend, kwargs)``: both sides then form the slot's group over the
   channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
   spec (env constructor, policy, weight channel) once the collector takes the slot.
@@ -40,6 +42,7 @@ from .channel import Channel, open_channel, slot_key
 from .launchers import LaunchedNode
 from .pairing import PairingFailed, form_pair
 from .rendezvous import Rendezvous
+from .wire import WIRE_FORMAT
 
 __all__ = ["JoinRefused", "JoinService", "JoinWatcher", "JoinedNode", "Seat", "join_collector"]
 
@@ -206,12 +209,17 @@ class JoinService:
 
     def _admit(self, channel: Channel, hello: Any, peer) -> None:
         listener = self.rendezvous.listener
-        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "join" and type(hello[1]) is int
+        if not (isinstance(hello, tuple) and len(hello) in (3, 4) and hello[0] == "join" and type(hello[1]) is int
                 and isinstance(hello[2], str) and channel.key_id == 0):
             channel.close()
             listener.drop(peer, f"not a join: {hello!r:.80}")
             return
         who = f"node {hello[2]!r:.40} (pid {hello[1]})"
+        if hello[3:] != (WIRE_FORMAT,):  # it could join, but the collector would refuse its first reply
+            said = f"wire format {hello[3]!r:.20}" if hello[3:] else "pickles (wire format 1)"
+            self._refuse(channel, peer, who, f"it sends its messages as {said}, this collector reads wire format "
+                         f"{WIRE_FORMAT}: install the collector's rlharvest version on the node")
+            return
         if not self._forming.acquire(blocking=False):
             self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
@@ -321,8 +329,12 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
             raise  # AuthenticationFailed, a reset: the collector answered
         raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s "
                                    f"({_why(err)}).") from None
-    conn.send_hello(("join", os.getpid(), socket.gethostname()))
-    reply = conn.recv()
+    conn.send_hello(("join", os.getpid(), socket.gethostname(), WIRE_FORMAT))
+    try:
+        reply = conn.recv()
+    except EOFError:  # a collector that does not know this hello (an older rlharvest) closes at once
+        raise EOFError(f"without answering the join at {host}:{port}: it may run another rlharvest version, this "
+                       f"node sends wire format {WIRE_FORMAT}") from None
     if reply[0] == "refused":
         conn.close()
         raise JoinRefused(f"the collector at {host}:{port} refused this node: {reply[1]}.")
