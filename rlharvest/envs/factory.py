@@ -24,7 +24,8 @@ def gymnasium_instance(value: Any) -> bool:
 
 
 #: what to do with a gymnasium env instance (the end of a message)
-GYMNASIUM_ADVICE = "wrap it in GymEnv (GymEnv(env)), or pass a factory that builds it (e.g. lambda: GymEnv(\"CartPole-v1\"))"
+GYMNASIUM_ADVICE = ("wrap it in GymEnv (GymEnv(env)), or pass a factory that builds it "
+                    "(e.g. lambda: GymEnv(\"CartPole-v1\"))")
 
 
 def make_env(create_env_fn: Any, create_env_kwargs: dict | None):
