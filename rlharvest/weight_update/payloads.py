@@ -36,7 +36,7 @@ def check_fit(weights: Any, model: Any, model_id: str) -> None:
         for one in weights.values():
             check_fit(one, model, model_id)
         return
-    given = weights_of(weights)
+    given = module_weights(weights) if isinstance(weights, torch.nn.Module) else weights_of(weights)  # (cached)
     if EXTRA_STATE in given.keys():  # what the model keeps outside its weights: it checks that itself
         given = given.exclude(EXTRA_STATE)
     keys, leaves = flat_leaves(given)
