@@ -36,9 +36,12 @@ __all__ = [
     "EvaluationPendingError",
     "EvaluatorClosedError",
     "JoinRefused",
+    "ParameterFreeModelError",
     "PortInUseError",
     "RemoteFailure",
     "RestartLimitError",
+    "WeightNamesError",
+    "WeightShapeError",
     "WorkerError",
     "WorkerTimeoutError",
     "loaded_exception_class",
@@ -143,6 +146,30 @@ class ActionKeyError(_Readable, KeyError):
 class ActionSpecError(_Readable, ValueError):
     """The policy's action cannot be an action of the env's action spec: another number of values,
     or values the spec cannot hold (float logits for a one-hot or categorical spec)."""
+
+
+class WeightNamesError(_Readable, KeyError):
+    """Weights given to ``update_policy_weights_`` name other tensors than the parameters and buffers of
+    the model they are for: the message lists the missing and the extra names, one per line
+    (docs/weights.md, "What update_policy_weights_ accepts"). Raised before anything is sent.
+
+    A ``KeyError``, as the lookup of a missing name in the model's weights would have been.
+    """
+
+
+class ParameterFreeModelError(WeightNamesError, RuntimeError):
+    """Weights were given for a model without parameters or buffers (a policy over a function, the
+    random policy), which cannot take them. Raised before anything is sent.
+
+    Both a ``KeyError`` (a model without parameters lacks every name given) and a ``RuntimeError``
+    (what a collector without a policy raises for weights it has nowhere to put).
+    """
+
+
+class WeightShapeError(_Readable, RuntimeError):
+    """Weights given to ``update_policy_weights_`` hold a tensor of another shape than the model's
+    parameter or buffer of that name (one that torch would broadcast into it included): the message
+    names each and both shapes. Raised before anything is sent."""
 
 
 class CheckpointMismatchError(ValueError):

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatBatch", "FlatLayout", "FlatUnpacker", "copy_leaves_", "flat_leaves", "freeze", "is_frozen", "is_dense"]
+from ..errors import WeightNamesError, WeightShapeError
+
+__all__ = ["FlatBatch", "FlatLayout", "FlatUnpacker", "check_same_leaves", "copy_leaves_", "dotted_key", "flat_leaves",
+           "freeze", "is_frozen", "is_dense"]
 
 #: every leaf starts on a cache line: a copy into a buffer whose leaves straddle lines is ~1.5x
 #: slower when the buffer is out of cache, as weight buffers are between two updates (docs/weights.md)
@@ -82,20 +85,44 @@ def copy_leaves_(dest: TensorDictBase, source: TensorDictBase) -> None:
     """Copy ``source`` into ``dest`` in place, leaf by leaf (one fused copy; leaves already shared are skipped).
 
     Raises:
-        KeyError: when the two key sets differ, listing both.
+        WeightNamesError: when the two key sets differ. WeightShapeError: when a leaf's shape differs
+            (torch would broadcast a smaller one into it).
     """
     dest_keys, dest_leaves = flat_leaves(dest)
     source_keys, source_leaves = flat_leaves(source)
-    if dest_keys != source_keys:
-        raise KeyError(
-            f"Weight keys do not match the destination.\ndestination keys: {dest_keys}\nweight keys: {source_keys}"
-        )
+    check_same_leaves(dest_keys, dest_leaves, source_keys, source_leaves, "the destination")
     pairs = [(d, s) for d, s in zip(dest_leaves, source_leaves) if d.data_ptr() != s.data_ptr() or d.device != s.device]
     if not pairs:
         return
     with torch.no_grad():
         dst, src = zip(*pairs)
         torch._foreach_copy_(list(dst), [s.to(d.device, d.dtype) if s.device != d.device else s for d, s in pairs])
+
+
+def check_same_leaves(dest_keys: list, dest_leaves: list[torch.Tensor], keys: list, leaves: list[torch.Tensor],
+                      dest_name: str) -> None:
+    """Raise unless the weights ``keys``/``leaves`` (sorted, :func:`flat_leaves`) fit ``dest_name``'s:
+    the same names, and each tensor of the same shape. The message lists what differs, a line each.
+
+    Raises:
+        WeightNamesError: names missing from the weights, or extra ones. WeightShapeError: each name
+            whose shapes differ, with both shapes.
+    """
+    if dest_keys != keys:
+        wanted, given = {dotted_key(k) for k in dest_keys}, {dotted_key(k) for k in keys}
+        lines = [f"  missing: {', '.join(sorted(wanted - given))}" if wanted - given else "",
+                 f"  extra: {', '.join(sorted(given - wanted))}" if given - wanted else ""]
+        raise WeightNamesError(f"The weights given do not fit {dest_name}, whose names differ:\n"
+                               + "\n".join(line for line in lines if line))
+    wrong = [f"  {dotted_key(key)}: shape {list(given.shape)} given, {list(wanted.shape)} expected"
+             for key, wanted, given in zip(keys, dest_leaves, leaves) if wanted.shape != given.shape]
+    if wrong:
+        raise WeightShapeError(f"The weights given do not fit {dest_name}, whose shapes differ:\n" + "\n".join(wrong))
+
+
+def dotted_key(key: str | tuple) -> str:
+    """A TensorDict key as a state_dict names it (``("module", "weight")`` -> ``"module.weight"``)."""
+    return key if isinstance(key, str) else ".".join(key)
 
 
 @dataclass(frozen=True)

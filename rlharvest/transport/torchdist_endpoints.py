@@ -193,12 +193,12 @@ class DistWorkerHandle(WorkerHandle):
         return self._view
 
     def terminate(self, deadline: float) -> None:
+        self.launched.terminate(deadline)  # a node told to close exits by the deadline: it may be awaited
         try:
             self.conn.close()
         except OSError:
             pass
         self._closed = True
-        self.launched.terminate(deadline)
         # The node is gone: its group (sockets, threads) and batch buffer go too, also while this
         # handle stays in the slot of a node that left (as they go with a replaced node's handle).
         self.group = self._flat = self._view = self._layout = None

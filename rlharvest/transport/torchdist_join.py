@@ -50,12 +50,18 @@ logger = logging.getLogger("rlharvest")
 
 
 class JoinedNode(LaunchedNode):
-    """A node that joined from elsewhere, as the collector sees it: only through its channel."""
+    """A node that joined from elsewhere, as the collector sees it: only through its channel.
+
+    Args:
+        remote_pid, hostname, address: what the node said of itself, and where it connected from.
+        channel: its command channel, whose end on the node closes when the node's process exits.
+    """
 
     pid = None  # not a process of this machine (even when it runs here)
 
-    def __init__(self, remote_pid: int, hostname: str, address: str) -> None:
+    def __init__(self, remote_pid: int, hostname: str, address: str, channel: Channel | None = None) -> None:
         self.remote_pid, self.hostname, self.address = remote_pid, hostname, address
+        self._channel = channel
         self._stopped = False
 
     def is_alive(self) -> bool:
@@ -68,7 +74,17 @@ class JoinedNode(LaunchedNode):
         return f"the node that joined from {self.hostname} ({self.address}, pid {self.remote_pid}) is gone"
 
     def terminate(self, deadline: float) -> None:
-        self._stopped = True  # its handle closes its channel: the node exits on its own
+        """The node exits on its own once told to close, or once its handle closes the channel: wait
+        until ``deadline`` for its end of the channel to close (the collector's ``shutdown()`` then
+        returns once the nodes it told to close have exited). What it still sends is skipped unread."""
+        self._stopped = True
+        channel, self._channel = self._channel, None
+        try:
+            while channel is not None and time.monotonic() < deadline:
+                if channel.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    channel.recv_bytes()
+        except (EOFError, OSError):  # its end closed: the node's process has ended
+            pass
 
 
 @dataclass
@@ -223,7 +239,7 @@ class JoinService:
         if not self._forming.acquire(blocking=False):
             self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
-        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
+        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?", channel)
         threading.Thread(target=self._join, args=(channel, peer, who, node),
                          name="rlharvest-join", daemon=True).start()
 

@@ -335,6 +335,8 @@ class LocalEngine:
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
         weights_api = self.weights
+        if not weights_api.forwards(model_id):
+            return
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
                 and weights_api.updater is None and not weights_api.sync_schemes):
             weights_api.increment()  # the scheme wrote into the very modules this collector runs
