@@ -151,6 +151,10 @@ class Rollout:
                                    reuse=settings.use_buffers, lazy=settings.lazy_stack)
         self._compact_keys: frozenset | None = None
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
+        if self._limit and self.batch_size and not env_attr(env, "partial_reset", True):
+            raise ValueError(f"max_frames_per_traj={self._limit} resets each sub-env whose trajectory reaches "
+                             f"it, and no other, which {env!r} cannot do (partial_reset is False): give the env "
+                             "a time limit of its own (e.g. gymnasium's max_episode_steps) instead.")
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
         self.times = RolloutTimes()
