@@ -119,6 +119,7 @@ class GymEnv(EnvBase):
         self._obs_dtype = self._obs_dtypes.get("observation")
         self._act_space = act_space
         self._one_hot = isinstance(act_space, gym.spaces.Discrete) and not categorical_action_encoding
+        self._discrete = isinstance(act_space, gym.spaces.Discrete)
         self._same_step = self._resets is not None and self._resets.same_step
         self.partial_reset = self._resets is None or self._resets.partial
         #: after a SAME_STEP step in which sub-envs ended: the observations the env reset them to
@@ -139,22 +140,31 @@ class GymEnv(EnvBase):
         return {k: torch.from_numpy(np.array(obs[k], dtype=self._obs_dtypes[k])) for k in self._obs_keys}
 
     def _gym_action(self, action: torch.Tensor):
+        # Read as TorchRL's GymEnv reads an action, whatever the policy wrote (docs/collection.md,
+        # "Policies"): a one-hot by the index of its largest value once truncated to integers, the one
+        # discrete action of one env as an int.
         if not self._vector:
             # One env's action of one number, or one-hot, read as Python numbers: ~1 us a step in the
             # rollout loop, against ~3 us for a numpy view of the tensor, whose making and freeing cost
             # more there than alone (docs/performance.md, "The action handed to gymnasium").
-            if action.dim() == 0:
-                return action.item()
-            if self._one_hot and action.dim() == 1:
-                values = action.tolist()
-                return values.index(max(values))  # the first largest, as numpy's argmax
+            if self._one_hot:
+                if action.dim() == 1:
+                    values = action.tolist()
+                    if action.is_floating_point():
+                        values = [int(value) for value in values]
+                    return values.index(max(values))  # the first largest, as argmax
+            elif action.dim() == 0:
+                return int(action.item()) if self._discrete else action.item()
         try:
             # a CPU tensor outside autograd shares its memory with numpy (~1 us): the policy's usual output
             array = action.numpy()
         except (RuntimeError, TypeError):  # it requires grad, or lives on another device
             array = action.detach().cpu().numpy()
         if self._one_hot:  # numpy's argmax costs ~0.3 us against ~2 us for a tiny torch tensor
-            return int(array.argmax()) if not self._vector else array.argmax(-1)
+            if array.dtype.kind == "f":
+                array = array.astype(np.int64)
+            index = array.argmax(-1) if array.ndim else np.zeros((), dtype=np.int64)
+            return int(index) if not self._vector and index.size == 1 else index
         if not self._vector and array.ndim == 0:
             return array.item()
         return array
