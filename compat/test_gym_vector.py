@@ -11,47 +11,31 @@ from __future__ import annotations
 
 import functools
 
-import gymnasium as gym
 import pytest
 import torch
-from cartpole_checks import check_cartpole_rows, check_continues
+from cartpole_checks import NUM_ENVS, cartpole_vector, check_batches, collect_checked
 from torchrl.envs import GymWrapper
 
 from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 
 pytestmark = pytest.mark.timeout(180)
 
-NUM_ENVS = 3
 ACCEPTED = [(vectorization, mode) for vectorization in ("sync", "async") for mode in ("SAME_STEP", "DISABLED")]
 
 
 def wrapped_vector(vectorization: str, mode: str) -> GymWrapper:
     """CartPole sub-envs with a 25-step time limit in TorchRL's GymWrapper, seeded (module-level: pickles)."""
-    vector = gym.make_vec("CartPole-v1", num_envs=NUM_ENVS, vectorization_mode=vectorization,
-                          vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode[mode]}, max_episode_steps=25)
-    env = GymWrapper(vector)
+    env = GymWrapper(cartpole_vector(vectorization, mode))
     env.set_seed(0)
     return env
-
-
-def _check(batches: list) -> int:
-    ends = 0
-    for batch in batches:
-        ends += check_cartpole_rows(batch.reshape(-1, batch.shape[-1]))["ends"]
-    return ends
 
 
 @pytest.mark.parametrize("vectorization, mode", ACCEPTED)
 def test_every_transition_is_a_real_step_in_a_collector(vectorization, mode):
     torch.manual_seed(0)
-    collector = Collector(wrapped_vector(vectorization, mode), frames_per_batch=NUM_ENVS * 100,
-                          total_frames=NUM_ENVS * 200)
-    try:
-        batches = [batch.clone() for batch in collector]
-    finally:
-        collector.shutdown()
-    assert _check(batches) >= 10
-    check_continues(batches[0], batches[1])
+    _, totals = collect_checked(Collector(wrapped_vector(vectorization, mode), frames_per_batch=NUM_ENVS * 100,
+                                          total_frames=NUM_ENVS * 200))
+    assert totals["ends"] >= 10
 
 
 @pytest.mark.parametrize("collector_cls", [MultiSyncCollector, MultiAsyncCollector])
@@ -64,7 +48,7 @@ def test_every_transition_is_a_real_step_in_worker_processes(collector_cls, mode
         batches = [batch.clone() for batch in collector]
     finally:
         collector.shutdown()
-    assert _check(batches) >= 5
+    assert check_batches(batches)["ends"] >= 5
 
 
 def test_max_frames_per_traj_resets_the_truncated_sub_envs_of_a_disabled_env():
@@ -75,6 +59,6 @@ def test_max_frames_per_traj_resets_the_truncated_sub_envs_of_a_disabled_env():
         batch = collector.next()
     finally:
         collector.shutdown()
-    _check([batch])
+    check_batches([batch])
     assert batch["next", "truncated"].any()
 

@@ -5,9 +5,20 @@ compat suite's TorchRL GymWrapper checks)."""
 
 from __future__ import annotations
 
+import gymnasium as gym
 import torch
 
+NUM_ENVS = 3
 RESET_BOUND = 0.05  # a fresh CartPole state is drawn from [-0.05, 0.05]^4
+
+
+def cartpole_vector(vectorization: str, mode: str | None = None, **vector_kwargs) -> gym.vector.VectorEnv:
+    """``NUM_ENVS`` CartPole sub-envs with a time limit of 25 steps (episodes end by truncation too),
+    in autoreset mode ``mode`` (an ``AutoresetMode`` name; None: the vectorization's own)."""
+    if mode is not None:
+        vector_kwargs["autoreset_mode"] = gym.vector.AutoresetMode[mode]
+    return gym.make_vec("CartPole-v1", num_envs=NUM_ENVS, vectorization_mode=vectorization,
+                        vector_kwargs=vector_kwargs, max_episode_steps=25)
 
 
 def cartpole_step(observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
@@ -62,3 +73,24 @@ def check_continues(previous, batch) -> None:
     ended = previous["next", "done"][:, -1].squeeze(-1)
     assert (first[~ended] == last_next[~ended]).all(), "a batch does not start where the last one ended"
     assert (first[ended].abs() <= RESET_BOUND).all()
+
+
+def check_batches(batches: list) -> dict[str, int]:
+    """:func:`check_cartpole_rows` on each batch (any leading dims: workers, sub-envs), the counts summed."""
+    totals = {"ends": 0, "truncations": 0}
+    for batch in batches:
+        for name, count in check_cartpole_rows(batch.reshape(-1, batch.shape[-1])).items():
+            totals[name] += count
+    return totals
+
+
+def collect_checked(collector) -> tuple[list, dict[str, int]]:
+    """Every batch of ``collector`` (shut down after), each checked, and each continuing the last."""
+    try:
+        batches = [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+    totals = check_batches(batches)
+    for previous, batch in zip(batches, batches[1:]):
+        check_continues(previous, batch)
+    return batches, totals

@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from cartpole_checks import check_cartpole_rows, check_continues
+from cartpole_checks import NUM_ENVS, cartpole_vector, check_batches, check_cartpole_rows, collect_checked
 from gymnasium.vector.utils import batch_space
 from tensordict.nn import TensorDictModule
 
@@ -22,43 +22,25 @@ from rlharvest.envs import GymEnv, ParallelEnv
 pytestmark = pytest.mark.timeout(120)
 
 MODES = gym.vector.AutoresetMode
-NUM_ENVS = 3
 #: the vector envs rlharvest drives: gymnasium's SyncVectorEnv and AsyncVectorEnv in every autoreset mode
 ACCEPTED = [(vectorization, mode.name) for vectorization in ("sync", "async")
             for mode in (MODES.NEXT_STEP, MODES.SAME_STEP, MODES.DISABLED)]
 
 
-def cartpole_vector(vectorization: str, mode: str | None = None, **vector_kwargs) -> GymEnv:
-    """CartPole sub-envs with a time limit of 25 steps (so that episodes end by truncation too), seeded."""
-    if mode is not None:
-        vector_kwargs["autoreset_mode"] = MODES[mode]
-    env = GymEnv(gym.make_vec("CartPole-v1", num_envs=NUM_ENVS, vectorization_mode=vectorization,
-                              vector_kwargs=vector_kwargs, max_episode_steps=25))
+def cartpole_gym_env(vectorization: str, mode: str | None = None, **vector_kwargs) -> GymEnv:
+    """tests/cartpole_checks.py's CartPole vector env in a GymEnv, seeded (module-level: pickles)."""
+    env = GymEnv(cartpole_vector(vectorization, mode, **vector_kwargs))
     env.set_seed(0)
     return env
-
-
-def _check_batches(batches: list) -> dict[str, int]:
-    totals = {"ends": 0, "truncations": 0}
-    for batch in batches:
-        for name, count in check_cartpole_rows(batch).items():
-            totals[name] += count
-    return totals
 
 
 # ------------------------------------------------------------------------------- in this process
 @pytest.mark.parametrize("vectorization, mode", ACCEPTED)
 def test_every_transition_is_a_real_step_in_a_collector(vectorization, mode):
     torch.manual_seed(0)
-    collector = Collector(cartpole_vector(vectorization, mode), frames_per_batch=NUM_ENVS * 100,
-                          total_frames=NUM_ENVS * 200)
-    try:
-        batches = [batch.clone() for batch in collector]
-    finally:
-        collector.shutdown()
+    batches, totals = collect_checked(Collector(cartpole_gym_env(vectorization, mode), frames_per_batch=NUM_ENVS * 100,
+                                                total_frames=NUM_ENVS * 200))
     assert [b.shape for b in batches] == [torch.Size([NUM_ENVS, 100])] * 2
-    totals = _check_batches(batches)
-    check_continues(batches[0], batches[1])
     # random actions end a CartPole episode in ~20 steps: many ends, by the pole and by the time limit
     assert totals["ends"] >= 10 and totals["truncations"] >= 1, totals
 
@@ -67,7 +49,7 @@ def test_every_transition_is_a_real_step_in_a_collector(vectorization, mode):
 def test_max_frames_per_traj_resets_the_sub_envs_it_truncates(vectorization, mode):
     """The collector's own truncation resets sub-envs the env did not end: alone, and afresh."""
     torch.manual_seed(0)
-    collector = Collector(cartpole_vector(vectorization, mode), frames_per_batch=NUM_ENVS * 60,
+    collector = Collector(cartpole_gym_env(vectorization, mode), frames_per_batch=NUM_ENVS * 60,
                           total_frames=NUM_ENVS * 60, max_frames_per_traj=7)
     try:
         batch = collector.next()
@@ -85,7 +67,7 @@ def test_gym_env_from_an_id_is_right_too():
     env.set_seed(0)
     collector = Collector(env, frames_per_batch=NUM_ENVS * 100, total_frames=NUM_ENVS * 100)
     try:
-        assert _check_batches([collector.next()])["ends"] >= 10
+        assert check_batches([collector.next()])["ends"] >= 10
     finally:
         collector.shutdown()
 
@@ -100,26 +82,21 @@ def _collect_in_workers(collector_cls, make_env, batches: int = 2) -> list:
         collector.shutdown()
 
 
-def _rows(batch):
-    """A worker collector's batch as (sub-envs, time), whatever stacks the workers' batches."""
-    return batch.reshape(-1, batch.shape[-1])
-
-
 @pytest.mark.parametrize("vectorization, mode", ACCEPTED)
 @pytest.mark.parametrize("collector_cls", [MultiSyncCollector, MultiAsyncCollector])
 def test_every_transition_is_a_real_step_in_worker_processes(collector_cls, vectorization, mode):
-    batches = _collect_in_workers(collector_cls, functools.partial(cartpole_vector, vectorization, mode))
-    assert _check_batches([_rows(batch) for batch in batches])["ends"] >= 5
+    batches = _collect_in_workers(collector_cls, functools.partial(cartpole_gym_env, vectorization, mode))
+    assert check_batches(batches)["ends"] >= 5
 
 
 @pytest.mark.parametrize("mode", ["NEXT_STEP", "SAME_STEP", "DISABLED"])
 def test_every_transition_is_a_real_step_in_parallel_env_sub_envs(mode):
     """Each GymEnv a sub-env of a ParallelEnv, its resets done in the sub-env's process."""
     torch.manual_seed(0)
-    env = ParallelEnv(2, functools.partial(cartpole_vector, "sync", mode))
+    env = ParallelEnv(2, functools.partial(cartpole_gym_env, "sync", mode))
     collector = Collector(env, frames_per_batch=2 * NUM_ENVS * 60, total_frames=2 * NUM_ENVS * 60)
     try:
-        assert _check_batches([_rows(collector.next())])["ends"] >= 5
+        assert check_batches([collector.next()])["ends"] >= 5
     finally:
         collector.shutdown()
 
@@ -151,10 +128,10 @@ def test_an_async_next_step_env_without_shared_memory_is_refused():
     finally:
         vector.close()
     for mode in ("SAME_STEP", "DISABLED"):  # those modes need no pending reset cleared: accepted
-        env = cartpole_vector("async", mode, shared_memory=False)
+        env = cartpole_gym_env("async", mode, shared_memory=False)
         torch.manual_seed(0)
         with Collector(env, frames_per_batch=NUM_ENVS * 100, total_frames=NUM_ENVS * 100) as collector:
-            assert _check_batches([collector.next()])["ends"] >= 10
+            assert check_batches([collector.next()])["ends"] >= 10
 
 
 def _cartpole_vector_env() -> GymEnv:
