@@ -117,6 +117,20 @@ def test_a_next_step_env_whose_reset_ignores_the_mask_is_refused():
         vector.close()
 
 
+@pytest.mark.parametrize("mode", ["NEXT_STEP", "SAME_STEP", "DISABLED"])
+def test_gymnasium_vector_wrappers_pass_the_mask_on(mode):
+    """The unwrapped env decides: a wrapper's reset hands ``options`` to the env it wraps."""
+    torch.manual_seed(0)
+    env = GymEnv(gym.wrappers.vector.RecordEpisodeStatistics(cartpole_vector("sync", mode)))
+    env.set_seed(0)
+    _, totals = collect_checked(Collector(env, frames_per_batch=NUM_ENVS * 100, total_frames=NUM_ENVS * 200))
+    assert totals["ends"] >= 10
+    wrapped = gym.wrappers.vector.RecordEpisodeStatistics(gym.make_vec("CartPole-v1", num_envs=2))
+    with pytest.raises(ValueError, match="CartPoleVectorEnv .* NEXT_STEP"):
+        GymEnv(wrapped)
+    wrapped.close()
+
+
 def test_an_async_next_step_env_without_shared_memory_is_refused():
     """gymnasium 1.4's AsyncVectorEnv(shared_memory=False) keeps a sub-env's pending NEXT_STEP reset through
     a masked reset: its next step would be a reset again."""
