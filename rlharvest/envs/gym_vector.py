@@ -46,12 +46,12 @@ def vector_resets(env: Any, base: Any, gym: Any) -> VectorResets:
             ``NEXT_STEP`` or ``DISABLED`` env whose reset ignores ``reset_mask``), or the env does
             not say which autoreset mode it follows; the message names the mode and the fix.
     """
-    mode = autoreset_mode_name(env, gym)
+    mode = _autoreset_mode_name(env, gym)
     partial, why_not = _partial_reset(base, gym, mode)
     resets = VectorResets(mode or "", mode == "SAME_STEP", partial, why_not)
     if mode is None:
         raise ValueError(
-            f"GymEnv cannot tell how {_name(env, base)} resets a sub-env whose episode ended: its "
+            f"GymEnv cannot tell how {_name(base)} resets a sub-env whose episode ended: its "
             f"metadata['autoreset_mode'] is {env.metadata.get('autoreset_mode')!r}, not a "
             "gymnasium.vector.AutoresetMode. Fix: set metadata['autoreset_mode'] to the mode its step() follows.")
     if mode == "SAME_STEP" or partial:
@@ -62,11 +62,11 @@ def vector_resets(env: Any, base: Any, gym: Any) -> VectorResets:
     else:
         what = ("leaves an ended sub-env for its user to reset, and rlharvest must reset it alone (the "
                 "others are mid-episode)")
-    raise ValueError(f"GymEnv cannot drive {_name(env, base)} in autoreset mode {mode}: such an env {what}, "
+    raise ValueError(f"GymEnv cannot drive {_name(base)} in autoreset mode {mode}: such an env {what}, "
                      f"but {why_not}. Fix: {_fix(env, base, gym)}.")
 
 
-def autoreset_mode_name(env: Any, gym: Any) -> str | None:
+def _autoreset_mode_name(env: Any, gym: Any) -> str | None:
     """The name of ``env``'s ``metadata["autoreset_mode"]`` (an ``AutoresetMode``, its value or its
     name), or None when it has none or an unknown one."""
     modes = gym.vector.AutoresetMode
@@ -102,7 +102,7 @@ def _partial_reset(base: Any, gym: Any, mode: str | None) -> tuple[bool, str]:
     return False, f"{cls.__qualname__}.reset() does not read options['reset_mask'] (it resets every sub-env)"
 
 
-def _name(env: Any, base: Any) -> str:
+def _name(base: Any) -> str:
     spec = getattr(base, "spec", None)
     kind = type(base).__name__
     return f"{kind} ({spec.id})" if getattr(spec, "id", None) else kind
