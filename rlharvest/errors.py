@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ActionKeyError",
+    "ActionReadWarning",
     "ActionSpecError",
     "AddressNotAvailableError",
     "CheckpointMismatchError",
@@ -144,8 +145,14 @@ class ActionKeyError(_Readable, KeyError):
 
 
 class ActionSpecError(_Readable, ValueError):
-    """The policy's action cannot be an action of the env's action spec: another number of values,
-    or values the spec cannot hold (float logits for a one-hot or categorical spec)."""
+    """The policy's action cannot be an action of the env's action spec (another number of values, or
+    values the spec cannot hold), and the env failed at its first step with it: what TorchRL cannot run
+    either (docs/collection.md, "Policies")."""
+
+
+class ActionReadWarning(UserWarning):
+    """The policy's first action does not fit the env's action spec (float logits for a one-hot spec,
+    say), and the env took it as TorchRL's envs do: the warning names the spec and how it was read."""
 
 
 class WeightNamesError(_Readable, KeyError):
