@@ -378,13 +378,17 @@ class CollectorConfig:
             return list(value) if mode != "whole" else [sum(value)] * num_workers
         if mode == "whole":
             return [value] * num_workers
-        if mode == "exact" and value % num_workers:
-            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: use a "
-                               "frames_per_batch divisible by the number of nodes.")
         each = math.ceil(value / num_workers)
-        if each * num_workers != value:
-            warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects "
-                          f"{each} frames.", stacklevel=user_stacklevel())
+        if each * num_workers == value:
+            return [each] * num_workers
+        multiples = " or ".join(str(m) for m in (value - value % num_workers, each * num_workers) if m)
+        if mode == "exact":
+            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: a synchronous batch is "
+                               f"split evenly between them; use a frames_per_batch divisible by {num_workers} "
+                               f"({multiples}).")
+        warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects {each} "
+                      f"frames, so every batch holds {each * num_workers} frames, not {value} (a multiple of "
+                      f"{num_workers}, {multiples}, gives batches of exactly that size).", stacklevel=user_stacklevel())
         return [each] * num_workers
 
     # ------------------------------------------------------------------ workers

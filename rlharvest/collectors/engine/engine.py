@@ -108,7 +108,8 @@ class CollectionEngine:
         #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
         self.server = options.served_policy(self.backend)
         self.weights = WeightPublisher(self.server if self.server is not None else NO_LOCAL_POLICY, self.progress,
-                                       options.version_tracker, lambda path: resolve_attr_path(face_ref(), path))
+                                       options.version_tracker, lambda path: resolve_attr_path(face_ref(), path),
+                                       lambda model_id: self.updates.get_model(model_id))
         if self.server is not None:
             self.weights.version = self.server.version
         #: each worker's figures, kept from its replies (``stats()``)

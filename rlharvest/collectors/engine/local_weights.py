@@ -52,7 +52,7 @@ class LocalWeights:
         self.policy_device = policy_device
         self.resolve = resolve
         self.name = name
-        self.weights = WeightPublisher(self, progress, config.track_policy_version, resolve)
+        self.weights = WeightPublisher(self, progress, config.track_policy_version, resolve, self.get_model)
 
     @property
     def worker_idx(self) -> int | None:
@@ -136,6 +136,8 @@ class LocalWeights:
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
         publisher = self.weights
+        if not publisher.forwards(model_id):  # one of the env's models: it stops at the receiver
+            return
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
                 and publisher.updater is None and not publisher.sync_schemes):
             publisher.increment()  # the scheme wrote into the very modules this collector runs

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 
 from ..._utils import user_stacklevel
 from ...weight_update.context import ReceiverContext
+from ...weight_update.payloads import check_fit
 from ...weight_update.schemes import WeightSyncScheme
 from ...weight_update.strategy import weights_of
 from ...weight_update.updaters import UpdaterHost, WeightUpdaterBase
@@ -79,7 +80,6 @@ class _NoLocalPolicy:
 
 NO_LOCAL_POLICY: LocalPolicy = _NoLocalPolicy()
 
-
 class WeightPublisher:
     """Versions, schemes and the legacy updater of one collector.
 
@@ -89,10 +89,14 @@ class WeightPublisher:
         version_tracker: ``track_policy_version``: False/None (untracked), True, or an object with
             ``version`` and ``increment_version()``.
         resolve: the object at an attribute path of the collector (weights given as a string).
+        get_model: the model ``model_id`` in this process (the policy: the one workers run), or None;
+            explicit weights are checked against it before anything is sent.
     """
 
     def __init__(self, local: LocalPolicy, progress: ProgressMeter, version_tracker: Any = None,
-                 resolve: Callable[[str], Any] | None = None) -> None:
+                 resolve: Callable[[str], Any] | None = None,
+                 get_model: Callable[[str], Any] | None = None) -> None:
+        self.get_model = get_model if get_model is not None else (lambda model_id: None)
         self.local = local
         self.resolve = resolve
         self.progress = progress
@@ -170,6 +174,10 @@ class WeightPublisher:
         if self.updater is not None:
             if weights_dict is not None or model_id is not None:
                 raise ValueError("weights_dict and model_id are not supported with legacy weight updater.")
+            model = self.get_model("policy") if value is not None else None
+            if model is not None and type(self.updater).__module__.startswith("rlharvest."):
+                # ours push to the workers' policy; a user's class may take weights of its own shape
+                self._check_fit("policy", value, model)
             self.updater(policy_or_weights=value, worker_ids=worker_ids)
             return
         if weights_dict is not None:
@@ -177,23 +185,45 @@ class WeightPublisher:
                 raise ValueError("Cannot specify both 'weights_dict' and 'model_id'.")
             if value is not None:
                 raise ValueError("Cannot specify both 'weights_dict' and 'policy_or_weights'/'weights'/'policy'.")
-        schemes = self.sync_schemes
+        schemes = self.sync_schemes or {}
+        work = dict(weights_dict) if weights_dict is not None else {model_id or "policy": value}
+        missing = [mid for mid in work if mid not in schemes and (schemes or mid != "policy")]
+        if missing:
+            raise KeyError(f"Model '{missing[0]}' not found in registered weight sync schemes. "
+                           f"Available models: {sorted(schemes)}")
+        for mid, entry in work.items():  # every model's weights, before anything is sent
+            if entry is not None:
+                model = schemes[mid].model if schemes else self.get_model(mid)
+                if model is not None or not schemes:  # a scheme without a model here: its receivers check
+                    self._check_fit(mid, entry, model)
         if schemes:
-            work = dict(weights_dict) if weights_dict is not None else {model_id or "policy": value}
-            missing = [mid for mid in work if mid not in schemes]
-            if missing:
-                raise KeyError(f"Model '{missing[0]}' not found in registered weight sync schemes. "
-                               f"Available models: {sorted(schemes)}")
             for mid, entry in work.items():
                 schemes[mid].send(weights=entry, worker_ids=worker_ids)
             if "policy" in work:  # workers bumped their own versions when they applied it: ours moves here
                 self.increment()
             return
-        if weights_dict is not None:
-            value = weights_dict.get("policy")
-        elif model_id not in (None, "policy"):
-            return
-        self.local.update_local_policy(value, self)
+        self.local.update_local_policy(work.get("policy"), self)
+
+    def _check_fit(self, model_id: str, value: Any, model: Any) -> None:
+        """Raise unless ``model`` can take the explicit weights ``value`` (``check_fit``)."""
+        if isinstance(value, str):
+            value = self._path(value)
+        check_fit(value, model, model_id)
+
+    def _path(self, path: str) -> Any:
+        """The object at an attribute path of the collector (weights given as a string).
+
+        Raises:
+            ValueError: without a collector to resolve it on.
+        """
+        if self.resolve is None:
+            raise ValueError(f"Cannot resolve weights path {path!r} without a collector.")
+        return self.resolve(path)
+
+    def forwards(self, model_id: str) -> bool:
+        """Whether weights of ``model_id`` a receiver scheme applied go on from here (to this collector's
+        own policy or workers); a model it sends nowhere (one of its env's) stops at the receiver."""
+        return model_id == "policy" or model_id in (self.sync_schemes or {})
 
     def weights_from_value(self, value: Any) -> TensorDictBase:
         """The weights ``value`` stands for (a module, weights, or an attribute path on the collector).
@@ -202,9 +232,7 @@ class WeightPublisher:
             ValueError: for per-worker weights, which only a per-worker scheme takes.
         """
         if isinstance(value, str):
-            if self.resolve is None:
-                raise ValueError(f"Cannot resolve weights path {value!r} without a collector.")
-            value = self.resolve(value)
+            value = self._path(value)
         if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
             raise ValueError("Per-worker weights ({worker_idx: weights}) need a SharedMemWeightSyncScheme "
                              "with per_worker_weights=True.")

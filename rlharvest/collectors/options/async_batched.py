@@ -27,6 +27,7 @@ from ..engine.events import FleetEvents
 from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import SharedIds, TrajectoryIds
+from .common import check_env_constructors
 from .local import LocalOptions
 
 __all__ = ["AsyncBatchedConfig", "AsyncBatchedOptions", "async_batched_config", "worker_env_factories"]
@@ -117,6 +118,7 @@ def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch:
     reject_unsupported(options)
     if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
         raise TypeError("AsyncBatchedCollector: create_env_fn must be a non-empty list of env factories.")
+    check_env_constructors(create_env_fn, "worker process")
     num_envs = len(create_env_fn)
     backend = env_backend if env_backend is not None else options.get("backend") or "multiprocessing"
     if backend not in ENV_BACKENDS:

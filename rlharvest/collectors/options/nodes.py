@@ -27,7 +27,7 @@ from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import has_weights, per_worker, stateless_copy, typed_class
+from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import WorkerProcessOptions
 
@@ -159,6 +159,7 @@ class NodeOptions:
         """
         if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
+        check_env_constructors(create_env_fn, cls.noun)
         count = len(create_env_fn)
         config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames_per_batch, **config_arguments)
         if isinstance(config.frames_per_batch, tuple):
@@ -331,6 +332,7 @@ class NodeOptions:
         """
         noun = self.noun
         env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        check_env_constructors(env_fns, noun)
         if not env_fns or any(env_fn is None for env_fn in env_fns):
             raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
                              f"{noun}), got {create_env_fn!r}.")
