@@ -14,7 +14,11 @@ from typing import Any, Callable, Protocol
 
 from .errors import RemoteFailure
 
-__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "FREE_BATCH", "LEAVING", "READY", "UnknownCommandError"]
+__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "EnvSettings", "FREE_BATCH", "LEAVING", "READY",
+           "UnknownCommandError"]
+
+#: what ``setattr_env`` set in a worker's env, ``((attribute path, value), ...)`` in the order set
+EnvSettings = tuple
 
 
 class Command(enum.Enum):
@@ -133,6 +137,10 @@ class WorkerSpec:
     preemption_grace: float | None = None
     """Seconds a worker that receives SIGTERM has to finish its rollout before it hands it back and
     leaves (None: SIGTERM is not handled, the process ends at once). docs/elastic.md."""
+    env_settings: EnvSettings = ()
+    """What ``setattr_env`` set in this worker's env, ``((attribute path, value), ...)`` in order: the
+    worker sets them once its collector is built, before its first step (a replacement, an added
+    worker: docs/collection.md, "Reconfiguring running envs")."""
     restart: int = 0
     """How many failed workers this one replaces at its index (0: the first); a restarted worker's env
     is seeded from its worker's seed and this number (:meth:`start_seed`)."""

@@ -397,8 +397,51 @@ class BaseCollector(IterableDataset):
         return self._engine.calls.getattr_policy(name)
 
     def getattr_env(self, name: str) -> Any:
-        """An attribute of the env (the first worker's, for collectors with workers)."""
-        return self._engine.calls.getattr_env(name)
+        """An attribute of the env (the first worker's, for collectors with workers); ``name`` may be a
+        dotted path into the env (``"env.unwrapped.gravity"`` through a ``GymEnv``). A batched env
+        that does not have it gives its sub-envs' values, a list (docs/collection.md,
+        "Reconfiguring running envs")."""
+        return self._engine.env_calls.getattr(name)
+
+    def setattr_env(self, name: str, value: Any, *, worker_ids: int | list[int] | None = None) -> None:
+        """Set the attribute at ``name`` (a dotted path into the env, ``"env.unwrapped.gravity"``) to
+        ``value`` in the env of every targeted worker, in each sub-env of a batched env; returns once
+        each has it, and every frame collected after it comes from envs that have it (in-flight
+        rollouts are dropped). It lasts: a replaced worker, and with ``worker_ids=None`` an added or
+        joined one, is built with it before its first step, and ``state_dict()`` carries it
+        (docs/collection.md, "Reconfiguring running envs").
+
+        Args:
+            name: the attribute's path; the attribute must exist (a misspelt name is not added).
+            value: its new value (sent to every worker: picklable).
+            worker_ids: a worker index or a list of them (None: every worker; a ``Collector`` has none).
+
+        Raises:
+            ValueError: for ``worker_ids`` naming no current worker, or an empty ``name``.
+            WorkerError: naming the worker where it failed, its error's type kept (``AttributeError``).
+
+        Example:
+            >>> from rlharvest.collectors import MultiSyncCollector
+            >>> from rlharvest.envs import CountingEnv
+            >>> collector = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=-1)
+            >>> collector.setattr_env("max_steps", 2)
+            >>> collector.call_env("__getattribute__", "max_steps")
+            [2, 2]
+            >>> collector.shutdown()
+        """
+        self._open("setattr_env()").env_calls.setattr(name, value, worker_ids)
+
+    def call_env(self, name: str, *args: Any, worker_ids: int | list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call the method at ``name`` (a dotted path into the env) once in each targeted worker's env,
+        with ``args`` and ``kwargs``; returns the results in worker order (one entry for a
+        ``Collector``; a batched env without that method calls it in each sub-env: a list). Nothing
+        of it lasts: a replaced worker does not repeat it.
+
+        Raises:
+            ValueError: for ``worker_ids`` naming no current worker, or an empty ``name``.
+            WorkerError: naming the worker where the call failed, its error's type kept.
+        """
+        return self._open("call_env()").env_calls.call(name, args, kwargs, worker_ids)
 
     def getattr_rb(self, name: str) -> Any:
         """An attribute of the replay buffer."""

@@ -58,6 +58,23 @@ def _is_stateless(policy: Any) -> bool:
         t.is_meta for t in itertools.chain(policy.parameters(), policy.buffers()))
 
 
+def _apply_env_settings(collector: WorkerCollector, spec: WorkerSpec) -> None:
+    """Set in the worker's env what ``setattr_env`` set before it was built (it lasts: docs/collection.md,
+    "Reconfiguring running envs").
+
+    Raises:
+        TypeError: for settings and a collector class of the user's own without ``setattr_env``.
+    """
+    if not spec.env_settings:
+        return
+    setattr_env = getattr(collector, "setattr_env", None)
+    if setattr_env is None:
+        raise TypeError(f"{type(collector).__name__} has no setattr_env: it cannot take the env settings "
+                        f"{[name for name, _ in spec.env_settings]} its worker was given.")
+    for name, value in spec.env_settings:
+        setattr_env(name, value)
+
+
 def _build_collector(spec: WorkerSpec, policy: Any) -> WorkerCollector:
     collector_class = unwrap(spec.collector_class)
     if spec.options is not None:  # one of rlharvest's: typed options, parsed once in the parent
@@ -121,7 +138,7 @@ class Worker:
             Command.STATE_DICT: self._state_dict,
             Command.LOAD_STATE_DICT: self._load_state_dict,
             Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
-            Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
+            Command.GETATTR_ENV: lambda name: self.collector.getattr_env(name),
             Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
             Command.ENABLE_PROFILE: self._enable_profile,
             Command.ATTACH_BUFFER: self._attach_buffer,
@@ -155,6 +172,7 @@ class Worker:
         seed = spec.start_seed()
         if seed is not None:
             _seed_worker(collector, seed, spec.static_seed)
+        _apply_env_settings(collector, spec)
         return collector
 
     # ------------------------------------------------------------------ dispatch

@@ -35,6 +35,7 @@ from ...profiling import ProfileConfig
 from ...protocol import Command
 from .broadcast import WorkerBroadcast
 from .checkpoint import FleetCheckpoint
+from .env_calls import EnvCalls
 from .contract import EngineOptions, WorkerSetup
 from .events import EventKind, FleetEvents
 from .extras import EngineExtra, ExternalJoins
@@ -158,10 +159,12 @@ class CollectionEngine:
                                      self.life, noun)
         self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
-                                     self.scaler, noun)
+                                     self.scaler, noun, env_settings=lambda: self.env_calls.for_new_worker())
+        #: ``setattr_env``, ``call_env``, ``getattr_env``: the workers' envs reconfigured while they run
+        self.env_calls = EnvCalls(fleet, self.loop.drop, self.background.thread_run.at_batch_boundary, noun)
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
-                                          config, self.sizes.frames_per_batch, self.ids, [self.schedule],
-                                          self.server)
+                                          config, self.sizes.frames_per_batch, self.ids,
+                                          [self.schedule, self.env_calls], self.server)
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],

@@ -23,6 +23,7 @@ from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
 from ..options.local import LocalOptions
 from .broadcast import LocalCalls
 from .checkpoint import LocalCheckpoint
+from .env_calls import LocalEnvCalls
 from .events import FleetEvents
 from .local_weights import LocalWeights
 from .output import BatchOutput
@@ -73,14 +74,16 @@ class LocalEngine:
                                     served is not None, self.env, config, self.policy_device, resolve, self.progress,
                                     self.name)
         self.weights = self.updates.weights
-        self.calls = LocalCalls(resolve, self.env, policy, self.name)
+        self.calls = LocalCalls(resolve, policy, self.name)
+        self.env_calls = LocalEnvCalls(self.env, self.name)
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
         self.background = LocalRun(self.thread_run, config, self.life)
         self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
         self.stats = LocalStats(self.tally, self.progress, self.weights,
                                 lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy))
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
-                                          self.output, config, lambda: self.frames_per_batch, self.where())
+                                          self.output, config, lambda: self.frames_per_batch, self.where(),
+                                          self.env_calls)
         self.life.closed = False
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, face)
