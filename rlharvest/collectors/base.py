@@ -463,8 +463,11 @@ class BaseCollector(IterableDataset):
 
     @property
     def policy_version(self) -> int | str | None:
-        """The current policy version, or None when versions are not tracked."""
-        return self._engine.weights.policy_version
+        """The policy version every worker acknowledged, or None when versions are not tracked; None
+        too after an update to some workers (``worker_ids=``) or one not waited for (a scheme with
+        ``sync=False``), until :meth:`increment_version` or a checkpoint's load: each worker's own is
+        then in ``worker_policy_versions()`` (docs/weights.md, "Versions")."""
+        return self._engine.weights.acknowledged_version
 
     def get_policy_version(self) -> int | str | None:
         return self.policy_version

@@ -143,6 +143,7 @@ class MultiCollector(BaseCollector):
     restart_causes = _workers.restart_causes
     remove_collectors = _workers.remove_collectors
     add_collectors = _workers.add_collectors
+    worker_policy_versions = _workers.worker_policy_versions
 
     # ------------------------------------------------------------------ what the options hold
     @property

@@ -153,6 +153,11 @@ class WorkerBroadcast:
             return getattr(self.policy_here, name)
         return self._requests.request(self._all()[0], Command.GETATTR_POLICY, name)
 
+    def policy_versions(self) -> dict[int, Any]:
+        """``{worker: the policy version it reports}`` for every current worker."""
+        workers = self._all()
+        return dict(zip(workers, self.call_each("get_policy_version", [((), {})] * len(workers))))
+
     def worker_stats(self) -> list[dict]:
         """Each worker's own ``stats()``."""
         return self.call_each("stats", [((), {})] * len(self._all()))

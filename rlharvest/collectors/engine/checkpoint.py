@@ -348,7 +348,7 @@ class FleetCheckpoint:
         self.tally.frames = state_dict["frames"]
         self.tally.iter = state_dict["iter"]
         if "policy_version" in state_dict or section is not None:
-            self.weights.version = int(state_dict["policy_version"] if section is None else section["policy_version"])
+            self.weights.acknowledge(state_dict["policy_version"] if section is None else section["policy_version"])
         counter = self.ids.counter
         if counter is not None and "traj_pool" in state_dict:
             counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))

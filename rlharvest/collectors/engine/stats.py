@@ -198,7 +198,7 @@ class FleetStats:
         snapshot = StatsSnapshot(
             frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
-            policy_version=self.weights.policy_version, progress=progress.stats(), times=dict(progress.seconds),
+            policy_version=self.weights.acknowledged_version, progress=progress.stats(), times=dict(progress.seconds),
             weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram())
         active = fleet.active
         open_ = not self.life.closed

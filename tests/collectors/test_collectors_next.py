@@ -1,0 +1,125 @@
+"""The collectors of TorchRL's next release (torchrl-nightly 2026.10.27), through the public API only:
+``worker_policy_versions()`` and the acknowledged ``policy_version``, ``stats(workers=...)``'s progress
+keys, ``replay_write_mode`` and ``traj_format``.
+
+The file runs unchanged against TorchRL's nightly, to check that both behave alike
+(docs/torchrl-compatibility.md, "TorchRL's next release"): ``RLHARVEST_TEST_LIBRARY=torchrl`` takes the
+collectors, ``GymEnv`` and the weight schemes from ``torchrl`` instead of ``rlharvest``; the suite itself
+never imports TorchRL.
+
+The env is a gymnasium env both libraries wrap (``GymEnv``): ``StepEnv(length)`` ends its episodes after
+``length`` steps and observes ``[0, t]`` (``t``: the step of the episode).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+from tensordict.nn import TensorDictModule
+
+LIBRARY = os.environ.get("RLHARVEST_TEST_LIBRARY", "rlharvest")
+collectors = importlib.import_module(f"{LIBRARY}.collectors")
+envs = importlib.import_module(f"{LIBRARY}.envs")
+weight_update = importlib.import_module(f"{LIBRARY}.weight_update")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class StepEnv(gymnasium.Env):
+    """Episodes of ``length`` steps; observes ``[0, t]``."""
+
+    def __init__(self, length: int = 3):
+        self.length = length
+        self.observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.action_space = gymnasium.spaces.Box(-10.0, 10.0, (1,), np.float32)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0, 0.0], dtype=np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([0.0, self.t], dtype=np.float32), 1.0, self.t >= self.length, False, {}
+
+
+gymnasium.register("RlhStepEnv-v0", entry_point=StepEnv)
+
+
+def step_env():
+    return envs.GymEnv("RlhStepEnv-v0", length=3)
+
+
+class Weight(torch.nn.Module):
+    def __init__(self, weight: float = 1.0) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([weight]))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.weight.expand(*observation.shape[:-1], 1)
+
+
+def weight_policy() -> TensorDictModule:
+    return TensorDictModule(Weight(), in_keys=["observation"], out_keys=["action"])
+
+
+@pytest.fixture
+def shutdown_after():
+    made = []
+    yield made.append
+    for collector in made:
+        collector.shutdown()
+
+
+def multi_sync(shutdown_after, **kwargs):
+    kwargs.setdefault("frames_per_batch", 8)
+    kwargs.setdefault("total_frames", -1)
+    collector = collectors.MultiSyncCollector([step_env] * 2, weight_policy(), **kwargs)
+    shutdown_after(collector)
+    return collector
+
+
+# ---------------------------------------------------------------------------------- policy versions
+def test_policy_version_is_the_one_every_worker_acknowledged(shutdown_after):
+    collector = multi_sync(shutdown_after, track_policy_version=True)
+    assert collector.policy_version == 0 and collector.worker_policy_versions() == {0: 0, 1: 0}
+    iterator = iter(collector)
+    next(iterator)
+    collector.update_policy_weights_()
+    assert collector.policy_version == 1 and collector.worker_policy_versions() == {0: 1, 1: 1}
+    assert collector.stats()["policy_version"] == 1
+    collector.update_policy_weights_(worker_ids=[0])  # the workers are apart: no one version describes them
+    assert collector.policy_version is None and collector.get_policy_version() is None
+    assert collector.worker_policy_versions() == {0: 2, 1: 1}
+    assert "policy_version" not in collector.stats()
+    collector.update_policy_weights_()  # the workers moved together, still apart
+    assert collector.policy_version is None and collector.worker_policy_versions() == {0: 3, 1: 2}
+    collector.increment_version()  # the user says which version it is: the acknowledged ones, plus one
+    assert collector.policy_version == 2
+    next(iterator)  # collection goes on
+
+
+def test_an_update_to_every_worker_by_index_is_acknowledged(shutdown_after):
+    collector = multi_sync(shutdown_after, track_policy_version=True)
+    collector.update_policy_weights_(worker_ids=[1, 0])
+    assert collector.policy_version == 1 and collector.worker_policy_versions() == {0: 1, 1: 1}
+
+
+def test_an_update_not_waited_for_is_not_acknowledged(shutdown_after):
+    scheme = weight_update.SharedMemWeightSyncScheme(sync=False)
+    collector = multi_sync(shutdown_after, track_policy_version=True, weight_sync_schemes={"policy": scheme})
+    next(iter(collector))
+    collector.update_policy_weights_()
+    assert collector.policy_version is None
+
+
+def test_without_versions_each_worker_reports_none(shutdown_after):
+    collector = multi_sync(shutdown_after)
+    collector.update_policy_weights_(worker_ids=[0])
+    assert collector.policy_version is None and collector.worker_policy_versions() == {0: None, 1: None}
