@@ -327,7 +327,10 @@ class BaseCollector(IterableDataset):
         docs/restarts.md, "Watching a run").
 
         Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
-        ``requested_frames_per_batch``, ``policy_version`` when versions are tracked; once a batch was
+        ``requested_frames_per_batch``, ``policy_version`` when versions are tracked (and every worker
+        acknowledged it); ``stepped_frames``, ``trajectory_completed_frames``,
+        ``trajectory_pending_frames`` (now), ``replay_written_frames``, ``completed_trajectories``
+        (trajectories count where they are assembled, ``trajs_per_batch``); once a batch was
         yielded ``frames_per_s``, ``frames_per_s_recent`` and ``policy_lag`` (when tracked);
         ``time_env_s``, ``time_policy_s``, ``time_transport_s``, ``time_waiting_s``; after a weight
         update ``weight_sync_s_last`` and ``weight_sync_s_median``. Collectors with workers add

@@ -123,3 +123,55 @@ def test_without_versions_each_worker_reports_none(shutdown_after):
     collector = multi_sync(shutdown_after)
     collector.update_policy_weights_(worker_ids=[0])
     assert collector.policy_version is None and collector.worker_policy_versions() == {0: None, 1: None}
+
+
+# ---------------------------------------------------------------------------------- stats(workers=...)
+PROGRESS_KEYS = ("stepped_frames", "trajectory_completed_frames", "trajectory_pending_frames", "replay_written_frames",
+                 "completed_trajectories")
+
+
+def replay_buffer(capacity: int = 1000):
+    if LIBRARY == "torchrl":
+        data = importlib.import_module("torchrl.data")
+        return data.ReplayBuffer(storage=data.LazyTensorStorage(capacity))
+    return importlib.import_module("rlharvest.data").ReplayBuffer(capacity)
+
+
+def progress(stats: dict, prefix: str = "") -> tuple:
+    return tuple(stats[prefix + key] for key in PROGRESS_KEYS)
+
+
+def test_a_collector_counts_its_steps_and_writes(shutdown_after):
+    collector = collectors.Collector(step_env(), weight_policy(), frames_per_batch=8, total_frames=-1)
+    shutdown_after(collector)
+    iterator = iter(collector)
+    next(iterator), next(iterator)
+    assert progress(collector.stats()) == (16, 0, 0, 0, 0)  # no trajectory is assembled: none counted
+    buffered = collectors.Collector(step_env(), weight_policy(), frames_per_batch=8, total_frames=-1,
+                                    replay_buffer=replay_buffer())
+    shutdown_after(buffered)
+    iterator = iter(buffered)
+    next(iterator), next(iterator)
+    assert progress(buffered.stats()) == (16, 0, 0, 16, 0)
+
+
+def test_complete_trajectories_are_counted_where_they_are_assembled(shutdown_after):
+    collector = multi_sync(shutdown_after, trajs_per_batch=2, traj_format="cat")
+    iterator = iter(collector)
+    next(iterator)  # each worker stepped 4 times: one episode of 3 ended, one step pending
+    stats = collector.stats()
+    assert progress(stats) == (8, 6, 2, 0, 2)
+    assert stats["frames"] == 8 and stats["workers"] == 2
+
+
+def test_per_worker_views_and_bad_values(shutdown_after):
+    collector = multi_sync(shutdown_after)
+    next(iter(collector))
+    per_worker, both = collector.stats(workers="per_worker"), collector.stats(workers="both")
+    for worker in range(2):
+        assert per_worker[f"worker_{worker}/stepped_frames"] == 4 and both[f"worker_{worker}/frames"] == 4
+    assert "stepped_frames" not in per_worker and both["stepped_frames"] == 8
+    assert per_worker["workers"] == 2 and per_worker["workers_alive"] == 2
+    for bad in ("all", "per-worker", None):
+        with pytest.raises(ValueError, match=r"workers must be one of 'aggregate', 'per_worker' or 'both'"):
+            collector.stats(workers=bad)

@@ -168,7 +168,7 @@ class CollectionEngine:
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],
-                                steps_only=self.server is not None)
+                                steps_only=self.server is not None, output=self.output)
 
     def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:

@@ -80,7 +80,8 @@ class LocalEngine:
         self.background = LocalRun(self.thread_run, config, self.life)
         self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
         self.stats = LocalStats(self.tally, self.progress, self.weights,
-                                lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy))
+                                lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy),
+                                self.output)
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
                                           self.output, config, lambda: self.frames_per_batch, self.where(),
                                           self.env_calls)

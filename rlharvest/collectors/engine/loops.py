@@ -219,6 +219,7 @@ class BatchLoop:
         self.parts.figures.taken(worker, reply)
         if reply.written:
             self.record_times(reply)
+            self.parts.output.written_frames += reply.frames
             return None
         batch = self.parts.ids.remap(self.fetch(worker, reply), worker)
         if self.parts.output.trajectories is not None:

@@ -45,6 +45,8 @@ class BatchOutput:
         #: drop keys with a path part starting with ``_`` from the batches (TorchRL's switch of that name)
         self.exclude_private_keys = True
         self._assembler: TrajectoryAssembler | None = None
+        #: frames written to a replay buffer whole (by this collector, or by its workers, which say so)
+        self.written_frames = 0
 
     @property
     def trajectories(self) -> TrajectoryAssembler | None:
@@ -80,8 +82,20 @@ class BatchOutput:
         trajectories = self.trajectories
         if trajectories is None:
             buffer.extend(batch)
+            self.written_frames += batch.numel()
         else:
             trajectories.write(buffer, batch)
+
+    def progress(self, stepped_frames: int) -> dict[str, int]:
+        """``stats()``'s progress figures (TorchRL's next release): ``stepped_frames`` (given: the
+        frames collected), and the complete trajectories' and the replay buffer's, 0 when this
+        collector assembles no trajectories (docs/restarts.md, "Watching a run")."""
+        assembler = self._assembler
+        counted = (assembler.completed_frames, assembler.pending_frames, assembler.completed_trajectories,
+                   assembler.written_frames) if assembler is not None else (0, 0, 0, 0)
+        return {"stepped_frames": int(stepped_frames), "trajectory_completed_frames": counted[0],
+                "trajectory_pending_frames": counted[1], "replay_written_frames": self.written_frames + counted[3],
+                "completed_trajectories": counted[2]}
 
     def write_steps(self, buffer: Any, batch: TensorDictBase, time_dim: int) -> None:
         """``extend_buffer=False``: one ``add`` per time step (deprecated by TorchRL, kept working)."""
