@@ -66,7 +66,7 @@ class TrajectoryAssembler:
     @classmethod
     def from_config(cls, config: Any) -> TrajectoryAssembler:
         """The assembler a collector's :class:`~rlharvest.config.CollectorConfig` asks for."""
-        return cls(config.trajs_per_batch, config.traj_format, config.trajs_per_write,
+        return cls(config.trajs_per_batch or 1, config.traj_format, config.trajs_per_write,
                    discard_in_flight=config.reset_at_each_iter)
 
     # ------------------------------------------------------------------ state

@@ -175,3 +175,36 @@ def test_per_worker_views_and_bad_values(shutdown_after):
     for bad in ("all", "per-worker", None):
         with pytest.raises(ValueError, match=r"workers must be one of 'aggregate', 'per_worker' or 'both'"):
             collector.stats(workers=bad)
+
+
+# ---------------------------------------------------------------------------------- replay_write_mode
+def test_a_collector_writes_complete_trajectories_or_whole_rollouts(shutdown_after):
+    for mode, written in (("trajectory", (16, 15, 1, 15, 5)), ("rollout", (16, 0, 0, 16, 0))):
+        buffer = replay_buffer()
+        collector = collectors.Collector(step_env(), weight_policy(), frames_per_batch=8, total_frames=-1,
+                                         replay_buffer=buffer, replay_write_mode=mode)
+        shutdown_after(collector)
+        iterator = iter(collector)
+        next(iterator), next(iterator)
+        assert len(buffer) == written[3] and progress(collector.stats()) == written
+        if mode == "trajectory":  # whole episodes only: each ends with done
+            steps = buffer.sample(len(buffer)) if LIBRARY == "torchrl" else buffer[:len(buffer)]
+            assert int(steps["next", "done"].sum()) == 5
+
+
+def test_workers_write_complete_trajectories(shutdown_after):
+    buffer = replay_buffer()
+    collector = multi_sync(shutdown_after, replay_buffer=buffer, replay_write_mode="trajectory", trajs_per_write=1)
+    iterator = iter(collector)
+    next(iterator), next(iterator)  # each worker stepped 8 times: two episodes of 3 each
+    assert len(buffer) == 12
+
+
+@pytest.mark.parametrize("arguments", [dict(replay_write_mode="episode"), dict(replay_write_mode="rollout"),
+                                       dict(replay_write_mode="trajectory", trajs_per_batch=2),
+                                       dict(replay_write_mode="rollout", trajs_per_write=2)])
+def test_bad_replay_write_modes_are_refused(arguments):
+    buffered = "trajs_per_batch" in arguments or "trajs_per_write" in arguments or arguments["replay_write_mode"] != "rollout"
+    with pytest.raises(ValueError, match="replay_write_mode|trajs_per_write"):
+        collectors.Collector(step_env(), weight_policy(), frames_per_batch=8, total_frames=-1,
+                             replay_buffer=replay_buffer() if buffered else None, **arguments)

@@ -283,7 +283,7 @@ class BatchLoop:
         batch = valid_part(batch)
         buffer = config.replay_buffer
         writers = self.parts.workers_write_buffer
-        if writers and config.trajs_per_batch is not None:
+        if writers and config.assembles_trajectories:
             # The worker that sent this batch keeps its trajectories and writes them once the storage
             # is attached: here the batch only gives the storage its layout.
             if batch.numel():

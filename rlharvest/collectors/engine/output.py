@@ -50,8 +50,9 @@ class BatchOutput:
 
     @property
     def trajectories(self) -> TrajectoryAssembler | None:
-        """Where complete trajectories are assembled (``trajs_per_batch``), made on first use."""
-        if self._assembler is None and self.config.trajs_per_batch is not None and self.assembles:
+        """Where complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``),
+        made on first use."""
+        if self._assembler is None and self.config.assembles_trajectories and self.assembles:
             self._assembler = TrajectoryAssembler.from_config(self.config)
         return self._assembler
 
