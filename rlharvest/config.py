@@ -309,8 +309,9 @@ class CollectorConfig:
         if self.trajs_per_write is not None:
             if self.replay_buffer is None or not (self.trajs_per_batch is not None
                                                   or self.replay_write_mode == "trajectory"):
-                raise ValueError(f"trajs_per_write={self.trajs_per_write!r} needs a replay_buffer written with "
-                                 "complete trajectories: trajs_per_batch, or replay_write_mode='trajectory'.")
+                raise ValueError("trajs_per_write needs a replay_buffer written with complete trajectories "
+                                 "(trajs_per_batch, or replay_write_mode='trajectory'), got "
+                                 f"trajs_per_write={self.trajs_per_write!r}.")
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
         if self.traj_format is None:
             if self.trajs_per_batch is not None and self.replay_buffer is None:
