@@ -107,8 +107,10 @@ class EnvCalls:
         active = self.fleet.active
         if worker_ids is None:
             return list(active)
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids) if isinstance(
-            worker_ids, (list, tuple, range)) else None
+        if isinstance(worker_ids, int):
+            ids = [worker_ids]
+        else:
+            ids = list(worker_ids) if isinstance(worker_ids, (list, tuple, range)) else []
         if not ids or any(type(w) is not int or w not in active for w in ids):
             raise ValueError(f"worker_ids={worker_ids!r}: give None (every {self.noun}), or an index or a non-empty "
                              f"list of the current {self.noun}s {active}.")
