@@ -33,7 +33,7 @@ from tensordict import TensorDictBase
 from .._utils import TRAJ_IDS, unwrap
 from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
-from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
+from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec, Written
 from ..transport.base import WorkerEndpoint
 from .contract import ParentDuties, WorkerCollector
 
@@ -121,6 +121,7 @@ class Worker:
         self._free_ids = itertools.count()
         self._free_frames = 0
         self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
+        self._unreported = Written()  # what it wrote into the replay buffer since its last BATCH reply
         self._host: str | None = socket.gethostname()  # said once, in the first BATCH reply
         #: when SIGTERM arrived (monotonic seconds), or None: the worker is being preempted
         self.preempted_at: float | None = None
@@ -301,7 +302,12 @@ class Worker:
         if frames < batch.numel():
             batch = batch[batch.get(TRAJ_IDS) != -1]
         if batch.numel():
-            self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
+            self._unreported += self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
+
+    def _new_written(self) -> Written:
+        """What it wrote into the replay buffer since it last said (running free too)."""
+        written, self._unreported = self._unreported, Written(pending_frames=self._unreported.pending_frames)
+        return written
 
     def _publish(self, batch: TensorDictBase) -> Any:
         """Hand the batch to the transport; let the rollout write straight into what it publishes from."""
@@ -320,10 +326,10 @@ class Worker:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
-            return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times(),
-                         host=self._said_host())
+            return Reply(0, self.worker_idx, value=self._new_written(), frames=frames, written=True,
+                         times=self._new_times(), host=self._said_host())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
-            self.duties.keep_for_replay_buffer(batch)
+            self._unreported += self.duties.keep_for_replay_buffer(batch)
         value = batch if self.endpoint is None else self._publish(batch)
         return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times(), host=self._said_host())
 
@@ -402,9 +408,10 @@ class Worker:
         self.duties.enable_profile(config)
         return "profiling"
 
-    def _attach_buffer(self, storage: TensorDictBase) -> str:
+    def _attach_buffer(self, storage: TensorDictBase) -> Written:
+        """Write into ``storage`` from now on; returns the trajectories that ended in the batch it kept."""
         self.spec.replay_buffer.attach_storage(storage)
-        return "attached"
+        return self._new_written()
 
     def _resize(self, frames: int) -> int:
         """Rollouts of ``frames`` frames from the next one on (a sync parent re-split its batch among a

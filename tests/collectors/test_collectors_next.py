@@ -188,7 +188,7 @@ def test_a_collector_writes_complete_trajectories_or_whole_rollouts(shutdown_aft
         next(iterator), next(iterator)
         assert len(buffer) == written[3] and progress(collector.stats()) == written
         if mode == "trajectory":  # whole episodes only: each ends with done
-            steps = buffer.sample(len(buffer)) if LIBRARY == "torchrl" else buffer[:len(buffer)]
+            steps = buffer[:len(buffer)]  # in order (sampling draws with replacement)
             assert int(steps["next", "done"].sum()) == 5
 
 
@@ -196,8 +196,53 @@ def test_workers_write_complete_trajectories(shutdown_after):
     buffer = replay_buffer()
     collector = multi_sync(shutdown_after, replay_buffer=buffer, replay_write_mode="trajectory", trajs_per_write=1)
     iterator = iter(collector)
-    next(iterator), next(iterator)  # each worker stepped 8 times: two episodes of 3 each
+    next(iterator), next(iterator)  # each worker stepped 8 times: two episodes of 3 each, 2 steps pending
     assert len(buffer) == 12
+    assert progress(collector.stats()) == (16, 12, 4, 12, 4)  # what the workers wrote, counted here
+
+
+# ---------------------------------------------------------------------------------- progress across a checkpoint
+CUMULATIVE = [key for key in PROGRESS_KEYS if key != "trajectory_pending_frames"]
+
+
+def cumulative(stats: dict) -> dict:
+    return {key: stats[key] for key in CUMULATIVE}
+
+
+def test_a_loaded_collector_counts_on_from_the_checkpoint(shutdown_after):
+    def build():
+        collector = collectors.Collector(step_env(), weight_policy(), frames_per_batch=8, total_frames=-1,
+                                         replay_buffer=replay_buffer(), replay_write_mode="trajectory")
+        shutdown_after(collector)
+        return collector
+
+    first = build()
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state, saved = first.state_dict(), cumulative(first.stats())
+    assert saved == dict(zip(CUMULATIVE, (16, 15, 15, 5)))
+    loaded = build()
+    loaded.load_state_dict(state)
+    assert cumulative(loaded.stats()) == saved
+    next(iter(loaded))
+    stats = loaded.stats()
+    assert stats["stepped_frames"] == 24 and stats["completed_trajectories"] > 5
+    assert stats["replay_written_frames"] == stats["trajectory_completed_frames"] > 15
+
+
+def test_a_loaded_multi_process_collector_counts_on_what_its_workers_wrote(shutdown_after):
+    first = multi_sync(shutdown_after, replay_buffer=replay_buffer(), replay_write_mode="trajectory")
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state, saved = first.state_dict(), cumulative(first.stats())
+    assert saved == dict(zip(CUMULATIVE, (16, 12, 12, 4)))
+    first.shutdown()
+    loaded = multi_sync(shutdown_after, replay_buffer=replay_buffer(), replay_write_mode="trajectory")
+    loaded.load_state_dict(state)
+    assert cumulative(loaded.stats()) == saved
+    next(iter(loaded))
+    stats = loaded.stats()
+    assert stats["stepped_frames"] == 24 and stats["completed_trajectories"] >= 6
 
 
 @pytest.mark.parametrize("arguments", [dict(replay_write_mode="episode"), dict(replay_write_mode="rollout"),

@@ -170,6 +170,7 @@ class LocalCheckpoint:
                 section["episode"] = pack(rollout.episode_state())
             except EnvStateUnavailable as err:
                 section["env_unavailable"] = str(err)
+        section.update(self.output.state())
         assembler = self.output.assembler
         if assembler is not None:
             section["trajectories"] = pack({"in_flight": assembler._in_flight, "complete": assembler._complete})
@@ -205,6 +206,7 @@ class LocalCheckpoint:
         restore_buffer(self.config.replay_buffer, section.get("replay_buffer"))
         continued = self._restore_episodes(section)
         self.env_calls.restore(section.get("env_settings", ()))
+        self.output.restore(section)
         trajectories = self.output.trajectories
         if section.get("trajectories") is not None and trajectories is not None:
             held = unpack(section["trajectories"])

@@ -32,7 +32,7 @@ from ..._utils import resolve_attr_path
 from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
-from ...protocol import Command
+from ...protocol import Command, Written
 from .broadcast import WorkerBroadcast
 from .checkpoint import FleetCheckpoint
 from .env_calls import EnvCalls
@@ -164,7 +164,7 @@ class CollectionEngine:
         self.env_calls = EnvCalls(fleet, self.loop.drop, self.background.thread_run.at_batch_boundary, noun)
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
                                           config, self.sizes.frames_per_batch, self.ids,
-                                          [self.schedule, self.env_calls], self.server)
+                                          [self.schedule, self.env_calls, self.output], self.server)
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],
@@ -268,11 +268,13 @@ class CollectionEngine:
 
     # the rest of ``ParentDuties`` (worker/contract.py; this engine's collector runs inside a node): its own workers
     # write a shared buffer themselves, and its rollouts are interrupted through its workers
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> Written:
         buffer.extend(batch)
+        return Written(batch.numel())
 
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> Written:
         """Nothing is kept: trajectories are assembled where the batches are yielded."""
+        return Written()
 
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         """Batches are assembled here from the workers': nothing to redirect."""

@@ -19,6 +19,7 @@ from ...envs.factory import close_env, env_keys, make_env
 from ...envs.policy_transforms import env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
+from ...protocol import Written
 from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
 from ..options.local import LocalOptions
 from .broadcast import LocalCalls
@@ -213,14 +214,19 @@ class LocalEngine:
             return
         self.output.write(buffer, batch, hook)
 
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
-        """A worker writes the buffer its parent shares (the post-collect hook saw the batch already)."""
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> Written:
+        """A worker writes the buffer its parent shares (the post-collect hook saw the batch already);
+        returns what it wrote (whole, or the trajectories that ended), with its steps pending now."""
+        before = self.output.wrote()
         self._write_buffer(buffer, batch)
+        return self.output.wrote() - before
 
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> Written:
+        before = self.output.wrote()
         trajectories = self.output.trajectories
         if trajectories is not None:
             trajectories.ingest(self.output.postprocess(batch))
+        return self.output.wrote() - before
 
     def resize_batches(self, frames: int) -> int:
         """Rollouts of ``frames`` frames (rounded up to the env batch) from the next one on, for a parent
