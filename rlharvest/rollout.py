@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -28,9 +27,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import set_interaction_type
 
 from ._batching import or_flag, owner_of, truncate_inside, value_meta
-from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key, user_stacklevel
+from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .batch_buffer import BatchBuffer, Layout
-from .config import CollectorConfig
 from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
 from .envs.checks import check_policy_actions, check_step_specs, first_step
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
@@ -120,37 +118,6 @@ class RolloutSettings:
     compact_obs: bool = False
     #: stack steps lazily (envs with dynamic specs, whose shapes change between steps)
     lazy_stack: bool = False
-
-    @classmethod
-    def of(cls, config: CollectorConfig, env: Any, devices: tuple) -> RolloutSettings:
-        """The settings of a collector's rollouts: its ``frames_per_batch`` as time steps of ``env`` (rounded
-        up to a multiple of the env batch, with a warning at the user's line when it was not one, or when
-        ``total_frames`` or ``init_random_frames`` are not multiples of it), its ``(storing, policy, env)``
-        ``devices``, buffers (preallocated unless a replay buffer is the storage or the env's specs are
-        dynamic)."""
-        storing, policy_device, env_device = devices
-        n_env = int(env.batch_size.numel()) if len(env.batch_size) else 1
-        frames = -(-config.frames_per_batch // n_env) * n_env
-        if frames != config.frames_per_batch:
-            warnings.warn(f"frames_per_batch={config.frames_per_batch} is not a multiple of the env batch size "
-                          f"({n_env}); collecting {frames} frames per batch.", stacklevel=user_stacklevel())
-        total, random_frames = config.total_frames, config.init_random_frames
-        if total > 0 and total % frames:
-            warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={frames}: the last batch "
-                          "will overshoot.", stacklevel=user_stacklevel())
-        if random_frames and random_frames % frames:
-            warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={frames}: "
-                          "random actions continue to the end of the batch that reaches it.",
-                          stacklevel=user_stacklevel())
-        dynamic = bool(env_attr(env, "_has_dynamic_specs", False))
-        use_buffers = config.use_buffers
-        if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not dynamic
-        return cls(time_steps=frames // n_env, max_frames_per_traj=config.max_frames_per_traj,
-                   set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
-                   exploration_type=config.exploration_type, storing_device=storing, policy_device=policy_device,
-                   env_device=env_device, use_buffers=use_buffers, track_traj_ids=config.track_traj_ids,
-                   compact_obs=config.compact_obs, lazy_stack=dynamic)
 
 
 class Rollout:
