@@ -134,7 +134,7 @@ class TorchDistBackend(Backend):
         the slots it opened, docs/elastic.md "Autoscaling")."""
         return self.backend in PAIR_BACKENDS and self.launcher != "submitit_delayed"
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         super().grow(count, options)
         self.launched.extend([None] * count)
 
