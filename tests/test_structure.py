@@ -83,7 +83,7 @@ def untyped_seams() -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
-                for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, [args.vararg, args.kwarg])]:
                     if arg.arg.lstrip("_") in SEAMS and (arg.annotation is None or _mentions_any(arg.annotation)):
                         found.append(f"{name}:{node.lineno} {node.name}({arg.arg})")
             elif isinstance(node, ast.AnnAssign):
