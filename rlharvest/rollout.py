@@ -194,13 +194,16 @@ class Rollout:
         self._count = torch.where(mask, 0, self._count)
 
     def _renumber(self, traj, done):
+        """New ids for the sub-envs in ``done``: the next ones of the counter, in row-major order."""
         if not self.batch_size:
             return self.traj_counter.take(1)
-        count = int(done.sum())
-        first = self.traj_counter.take(count)
-        traj = traj.clone()
-        traj[done] = torch.arange(first, first + count, dtype=torch.int64)
-        return traj
+        flat = self.time_dim == 1
+        rows = done if flat else done.reshape(-1)
+        ranks = rows.cumsum(0)  # the last one is the count: one host sync for the counter
+        first = self.traj_counter.take(int(ranks[-1]))
+        # a new tensor (steps already taken keep theirs), without a mask's index (which syncs once more)
+        traj = torch.where(rows, ranks.add_(first - 1), traj if flat else traj.reshape(-1))
+        return traj if flat else traj.reshape(self.batch_size)
 
     def episode_state(self) -> dict[str, Any]:
         """The episodes in flight: the root the next step acts on, trajectory ids, step counts
@@ -240,8 +243,8 @@ class Rollout:
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
         # references moved (docs/archive/performance-history.md, "Where each microsecond of a frame goes").
-        env_step, next_root_of, any_done = adapter.step, adapter.next_root, adapter.any_done
-        scalar = not self.batch_size  # one env: done is a Python bool
+        env_step, next_root_of = adapter.step, adapter.next_root
+        scalar = not self.batch_size  # one env: done is a Python bool (a batch: a bool tensor of rows)
         move = self._to_env_device if self._move_actions else None
         last_step = self.settings.time_steps - 1 if self.settings.set_truncated else -1
         root, traj, count = self._root, self._traj, self._count
@@ -269,7 +272,7 @@ class Rollout:
                 append((root, actions, nxt, traj, count, version))
                 if len(steps) == chunk:
                     chunk, written = self._write_chunk(steps, written, random)
-                if done if scalar else any_done(done):
+                if done if scalar else done.any():
                     root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
                 else:
                     root = next_root if next_root is not None else next_root_of(nxt, root)
@@ -315,12 +318,10 @@ class Rollout:
             root = adapter.reset_rows(next_root, extra) if adapter.any_done(extra) else next_root
         else:
             root = adapter.reset_rows(adapter.next_root(nxt, root), done)
-        traj = self._renumber(traj, done)
         if not self.batch_size:
-            count = 0
-        else:
-            count = torch.where(done, 0, count + 1)
-        return root, traj, count
+            return root, self._renumber(traj, done), 0
+        # step counts serve max_frames_per_traj only
+        return root, self._renumber(traj, done), torch.where(done, 0, count + 1) if self._limit else count
 
     # ------------------------------------------------------------------ batch assembly
     def _policy_outputs(self, root: dict) -> dict:
