@@ -250,6 +250,8 @@ def row_of(row: str, quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
     theirs: list[dict] = []
     errors = []
     load = os.getloadavg()[0]
+    if torchrl is None:
+        errors.append("torchrl14: no .venv-torchrl14 (make setup-torchrl, or RLHARVEST_TORCHRL14_PYTHON)")
     for _ in range(pairs):
         result = _run_child(sys.executable, "rlharvest", row, rounds, seconds)
         if "error" in result:

@@ -149,7 +149,10 @@ class GymEnv(EnvBase):
             obs, _ = self._env.reset(seed=seed)
             self._autoreset_obs = None
             return self._convert_obs(obs)
-        mask = np.asarray(torch.as_tensor(mask).reshape(-1).cpu(), dtype=np.bool_)
+        if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and mask.dtype == torch.bool:
+            mask = mask.reshape(-1).numpy()  # the rollout's done rows: a view, ~1 us where the general path takes ~5
+        else:
+            mask = np.asarray(torch.as_tensor(mask).reshape(-1).cpu(), dtype=np.bool_)
         if self._autoreset_obs is not None:
             # SAME_STEP vector envs already reset the rows that ended; only reset the others.
             done_rows = self._autoreset_done
