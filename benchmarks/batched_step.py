@@ -19,12 +19,18 @@ least disturbed by the other processes (the parts are microseconds long). The pa
 The whole step is timed too, as ``limit_batched.py`` times it (whole batches), and the remainder
 (whole step - parts) is printed as "loop, storage and batch".
 
-Usage: ``python benchmarks/batched_step.py [--repeats 5] [--row NAME ...]``
+Usage: ``python benchmarks/batched_step.py [--repeats 5] [--row NAME ...]``; instruction counts instead of
+CPU time (the same on a busy machine as on a quiet one)::
+
+    CALLGRIND_OUT=/tmp/cg.out valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.out \
+        .venv/bin/python benchmarks/batched_step.py --instructions
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,8 +53,36 @@ def cpu_us(call: Callable[[], object], count: int, repeats: int) -> float:
     return best
 
 
-def anatomy(row: str, repeats: int) -> dict[str, float]:
-    """Microseconds of CPU per step of each part (see the module docstring)."""
+def _callgrind(*args: str) -> None:
+    """Ask the callgrind running this process (``callgrind_control``), waiting for its answer in short
+    sleeps: valgrind reads the request while this process runs, not while it is blocked in a wait."""
+    command = subprocess.Popen(["callgrind_control", *args, str(os.getpid())], stdout=subprocess.DEVNULL)
+    while command.poll() is None:
+        time.sleep(0.002)
+
+
+def instructions(call: Callable[[], object], count: int, repeats: int) -> float:
+    """Instructions per call of ``call`` (``count`` calls), counted by callgrind: this process runs under
+    ``valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=FILE`` with ``FILE`` in the
+    environment as ``CALLGRIND_OUT``. Each measurement is dumped and read back."""
+    call()
+    _callgrind("--zero")
+    _callgrind("-i", "on")
+    for _ in range(count):
+        call()
+    _callgrind("-i", "off")
+    _callgrind("--dump")
+    dumps = sorted(Path(os.environ["CALLGRIND_OUT"]).parent.glob(Path(os.environ["CALLGRIND_OUT"]).name + "*"),
+                   key=lambda path: path.stat().st_mtime)
+    for line in dumps[-1].read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1]) / count
+    raise RuntimeError(f"no totals in {dumps[-1]}")
+
+
+def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, float]:
+    """CPU microseconds (or, with ``cpu_us=instructions``, instructions) per step of each part (see the
+    module docstring)."""
     import torch
 
     torch.set_num_threads(1)
@@ -108,9 +142,8 @@ def anatomy(row: str, repeats: int) -> dict[str, float]:
         batches()  # the buffer written above is the next batch's: overwritten
     finally:
         collector.shutdown()
-    shared = sum(v for k, v in parts.items() if k.endswith("(both)"))
-    raw_parts = shared - parts["policy: the module (both)"] * 0  # the raw loop's parts are the shared ones
-    parts["raw loop: the loop itself (whole - parts)"] = parts["raw loop: whole step"] - raw_parts
+    shared = sum(v for k, v in parts.items() if k.endswith("(both)"))  # the raw loop's parts
+    parts["raw loop: the loop itself (whole - parts)"] = parts["raw loop: whole step"] - shared
     ours = shared + sum(v for k, v in parts.items() if k.endswith("(collector)"))
     parts["collector: loop, batch and the rest (whole - parts)"] = parts["collector: whole step"] - ours
     return parts
@@ -120,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--row", action="append", choices=list(limit_batched.ROWS))
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions instead (run under callgrind, see instructions())")
     args = parser.parse_args(argv)
-    import os
-
     for row in args.row or list(limit_batched.ROWS):
         load = os.getloadavg()[0]
-        parts = anatomy(row, args.repeats)
+        parts = anatomy(row, args.repeats, instructions if args.instructions else cpu_us)
         kind, batch = limit_batched.ROWS[row]
-        print(f"{row} (batch {batch}; CPU us per step, smallest of {args.repeats}; load {load:.1f}):")
+        unit = "instructions" if args.instructions else f"CPU us, smallest of {args.repeats}"
+        print(f"{row} (batch {batch}; {unit} per step; load {load:.1f}):")
         for name, value in parts.items():
             print(f"  {value:9.2f}  {name}")
         print(f"  ratio raw/collector (whole steps): {parts['raw loop: whole step'] / parts['collector: whole step']:.3f}",
