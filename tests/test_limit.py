@@ -83,6 +83,19 @@ def test_throughput_row_takes_the_medians_of_its_pairs(monkeypatch):
         limit.main(["--pairs", "0"])
 
 
+def _busy_switch(busy_now: list) -> type:
+    """A stand-in for limit_updates._Busy that records whether the busy loops would be running."""
+
+    class Busy:
+        def __enter__(self):
+            busy_now[0] = True
+
+        def __exit__(self, *exc):
+            busy_now[0] = False
+
+    return Busy
+
+
 def test_update_rows_alternate_quiet_and_busy_runs_and_take_medians(monkeypatch):
     """``--pairs N``: rlharvest's side of the 1M update is run N times, quiet and busy alternated (each
     run a fresh process), the figures are the medians; TorchRL's side is run once per condition."""
@@ -91,13 +104,7 @@ def test_update_rows_alternate_quiet_and_busy_runs_and_take_medians(monkeypatch)
     import limit_updates
 
     busy_now, calls = [False], []
-
-    class Busy:
-        def __enter__(self):
-            busy_now[0] = True
-
-        def __exit__(self, *exc):
-            busy_now[0] = False
+    Busy = _busy_switch(busy_now)
 
     ours = {False: iter([1.0, 3.0, 2.0]), True: iter([9.0, 4.0, 5.0])}
 
@@ -128,13 +135,7 @@ def test_update_rows_to_collecting_nodes_run_both_sides_pairs_times(monkeypatch)
     import limit_updates
 
     busy_now, calls = [False], []
-
-    class Busy:
-        def __enter__(self):
-            busy_now[0] = True
-
-        def __exit__(self, *exc):
-            busy_now[0] = False
+    Busy = _busy_switch(busy_now)
 
     ours = {False: iter([1.0, 3.0, 2.0]), True: iter([9.0, 4.0, 5.0])}
     theirs = {False: iter([10.0, 30.0, 20.0]), True: iter([40.0, 50.0, 60.0])}
