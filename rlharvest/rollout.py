@@ -197,13 +197,6 @@ class Rollout:
         """New ids for the sub-envs in ``done``: the next ones of the counter, in row-major order."""
         if not self.batch_size:
             return self.traj_counter.take(1)
-        if done.device.type == "cpu" and traj.device.type == "cpu":
-            # numpy: ~1 us an operation on a few rows, where torch takes 2-3 (the ids live on the CPU)
-            rows = done.numpy().reshape(-1)
-            ranks = rows.cumsum()  # the last one is the count
-            first = self.traj_counter.take(int(ranks[-1]))
-            ids = np.where(rows, ranks + (first - 1), traj.numpy().reshape(-1))
-            return torch.from_numpy(ids).reshape(self.batch_size)
         rows = done.reshape(-1)
         ranks = rows.cumsum(0)  # the last one is the count: one host sync for the counter
         first = self.traj_counter.take(int(ranks[-1]))
