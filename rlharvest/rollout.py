@@ -412,6 +412,10 @@ class Rollout:
         self.settings, self._probe = replace(self.settings, time_steps=int(time_steps)), 0
         self.batches.resize(time_steps)
 
+    def hand_out_batches(self) -> None:
+        """Each batch in a buffer of its own, which the caller keeps (``BatchBuffer.hand_out_batches``)."""
+        self.batches.hand_out_batches()
+
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
         self.batches.set_buffer(buffer)
