@@ -14,8 +14,10 @@ stranger who relays a handshake it cannot complete itself (a squatted port) ther
 inject, replay or reorder a single message: its bytes fail the tag and the channel closes.
 
 The first message a listener receives (the peer's *hello*) is decoded as a tuple of plain values
-(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) go through the
-restricted unpickler of :mod:`.wire`.
+(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) are in wire format
+2 (:mod:`.wire`, never pickles), at most :func:`~.wire.node_limit` bytes each, and a channel may be
+told which messages it carries (:meth:`Channel.expect`). The listener's side (the main process)
+sends pickles: a node runs what the main process tells it anyway.
 
 Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or receive
 fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
@@ -33,10 +35,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Union
+from typing import Any, Callable, NoReturn, Union
 
 from .ports import PortInUseError, not_this_host
-from .wire import decode_hello, encode_hello, loads_from_node
+from .wire import (HELLO_MAX, NodeMessageError, decode_from_node, decode_hello, encode_from_node, encode_hello,
+                   node_limit)
 
 __all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "derive_key", "slot_key", "AuthenticationFailed",
            "RefusedMessage", "Channel", "Keys", "authenticate", "listen", "accept_channel", "open_channel",
@@ -60,8 +63,9 @@ class AuthenticationFailed(ConnectionError):
 
 
 class RefusedMessage(ConnectionError):
-    """A node sent a message the main process does not decode (a global outside the allow-list of
-    :mod:`.wire`): the channel is closed, as if the node had gone."""
+    """A node sent a message the main process does not take (malformed, too long, of another wire
+    format, a class not allowed, or not one the channel carries): the channel is closed, as if the
+    node had gone."""
 
 
 class _NoGreeting(AuthenticationFailed):
@@ -106,6 +110,17 @@ def slot_key(authkey: bytes, rank: int) -> bytes:
     return derive_key(authkey, "slot", rank.to_bytes(8, "big"))
 
 
+def _describe(message: Any) -> str:
+    """What a message is, in a few words (never its whole text: it may be large)."""
+    if type(message) is tuple and message and type(message[0]) is str:
+        return f"a tuple starting with {message[0][:40]!r}"
+    return f"a {type(message).__name__}"
+
+
+def _pickle(obj: Any) -> bytes:
+    return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+
+
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, label + b"\0" + b"".join(parts), "sha256")
 
@@ -124,7 +139,8 @@ class Channel:
     """
 
     def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes, *, key_id: int = 0,
-                 loads: Callable[[bytes], Any] = pickle.loads) -> None:
+                 loads: Callable[[bytes], Any] = pickle.loads, dumps: Callable[[Any], bytes] = _pickle,
+                 max_message: Callable[[], int] | None = None) -> None:
         self._conn = conn
         self._send_key, self._recv_key = send_key, recv_key
         self._send_seq = self._recv_seq = 0
@@ -132,7 +148,12 @@ class Channel:
         self._recv_lock = threading.Lock()
         #: which key the connecting peer proved it holds (0: the collector's; a rank: that slot's)
         self.key_id = key_id
-        self._loads = loads
+        self._loads, self._dumps, self._max_message = loads, dumps, max_message
+        self._expected: tuple[Callable[[Any], bool], str] | None = None
+
+    def expect(self, check: Callable[[Any], bool], what: str) -> None:
+        """Take only messages for which ``check`` is true (``what`` says which, in the refusal)."""
+        self._expected = (check, what)
 
     def send_bytes(self, data: bytes) -> None:
         with self._send_lock:
@@ -141,9 +162,24 @@ class Channel:
             self._conn.send_bytes(tag.digest() + data)
             self._send_seq += 1
 
-    def recv_bytes(self) -> bytes:
+    def recv_bytes(self, max_length: int | None = None) -> bytes:
+        """The next message's bytes, authenticated; from a node, at most :func:`~.wire.node_limit` bytes
+        (and ``max_length``), refused before they are read.
+
+        Raises:
+            AuthenticationFailed: for a message that fails its tag; RefusedMessage: for one too long.
+        """
         with self._recv_lock:
-            frame = self._conn.recv_bytes()
+            limits = [n for n in (max_length, None if self._max_message is None else self._max_message())
+                      if n is not None]
+            limit = min(limits) if limits else None
+            try:
+                frame = self._conn.recv_bytes(None if limit is None else limit + _TAG)
+            except OSError as err:
+                if limit is None or str(err) != "bad message length":
+                    raise
+                self._refuse(f"a message longer than {limit} bytes"
+                             + ("" if limit == max_length else " (rlharvest.transport.wire.limit_from_nodes)"))
             tag = hmac.new(self._recv_key, self._recv_seq.to_bytes(8, "big"), "sha256")
             tag.update(memoryview(frame)[_TAG:])
             if len(frame) < _TAG or not hmac.compare_digest(frame[:_TAG], tag.digest()):
@@ -153,22 +189,33 @@ class Channel:
             return frame[_TAG:]
 
     def send(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        """Send ``obj`` (a pickle from the listener's side, wire format 2 from the connecting side).
+
+        Raises:
+            UnsendableValue: (a TypeError, from a node) for what wire format 2 cannot hold; nothing was sent.
+        """
+        self.send_bytes(self._dumps(obj))
 
     def recv(self) -> Any:
         """The next message: authenticated bytes only (``recv_bytes`` checked the tag), and from a
-        node, through the allow-list of :mod:`.wire`.
+        node, decoded from wire format 2 (:mod:`.wire`) and one the channel expects.
 
         Raises:
-            RefusedMessage: (an OSError) for a message outside the allow-list; the channel is closed.
+            RefusedMessage: (an OSError) for a message it does not take; the channel is closed.
         """
         data = self.recv_bytes()
         try:
-            return self._loads(data)
-        except pickle.UnpicklingError as err:
-            self.close()
-            logger.warning("rlharvest: closed the channel of a peer whose message is refused: %s", err)
-            raise RefusedMessage(str(err)) from err
+            message = self._loads(data)
+        except NodeMessageError as err:
+            self._refuse(str(err))
+        if self._expected is not None and not self._expected[0](message):
+            self._refuse(f"a message that is not {self._expected[1]} ({_describe(message)})")
+        return message
+
+    def _refuse(self, why: str) -> NoReturn:
+        self.close()
+        logger.warning("rlharvest: closed the channel of a peer whose message is refused: %s", why)
+        raise RefusedMessage(why)
 
     def send_hello(self, hello: tuple) -> None:
         """The first message to a listener: plain values only (it never unpickles a hello)."""
@@ -254,7 +301,7 @@ def _server_side(conn: mpc.Connection, keys: Keys) -> Channel:
     conn.send_bytes(_mac(key, b"server", server_nonce, client_nonce, key_id))
     return Channel(conn, _mac(key, b"server->client", server_nonce, client_nonce, key_id),
                    _mac(key, b"client->server", server_nonce, client_nonce, key_id),
-                   key_id=int.from_bytes(key_id, "big", signed=True), loads=loads_from_node)
+                   key_id=int.from_bytes(key_id, "big", signed=True), loads=decode_from_node, max_message=node_limit)
 
 
 def _client_side(conn: mpc.Connection, authkey: bytes, key_id: int) -> Channel:
@@ -272,7 +319,8 @@ def _client_side(conn: mpc.Connection, authkey: bytes, key_id: int) -> Channel:
     if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce, ident)):
         raise AuthenticationFailed("the listener did not prove it holds the key")
     return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce, ident),
-                   _mac(authkey, b"server->client", server_nonce, client_nonce, ident), key_id=key_id)
+                   _mac(authkey, b"server->client", server_nonce, client_nonce, ident), key_id=key_id,
+                   dumps=encode_from_node)
 
 
 def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listener: bool,
@@ -289,7 +337,7 @@ def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listene
     watchdog = _Watchdog(conn, timeout)
     try:
         channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey, key_id)
-        first = decode_hello(channel.recv_bytes()) if hello else None  # the peer proved it holds the key
+        first = decode_hello(channel.recv_bytes(HELLO_MAX)) if hello else None  # the peer proved it holds the key
     except Exception as err:
         watchdog.stop()
         conn.close()

@@ -16,6 +16,7 @@ Keys (docs/security.md, "The key"): nodes the collector starts itself get only t
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -31,7 +32,7 @@ from .channel import AUTHKEY_ENV, open_channel, parse_authkey, slot_key
 from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .pairing import form_pair, make_process_group
 from .rendezvous import CONTROL_KEY, PAIR_BACKENDS, Paired, Rendezvous
-from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle
+from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle, is_node_message
 from .torchdist_join import JoinService, JoinWatcher
 from .torchdist_weights import NodeWeightLinks
 
@@ -167,6 +168,8 @@ class TorchDistBackend(Backend):
         return [self._handle(spec, paired[spec.worker_idx + 1], self.launched[spec.worker_idx]) for spec in specs]
 
     def _handle(self, spec: WorkerSpec, node: Paired, launched: LaunchedNode) -> DistWorkerHandle:
+        node.channel.expect(functools.partial(is_node_message, worker_idx=spec.worker_idx),
+                            f"a reply of node {spec.worker_idx} or a heartbeat")
         handle = DistWorkerHandle(node.channel, node.group, node.peer_rank, spec.worker_idx, launched,
                                   self.net.heartbeat_timeout, node.store)
         handle.conn.send_bytes(cloudpickle.dumps(spec))

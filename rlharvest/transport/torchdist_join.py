@@ -4,11 +4,13 @@ The collector starts no node: its slots (one per env constructor) are filled by 
 Its command port (``tcp_port``) stays open for its whole life; nothing else of it is reachable
 before a node joined. A joining node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)
 opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: each side proves
-it holds the key before anything is decoded) and says ``("join", pid, hostname)`` (plain values,
-never unpickled). On that same channel the main process answers
+it holds the key before anything is decoded) and says ``("join", pid, hostname, wire format)`` (plain
+values, never unpickled; the format of the messages it sends, :data:`~.wire.WIRE_FORMAT`). On that same
+channel the main process answers
 
 * ``("refused", reason)`` when no slot is empty, nor empties within :attr:`JoinService.SLOT_GRACE`
-  seconds (logged at WARNING, the channel closed), or
+  seconds, or the node sends messages in another format (an older rlharvest's say no format: they are
+  pickles), logged at WARNING, the channel closed; or
 * ``("slot", rank, generation, backend, kwargs)``: both sides then form the slot's group over the
   channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
   spec (env constructor, policy, weight channel) once the collector takes the slot.
@@ -40,6 +42,7 @@ from .channel import Channel, open_channel, slot_key
 from .launchers import LaunchedNode
 from .pairing import PairingFailed, form_pair
 from .rendezvous import Rendezvous
+from .wire import WIRE_FORMAT
 
 __all__ = ["JoinRefused", "JoinService", "JoinWatcher", "JoinedNode", "Seat", "join_collector"]
 
@@ -47,12 +50,18 @@ logger = logging.getLogger("rlharvest")
 
 
 class JoinedNode(LaunchedNode):
-    """A node that joined from elsewhere, as the collector sees it: only through its channel."""
+    """A node that joined from elsewhere, as the collector sees it: only through its channel.
+
+    Args:
+        remote_pid, hostname, address: what the node said of itself, and where it connected from.
+        channel: its command channel, whose end on the node closes when the node's process exits.
+    """
 
     pid = None  # not a process of this machine (even when it runs here)
 
-    def __init__(self, remote_pid: int, hostname: str, address: str) -> None:
+    def __init__(self, remote_pid: int, hostname: str, address: str, channel: Channel | None = None) -> None:
         self.remote_pid, self.hostname, self.address = remote_pid, hostname, address
+        self._channel = channel
         self._stopped = False
 
     def is_alive(self) -> bool:
@@ -65,7 +74,17 @@ class JoinedNode(LaunchedNode):
         return f"the node that joined from {self.hostname} ({self.address}, pid {self.remote_pid}) is gone"
 
     def terminate(self, deadline: float) -> None:
-        self._stopped = True  # its handle closes its channel: the node exits on its own
+        """The node exits on its own once told to close, or once its handle closes the channel: wait
+        until ``deadline`` for its end of the channel to close (the collector's ``shutdown()`` then
+        returns once the nodes it told to close have exited). What it still sends is skipped unread."""
+        self._stopped = True
+        channel, self._channel = self._channel, None
+        try:
+            while channel is not None and time.monotonic() < deadline:
+                if channel.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    channel.recv_bytes()
+        except (EOFError, OSError):  # its end closed: the node's process has ended
+            pass
 
 
 @dataclass
@@ -206,16 +225,21 @@ class JoinService:
 
     def _admit(self, channel: Channel, hello: Any, peer) -> None:
         listener = self.rendezvous.listener
-        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "join" and type(hello[1]) is int
+        if not (isinstance(hello, tuple) and len(hello) in (3, 4) and hello[0] == "join" and type(hello[1]) is int
                 and isinstance(hello[2], str) and channel.key_id == 0):
             channel.close()
             listener.drop(peer, f"not a join: {hello!r:.80}")
             return
         who = f"node {hello[2]!r:.40} (pid {hello[1]})"
+        if hello[3:] != (WIRE_FORMAT,):  # it could join, but the collector would refuse its first reply
+            said = f"wire format {hello[3]!r:.20}" if hello[3:] else "pickles (wire format 1)"
+            self._refuse(channel, peer, who, f"it sends its messages as {said}, this collector reads wire format "
+                         f"{WIRE_FORMAT}: install the collector's rlharvest version on the node")
+            return
         if not self._forming.acquire(blocking=False):
             self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
-        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
+        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?", channel)
         threading.Thread(target=self._join, args=(channel, peer, who, node),
                          name="rlharvest-join", daemon=True).start()
 
@@ -321,8 +345,12 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
             raise  # AuthenticationFailed, a reset: the collector answered
         raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s "
                                    f"({_why(err)}).") from None
-    conn.send_hello(("join", os.getpid(), socket.gethostname()))
-    reply = conn.recv()
+    conn.send_hello(("join", os.getpid(), socket.gethostname(), WIRE_FORMAT))
+    try:
+        reply = conn.recv()
+    except EOFError:  # a collector that does not know this hello (an older rlharvest) closes at once
+        raise EOFError(f"without answering the join at {host}:{port}: it may run another rlharvest version, this "
+                       f"node sends wire format {WIRE_FORMAT}") from None
     if reply[0] == "refused":
         conn.close()
         raise JoinRefused(f"the collector at {host}:{port} refused this node: {reply[1]}.")

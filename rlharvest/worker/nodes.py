@@ -10,6 +10,7 @@ serves. They live beside the worker loop they run; backends get them as their ta
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -87,6 +88,10 @@ def join_main(host: str, port: int, authkey: bytes, report: Report | None = None
     seat = join_collector(host, port, authkey, on_retry=on_retry, **kwargs)
     of = f" of {seat.slots}" if seat.slots is not None else ""
     say(f"joined as node {seat.index}{of} ({host}:{port})")
+    # The collector knows this process has ended when its command socket closes (it cannot wait for a
+    # process of another host): a duplicate, never closed, keeps the socket open until the exit closes
+    # it, so the collector's shutdown() returns once this node is gone, not when it starts to exit.
+    os.dup(seat.conn.fileno())
     endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store, seat.key)
     _serve(endpoint, seat.payload, seat.index, say)
 
@@ -103,8 +108,9 @@ def _serve(endpoint, payload: bytes, index: int, say: Report = _silent) -> None:
     """Run the worker loop of the spec the main process sent, on ``endpoint``."""
     rank = index + 1
     try:
-        # The spec names the env constructors and the policy by reference: a node whose sys.path
-        # lacks their module must say so to the main process, not only in its own log.
+        # The spec's env constructors and policy travel by reference when a module defines them
+        # (cloudpickle): a node whose sys.path lacks that module must say so to the main process,
+        # not only in its own log.
         spec = cloudpickle.loads(payload)  # authenticated bytes from the main process
     except BaseException as err:
         endpoint.send(Reply(READY, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))

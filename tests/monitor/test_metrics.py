@@ -150,4 +150,7 @@ def test_the_other_collectors_have_their_rows_and_counters(make):
     assert [(row["index"], row["state"]) for row in page["workers"]] == [(0, "collecting"), (1, "collecting")]
     delivered = [row["frames"] for row in page["workers"]]
     # env workers of a policy server send steps, not batches: no frames of their own
-    assert delivered == ([None, None] if isinstance(collector, AsyncBatchedCollector) else [24, 24])
+    if isinstance(collector, AsyncBatchedCollector):
+        assert delivered == [None, None]
+    else:  # asynchronous nodes: which delivered how many of the 6 batches depends on their pace
+        assert sum(delivered) == 48 and all(count % 8 == 0 for count in delivered)

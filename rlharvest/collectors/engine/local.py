@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from ..._utils import TRAJ_IDS, resolve_attr_path, unwrap
 from ...config import resolve_devices
 from ...envs.factory import close_env, make_env
+from ...envs.policy_transforms import appended_by_collector, env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
 from ...rollout import LocalTrajectoryCounter, Rollout
@@ -86,6 +87,7 @@ class LocalEngine:
         if policy is None and policy_factory is not None:
             policy = unwrap(policy_factory)()
         config = self.config
+        self.env = env_for_policy(config.auto_register_policy_transforms, self.env, policy, self.name)
         storing, policy_device, env_device = resolve_devices(config.device, config.storing_device,
                                                              config.policy_device, config.env_device, self.env)
         self.storing_device, self.policy_device, self.env_device = storing, policy_device, env_device
@@ -291,8 +293,9 @@ class LocalEngine:
         if model_id == "policy":
             source = self.weight_source
             return source if source is not None else self.policy
-        if self.config.max_frames_per_traj:  # TorchRL's env would have a StepCounter: ids index its transforms
-            found, model = resolve_env_transform_path(self.env, model_id)
+        step_counter = bool(self.config.max_frames_per_traj)  # TorchRL's env would have one: ids index its transforms
+        if step_counter or appended_by_collector(self.env):
+            found, model = resolve_env_transform_path(self.env, model_id, step_counter)
             if found:
                 return model
         return resolve_attr_path(self._face(), model_id)
@@ -334,6 +337,8 @@ class LocalEngine:
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
         weights_api = self.weights
+        if not weights_api.forwards(model_id):
+            return
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
                 and weights_api.updater is None and not weights_api.sync_schemes):
             weights_api.increment()  # the scheme wrote into the very modules this collector runs
