@@ -418,16 +418,13 @@ class WeightSyncScheme:
         The policy then runs on the new weights from its next action on, and every action after the
         acknowledgement (so after ``send`` returned, when it waits) uses them. False: the worker
         loop takes it between two env steps, as any other update."""
-        context = self.context
+        context, model = self.context, self.model
         allows = getattr(context, "swaps_between_steps", None)
-        model = self.model
         if allows is None or not isinstance(model, torch.nn.Module) or not allows(self._model_id, model):
             return False
         lock = context.policy_lock
-        # Only a lock nobody holds: the loop holds it through each action and takes it again a few
-        # microseconds after letting it go, before this thread, woken, could get it (and then the GIL):
-        # waiting for it took 2-6 ms on 2 cores. Held, the loop is mid-step, and takes the update
-        # itself when that step ends (its between-steps poll), one step later at most.
+        # Only a free lock: the loop holds it through each action and retakes it microseconds after, before
+        # this woken thread could (waiting took 2-6 ms on 2 cores); the loop takes the update at its step's end.
         if not lock.acquire(blocking=False):
             return False
         try:
