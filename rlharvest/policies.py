@@ -199,7 +199,7 @@ def policy_device_copy(policy: Any, device: torch.device | None) -> tuple[Any, A
 def hooks_would_run(modules: tuple) -> bool:
     """Whether calling any of ``modules`` would run a hook: its own forward or backward (pre-)hooks, or
     torch's global module hooks (``register_module_forward_hook``...). The checks ``nn.Module.__call__``
-    makes, read from plain dicts: ~0.1 us a module."""
+    makes, read from plain dicts: ~0.3 us for one module, the globals included."""
     hooks = _torch_module
     if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_pre_hooks
             or hooks._global_backward_hooks):
