@@ -207,9 +207,9 @@ def _class_bodies(tree: ast.Module) -> dict[str, set[str]]:
 
 
 def members_not_in_class_bodies() -> list[str]:
-    """Imports every module of rlharvest and lists each member of each of its classes (dunders and what
-    Python's machinery adds excepted) that the class's own body does not write: a member some code
-    added at run time, whatever the spelling."""
+    """Imports every module of rlharvest and lists each member of each class it defines at its top level
+    (dunders and what Python's machinery adds excepted) that the class's own body does not write: a
+    member some code added at run time, whatever the spelling."""
     machinery, found = _machinery(), []
     for info in pkgutil.walk_packages([str(PACKAGE)], "rlharvest."):
         module = importlib.import_module(info.name)
