@@ -1,8 +1,10 @@
 """The key file of nodes that join from anywhere (``launcher="external"``, docs/elastic.md), both sides.
 
-:class:`JoinKey` writes the collector's key where a joining node reads it (a file only its owner
-may read, in a folder only its owner may enter), and removes it when the collector shuts down or
-its process exits; :func:`read_key_file` is how a node opens and checks such a file;
+:class:`JoinKey` writes the node key of joining nodes (:class:`~.keys.NodeCredential`: the join
+key and the learner's public key, never the collector's secret) where a joining node reads it (a
+file only its owner may read, in a folder only its owner may enter), and removes it when the
+collector shuts down or its process exits; :func:`read_key_file` is how a node opens and checks
+such a file;
 :func:`join_argv` is the command a node runs. The engine gives an empty slot back to the node that
 joined it (``collectors/engine/extras.py``).
 """
@@ -16,13 +18,16 @@ import sys
 import tempfile
 import weakref
 
+from .keys import NodeCredential
+
 __all__ = ["JoinKey", "join_argv", "read_key_file"]
 
 
 class JoinKey:
-    """The collector's key (hex) in ``<private temporary folder>/authkey``, mode 0600; removed by
-    :meth:`remove`, or when this object is collected or the interpreter exits (a process killed
-    with SIGKILL cannot remove it: docs/security.md)."""
+    """The node key of joining nodes, derived from the collector's secret ``authkey``, in
+    ``<private temporary folder>/authkey``, mode 0600; removed by :meth:`remove`, or when this
+    object is collected or the interpreter exits (a process killed with SIGKILL cannot remove it:
+    docs/security.md)."""
 
     def __init__(self, authkey: bytes) -> None:
         self.folder = tempfile.mkdtemp(prefix="rlharvest-join-")  # mode 0700
@@ -30,7 +35,7 @@ class JoinKey:
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(authkey.hex())
+            handle.write(NodeCredential.for_joining(authkey).encode())
 
     def remove(self) -> None:
         self._finalizer()

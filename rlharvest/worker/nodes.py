@@ -22,6 +22,7 @@ from ..errors import RemoteFailure
 from ..protocol import READY, Reply
 from ..transport.rpc_node import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
 from ..transport.torchdist import DistWorkerEndpoint, join_as_node
+from ..transport.keys import NodeCredential
 from ..transport.torchdist_join import join_collector
 from ..transport.weight_pool import attach_named
 from .loop import Worker, run_worker
@@ -51,7 +52,7 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
     _serve(endpoint, payload, rank - 1)
 
 
-def join_main(host: str, port: int, authkey: bytes, **kwargs: Any) -> None:
+def join_main(host: str, port: int, authkey: NodeCredential | bytes, **kwargs: Any) -> None:
     """The entry point of a node that joins a running collector (``launcher="external"``): it is given
     an empty slot (or refused: :class:`~rlharvest.transport.torchdist_join.JoinRefused`), then serves
     it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)."""
