@@ -11,6 +11,7 @@ import os
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,6 +38,11 @@ def channels():
     listener.close()
 
 
+def listening() -> set:
+    """The addresses this process listens on (TCP, IPv4 and IPv6)."""
+    return {c.laddr for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+
+
 def _both(main_side, node_side) -> tuple[list, list]:
     """Run both sides at once; each side's result or exception."""
     results: tuple[list, list] = ([], [])
@@ -59,7 +65,7 @@ def _both(main_side, node_side) -> tuple[list, list]:
 def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(channels):
     """Once connected, neither side's gloo port takes connections (gloo would keep each one forever)."""
     main, node, key = channels
-    before = set(pairing._listening_sockets().values())
+    before = listening()
     (main_pair,), (node_pair,) = _both(
         lambda: form_pair(main, key, 0, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"),
         lambda: form_pair(node, key, 1, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"))
@@ -69,7 +75,7 @@ def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(
     for work in works:
         work.wait(datetime.timedelta(seconds=10))
     assert torch.equal(sent, got)
-    assert set(pairing._listening_sockets().values()) <= before
+    assert listening() <= before
     main.send(("after", 1))  # the channel holds nothing of the pairing any more
     assert node.recv() == ("after", 1)
 
@@ -127,12 +133,14 @@ def test_a_stranger_who_takes_the_main_process_side_of_the_group_fails_the_proof
     # the stranger's group holds (20 s), so it is given a fifth of the deadline (pairing.GLOO_CONNECT_FACTOR)
     assert time.monotonic() - started < 10.0, (main_result, node_result)
     attacker.join(30.0)
-    assert formed.is_set(), "the stranger's group never formed: the hijack was not reproduced"
-    if isinstance(main_result[0], PairingFailed):  # the stranger took the main process's group
+    assert not (formed.is_set() and not isinstance(main_result[0], PairingFailed)), "the stranger's group was taken"
+    # formed or not: when the main process's gloo listens (its address compares lower), its gate lets in
+    # no connection but the one the node reports, so the stranger's group cannot form at all
+    if isinstance(main_result[0], PairingFailed):  # the stranger took the main process's group, or held it
         assert isinstance(node_result[0], PairingFailed), node_result
         return
-    # gloo let the node's connection win the race for the main process's listener: the pair is the
-    # node's, as the proofs say; it must carry the main process's bytes to the node, not the stranger
+    # the node's connection reached the main process's listener: the pair is the node's, as the proofs
+    # say; it must carry the main process's bytes to the node, not the stranger
     (main_group, _), (node_group, _) = main_result[0], node_result[0]
     sent, got = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
     send, recv = main_group.send([sent], 1, 7), node_group.recv([got], 0, 7)
@@ -146,4 +154,13 @@ def test_a_peer_that_writes_too_much_into_the_pair_store_is_dropped(channels):
     for index in range(100):
         node.send_bytes(b"S" + len(b"k%d" % index).to_bytes(2, "big") + b"k%d" % index + b"x")
     with pytest.raises(PairingFailed, match="more than a pair's store holds"):
+        form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1")
+
+
+def test_a_peer_that_writes_a_key_that_is_not_utf8_fails_the_pair_and_nothing_else(channels):
+    """A store key that does not decode is the peer's failure (PairingFailed: the caller drops that
+    node and gives its slot back), never an error escaping the pairing."""
+    main, node, key = channels
+    node.send_bytes(b"S" + (2).to_bytes(2, "big") + b"\xff\xfe" + b"value")
+    with pytest.raises(PairingFailed, match="not UTF-8"):
         form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1")
