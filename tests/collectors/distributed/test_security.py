@@ -280,6 +280,28 @@ def test_a_key_file_others_could_read_or_replace_is_refused(tmp_path):
         read_key_file(str(shared / "key"))
 
 
+def test_a_key_file_in_a_folder_of_another_user_is_refused(tmp_path):
+    """Whoever owns a folder on the way to the key may rename its entries, so replace the key (or the
+    folder holding it), even when the folder is mode 0755 and the file is the node's own, mode 0600."""
+    key = new_authkey().hex()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "key").write_text(key)
+    (theirs / "key").chmod(0o600)
+    theirs.chmod(0o755)
+    os.chown(theirs, 65534, 65534)  # the tests run as root: the folder is now someone else's
+    with pytest.raises(PermissionError, match="--key-file .* in a folder of another user .uid 65534"):
+        read_key_file(str(theirs / "key"))
+    mine = theirs / "mine"  # a folder of the node's user does not help inside theirs
+    mine.mkdir(mode=0o700)
+    os.chown(mine, os.getuid(), os.getgid())
+    (mine / "key").write_text(key)
+    (mine / "key").chmod(0o600)
+    with pytest.raises(PermissionError, match="in a folder of another user"):
+        node.main(["--rank", "1", "--world-size", "2", "--host", "127.0.0.1", "--port", "1",
+                   "--key-file", str(mine / "key")])
+
+
 @pytest.mark.parametrize("ending", ["an exception", "sys.exit(3)"])
 def test_the_join_key_file_is_removed_however_the_process_ends(ending):
     """The key file of a collector whose process ends without shutting it down (a crash, an exit)."""
