@@ -148,7 +148,7 @@ def _close_in_place(fd: int) -> None:
 class Gate:
     """The gate on the listening socket of one pair group's gloo device (see the module docstring).
 
-    Made before the device (:meth:`device`); :meth:`published` checks it holds the socket whose
+    Made before the devices (:meth:`devices`); :meth:`published` checks it holds the socket whose
     address gloo wrote; :meth:`outgoing` finds this rank's own connection to the peer;
     :meth:`admit` lets the peer's connection in; :meth:`close` closes the port.
     """
@@ -160,20 +160,27 @@ class Gate:
         #: the peer's connection, once its rank reported it (this rank's gloo then accepts it)
         self.admitted: Endpoint | None = None
 
-    def device(self, host: str | None):
-        """gloo's device on ``host`` (None: torch's default choice), its listening socket filtered."""
+    def devices(self, host: str | None) -> list:
+        """gloo's devices on ``host``, their listening sockets filtered. Without ``host``, torch's own
+        choice: one per interface of ``$GLOO_SOCKET_IFNAME`` (comma-separated) if set, else the
+        address of this host's name."""
         import torch.distributed as dist
 
         with _CREATING:
             before = _links()
-            device = (dist.ProcessGroupGloo.create_default_device() if host is None
-                      else dist.ProcessGroupGloo.create_device(hostname=host))
+            if host is not None:
+                devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            elif len(os.environ.get("GLOO_SOCKET_IFNAME", "")) > 1:
+                devices = [dist.ProcessGroupGloo.create_device(interface=name)
+                           for name in os.environ["GLOO_SOCKET_IFNAME"].split(",")]
+            else:
+                devices = [dist.ProcessGroupGloo.create_default_device()]
             fresh = [fd for fd, link in _links().items() if before.get(fd) != link]
             for fd, sock in _tcp_sockets(fresh):
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     _attach(fd, _SYN_ONLY)
                     self.listening[fd] = packed(sock.family, sock.getsockname())
-        return device
+        return devices
 
     def published(self, written: bytes) -> None:
         """gloo wrote ``written`` (its addresses) into the pair's store: keep the filter on the
@@ -205,7 +212,7 @@ class Gate:
             except OSError:  # not connected (yet)
                 continue
             if any(packed(sock.family, peer) in value for value in published):
-                return Endpoint(sock.family, local[0], local[1])
+                return Endpoint(sock.family, local[0].split("%")[0], local[1])
         return None
 
     def admit(self, peer: Endpoint) -> None:
@@ -237,6 +244,7 @@ class Gate:
                 local, peer = sock.getsockname(), sock.getpeername()
             except OSError:
                 continue
-            if packed(sock.family, local) in addresses and Endpoint(sock.family, peer[0], peer[1]) != self.admitted:
+            if packed(sock.family, local) in addresses \
+                    and Endpoint(sock.family, peer[0].split("%")[0], peer[1]) != self.admitted:
                 _close_in_place(fd)
         return retired

@@ -257,8 +257,8 @@ def make_process_group(backend: str, store, rank: int, world_size: int, timeout:
             return dist.ProcessGroupGloo(store, rank, world_size, delta)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = delta
-        options._devices = [gate.device(device_host) if gate is not None
-                            else dist.ProcessGroupGloo.create_device(hostname=device_host)]
+        options._devices = (gate.devices(device_host) if gate is not None
+                            else [dist.ProcessGroupGloo.create_device(hostname=device_host)])
         return dist.ProcessGroupGloo(store, rank, world_size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
