@@ -6,6 +6,7 @@ a real peer out (see docs/security.md).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
@@ -142,10 +143,13 @@ class ChannelListener:
                 wait = min(silent, default=time.monotonic() + 0.5) - time.monotonic()
                 events = self._selector.select(max(0.0, min(wait, 0.5)))
                 for key, _ in sorted(events, key=lambda event: event[0].data is None):  # peers who spoke first
-                    if key.data is None:
-                        self._accept_some()
-                    else:
-                        self._first_message(key.data)
+                    try:
+                        if key.data is None:
+                            self._accept_some()
+                        else:
+                            self._first_message(key.data)
+                    except OSError as err:  # one peer's trouble is never the listener's end
+                        self.drop(getattr(key.data, "peer", None), str(err))
                 self._expire()
         finally:
             with self._lock:
@@ -200,16 +204,22 @@ class ChannelListener:
         if entry.proving:
             entry.watchdog.fire(reason)  # its thread drops and logs it
             return
-        self._selector.unregister(entry.conn.fileno())
+        self._close_silent(entry, reason)
+
+    def _close_silent(self, entry: _Pending, reason: str) -> None:
+        """Drop a peer that has not spoken (or only closed): no thread of its own to wake."""
+        self._forget(entry)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(entry.conn.fileno())
         entry.conn.close()
         self.drop(entry.peer, reason)
 
     def _promote_speakers(self) -> None:
         """Hand on the silent peers whose first message arrived since the last look."""
         with self._lock:
+            if len(self._pending) < self.MAX_PER_NETWORK:
+                return  # no eviction is near
             silent = {entry.conn.fileno(): entry for entry in self._pending if not entry.proving}
-        if len(silent) < self.MAX_PER_NETWORK:
-            return  # no eviction of a silent one is near
         poller = select.poll()
         for fd in silent:
             poller.register(fd, select.POLLIN)
@@ -219,17 +229,15 @@ class ChannelListener:
     def _first_message(self, entry: _Pending) -> None:
         """The peer sent something: its handshake goes on in a thread of its own, by the same deadline
         (a peer that only closed the connection is dropped here)."""
-        self._selector.unregister(entry.conn.fileno())
-        with socket.socket(fileno=os.dup(entry.conn.fileno())) as sock:
-            try:
+        try:
+            with socket.socket(fileno=os.dup(entry.conn.fileno())) as sock:
                 ended = not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except OSError:
-                ended = True
+        except OSError:  # reset meanwhile
+            ended = True
         if ended:
-            self._forget(entry)
-            entry.conn.close()
-            self.drop(entry.peer, "the peer closed the connection during the handshake")
+            self._close_silent(entry, "the peer closed the connection during the handshake")
             return
+        self._selector.unregister(entry.conn.fileno())
         with self._lock:
             entry.watchdog = _Watchdog(entry.conn, max(0.0, entry.deadline - time.monotonic()))
         threading.Thread(target=self._handshake, args=(entry,), name="rlharvest-handshake", daemon=True).start()
@@ -239,10 +247,7 @@ class ChannelListener:
         with self._lock:
             expired = [entry for entry in self._pending if not entry.proving and entry.deadline <= now]
         for entry in expired:
-            self._forget(entry)
-            self._selector.unregister(entry.conn.fileno())
-            entry.conn.close()
-            self.drop(entry.peer, f"nothing sent within {self.proof_timeout:g} s")
+            self._close_silent(entry, f"nothing sent within {self.proof_timeout:g} s")
 
     def _forget(self, entry: _Pending) -> None:
         with self._lock:
