@@ -41,7 +41,7 @@ from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel
 from .keys import NodeCredential, slot_key, unwrap_key, wrap_key
 from .launchers import LaunchedNode
-from .pairing import PairingFailed, form_pair
+from .pairing import form_pair
 from .rendezvous import Rendezvous
 
 __all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
