@@ -29,9 +29,11 @@ $(TRL_STAMP): compat/requirements.txt pyproject.toml
 
 setup-torchrl: $(TRL_STAMP)
 
-# The local one-node SLURM cluster the submitit tests submit to (idempotent, quick when running).
+# The local one-node SLURM cluster the submitit tests submit to (idempotent, quick when running), and
+# the headless Chromium the monitor's page tests drive (idempotent).
 services:
 	./ci/slurm_up.sh
+	./ci/chromium_up.sh
 
 # Two pytest processes over independent files (Ray tests in one, with one Ray; SLURM tests in one).
 test: setup setup-torchrl services

@@ -1,4 +1,4 @@
-"""Autoscaling (docs/elastic.md, "Autoscaling"): does a collector started with one worker and
+"""Autoscaling (docs/autoscaling.md): does a collector started with one worker and
 ``autoscale=Autoscale(1, --max)`` settle near the best fixed worker count for the learner's pace, and
 follow a change of pace?
 

@@ -104,7 +104,7 @@ def throughput_row(workload: str, processes: int, quick: bool, pairs: int = 1) -
     """``workload``'s frames/s beside ``processes`` concurrent raw loops, in ``pairs`` alternating pairs
     of fresh processes (the workload, then its limit): the medians of the figures and of the pairs'
     ratios. A fresh process's speed here moves by several percent with no change at all (where its
-    memory lands), which one pair cannot tell from a difference (docs/performance.md)."""
+    memory lands), which one pair cannot tell from a difference (docs/archive/performance-history.md, "Distance to the limit")."""
     seconds = (common.QUICK if quick else common.FULL).seconds
     measured = []
     for _ in range(pairs):

@@ -1,4 +1,4 @@
-"""How the collectors scale with the number of workers (docs/performance.md, "Scaling with workers").
+"""How the collectors scale with the number of workers (docs/performance-at-scale.md, "Scaling with workers").
 
 For each N in ``--workers`` (default 2, 4, 8, 16, 32), each collector kind in ``--kinds`` and each
 side (rlharvest, then TorchRL 0.12 when its venv exists; the order alternates from point to point),
@@ -24,12 +24,13 @@ Usage::
     .venv/bin/python benchmarks/scale.py --output benchmarks/results/scale-quiet.json
     .venv/bin/python benchmarks/scale.py --busy --output benchmarks/results/scale-busy.json
     .venv/bin/python benchmarks/scale.py --plot-only benchmarks/results/scale-quiet.json
+    .venv/bin/python benchmarks/scale.py --table-only benchmarks/results/scale-quiet.json
 
 Prints a table, writes the JSON and an SVG plot (``--plot``, default ``docs/img/scale-<mode>.svg``).
 Bound: ``--budget`` (default 1200 s) caps the whole grid; points not reached are reported as
 skipped. The default grid (6 kinds x 5 N, rlharvest and TorchRL, 25M at N = 2 and 8) is 60 point
 processes: on a quiet 2-core host it fits the budget only for rlharvest; on a shared host, narrow it
-(``--workers 2,8,32 --torchrl-workers 2,32 --w25m-workers 2``: docs/performance.md says what ran).
+(``--workers 2,8,32 --torchrl-workers 2,32 --w25m-workers 2``: docs/performance-at-scale.md says what ran).
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--plot-only", type=Path, help="only redraw the plot of this JSON")
+    parser.add_argument("--table-only", type=Path, help="only print the table of this JSON")
     return parser.parse_args(argv)
 
 
@@ -218,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         report = json.loads(args.plot_only.read_text())
         scale_plot.write_svg(report, args.plot or REPO / "docs" / "img" / f"scale-{report['mode']}.svg")
+        return 0
+    if args.table_only:
+        print(table(json.loads(args.table_only.read_text())["results"]))
         return 0
     sides = {"rlharvest": sys.executable}
     if not args.no_torchrl and Path(args.torchrl_python).exists():

@@ -73,11 +73,17 @@ def _parameters(function) -> dict:
     return {name: p.default for name, p in inspect.signature(function).parameters.items()}
 
 
+#: the arguments TorchRL's next release adds (tests/collectors/test_evaluator_next.py checks them)
+NEXT_RELEASE = {"__init__": ("episode_sampling",)}
+
+
 @pytest.mark.parametrize("method", ["__init__", "evaluate", "trigger_eval", "poll", "wait", "shutdown", "state_dict",
                                     "load_state_dict"])
 def test_evaluator_signature_is_torchrl_s(method):
     ours = _parameters(getattr(rlharvest.collectors.Evaluator, method))
     theirs = _parameters(getattr(torchrl.collectors.Evaluator, method))
+    added = NEXT_RELEASE.get(method, ())
+    ours = {name: default for name, default in ours.items() if name in theirs or name not in added}
     assert list(ours) == list(theirs)
     assert {k: str(v) for k, v in ours.items()} == {k: str(v) for k, v in theirs.items()}  # defaults too
 

@@ -1,6 +1,6 @@
-"""Three short training scripts written the way TorchRL's examples are, run end to end with small
-budgets: DQN with a random warm-up, PPO over a ParallelEnv, off-policy training with a
-DistributedCollector whose nodes run TorchRL envs."""
+"""Short scripts written the way TorchRL's examples are, run end to end with small budgets: DQN with a
+random warm-up, PPO over a ParallelEnv, off-policy training with a DistributedCollector whose nodes run
+TorchRL envs, and the float actions of a linear policy that two of TorchRL's collector examples use."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(script: str, *args: str) -> dict:
+    return run_with_stderr(script, *args)[0]
+
+
+def run_with_stderr(script: str, *args: str) -> tuple[dict, str]:
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
                             timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     line = [text for text in result.stdout.splitlines() if text.startswith("done:")][-1]
-    return ast.literal_eval(line[len("done:"):].strip())
+    return ast.literal_eval(line[len("done:"):].strip()), result.stderr
 
 
 def test_dqn_with_random_warmup():
@@ -36,3 +40,13 @@ def test_ppo_over_a_parallel_env():
 def test_distributed_collector_with_torchrl_envs_on_the_nodes():
     summary = run("distributed_sac.py", "--total-frames", "1600", "--init-random-frames", "400")
     assert summary["frames"] == 1600 and summary["updates"] > 0 and summary["episodes"] >= 4
+
+
+def test_float_actions_of_a_linear_policy_as_in_torchrl_examples():
+    """TorchRL's examples/collectors/async_batched_collector.py and Example 2 of weight_sync_collectors.py:
+    an nn.Linear(4, 2) writes floats as CartPole's one-hot action, which TorchRL reads by argmax."""
+    summary, stderr = run_with_stderr("float_actions.py", "--total-frames", "400")
+    assert summary["async_batched"] == {"frames": 400, "float_actions": True}
+    assert summary["shared_memory_workers"]["frames"] >= 400 and summary["shared_memory_workers"]["updates"] >= 2
+    assert "ActionReadWarning" in stderr and "OneHot(shape=(2,), dtype=torch.int64, n=2)" in stderr
+    assert "value.long().argmax(-1)" in stderr

@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModule
 from torchrl import service_backend as torchrl_service_backend
 from torchrl.envs import Compose, GymEnv, RewardSum
 from torchrl.envs.transforms.module import ModuleTransform
+from torchrl_objects import recurrent_actor
 
 from rlharvest.collectors import Collector, MultiAsyncCollector
 from rlharvest.collectors.distributed import RPCCollector
@@ -36,23 +37,38 @@ def env_with_composed_transforms():
         Compose(RewardSum(), ModuleTransform(module_factory=observation_module, no_grad=True)))
 
 
-@pytest.mark.parametrize("make_env, model_id", [
-    (env_with_module_transform, "env.transform[0].module"),
-    (env_with_composed_transforms, "env.transform[1].module"),  # TorchRL lists a Compose's members
-])
-def test_env_model_id_indexes_the_transforms_as_torchrl_does(make_env, model_id):
-    collector = Collector(make_env, num_collectors=2, sync=True, policy_factory=pendulum_policy,
-                          max_frames_per_traj=50, frames_per_batch=40, total_frames=120,
-                          weight_sync_schemes={"policy": MultiProcessWeightSyncScheme(),
-                                               model_id: MultiProcessWeightSyncScheme()})
+def batch_after_zeroing_the_env_module(make_env, model_id: str, policy_factory, **kwargs):
+    """A two-worker collector's batch after zero weights were sent to ``model_id`` (the env's module)."""
+    collector = Collector(make_env, num_collectors=2, sync=True, policy_factory=policy_factory, frames_per_batch=40,
+                          total_frames=120, weight_sync_schemes={"policy": MultiProcessWeightSyncScheme(),
+                                                                 model_id: MultiProcessWeightSyncScheme()}, **kwargs)
     try:
         batches = iter(collector)
         assert next(batches)["next", "observation"].abs().sum() > 0
         zeros = TensorDict.from_module(observation_module()).data.zero_()
         collector.update_policy_weights_(weights_dict={model_id: zeros})
-        assert next(batches)["next", "observation"].abs().sum() == 0  # the workers' env module got them
+        return next(batches)
     finally:
         collector.shutdown()
+
+
+@pytest.mark.parametrize("make_env, model_id", [
+    (env_with_module_transform, "env.transform[0].module"),
+    (env_with_composed_transforms, "env.transform[1].module"),  # TorchRL lists a Compose's members
+])
+def test_env_model_id_indexes_the_transforms_as_torchrl_does(make_env, model_id):
+    batch = batch_after_zeroing_the_env_module(make_env, model_id, pendulum_policy, max_frames_per_traj=50)
+    assert batch["next", "observation"].abs().sum() == 0  # the workers' env module got them
+
+
+@pytest.mark.parametrize("max_frames_per_traj", [None, 50])
+def test_env_model_id_indexes_the_env_given_when_the_collector_appends_policy_transforms(max_frames_per_traj):
+    """With auto_register_policy_transforms=True, TorchRL appends the recurrent policy's transforms to
+    the env's own list; rlharvest steps a new env around it, and reads the ids through both."""
+    batch = batch_after_zeroing_the_env_module(env_with_module_transform, "env.transform[0].module", recurrent_actor,
+                                               max_frames_per_traj=max_frames_per_traj,
+                                               auto_register_policy_transforms=True)
+    assert batch["next", "observation"].abs().sum() == 0 and batch["recurrent_state"].abs().sum() > 0
 
 
 def test_env_model_id_of_torchrl_step_counter_is_refused_by_name():

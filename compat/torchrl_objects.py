@@ -7,7 +7,8 @@ import functools
 import torch
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torchrl.envs import Compose, GymEnv, ParallelEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
-from torchrl.modules import EGreedyModule, MLP, NormalParamExtractor, ProbabilisticActor, QValueActor, TanhNormal
+from torchrl.modules import (EGreedyModule, GRUModule, MLP, NormalParamExtractor, ProbabilisticActor, QValueActor,
+                             TanhNormal)
 
 CARTPOLE = "CartPole-v1"
 PENDULUM = "Pendulum-v1"
@@ -55,3 +56,14 @@ def probabilistic_actor() -> ProbabilisticActor:
     module = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
     return ProbabilisticActor(module, in_keys=["loc", "scale"], spec=spec, distribution_class=TanhNormal,
                               return_log_prob=True)
+
+
+def recurrent_actor(env=None) -> TensorDictSequential:
+    """A GRU actor for Pendulum: it reads ``is_init`` (InitTracker) and a ``recurrent_state`` (its primer),
+    which a bare env lacks. ``env``: as a policy factory of an Evaluator."""
+    torch.manual_seed(0)
+    gru = GRUModule(input_size=3, hidden_size=8, num_layers=1, in_keys=["observation", "recurrent_state", "is_init"],
+                    out_keys=["features", ("next", "recurrent_state")])
+    head = TensorDictModule(torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Tanh()), in_keys=["features"],
+                            out_keys=["action"])
+    return TensorDictSequential(gru, head)

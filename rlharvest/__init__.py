@@ -4,7 +4,8 @@ Layers, bottom up: ``envs`` (env protocol and envs) -> ``rollout`` (the one roll
 ``protocol`` (the wire types) -> ``transport`` (the backends: where workers run, and how commands,
 batches and weights cross to them) -> ``worker`` (the one worker loop and the node entry points) ->
 ``weight_update`` (weight sync over the transports) -> ``collectors`` (which pick a backend and
-drive their workers through one Fleet). Each layer imports only the layers below it.
+drive their workers through one Fleet) -> ``monitor`` (a live page and Prometheus metrics of a
+running collector). Each layer imports only the layers below it.
 
 ``import rlharvest`` imports no torch: ``ExplorationType`` is imported on first use, so the
 ``rlharvest`` command answers ``--help`` and ``--version`` at once. ``__version__`` is the installed

@@ -33,7 +33,7 @@ EXIT_CODES = {
     EXIT_FAILED: "the collector closed the connection before it took this node, or the node failed (the error "
                  "is printed)",
     EXIT_USAGE: "a bad argument or key file",
-    EXIT_REFUSED: "the collector refused this node: every slot is taken",
+    EXIT_REFUSED: "the collector refused this node: every slot is taken, or the node runs another rlharvest version",
     EXIT_UNREACHABLE: "no collector answered at the address within --timeout",
     EXIT_HANDSHAKE: "the collector did not prove it is the learner of the key of --key-file within --handshake-timeout",
 }

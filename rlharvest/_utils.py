@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import re
@@ -20,6 +21,7 @@ __all__ = [
     "as_tuple_key",
     "is_private_key",
     "resolve_attr_path",
+    "import_object",
     "CloudpickleWrapper",
     "deprecated_alias",
     "cpu_count",
@@ -90,6 +92,14 @@ def resolve_attr_path(root: Any, path: str) -> Any:
         for raw in _SUBSCRIPT.findall(subscripts):
             obj = obj[_parse_subscript(raw)]
     return obj
+
+
+def import_object(path: str) -> Any:
+    """The object named by ``"package.module:name"``, looked up when called: the module is imported on
+    first use, and an attribute replaced since (``mock.patch``, a user's substitute) is the one returned.
+    """
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class CloudpickleWrapper:

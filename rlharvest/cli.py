@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlharvest", description="rlharvest: RL experience collectors.")
     parser.add_argument("--version", action="version", version=f"rlharvest {__version__}")
@@ -52,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-early-stop", action="store_true",
                       help="spend the whole frame budget even once the target return is reached")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument("--monitor", nargs="?", const=0, type=_port, metavar="PORT",
+                      help="serve the live page of the collector (rlharvest.monitor) on 127.0.0.1:PORT while PPO "
+                           "trains (PORT omitted: one the OS chooses; the address is printed)")
     bench = commands.add_parser(
         "bench", help="measure rlharvest's collectors (and TorchRL's, side by side) and print one table",
         description="Run benchmarks/ for rlharvest and, when their side environments exist (see "
@@ -100,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     missing = [name for name in DEMO_NEEDS if importlib.util.find_spec(name) is None]
+    if args.monitor is not None and importlib.util.find_spec("prometheus_client") is None:
+        print("rlharvest demo: error: --monitor needs prometheus-client: pip install 'rlharvest[monitor]'.",
+              file=sys.stderr)
+        return 2
     if missing:
         print(f"rlharvest demo: error: the demo needs {', '.join(missing)}: pip install 'rlharvest[demo]' "
               f"(or {' '.join(missing)}).", file=sys.stderr)
@@ -109,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DemoConfig(
         collector=args.collector, workers=args.workers, frames=args.frames, seed=args.seed, out=args.out,
         target_return=None if args.no_early_stop else TARGET_RETURN, progress=not args.no_progress,
+        monitor_port=args.monitor,
     )
     try:
         summary = run_demo(config)
@@ -140,7 +155,7 @@ def _node(ns: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:  # missing, readable by others, not hex
         return _node_failed(f"error: {err}", EXIT_USAGE)
     try:
-        start_node(args, key)
+        start_node(args, key, _node_says)
     except JoinRefused as err:
         return _node_failed(str(err), EXIT_REFUSED)
     except CollectorUnreachable as err:
@@ -153,8 +168,13 @@ def _node(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _node_says(line: str) -> None:
+    """One line on stderr per change of the node's state, prefixed so that it can be grepped."""
+    print(f"rlharvest node: {line}", file=sys.stderr, flush=True)
+
+
 def _node_failed(message: str, status: int) -> int:
-    print(f"rlharvest node: {message}", file=sys.stderr)
+    _node_says(message)
     return status
 
 

@@ -236,8 +236,10 @@ class CollectorConfig:
     traj_format: str | None = _arg(worker=_parent)
     """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time); None means
     ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
-    auto_register_policy_transforms: bool | None = _arg(worker=_parent)
-    """TorchRL-module specific (recurrent-state primers): only None/False are supported."""
+    auto_register_policy_transforms: bool | None = _arg()
+    """The transforms a TorchRL recurrent policy needs (``InitTracker``, its primers), where the env is
+    built: True steps a new env around the given one with them appended, None warns when some are
+    missing, False says nothing (docs/torchrl-compatibility.md, "TorchRL's next release")."""
     max_worker_restarts: int = _arg(0, worker=_parent)
     """Failed workers the collector replaces over its life before it raises (0: the first failure
     raises ``WorkerError``, as without restarts). docs/restarts.md."""
@@ -282,12 +284,9 @@ class CollectorConfig:
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
-        if self.auto_register_policy_transforms:
-            raise ValueError(
-                "auto_register_policy_transforms=True is not supported: rlharvest does not edit your env. Add the "
-                "transforms the policy needs (e.g. TorchRL's TensorDictPrimer / InitTracker for recurrent modules) "
-                "to the env yourself, and pass None or False."
-            )
+        if self.auto_register_policy_transforms not in (None, True, False):
+            raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
+                             f"{self.auto_register_policy_transforms!r}.")
         restarts, delay = check_restart_arguments(self.max_worker_restarts, self.restart_delay)
         set_(self, "max_worker_restarts", restarts)
         set_(self, "restart_delay", delay)
@@ -379,13 +378,17 @@ class CollectorConfig:
             return list(value) if mode != "whole" else [sum(value)] * num_workers
         if mode == "whole":
             return [value] * num_workers
-        if mode == "exact" and value % num_workers:
-            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: use a "
-                               "frames_per_batch divisible by the number of nodes.")
         each = math.ceil(value / num_workers)
-        if each * num_workers != value:
-            warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects "
-                          f"{each} frames.", stacklevel=user_stacklevel())
+        if each * num_workers == value:
+            return [each] * num_workers
+        multiples = " or ".join(str(m) for m in (value - value % num_workers, each * num_workers) if m)
+        if mode == "exact":
+            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: a synchronous batch is "
+                               f"split evenly between them; use a frames_per_batch divisible by {num_workers} "
+                               f"({multiples}).")
+        warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects {each} "
+                      f"frames, so every batch holds {each * num_workers} frames, not {value} (a multiple of "
+                      f"{num_workers}, {multiples}, gives batches of exactly that size).", stacklevel=user_stacklevel())
         return [each] * num_workers
 
     # ------------------------------------------------------------------ workers

@@ -3,8 +3,11 @@
 A worker never dies silently: it catches every exception, sends back a :class:`RemoteFailure`
 (worker index, exception type, message, formatted traceback), and the parent raises one
 :class:`WorkerError` that names the worker and embeds the remote traceback. When the original
-exception type can be imported in the parent, the raised error is *also* an instance of that type, so
-``except ValueError`` keeps working for a ``ValueError`` raised inside a worker's env.
+exception type is already loaded in the parent (a builtin exception, or a class of a module the
+parent imported), the raised error is *also* an instance of that type, so ``except ValueError``
+keeps working for a ``ValueError`` raised inside a worker's env. The parent never imports a module a
+worker names (:func:`loaded_exception_class`): a node's message is not trusted to do that
+(docs/security.md, "What a node's messages can do").
 
 Every exception a page of ``docs/`` names is defined here, at the bottom of the package (this module
 imports nothing of rlharvest), so that one import serves them all::
@@ -17,12 +20,14 @@ The modules that raise them import them from here.
 from __future__ import annotations
 
 import builtins
-import importlib
+import sys
 import traceback
+import types
 from dataclasses import dataclass
 
 __all__ = [
     "ActionKeyError",
+    "ActionReadWarning",
     "ActionSpecError",
     "AddressNotAvailableError",
     "CheckpointMismatchError",
@@ -32,11 +37,15 @@ __all__ = [
     "EvaluationPendingError",
     "EvaluatorClosedError",
     "JoinRefused",
+    "ParameterFreeModelError",
     "PortInUseError",
     "RemoteFailure",
     "RestartLimitError",
+    "WeightNamesError",
+    "WeightShapeError",
     "WorkerError",
     "WorkerTimeoutError",
+    "loaded_exception_class",
 ]
 
 
@@ -136,8 +145,38 @@ class ActionKeyError(_Readable, KeyError):
 
 
 class ActionSpecError(_Readable, ValueError):
-    """The policy's action cannot be an action of the env's action spec: another number of values,
-    or values the spec cannot hold (float logits for a one-hot or categorical spec)."""
+    """The policy's action cannot be an action of the env's action spec (another number of values, or
+    values the spec cannot hold), and the env failed at its first step with it: what TorchRL cannot run
+    either (docs/collection.md, "Policies")."""
+
+
+class ActionReadWarning(UserWarning):
+    """The policy's first action does not fit the env's action spec (float logits for a one-hot spec,
+    say), and the env took it as TorchRL's envs do: the warning names the spec and how it was read."""
+
+
+class WeightNamesError(_Readable, KeyError):
+    """Weights given to ``update_policy_weights_`` name other tensors than the parameters and buffers of
+    the model they are for: the message lists the missing and the extra names, one per line
+    (docs/weights.md, "What update_policy_weights_ accepts"). Raised before anything is sent.
+
+    A ``KeyError``, as the lookup of a missing name in the model's weights would have been.
+    """
+
+
+class ParameterFreeModelError(WeightNamesError, RuntimeError):
+    """Weights were given for a model without parameters or buffers (a policy over a function, the
+    random policy), which cannot take them. Raised before anything is sent.
+
+    Both a ``KeyError`` (a model without parameters lacks every name given) and a ``RuntimeError``
+    (what a collector without a policy raises for weights it has nowhere to put).
+    """
+
+
+class WeightShapeError(_Readable, RuntimeError):
+    """Weights given to ``update_policy_weights_`` hold a tensor of another shape than the model's
+    parameter or buffer of that name (one that torch would broadcast into it included): the message
+    names each and both shapes. Raised before anything is sent."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -170,7 +209,8 @@ class AddressNotAvailableError(OSError):
 
 
 class JoinRefused(RuntimeError):
-    """The collector refused a joining node: every slot is taken (``rlharvest node`` exits with 3)."""
+    """The collector refused a joining node: every slot is taken, or the node sends messages in another
+    wire format (another rlharvest version); ``rlharvest node`` exits with 3."""
 
 
 class CollectorUnreachable(ConnectionError):
@@ -184,6 +224,40 @@ def _rebuild_worker_error(text, worker_idx, remote_type, remote_traceback, noun=
     err.worker_idx, err.remote_type, err.remote_traceback = worker_idx, remote_type, remote_traceback
     err.noun = noun
     return err
+
+
+def loaded_exception_class(module: str, qualname: str) -> type[Exception] | None:
+    """The exception class ``module.qualname`` if this process has it loaded already, else None.
+
+    Only a builtin exception or a class of a module in ``sys.modules`` (a plain module), looked up in
+    the module's and the classes' own ``__dict__`` (no import, no module ``__getattr__``, no
+    descriptor runs), only a subclass of :class:`Exception` (never a ``SystemExit`` or a
+    ``KeyboardInterrupt``), and only a class whose metaclass is ``type`` and whose bases, outside the
+    builtins, define no ``__new__`` or ``__init_subclass__`` in Python: making its instance or a
+    subclass of it (:meth:`RemoteFailure.to_exception`) runs no code of the module.
+
+    Example:
+        >>> loaded_exception_class("builtins", "ValueError")
+        <class 'ValueError'>
+        >>> loaded_exception_class("this", "Anything") is None  # not imported: never imported for it
+        True
+    """
+    if type(module) is not str or type(qualname) is not str:
+        return None
+    found: object = builtins if module == "builtins" else sys.modules.get(module)
+    if type(found) is not types.ModuleType:
+        return None
+    for part in qualname.split("."):
+        namespace = found.__dict__ if type(found) in (types.ModuleType, type) else None
+        if namespace is None:
+            return None
+        found = namespace.get(part)
+    if type(found) is not type or not issubclass(found, Exception):
+        return None
+    for base in found.__mro__:
+        if base.__module__ != "builtins" and ("__new__" in vars(base) or "__init_subclass__" in vars(base)):
+            return None
+    return found
 
 
 _MIXED_TYPES: dict[type, type] = {}
@@ -236,7 +310,7 @@ class RemoteFailure:
             context: what the worker was doing (``"'step'"``), put before the remote message.
             noun: what the message calls the worker (``"sub-env 3: ..."``).
         """
-        remote_cls = self._import_type()
+        remote_cls = loaded_exception_class(self.type_module, self.type_name)
         cls = _mixed_error_type(remote_cls) if remote_cls is not None else WorkerError
         message = f"{self.type_name}: {self.message}"
         if context:
@@ -251,13 +325,3 @@ class RemoteFailure:
             noun=noun,
         )
         return err
-
-    def _import_type(self) -> type[BaseException] | None:
-        try:
-            module = builtins if self.type_module == "builtins" else importlib.import_module(self.type_module)
-            obj = module
-            for part in self.type_name.split("."):
-                obj = getattr(obj, part)
-        except Exception:
-            return None
-        return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None

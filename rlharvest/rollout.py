@@ -7,7 +7,7 @@ stacks each key of the steps so far into its rows of a preallocated TensorDict o
 ``(*batch_size, T)`` with the time dim named ``"time"``, and lets the steps go. This keeps per-frame
 bookkeeping to a few microseconds, and keeps the steps alive too briefly for Python's garbage
 collector to promote them: a batch held whole until its end made it scan the whole heap every few
-batches (docs/performance.md, "The garbage collector and the batch's steps").
+batches (docs/archive/performance-history.md, "The garbage collector and the batch's steps").
 
 Auto-reset invariant (docs/envs.md): the root of step ``t`` is the state before acting, ``("next", *)``
 is the outcome including the terminal observation, and a sub-env whose step ended is reset before
@@ -30,7 +30,7 @@ from ._batching import or_flag, owner_of, truncate_inside, value_meta
 from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .batch_buffer import BatchBuffer, Layout
 from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
-from .envs.checks import check_policy_actions, check_step_specs
+from .envs.checks import check_policy_actions, check_step_specs, first_step
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
 __all__ = ["CHUNK_STEPS", "Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
@@ -151,6 +151,10 @@ class Rollout:
                                    reuse=settings.use_buffers, lazy=settings.lazy_stack)
         self._compact_keys: frozenset | None = None
         self._limit = settings.max_frames_per_traj if settings.max_frames_per_traj else 0
+        if self._limit and self.batch_size and not env_attr(env, "partial_reset", True):
+            raise ValueError(f"max_frames_per_traj={self._limit} resets each sub-env whose trajectory reaches "
+                             f"it, and no other, which {env!r} cannot do (partial_reset is False): give the env "
+                             "a time limit of its own (e.g. gymnasium's max_episode_steps) instead.")
         self._add_truncated = bool(self._limit) and not self.adapter.has_truncated
         self._policy_lock = threading.RLock()
         self.times = RolloutTimes()
@@ -159,7 +163,8 @@ class Rollout:
         self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
         self.random_step = RandomStep(env)
         # The policy's first action is checked against the env's action keys and spec (once: the
-        # loop never checks values per step). Random actions come from the spec itself.
+        # loop never checks values per step); one that the spec does not hold is taken as TorchRL's
+        # envs take it, with a warning. Random actions come from the spec itself.
         self._actions_checked = isinstance(self.policy_step, RandomStep)
         self._move_actions = (
             settings.env_device is not None and settings.policy_device is not None
@@ -239,7 +244,7 @@ class Rollout:
         act = self.random_step if random else self.policy_step
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
-        # references moved (docs/performance.md, "Where each microsecond of a frame goes").
+        # references moved (docs/archive/performance-history.md, "Where each microsecond of a frame goes").
         env_step, next_root_of, any_done = adapter.step, adapter.next_root, adapter.any_done
         scalar = not self.batch_size  # one env: done is a Python bool
         move = self._to_env_device if self._move_actions else None
@@ -247,6 +252,7 @@ class Rollout:
         root, traj, count = self._root, self._traj, self._count
         probe = self._probe = (self._probe + 1) % self.settings.time_steps  # the step timed in full
         check = not (random or self._actions_checked)
+        misfits = None  # the first action's, when the env's spec does not hold it
         start = probe_start = probe_acted = probe_end = time.perf_counter()
         with torch.no_grad(), set_interaction_type(self.settings.exploration_type):
             for t in range(self.settings.time_steps):
@@ -256,11 +262,15 @@ class Rollout:
                     actions = act(root)
                     version = self.policy_version
                 if check:  # before the env steps with it: its error would not name the policy
-                    check_policy_actions(self.env, actions)
+                    misfits = check_policy_actions(self.env, actions)
                     self._actions_checked, check = True, False
                 if t == probe:
                     probe_acted = time.perf_counter()
-                nxt, done, next_root = env_step(root, actions if move is None else move(actions))
+                if misfits:  # the first step, with actions the env's spec does not hold
+                    nxt, done, next_root = first_step(env_step, misfits, root, actions if move is None else move(actions))
+                    misfits = None
+                else:
+                    nxt, done, next_root = env_step(root, actions if move is None else move(actions))
                 if t == probe:
                     probe_end = time.perf_counter()
                 env_done = done

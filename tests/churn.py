@@ -12,9 +12,9 @@ collector classes are made of.
 * :class:`FrameCheck` checks every yielded batch of CountingEnv driven by ``echo_weight_policy``:
   within a trajectory the counter goes up by one (no frame lost, doubled or torn), every frame was
   collected with weights that were sent, and the frames add up.
-* :func:`resources` samples this process: open descriptors, shared memory it maps (count and bytes),
-  RSS, threads, child processes (``process_check.children``); :func:`shm_names` the ``/dev/shm``
-  segments a process maps.
+* :func:`resources` samples this process: open descriptors (``held.open_fds``), shared memory it maps
+  (count and bytes), RSS, threads, child processes (``process_check.children``); :func:`shm_names` the
+  ``/dev/shm`` segments a process maps.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import psutil
 import torch
+from held import open_fds, start_process_state  # noqa: F401  (the churn tests and the soak import them from here)
 from process_check import children
 
 #: a frame's weights are among those of the last updates (a batch in flight may predate a few)
@@ -207,41 +208,6 @@ def resources() -> dict[str, int]:
     files, mapped = _shm_mapped()
     return {"fds": len(open_fds()), "shm_files": files, "shm_bytes": mapped, "rss": me.memory_info().rss,
             "threads": me.num_threads(), "children": len(children())}
-
-
-def start_process_state() -> None:
-    """Start what torch starts once per process and keeps (a pipe its first TCPStore server opens),
-    so that a test comparing this process's descriptors before and after a collector sees only the
-    collector's."""
-    import torch.distributed as dist
-    from rlharvest.transport.ports import free_port_block
-
-    dist.TCPStore("127.0.0.1", free_port_block(1), 1, True)
-
-
-def open_fds() -> dict[int, str]:
-    """This process's descriptors and what each refers to (``readlink``), but those of the
-    multiprocessing helpers a process starts once, on first use, and keeps until it exits (the
-    resource sharer passing descriptors to children, the resource tracker, the forkserver): they are
-    not any collector's."""
-    import multiprocessing.forkserver
-    import multiprocessing.resource_sharer
-    import multiprocessing.resource_tracker
-
-    helpers = {multiprocessing.resource_tracker._resource_tracker._fd,
-               multiprocessing.forkserver._forkserver._forkserver_alive_fd}
-    listener = multiprocessing.resource_sharer._resource_sharer._listener
-    if listener is not None:
-        helpers.add(listener._listener._socket.fileno())
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        if int(fd) in helpers:
-            continue
-        try:
-            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own descriptor, closed meanwhile
-            pass
-    return out
 
 
 def leftovers(before: dict[int, str], report: "ChurnReport") -> tuple[list[str], dict[int, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -307,6 +308,15 @@ class ItemBuffer:
         return len(self.items)
 
 
+@dataclass
+class About:
+    """What :class:`StructuredEnv` says of itself (``env.about``): a class of the user's that a node can
+    send once the main process allows it (``rlharvest.transport.wire.allow_from_nodes``)."""
+
+    name: str
+    agents: torch.Tensor
+
+
 class StructuredEnv:
     """A TensorDict-protocol env with entries the rollout must keep whole (a TorchRL multi-agent,
     heterogeneous, text or dynamic-shape env looks like this):
@@ -340,6 +350,7 @@ class StructuredEnv:
         self.reward_keys = ["reward"]
         self.t = 0
         self.is_closed = False
+        self.about = About("structured", torch.arange(agents))
 
     def _state(self, reset: bool) -> TensorDict:
         from tensordict import LazyStackedTensorDict, NonTensorData

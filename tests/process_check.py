@@ -26,9 +26,17 @@ def _is_ray_service(command: str) -> bool:
     return "/site-packages/ray/" in command
 
 
+def _is_session_browser(command: str) -> bool:
+    """A process of the monitor tests' headless Chromium (tests/browser.py: one per session, quit at
+    its end), which starts and ends renderer processes as pages load."""
+    program = command.split(" ", 1)[0]
+    return program.startswith("/usr/lib/chromium/") or program.endswith("/chromedriver")
+
+
 def children() -> set[int]:
     """Live descendants of this process, but the interpreter's helpers themselves (what a forkserver
-    starts, e.g. ``"mp"`` nodes, is counted: it carries the forkserver's command line) and Ray's."""
+    starts, e.g. ``"mp"`` nodes, is counted: it carries the forkserver's command line), Ray's and the
+    session's browser."""
     me = psutil.Process(os.getpid())
     alive = set()
     for child in me.children(recursive=True):
@@ -37,7 +45,7 @@ def children() -> set[int]:
                 continue
             command = " ".join(child.cmdline())
             helper = child.ppid() == me.pid and any(name in command for name in _INTERPRETER_HELPERS)
-            if helper or _is_ray_service(command):
+            if helper or _is_ray_service(command) or _is_session_browser(command):
                 continue
             alive.add(child.pid)
         except psutil.NoSuchProcess:

@@ -118,3 +118,47 @@ def test_sampler_is_a_categorical_sample():
     with set_interaction_type(InteractionType.DETERMINISTIC):
         action, _ = CategoricalSampler()(logits[:2])
     assert action.tolist() == [1, 1]
+
+
+@pytest.mark.timeout(150)
+def test_demo_monitor_serves_the_collectors_page_while_ppo_trains(tmp_path):
+    import queue
+    import signal
+    import threading
+    import urllib.request
+
+    from mocks import wait_until
+
+    cmd = [sys.executable, "-m", "rlharvest", "demo", "--collector", "multisync", "--frames", "200000",
+           "--no-early-stop", "--out", str(tmp_path / "demo"), "--no-progress", "--monitor"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        said: list[str] = []
+
+        def address_said() -> bool:
+            try:
+                said.append(lines.get(timeout=0.5))
+            except queue.Empty:
+                return False
+            return said[-1].startswith("monitor: open")
+
+        wait_until(address_said, 90, lambda: f"the monitor's address on stderr (got {said})")
+        url = said[-1].split()[2]
+        assert url.startswith("http://127.0.0.1:")
+
+        def frames() -> int:
+            return json.loads(urllib.request.urlopen(url + "api/stats", timeout=10).read())["stats"]["frames"]
+
+        wait_until(lambda: frames() > 0, 60, "frames on the monitor")
+        assert b"<title>rlharvest monitor</title>" in urllib.request.urlopen(url, timeout=10).read()
+        proc.send_signal(signal.SIGINT)  # the demo stops, writes what it has and closes the monitor
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        reader.join(10)
+        proc.stderr.close()

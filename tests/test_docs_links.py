@@ -1,15 +1,21 @@
-"""Every relative link in README.md, docs/*.md and benchmarks/README.md points to a file that exists,
-and every docs page is listed in docs/index.md."""
+"""Every relative link in README.md, CHANGELOG.md, docs/*.md, docs/archive/*.md and
+benchmarks/README.md points to a file that exists, every docs page is listed in docs/index.md, and the
+reference pages (docs/ outside docs/archive/, every README) stay under 30 KB: a page that grows past
+it has become a lab notebook, and its history belongs in docs/archive/."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
+         *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "archive").glob("*.md"))]
+#: the most a reference page may hold (bytes)
+REFERENCE_LIMIT = 30_000
 # Markdown links and images: [text](target) and ![alt](target); the target ends at a space or ")".
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -35,3 +41,21 @@ def test_index_lists_every_docs_page():
     listed = {(index.parent / target).resolve() for target in relative_links(index)}
     unlisted = [p.name for p in (ROOT / "docs").glob("*.md") if p != index and p.resolve() not in listed]
     assert not unlisted, f"docs/index.md does not list {unlisted}"
+
+
+def _readmes() -> list[Path]:
+    """Every README of the repository, outside hidden folders (virtual environments, .git)."""
+    found = []
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name != "__pycache__"]
+        found += [Path(folder) / name for name in files if name.upper().startswith("README")]
+    return found
+
+
+def test_reference_pages_stay_under_30_kb():
+    archive = ROOT / "docs" / "archive"
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if archive not in p.parents] + _readmes()
+    assert ROOT / "README.md" in pages and ROOT / "docs" / "performance.md" in pages
+    too_long = {str(p.relative_to(ROOT)): p.stat().st_size for p in pages if p.stat().st_size > REFERENCE_LIMIT}
+    assert not too_long, (f"reference pages over {REFERENCE_LIMIT} bytes: {too_long}; move dated runs, superseded "
+                          "figures and investigations to docs/archive/ (linked from the page), or split the page")

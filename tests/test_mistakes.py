@@ -8,10 +8,12 @@ from __future__ import annotations
 import builtins
 import re
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from cartpole_checks import cartpole_step
 from tensordict.nn import TensorDictModule
 
 import rlharvest.errors
@@ -20,6 +22,7 @@ from rlharvest.config import CollectorConfig
 from rlharvest.envs import CountingEnv, GymEnv
 from rlharvest.errors import (
     ActionKeyError,
+    ActionReadWarning,
     ActionSpecError,
     AddressNotAvailableError,
     PortInUseError,
@@ -54,6 +57,10 @@ def cartpole():
     return GymEnv("CartPole-v1")  # one-hot actions
 
 
+def categorical_cartpole():
+    return GymEnv("CartPole-v1", categorical_action_encoding=True)  # one integer action
+
+
 def collect(kind: str, policy, env=cartpole):
     if kind == "one process":
         collector = Collector(env, policy, frames_per_batch=20, total_frames=40)
@@ -85,15 +92,47 @@ def test_a_policy_that_writes_another_key_names_it_the_key_expected_and_the_spec
 
 
 @pytest.mark.parametrize("kind", ["one process", "workers"])
-def test_float_logits_for_a_one_hot_spec_are_refused_at_the_first_batch_with_both_named(kind):
+def test_float_logits_for_a_one_hot_spec_are_read_as_torchrl_reads_them_with_one_warning(kind):
+    """TorchRL's envs read a OneHot action as value.long().argmax(-1): logits in (-1, 1) are action 0.
+    rlharvest's GymEnv reads them so too, and says so once (in the process that collects)."""
+    policy = TensorDictModule(Logits(), in_keys=["observation"], out_keys=["action"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = collect(kind, policy)
+    batch = torch.cat(batches, -1)
+    assert batch["action"].dtype == torch.float32 and (batch["action"].abs() < 1).all()
+    # every step pushed left (action 0), whatever the logits' argmax: the physics says which action was taken
+    assert _pushed_left(batch)
+    read = [w for w in caught if issubclass(w.category, ActionReadWarning)]
+    if kind == "one process":
+        assert len(read) == 1, [str(w.message) for w in caught]
+        message = str(read[0].message)
+        assert "shape (2,), dtype torch.float32" in message and "OneHot(shape=(2,), dtype=torch.int64, n=2)" in message
+        assert "value.long().argmax(-1)" in message and "lies in (-1, 1): action 0" in message, message
+    else:
+        assert read == []  # it went to the worker's stderr
+
+
+def _pushed_left(batch) -> bool:
+    """Whether every transition of this CartPole batch is a step with action 0 (push left)."""
+    expected = cartpole_step(batch["observation"], torch.zeros(batch.shape))
+    return bool(((expected - batch["next", "observation"].double()).abs() < 1e-4).all())
+
+
+@pytest.mark.parametrize("kind", ["one process", "workers"])
+def test_an_action_the_env_cannot_take_either_is_refused_at_the_first_step_with_both_named(kind):
+    """Two logits for one categorical action: TorchRL's GymEnv hands CartPole an array, which it refuses."""
     policy = TensorDictModule(Logits(), in_keys=["observation"], out_keys=["action"])
     with pytest.raises(ValueError) as info:
-        collect(kind, policy)
+        collect(kind, policy, env=categorical_cartpole)
     assert isinstance(info.value, ActionSpecError)
     message = message_of(info.value)
-    assert "shape (2,), dtype torch.float32" in message and "OneHot(shape=(2,), dtype=torch.int64" in message, message
-    assert "not whole numbers (logits?)" in message, message
+    assert "shape (2,), dtype torch.float32" in message and "Categorical(shape=(), dtype=torch.int64, n=2)" in message
+    assert "holds 2 values where the spec holds 1" in message, message
+    assert "the env failed at its first step with it, as it does under TorchRL (AssertionError" in message, message
     assert isinstance(info.value, WorkerError) == (kind == "workers")
+    if kind == "one process":
+        assert isinstance(info.value.__cause__, AssertionError)  # CartPole's own check, chained
 
 
 class Index(torch.nn.Module):
@@ -103,13 +142,17 @@ class Index(torch.nn.Module):
         return (observation[..., 2] > 0).long()
 
 
-def test_actions_of_another_dtype_are_taken_and_another_shape_is_named():
+def test_actions_of_another_dtype_are_taken_and_another_shape_is_read_as_torchrl_reads_it():
     float_one_hot = TensorDictModule(OneHotSample(), in_keys=["observation"], out_keys=["action"])
-    assert collect("one process", float_one_hot)[0]["action"].dtype == torch.float32  # 0. and 1.: an action
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 0. and 1.: an action, nothing to say
+        assert collect("one process", float_one_hot)[0]["action"].dtype == torch.float32
     index = TensorDictModule(Index(), in_keys=["observation"], out_keys=["action"])
-    with pytest.raises(ActionSpecError, match=r"'action' \(shape \(\), dtype torch.int64\).*OneHot\(shape=\(2,\), "
-                                              r"dtype=torch.int64, n=2\).*holds 1 values where the spec holds 2"):
-        collect("one process", index)
+    with pytest.warns(ActionReadWarning, match=r"'action' \(shape \(\), dtype torch.int64\).*OneHot\(shape=\(2,\), "
+                                               r"dtype=torch.int64, n=2\).*holds 1 values where the spec holds 2"):
+        batches = collect("one process", index)
+    # an index where a one-hot is wanted reads as TorchRL reads it: the argmax of one value, action 0
+    assert _pushed_left(torch.cat(batches, -1))
 
 
 def test_a_worker_error_prints_its_message_then_the_remote_traceback_as_lines():
@@ -160,7 +203,8 @@ def test_a_distributed_collector_names_a_bind_address_not_on_this_host():
 def test_every_exception_the_docs_name_imports_from_rlharvest_errors():
     named = set()
     for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        named |= set(re.findall(r"\b([A-Z]\w*(?:Error|Warning|Refused|Unreachable))\b", page.read_text()))
+        # (a name qualified by its module, e.g. urllib.error.HTTPError, is not ours)
+        named |= set(re.findall(r"(?<![\w.])([A-Z]\w*(?:Error|Warning|Refused|Unreachable))\b", page.read_text()))
     ours = {name for name in named if not hasattr(builtins, name)}
     assert {"RestartLimitError", "CheckpointMismatchError", "WorkerError"} <= ours, ours
     missing = sorted(name for name in ours if not hasattr(rlharvest.errors, name))

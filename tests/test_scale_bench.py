@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -45,6 +46,17 @@ def test_plot_and_table_from_a_report(bench_modules):
     assert "did not start within 60 s" in table and "multisync" in table
     row = next(line for line in table.splitlines() if line.startswith("multisync") and " 8 rlharvest" in line)
     assert "8000" in row and "2.0" in row  # frames/s and the 1M update in ms
+
+
+def test_the_table_of_a_stored_report(bench_modules, tmp_path, capsys):
+    scale, _, _ = bench_modules
+    results = [{"side": "rlharvest", "kind": "multisync", "workers": 2, "what": "run", "first_batch_s": 0.5,
+                "shutdown_s": 0.1, "frames_per_s": 5514.0, "main_cpu_ms_per_batch": 0.9,
+                "main_cpu_us_per_frame": 29.0, "background_cpu": 1.0}]
+    report = tmp_path / "scale.json"
+    report.write_text(json.dumps(_report(results)))
+    assert scale.main(["--table-only", str(report)]) == 0
+    assert capsys.readouterr().out.strip() == scale.table(results).strip()
 
 
 def test_plan_alternates_sides_and_limits_the_25m_points(bench_modules):

@@ -10,9 +10,10 @@ from ..weight_update.updaters import (
     VanillaWeightUpdater,
     WeightUpdaterBase,
 )
-from . import distributed  # noqa: F401  (its faces answer Collector(backend="distributed"/"rpc"/"ray"))
+from . import distributed  # noqa: F401  (the multi-node collectors, as rlharvest.collectors.distributed)
 from .async_batched import AsyncBatchedCollector
 from .base import BaseCollector
+from ._eval_stats import bootstrap_estimate, paired_comparison
 from .evaluator import Evaluator
 from .options.autoscale import Autoscale
 from .multi import AsyncCollector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
@@ -46,5 +47,7 @@ __all__ = [
     "aSyncDataCollector",
     "DataCollectorBase",
     "Evaluator",
+    "bootstrap_estimate",
+    "paired_comparison",
     "Autoscale",
 ]

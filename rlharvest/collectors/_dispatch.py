@@ -1,16 +1,17 @@
-"""``Collector(..., backend=...)`` and ``MultiCollector(..., sync=...)``: the one dispatch mechanism.
+"""``Collector(..., backend=...)``: one constructor for every place rollouts can run.
 
-``BaseCollector.__new__`` hands every construction to :func:`construct`. Calling
-:class:`~rlharvest.collectors.Collector` itself with ``backend``, ``backend_options``,
-``num_collectors`` or ``sync`` builds the collector of that backend (``"direct"`` = the in-process
-Collector, ``"process"`` = worker processes, ``"distributed"``, ``"rpc"``, ``"submitit"``, ``"ray"``)
-and returns it; subclasses of Collector refuse these four arguments. ``MultiCollector(sync=...)``
-builds a ``MultiSyncCollector`` (default) or a ``MultiAsyncCollector``. Without ``backend``, an
-enclosing ``service_backend(...)`` context picks it (rlharvest's, or TorchRL's). The rules are TorchRL
-0.14's (docs/torchrl-compatibility.md).
+``Collector(...)`` hands every construction to :func:`construct` (``BaseCollector.__new__`` calls
+``Collector._construct``). Calling :class:`~rlharvest.collectors.Collector` itself with ``backend``,
+``backend_options``, ``num_collectors`` or ``sync`` builds the collector of that backend
+(``"direct"`` = the in-process Collector, ``"process"`` = worker processes, ``"distributed"``,
+``"rpc"``, ``"submitit"``, ``"ray"``) and returns it; subclasses of Collector refuse these four
+arguments. Without ``backend``, an enclosing ``service_backend(...)`` context picks it (rlharvest's,
+or TorchRL's). The rules are TorchRL 0.14's (docs/torchrl-compatibility.md).
 
-The public classes say which name they answer to (``BaseCollector.__init_subclass__(dispatch=...)``);
-this module imports none of them.
+The class of each backend is looked up by its public import path when ``Collector`` is called, as
+TorchRL does: a class replaced there (``mock.patch``, a user's subclass) is the one built. Naming them
+by path keeps the import graph acyclic: every collector built here imports ``Collector``, and this module
+sits below ``Collector``.
 """
 
 from __future__ import annotations
@@ -18,55 +19,41 @@ from __future__ import annotations
 from typing import Any
 
 from .._service_backend import current_service_backend
+from .._utils import import_object
 
-__all__ = ["BACKENDS", "construct", "register"]
+__all__ = ["BACKENDS", "TARGETS", "construct"]
 
 #: backend names, and the spellings that mean the same
 BACKENDS = ("direct", "process", "distributed", "rpc", "submitit", "ray")
 _ALIASES = {"multiprocessing": "process", "threading": "thread"}
 _SELECTORS = ("backend_options", "num_collectors", "num_workers", "sync")
+#: the arguments only ``Collector`` itself takes
+_DISPATCH_ARGUMENTS = ("backend", "backend_options", "num_collectors", "sync")
 
-#: ``{name: class}``: ``"direct"``, ``"process"`` (MultiCollector), ``"process-sync"``,
-#: ``"process-async"``, ``"distributed"``, ``"rpc"``, ``"ray"``
-_REGISTRY: dict[str, type] = {}
+#: the collector each backend other than ``"direct"`` builds, by the import path read at each call
+TARGETS = {
+    "process": "rlharvest.collectors.multi:MultiCollector",
+    "distributed": "rlharvest.collectors.distributed:DistributedCollector",
+    "submitit": "rlharvest.collectors.distributed:DistributedCollector",
+    "rpc": "rlharvest.collectors.distributed:RPCCollector",
+    "ray": "rlharvest.collectors.distributed:RayCollector",
+}
 
 
-def register(name: str, cls: type) -> None:
-    """``cls`` answers to ``name`` (called once per public class, at its definition)."""
-    _REGISTRY[name] = cls
-
-
-def construct(cls: type, args: tuple, kwargs: dict) -> Any:
-    """What ``cls(*args, **kwargs)`` makes: an instance of ``cls`` not yet initialised (Python calls its
-    ``__init__`` next), one of a subclass of it (likewise), or a finished collector of another class
-    (then no ``__init__`` follows).
+def construct(dispatcher: type, cls: type, args: tuple, kwargs: dict) -> Any:
+    """What ``cls(*args, **kwargs)`` makes, for ``dispatcher`` (``Collector``) or a subclass of it: an
+    instance of ``cls`` not yet initialised (Python calls its ``__init__`` next), or, for ``Collector``
+    itself with another backend, a finished collector of that backend (then no ``__init__`` follows).
 
     Raises:
         TypeError, ValueError: for selector arguments that do not fit.
     """
-    direct = _REGISTRY.get("direct")
-    process = _REGISTRY.get("process")
-    if cls is direct:
+    if cls is dispatcher:
         return _from_collector(cls, args, kwargs)
-    if direct is not None and issubclass(cls, direct):
-        selectors = [kwargs.get(name) for name in ("backend", "backend_options", "num_collectors", "sync")]
-        if any(value is not None for value in selectors):
-            raise TypeError(f"{cls.__name__} takes no backend, backend_options, num_collectors or sync: only "
-                            "Collector(...) itself dispatches on them.")
-    if process is not None and issubclass(cls, process):
-        return object.__new__(_process_class(cls, kwargs.get("sync")))
+    if any(kwargs.get(name) is not None for name in _DISPATCH_ARGUMENTS):
+        raise TypeError(f"{cls.__name__} takes no backend, backend_options, num_collectors or sync: only "
+                        "Collector(...) itself dispatches on them.")
     return object.__new__(cls)
-
-
-def _process_class(cls: type, sync: Any) -> type:
-    """``MultiCollector`` picks by ``sync``; its subclasses check that ``sync`` does not contradict them."""
-    if cls is _REGISTRY["process"]:
-        return _REGISTRY["process-async" if sync is False else "process-sync"]
-    own = issubclass(cls, _REGISTRY["process-sync"])
-    if sync is not None and bool(sync) != own:
-        raise TypeError(f"{cls.__name__} is {'' if own else 'a'}synchronous: sync={sync!r} contradicts it "
-                        "(use MultiCollector(..., sync=...) to choose).")
-    return cls
 
 
 def _check_num_collectors(value: Any) -> None:
@@ -132,7 +119,7 @@ def _from_collector(cls: type, args: tuple, kwargs: dict) -> Any:
     _check_num_collectors(num_collectors)
     name = _backend_name(backend, num_collectors)
     rest = {key: value for key, value in kwargs.items()
-            if key not in ("backend", "backend_options", "num_collectors", "sync")}
+            if key not in _DISPATCH_ARGUMENTS}
     options = _merged_options(backend_options, args, rest)
     if name == "direct":
         if num_collectors not in (None, 1):
@@ -151,7 +138,4 @@ def _from_collector(cls: type, args: tuple, kwargs: dict) -> Any:
             raise ValueError(f"backend='submitit' requires launcher='submitit', got {rest['launcher']!r}.")
     if name == "ray":
         rest["num_collectors"] = count
-        if "ray" not in _REGISTRY:
-            raise ImportError("backend='ray' needs rlharvest's Ray support: pip install 'rlharvest[ray]'")
-    target = _REGISTRY["distributed" if name == "submitit" else name]
-    return target(*args, sync=bool(sync), **rest)
+    return import_object(TARGETS[name])(*args, sync=bool(sync), **rest)

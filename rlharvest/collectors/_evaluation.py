@@ -7,15 +7,19 @@ process (:class:`MultiSyncCollector`, one worker) or in a Ray actor (:class:`Ray
 actor). :class:`TrajectoryRun` drives any of them the same way: new weights go through the
 collector's ``update_policy_weights_`` (its weight scheme when it has workers), then a reset drops
 every trajectory begun with the previous weights, then one batch is collected.
+
+That batch holds the first ``num_trajectories`` episodes to end, so short episodes are over-sampled
+(``episode_sampling="first_done"``); ``_eval_episodes.py`` samples one episode per sub-env instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from tensordict import TensorDictBase
@@ -24,8 +28,8 @@ from .._utils import as_tuple_key, unwrap
 from ..envs.factory import env_keys, make_env
 from .single import Collector
 
-__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "AfterInit",
-           "build_policy"]
+__all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "eval_mode",
+           "prefixed_result", "AfterInit", "build_policy", "frozen_normalization"]
 
 #: where TorchRL's RewardSum transform writes the running return of each episode
 EPISODE_REWARD_KEY = ("next", "episode_reward")
@@ -63,6 +67,9 @@ class EvalConfig:
     """Called with each result as a TensorDict."""
     busy_policy: str
     """``trigger_eval`` while one is pending: ``"skip"``, ``"error"`` or ``"queue"``."""
+    episode_sampling: str
+    """``"first_done"`` (the first ``num_trajectories`` episodes to end) or ``"per_env"`` (one episode
+    per sub-env and rollout: :class:`EpisodeRun`)."""
     init_fn: Callable | None
     """Called first in the worker process or actor (process and ray backends)."""
     num_gpus: int
@@ -125,7 +132,7 @@ class EvalCollector(Collector):
 
     def __init__(self, create_env_fn: Any, policy: Callable | None = None, *,
                  policy_factory: Callable[[Any], Callable] | None = None, **kwargs: Any) -> None:
-        env = _frozen_normalization(make_env(create_env_fn, kwargs.pop("create_env_kwargs", None)))
+        env = frozen_normalization(make_env(create_env_fn, kwargs.pop("create_env_kwargs", None)))
         if policy is None and policy_factory is not None:
             policy = build_policy(policy_factory, env)
         if kwargs.get("max_frames_per_traj") and ("step_count",) in env_keys(env):
@@ -143,7 +150,7 @@ class EvalCollector(Collector):
             self.env.transform.dump(step=step)
 
 
-def _frozen_normalization(env: Any) -> Any:
+def frozen_normalization(env: Any) -> Any:
     """``env`` with the VecNorm transforms of a TorchRL ``TransformedEnv`` frozen, recognised by their
     types (only when TorchRL is already imported: the env came from it)."""
     transforms = sys.modules.get("torchrl.envs.transforms")
@@ -299,19 +306,41 @@ def episode_metrics(batch: TensorDictBase, reward_key: Any, metrics_fn: Callable
     return metrics
 
 
+@contextlib.contextmanager
+def eval_mode(policy: Any) -> Iterator[None]:
+    """``policy`` in eval mode inside the block, back in the mode it had after (also on an error)."""
+    training = isinstance(policy, torch.nn.Module) and policy.training
+    if training:
+        policy.eval()
+    try:
+        yield
+    finally:
+        if training:
+            policy.train()
+
+
+def prefixed_result(raw: dict[str, Any], step: int, prefix: str) -> dict[str, Any]:
+    """An evaluation's result: the metrics of :func:`episode_metrics` TorchRL reports, with ``step``,
+    under ``<prefix>/<name>`` (custom metrics under their own name).
+
+    Example:
+        >>> prefixed_result({"reward": 2.0, "frame_count": 8, "custom/best": 3.0}, 5, "eval")
+        {'eval/reward': 2.0, 'eval/step': 5, 'eval/best': 3.0}
+    """
+    result = {f"{prefix}/{key}": raw[key] for key in ("reward", "reward_std", "num_episodes", "episode_length",
+                                                       "fps") if key in raw}
+    result[f"{prefix}/step"] = step
+    result.update({f"{prefix}/{key[len('custom/'):]}": value for key, value in raw.items()
+                   if key.startswith("custom/")})
+    return result
+
+
 class LocalRun(TrajectoryRun):
     """The ``"thread"`` run: the policy in eval mode during evaluations, as TorchRL's."""
 
     def collect(self, weights_dict: dict[str, TensorDictBase] | None) -> tuple[TensorDictBase, float]:
-        policy = self.collector.policy
-        training = isinstance(policy, torch.nn.Module) and policy.training
-        if training:
-            policy.eval()
-        try:
+        with eval_mode(self.collector.policy):
             return super().collect(weights_dict)
-        finally:
-            if training:
-                policy.train()
 
     def dump_video(self, step: int) -> None:
         if isinstance(self.collector, EvalCollector):

@@ -20,7 +20,7 @@ from .._utils import resolve_attr_path
 from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
 from ..worker import ParentDuties
-from ._dispatch import construct, register
+from .engine.events import FleetEvents
 from .engine.weights import merge_weight_arguments
 
 __all__ = ["BaseCollector"]
@@ -44,12 +44,14 @@ class BaseCollector(IterableDataset):
     _persistent_iterator: Iterator | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        return construct(cls, args, kwargs)  # the one dispatch mechanism (``_dispatch.py``)
+        return cls._construct(args, kwargs)
 
-    def __init_subclass__(cls, dispatch: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if dispatch is not None:
-            register(dispatch, cls)
+    @classmethod
+    def _construct(cls, args: tuple, kwargs: dict) -> Any:
+        """What ``cls(*args, **kwargs)`` makes: an instance of ``cls`` (or of a subclass) that Python then
+        initialises, or a finished collector of another class (then no ``__init__`` follows). A hook, not
+        ``__new__`` itself, so that ``inspect.signature`` shows each collector's ``__init__``."""
+        return object.__new__(cls)
 
     @classmethod
     def from_options(cls, options: Any) -> BaseCollector:
@@ -342,6 +344,12 @@ class BaseCollector(IterableDataset):
             0
         """
         return self._open("stats()").stats(workers, timeout).as_dict(workers)
+
+    @property
+    def events(self) -> FleetEvents:
+        """What happened to the workers, in order: restarts, preemptions, joins, adds, removes, autoscaling
+        decisions (``events.since(seq)``, ``events.counts()``; docs/restarts.md, "Watching a run")."""
+        return self._engine.events
 
     def time_split(self) -> dict[str, float]:
         """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),

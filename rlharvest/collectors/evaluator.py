@@ -11,6 +11,10 @@ runs it wherever the backend puts it:
 * ``"ray"``: a :class:`~rlharvest.collectors.distributed.RayEvalWorker`, a ``RayCollector`` with one
   actor; weights travel through ``RayWeightSyncScheme``.
 
+TorchRL's next release adds per-env sampling (``episode_sampling="per_env"``, and
+:meth:`Evaluator.evaluate_episodes`, one entry per episode): a ``"thread"`` collector of its own over
+the same env and policy runs it (``_eval_episodes.py``).
+
 Collectors rather than a loop and a process of the evaluator's own: the process and ray backends
 then get what every worker has (bounded start, ``WorkerError`` with the remote traceback, bounded
 shutdown, exit when the parent dies, weights through the schemes), and episodes are measured as
@@ -24,19 +28,21 @@ runs them one at a time, results (or the error that ended one) queue until :meth
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ..envs.adapters import is_env
 from ..errors import EvaluationPendingError, EvaluatorClosedError
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
-from ._eval_runs import EvalConfig, run_builder
+from ._evaluation import prefixed_result
+from ._eval_runs import (EvalConfig, check_choice, check_episode_sampling, check_positive, check_sources,
+                         episodes_unsupported, run_builders)
 
 
 __all__ = ["Evaluator", "EvaluationPendingError", "EvaluatorClosedError"]
@@ -45,37 +51,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("thread", "process", "ray")
 BUSY_POLICIES = ("skip", "error", "queue")
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"Unknown {name} {value!r}: choose one of {', '.join(map(repr, allowed))}.")
-    return value
-
-
-def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}.")
-    return value
-
-
-def _check_sources(backend: str, env: Any, policy: Any, policy_factory: Any, schemes: Any) -> None:
-    """Both or neither of policy/policy_factory, and what a backend building them elsewhere needs."""
-    if policy is not None and policy_factory is not None:
-        raise ValueError("Provide either `policy` or `policy_factory`, not both.")
-    if policy is None and policy_factory is None:
-        raise ValueError("Either `policy` or `policy_factory` must be provided.")
-    if backend == "thread" and schemes is None:
-        return
-    where = f"backend={backend!r}" + (" with weight_sync_schemes" if backend == "thread" else "")
-    if is_env(env) or not callable(env):
-        raise ValueError(f"{where} builds the env in another process: `env` must be a callable returning an env "
-                         f"(got {type(env).__name__}).")
-    if policy_factory is None:
-        raise ValueError(f"{where} builds the policy in another process: it needs `policy_factory` "
-                         "(a callable `(env) -> policy`), not `policy`.")
 
 
 def _weights_snapshot(source: Any) -> TensorDictBase:
@@ -112,6 +87,12 @@ class Evaluator:
         dump_video: after each evaluation, ``dump`` what a TorchRL ``VideoRecorder`` of the env recorded.
         on_result: called with each result as a TensorDict (from the background thread for
             :meth:`trigger_eval`); its exceptions are logged, not raised.
+        episode_sampling: which episodes an evaluation measures: ``"first_done"`` (default), the first
+            ``num_trajectories`` to end, which over-samples short episodes in a batched env; or
+            ``"per_env"``, one episode per sub-env and rollout, each sub-env started afresh (needs the
+            ``"thread"`` backend, no ``weight_sync_schemes`` and an int ``max_steps``;
+            ``collector_cls`` and ``collector_kwargs`` are then not used, but for
+            ``auto_register_policy_transforms``).
         busy_policy: what :meth:`trigger_eval` does while an evaluation is pending: ``"skip"``
             (return False), ``"error"`` (raise), ``"queue"`` (run it next).
         backend: ``"thread"`` (default), ``"process"`` or ``"ray"``.
@@ -120,9 +101,9 @@ class Evaluator:
         ray_kwargs: more ``ray.remote`` options of the actor.
 
     Raises:
-        ValueError: for an unknown ``backend`` or ``busy_policy``, both or neither of ``policy`` and
-            ``policy_factory``, or a ``"process"``/``"ray"`` backend without an env constructor and
-            a ``policy_factory``.
+        ValueError: for an unknown ``backend``, ``busy_policy`` or ``episode_sampling``, both or neither
+            of ``policy`` and ``policy_factory``, a ``"process"``/``"ray"`` backend without an env
+            constructor and a ``policy_factory``, or ``"per_env"`` sampling where it cannot run.
 
     Example:
         >>> from rlharvest.envs import CountingEnv
@@ -142,23 +123,26 @@ class Evaluator:
                  device: torch.device | str | None = None,
                  exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
                  metrics_fn: Callable[[TensorDictBase], dict[str, float]] | None = None, dump_video: bool = True,
-                 on_result: Callable[[TensorDictBase], None] | None = None, busy_policy: str = "skip",
-                 backend: str = "thread", init_fn: Callable[[], None] | None = None, num_gpus: int = 1,
-                 ray_kwargs: dict | None = None) -> None:
+                 on_result: Callable[[TensorDictBase], None] | None = None, episode_sampling: str = "first_done",
+                 busy_policy: str = "skip", backend: str = "thread", init_fn: Callable[[], None] | None = None,
+                 num_gpus: int = 1, ray_kwargs: dict | None = None) -> None:
         self._closed = True  # until built
-        _check_choice("backend", backend, BACKENDS)
-        _check_choice("busy_policy", busy_policy, BUSY_POLICIES)
-        _check_sources(backend, env, policy, policy_factory, weight_sync_schemes)
-        max_steps = _positive("max_steps", max_steps, allow_none=True)
+        check_choice("backend", backend, BACKENDS)
+        check_choice("busy_policy", busy_policy, BUSY_POLICIES)
+        check_sources(backend, env, policy, policy_factory, weight_sync_schemes)
+        max_steps = check_positive("max_steps", max_steps, allow_none=True)
         self.config = EvalConfig(
-            backend=backend, num_trajectories=_positive("num_trajectories", num_trajectories),
+            backend=backend, num_trajectories=check_positive("num_trajectories", num_trajectories),
             max_steps=max_steps,
-            frames_per_batch=_positive("frames_per_batch", frames_per_batch or max_steps or 1000),
+            frames_per_batch=check_positive("frames_per_batch", frames_per_batch or max_steps or 1000),
             collector_kwargs=dict(collector_kwargs or {}), log_prefix=str(log_prefix), reward_key=reward_keys,
             done_key=done_keys, device=torch.device(device) if device is not None else None,
             exploration_type=exploration_type, metrics_fn=metrics_fn, dump_video=bool(dump_video),
-            on_result=on_result, busy_policy=busy_policy, init_fn=init_fn, num_gpus=num_gpus,
-            ray_kwargs=dict(ray_kwargs or {}))
+            on_result=on_result, busy_policy=busy_policy,
+            episode_sampling=check_episode_sampling(episode_sampling, backend, weight_sync_schemes, max_steps,
+                                                    collector_cls, collector_kwargs),
+            init_fn=init_fn, num_gpus=num_gpus, ray_kwargs=dict(ray_kwargs or {}))
+        self._episodes_unsupported = episodes_unsupported(backend, weight_sync_schemes, max_steps)
         self._step_counter = 0
         self._lock = threading.Condition()
         self._requests: collections.deque = collections.deque()
@@ -166,9 +150,10 @@ class Evaluator:
         self._running = False
         self._thread: threading.Thread | None = None
         self._run = None  # built below, or lazily by the first evaluation (thread backend, factories)
-        self._build, eager = run_builder(self.config, env, policy, policy_factory, collector_cls, weight_sync_schemes)
-        if eager:
-            self._run = self._build()
+        self._episode_run = None  # evaluate_episodes()'s, built by its first call (per_env: self._run)
+        self._builders = run_builders(self.config, env, policy, policy_factory, collector_cls, weight_sync_schemes)
+        if self._builders.eager:
+            self._run = self._builders.main()
         self._closed = False
 
     # ------------------------------------------------------------------ synchronous
@@ -193,25 +178,65 @@ class Evaluator:
             >>> evaluator.evaluate(policy, step=100)["eval/step"]    # doctest: +SKIP
             100
         """
-        self._check_open("evaluate")
-        with self._lock:
-            if self._running or self._requests:
-                raise EvaluationPendingError("evaluate() while a background evaluation is pending: wait() first.")
-            self._running = True  # trigger_eval meanwhile finds the evaluator busy
-        try:
+        with self._in_caller_thread("evaluate"):
             prepared, step = self._prepare(weights, weights_dict), self._next_step(step)
-        except BaseException:
-            with self._lock:
-                self._running = False
-            raise
-        try:
             result = self._evaluate_now(prepared, step)
-        finally:
-            with self._lock:
-                self._running = False
-                self._lock.notify_all()
         self._call_on_result(result)
         return result
+
+    def evaluate_episodes(self, weights: Any = None, step: int | None = None, *,
+                          weights_dict: dict[str, Any] | None = None, seed: int | None = None) -> TensorDictBase:
+        """Run ``num_trajectories`` episodes now, sampled ``"per_env"``, and return one entry per episode.
+
+        Each rollout starts every sub-env afresh and keeps the episode each one begins with, ended by
+        the env or cut at ``max_steps``, until ``num_trajectories`` are there (whatever
+        ``episode_sampling`` says). The step counter, ``on_result`` and ``metrics_fn`` are left alone;
+        the policy is in eval mode meanwhile and back in its mode after (also on an error).
+
+        Args:
+            weights: the policy's weights, as :meth:`evaluate`.
+            step: passed to the ``dump`` of a TorchRL ``VideoRecorder`` of the env (None: its own count).
+
+        Keyword Args:
+            weights_dict: ``{model_id: weights}``, as :meth:`evaluate`.
+            seed: before each rollout, torch's RNG and the env (``set_seed``) are seeded from ``seed``
+                and the rollout's rank only, so that two calls with one seed start each episode from the
+                same state whatever the policy, and their episodes pair up one to one (see
+                ``paired_comparison``); your torch RNG is left as it was, the env keeps its seeds. None:
+                no seeding.
+
+        Returns:
+            a TensorDict of batch size ``[num_trajectories]``: ``"episode_reward"`` (the last
+            ``("next", "episode_reward")`` of a ``RewardSum`` transform, else the sum of rewards),
+            ``"episode_length"`` (int64), ``"truncated"`` (bool: cut at ``max_steps``, or flagged
+            truncated by the env) and ``"env_index"`` (int64, the flat index of the sub-env).
+
+        Raises:
+            EvaluationPendingError: while a background evaluation is pending (a RuntimeError).
+            ValueError: with the ``"process"`` backend, ``weight_sync_schemes`` or ``max_steps=None``.
+            NotImplementedError: with the ``"ray"`` backend.
+            TypeError: for a ``seed`` that is not an int.
+            EvaluatorClosedError: after :meth:`shutdown`.
+
+        Example:
+            >>> episodes = evaluator.evaluate_episodes(policy, seed=0)                  # doctest: +SKIP
+            >>> paired_comparison(episodes["episode_reward"], baseline["episode_reward"])  # doctest: +SKIP
+        """
+        self._check_open("evaluate_episodes")
+        if self.config.backend == "ray":
+            raise NotImplementedError("evaluate_episodes() runs in this process: backend='ray' does not support it "
+                                      "(use backend='thread').")
+        if self._episodes_unsupported is not None:
+            raise ValueError(f"evaluate_episodes() requires backend='thread', no weight_sync_schemes and an integer "
+                             f"max_steps; got {self._episodes_unsupported}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}.")
+        with self._in_caller_thread("evaluate_episodes"):
+            run = self._episodes()
+            episodes = run.episodes(self._prepare(weights, weights_dict), seed)
+            if self.config.dump_video:
+                run.dump_video(step)
+        return episodes
 
     # ------------------------------------------------------------------ asynchronous
     def trigger_eval(self, weights: Any = None, step: int | None = None, *,
@@ -359,6 +384,32 @@ class Evaluator:
         if self._closed:
             raise EvaluatorClosedError(f"Evaluator.{what}() after shutdown(): build a new Evaluator.")
 
+    @contextlib.contextmanager
+    def _in_caller_thread(self, what: str) -> Iterator[None]:
+        """An evaluation in the calling thread: refused while one is pending, and the evaluator busy
+        meanwhile (``trigger_eval`` then finds it pending)."""
+        self._check_open(what)
+        with self._lock:
+            if self._running or self._requests:
+                raise EvaluationPendingError(f"{what}() while a background evaluation is pending: wait() first.")
+            self._running = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running = False
+                self._lock.notify_all()
+
+    def _episodes(self) -> Any:
+        """The run of :meth:`evaluate_episodes` (with ``"per_env"`` sampling, the evaluator's run)."""
+        if self.config.episode_sampling == "per_env":
+            if self._run is None:
+                self._run = self._builders.main()
+            return self._run
+        if self._episode_run is None:
+            self._episode_run = self._builders.episodes()
+        return self._episode_run
+
     def _check_quiet(self, what: str) -> None:
         if self._running or self._requests or self._results:
             raise RuntimeError(f"Evaluator {what} requires no pending, queued, or unread evaluation results.")
@@ -378,20 +429,11 @@ class Evaluator:
 
     def _evaluate_now(self, weights_dict: dict[str, TensorDictBase] | None, step: int) -> dict[str, Any]:
         if self._run is None:
-            self._run = self._build()
+            self._run = self._builders.main()
         raw = self._run.run(weights_dict)
         if self.config.dump_video:
             self._run.dump_video(step)
-        return self._format(raw, step)
-
-    def _format(self, raw: dict[str, Any], step: int) -> dict[str, Any]:
-        prefix = self.config.log_prefix
-        result = {f"{prefix}/{key}": raw[key] for key in ("reward", "reward_std", "num_episodes", "episode_length",
-                                                           "fps") if key in raw}
-        result[f"{prefix}/step"] = step
-        result.update({f"{prefix}/{key[len('custom/'):]}": value for key, value in raw.items()
-                       if key.startswith("custom/")})
-        return result
+        return prefixed_result(raw, step, self.config.log_prefix)
 
     def _call_on_result(self, result: dict[str, Any]) -> None:
         if self.config.on_result is None:
@@ -406,7 +448,8 @@ class Evaluator:
         """The background thread: run the queued requests one at a time until shutdown."""
         while True:
             with self._lock:
-                while not self._requests and not self._closed:
+                # an evaluation of the calling thread (evaluate, evaluate_episodes) runs on the same collector
+                while (not self._requests or self._running) and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     break
@@ -444,6 +487,9 @@ class Evaluator:
         return outcome
 
     def _shutdown_run(self, timeout: float) -> None:
-        run, self._run = self._run, None
-        if run is not None:
-            run.shutdown(timeout)
+        runs = (self._episode_run, self._run)
+        self._episode_run = self._run = None
+        deadline = time.monotonic() + timeout
+        for run in runs:
+            if run is not None:
+                run.shutdown(max(0.1, deadline - time.monotonic()))

@@ -24,7 +24,7 @@ __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "Multi
 
 
 @_workers.with_workers
-class MultiCollector(BaseCollector, dispatch="process"):
+class MultiCollector(BaseCollector):
     """Collectors whose rollouts run in worker processes on this machine.
 
     ``MultiCollector(create_env_fn, policy, sync=True, ...)`` returns a :class:`MultiSyncCollector`,
@@ -39,6 +39,18 @@ class MultiCollector(BaseCollector, dispatch="process"):
         True
         >>> collector.shutdown()
     """
+
+    @classmethod
+    def _construct(cls, args: tuple, kwargs: dict) -> Any:
+        """``MultiCollector`` picks by ``sync``; its subclasses check that ``sync`` does not contradict them."""
+        sync = kwargs.get("sync")
+        if cls is __class__:  # this class itself, whatever its module's name now holds (mock.patch)
+            return object.__new__(MultiAsyncCollector if sync is False else MultiSyncCollector)
+        own = issubclass(cls, MultiSyncCollector)
+        if sync is not None and bool(sync) != own:
+            raise TypeError(f"{cls.__name__} is {'' if own else 'a'}synchronous: sync={sync!r} contradicts it "
+                            "(use MultiCollector(..., sync=...) to choose).")
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -169,7 +181,7 @@ class MultiCollector(BaseCollector, dispatch="process"):
         push_staged(self._engine, self.weight_updater, device)
 
 
-class MultiSyncCollector(MultiCollector, dispatch="process-sync"):
+class MultiSyncCollector(MultiCollector):
     """Workers collect in lockstep: every batch stacks one rollout of every worker, ordered by index.
 
     Nothing is stepped between a yield and the next request, so it is safe for on-policy training.
@@ -184,7 +196,7 @@ class MultiSyncCollector(MultiCollector, dispatch="process-sync"):
 
 
 
-class MultiAsyncCollector(MultiCollector, dispatch="process-async"):
+class MultiAsyncCollector(MultiCollector):
     """Workers collect continuously; each batch is the first one ready (off-policy training).
 
     Example:

@@ -10,6 +10,7 @@ from tensordict import TensorDictBase
 from ..envs.factory import make_env
 from ..policies import ExplorationType
 from ..rollout import Rollout
+from ._dispatch import construct
 from .base import BaseCollector
 from .engine.local import LocalEngine
 from .options.local import LocalOptions
@@ -17,7 +18,7 @@ from .options.local import LocalOptions
 __all__ = ["Collector", "make_env"]
 
 
-class Collector(BaseCollector, dispatch="direct"):
+class Collector(BaseCollector):
     """Collects batches by running the rollout loop in the calling process.
 
     ``Collector(..., backend=..., num_collectors=..., sync=..., backend_options=...)`` builds the
@@ -77,6 +78,10 @@ class Collector(BaseCollector, dispatch="direct"):
         ('time', [0, 0, 0, 0, 1, 1, 1, 1])
         >>> collector.shutdown()
     """
+
+    @classmethod
+    def _construct(cls, args: tuple, kwargs: dict) -> Any:
+        return construct(__class__, cls, args, kwargs)  # Collector(backend=...) (``_dispatch.py``)
 
     def __init__(
         self,

@@ -8,13 +8,17 @@ buffer; no packing copy is needed when the producer writes into the views direct
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["FlatBatch", "FlatLayout", "FlatUnpacker", "copy_leaves_", "flat_leaves", "freeze", "is_frozen", "is_dense"]
+from ..errors import WeightNamesError, WeightShapeError
+
+__all__ = ["FlatBatch", "FlatLayout", "FlatUnpacker", "check_same_leaves", "copy_leaves_", "dotted_key", "flat_leaves",
+           "freeze", "is_frozen", "is_dense"]
 
 #: every leaf starts on a cache line: a copy into a buffer whose leaves straddle lines is ~1.5x
 #: slower when the buffer is out of cache, as weight buffers are between two updates (docs/weights.md)
@@ -81,20 +85,44 @@ def copy_leaves_(dest: TensorDictBase, source: TensorDictBase) -> None:
     """Copy ``source`` into ``dest`` in place, leaf by leaf (one fused copy; leaves already shared are skipped).
 
     Raises:
-        KeyError: when the two key sets differ, listing both.
+        WeightNamesError: when the two key sets differ. WeightShapeError: when a leaf's shape differs
+            (torch would broadcast a smaller one into it).
     """
     dest_keys, dest_leaves = flat_leaves(dest)
     source_keys, source_leaves = flat_leaves(source)
-    if dest_keys != source_keys:
-        raise KeyError(
-            f"Weight keys do not match the destination.\ndestination keys: {dest_keys}\nweight keys: {source_keys}"
-        )
+    check_same_leaves(dest_keys, dest_leaves, source_keys, source_leaves, "the destination")
     pairs = [(d, s) for d, s in zip(dest_leaves, source_leaves) if d.data_ptr() != s.data_ptr() or d.device != s.device]
     if not pairs:
         return
     with torch.no_grad():
         dst, src = zip(*pairs)
         torch._foreach_copy_(list(dst), [s.to(d.device, d.dtype) if s.device != d.device else s for d, s in pairs])
+
+
+def check_same_leaves(dest_keys: list, dest_leaves: list[torch.Tensor], keys: list, leaves: list[torch.Tensor],
+                      dest_name: str) -> None:
+    """Raise unless the weights ``keys``/``leaves`` (sorted, :func:`flat_leaves`) fit ``dest_name``'s:
+    the same names, and each tensor of the same shape. The message lists what differs, a line each.
+
+    Raises:
+        WeightNamesError: names missing from the weights, or extra ones. WeightShapeError: each name
+            whose shapes differ, with both shapes.
+    """
+    if dest_keys != keys:
+        wanted, given = {dotted_key(k) for k in dest_keys}, {dotted_key(k) for k in keys}
+        lines = [f"  missing: {', '.join(sorted(wanted - given))}" if wanted - given else "",
+                 f"  extra: {', '.join(sorted(given - wanted))}" if given - wanted else ""]
+        raise WeightNamesError(f"The weights given do not fit {dest_name}, whose names differ:\n"
+                               + "\n".join(line for line in lines if line))
+    wrong = [f"  {dotted_key(key)}: shape {list(given.shape)} given, {list(wanted.shape)} expected"
+             for key, wanted, given in zip(keys, dest_leaves, leaves) if wanted.shape != given.shape]
+    if wrong:
+        raise WeightShapeError(f"The weights given do not fit {dest_name}, whose shapes differ:\n" + "\n".join(wrong))
+
+
+def dotted_key(key: str | tuple) -> str:
+    """A TensorDict key as a state_dict names it (``("module", "weight")`` -> ``"module.weight"``)."""
+    return key if isinstance(key, str) else ".".join(key)
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,18 @@ class FlatLayout:
     batch_size: tuple[int, ...]
     names: tuple | None
     total_bytes: int
+
+    def __post_init__(self) -> None:
+        """Every layout is one :meth:`of` could have made, whoever made it (a node announces its
+        batches' layout): a batch size and names TensorDicts take, leaves in key order, each of its
+        dtype's size, aligned, none overlapping another or past ``total_bytes``.
+
+        Raises:
+            ValueError: naming the first thing wrong.
+        """
+        problem = _layout_problem(self)
+        if problem:
+            raise ValueError(f"not a batch layout: {problem}")
 
     @classmethod
     def of(cls, td: TensorDictBase) -> FlatLayout:
@@ -140,15 +180,57 @@ class FlatLayout:
             td.refine_names(*self.names)
         return td
 
-    def allocate(self, device=None, shared: bool = False) -> tuple[torch.Tensor, TensorDictBase]:
-        """A zeroed flat buffer and its TensorDict view."""
-        flat = torch.zeros(self.total_bytes, dtype=torch.uint8, device=device)
+    def allocate(self, device=None, shared: bool = False, zeroed: bool = True) -> tuple[torch.Tensor, TensorDictBase]:
+        """A flat buffer and its TensorDict view; ``zeroed=False`` for a buffer written whole before it
+        is read (a batch received from a node): its memory is only touched as the bytes arrive."""
+        flat = (torch.zeros if zeroed else torch.empty)(self.total_bytes, dtype=torch.uint8, device=device)
         if shared:
             flat.share_memory_()
         return flat, self.view(flat)
 
     def describe(self) -> str:
         return ", ".join(f"{k}: {tuple(s)} {d}" for k, d, s, _, _ in self.entries)
+
+
+def _is_dims(value) -> bool:
+    return type(value) is tuple and all(type(n) is int and n >= 0 for n in value)
+
+
+def _sort_key(key) -> tuple | None:
+    if type(key) is str:
+        return (key,)
+    if type(key) is tuple and key and all(type(part) is str for part in key):
+        return key
+    return None
+
+
+def _layout_problem(layout: FlatLayout) -> str:
+    """What makes ``layout`` inconsistent (see :meth:`FlatLayout.__post_init__`), or ``""``."""
+    batch_size, names = layout.batch_size, layout.names
+    if not _is_dims(batch_size):
+        return f"batch size {batch_size!r:.80}"
+    if names is not None:
+        given = [name for name in names if name is not None] if type(names) is tuple else None
+        if given is None or len(names) != len(batch_size) or len(set(given)) != len(given) or \
+                not all(type(name) is str for name in given):
+            return f"names {names!r:.80} for batch size {batch_size}"
+    if type(layout.total_bytes) is not int or layout.total_bytes < _ALIGN or type(layout.entries) is not tuple:
+        return f"total bytes {layout.total_bytes!r:.40}"
+    end, previous = 0, None
+    for entry in layout.entries:
+        if type(entry) is not tuple or len(entry) != 5:
+            return f"entry {entry!r:.80}"
+        key, dtype, shape, offset, nbytes = entry
+        order = _sort_key(key)
+        if order is None or (previous is not None and (order <= previous or order[:len(previous)] == previous)):
+            return f"key {key!r:.80} out of order, repeated or under a leaf"
+        if not isinstance(dtype, torch.dtype) or not _is_dims(shape) or shape[:len(batch_size)] != batch_size:
+            return f"{key!r:.80}: dtype {dtype!r:.40}, shape {shape!r:.80} for batch size {batch_size}"
+        if type(offset) is not int or offset < end or offset % _ALIGN or type(nbytes) is not int or \
+                nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > layout.total_bytes:
+            return f"{key!r:.80}: {nbytes!r:.20} bytes at {offset!r:.20} (after {end}, in {layout.total_bytes})"
+        end, previous = offset + nbytes, order
+    return ""
 
 
 class FlatBatch:

@@ -7,7 +7,8 @@ The loop is the usual on-policy one::
         collector.update_policy_weights_()   # ... and the collector pushes it to every worker
 
 A progress bar shows frames, frames/s, the mean return of the last 20 episodes, the policy version
-(number of weight updates) and the duration of the last weight sync. At the end a summary table is
+(number of weight updates) and the duration of the last weight sync; ``--monitor`` serves the
+collector's live page (``rlharvest.monitor``) meanwhile. At the end a summary table is
 printed and ``<out>/learning_curve.png`` and ``<out>/summary.json`` are written.
 """
 
@@ -43,6 +44,7 @@ class DemoConfig:
     out: str = "demo_out"
     target_return: float | None = TARGET_RETURN  # stop early once the last-20 mean reaches it (None: never)
     progress: bool = True
+    monitor_port: int | None = None  # serve rlharvest.monitor's page on 127.0.0.1 (0: a port from the OS)
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
 
@@ -224,6 +226,7 @@ def run_demo(config: DemoConfig) -> dict:
 
     progress = _Progress()
     collector = build_collector(config.collector, policy, workers, frames_per_batch, total_frames)
+    monitor = _start_monitor(collector, config.monitor_port)
     setup_seconds = time.perf_counter() - start
     bar = _progress_bar(total_frames, config.progress)
     try:
@@ -234,6 +237,8 @@ def run_demo(config: DemoConfig) -> dict:
     finally:
         bar.close()
         collector.shutdown()
+        if monitor is not None:
+            monitor.close()
     wall = time.perf_counter() - start
     summary = _summary(config, progress, workers=workers, total_frames=total_frames,
                        frames_per_batch=frames_per_batch, wall=wall, setup_seconds=setup_seconds)
@@ -243,6 +248,21 @@ def run_demo(config: DemoConfig) -> dict:
         json.dump(summary, fh, indent=2)
     _print_summary(summary, out)
     return summary
+
+
+def _start_monitor(collector, port: int | None):
+    """``--monitor``: the collector's live page (docs/monitoring.md), its address on stderr."""
+    if port is None:
+        return None
+    from rlharvest.monitor import Monitor
+
+    try:
+        monitor = Monitor(collector, port=port)
+    except BaseException:
+        collector.shutdown()
+        raise
+    print(f"monitor: open {monitor.url} in a browser to watch the collector", file=sys.stderr, flush=True)
+    return monitor
 
 
 def _train(collector, ppo: PPO, config: DemoConfig, progress: _Progress, bar) -> None:

@@ -67,6 +67,9 @@ class EnvBase:
     full_action_spec: Composite
     has_truncated: bool = True
     reward_key: str = "reward"
+    #: whether ``reset`` can reset some sub-envs of the batch and leave the others as they are (a
+    #: ``"_reset"`` mask); a collector's ``max_frames_per_traj`` needs it
+    partial_reset: bool = True
     _has_dynamic_specs = False
 
     def __init__(self) -> None:

@@ -12,24 +12,29 @@ neither. Envs without specs (duck-typed envs) are not checked against specs, and
 cannot produce are skipped: a check never breaks an env that collects.
 
 The policy's side is checked once too, on its first action, before the env steps with it
-(:func:`check_policy_actions`): an action key it did not write, or an action the env's action spec
-cannot hold (float logits for a one-hot spec, which an env would silently argmax), is named there,
-with what the policy wrote and the spec, instead of a bare ``KeyError`` from the env or a run that
-learns nothing.
+(:func:`check_policy_actions`): an action key it did not write is named there, with the keys the
+policy wrote and the spec, instead of a bare ``KeyError`` from the env. An action the env's spec does
+not hold (float logits for a one-hot spec, another number of values) is what TorchRL's envs read
+anyway, each spec its own way (docs/collection.md, "Policies"), so it is not refused: the first step
+is taken with it (:func:`first_step`); if the env cannot take it either, the env's error comes back as
+an :class:`ActionSpecError` naming the action and the spec, and otherwise one warning names the spec
+and how the action was read.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .._utils import NestedKey, as_tuple_key, unravel_key
-from ..errors import ActionKeyError, ActionSpecError
+from ..errors import ActionKeyError, ActionReadWarning, ActionSpecError
 from .adapters import env_attr
 
-__all__ = ["check_step_specs", "check_policy_actions", "raise_if_changed"]
+__all__ = ["ActionMisfit", "check_step_specs", "check_policy_actions", "first_step", "raise_if_changed"]
 
 
 def _meta(value: Any) -> tuple[tuple | None, torch.dtype | None]:
@@ -150,6 +155,51 @@ def _written(actions: dict, key: NestedKey) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class ActionMisfit:
+    """A policy's first action that the env's action spec does not hold, and how TorchRL reads it."""
+
+    key: NestedKey
+    value: str
+    """The action's shape and dtype."""
+    spec: str
+    """The spec, in one line."""
+    env: str
+    """The env's type name."""
+    why: str
+    """What does not fit: another number of values, or values the spec's dtype cannot hold."""
+    reading: str
+    """What TorchRL's envs make of such an action (and rlharvest's, which read actions the same way)."""
+
+    def warning(self) -> str:
+        return (f"the policy's action {self.key!r} ({self.value}) does not fit the env's spec {self.spec} "
+                f"({self.env}): {self.why}. Read as TorchRL reads it: {self.reading}. To choose actions, write "
+                "actions of the spec (e.g. a one-hot of the logits' argmax, or a distribution's sample).")
+
+    def error(self, err: BaseException) -> str:
+        return (f"the policy's action {self.key!r} ({self.value}) cannot be an action of the env's spec "
+                f"{self.spec} ({self.env}): {self.why}, and the env failed at its first step with it, as it does "
+                f"under TorchRL ({type(err).__name__}: {err}). A policy over discrete actions must sample or pick "
+                "them (e.g. argmax of the logits, or a distribution's sample).")
+
+
+def _is_one_hot(spec: Any) -> bool:
+    """rlharvest's or TorchRL's one-hot spec (``OneHot``, ``MultiOneHot``; their old names too)."""
+    return "OneHot" in type(spec).__name__
+
+
+def _reading(spec: Any, value: torch.Tensor) -> str:
+    """How TorchRL's envs turn ``value`` into the env's action, for a spec that does not hold it."""
+    if _is_one_hot(spec):
+        reading = "value.long().argmax(-1), the index of the largest value once truncated to integers"
+        if value.is_floating_point() and bool((value.abs() < 1).all()):
+            reading += "; every value of the first action lies in (-1, 1): action 0"
+        return reading
+    if value.is_floating_point() and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+        return "int(value), truncated toward zero, for the one action of an unbatched env; several values as they are"
+    return "as it is, handed to the env"
+
+
 def _misfit(spec: Any, value: torch.Tensor) -> str | None:
     """Why ``value`` cannot be an action of ``spec`` (None if it can): another number of values, or
     values its dtype cannot hold. Lenient on purpose: another dtype of the same kind, or floats that
@@ -164,23 +214,25 @@ def _misfit(spec: Any, value: torch.Tensor) -> str | None:
     return None
 
 
-def check_policy_actions(env: Any, actions: dict) -> None:
+def check_policy_actions(env: Any, actions: dict) -> list[ActionMisfit]:
     """Check a policy's first action against the env's action keys and spec, before the env steps.
 
     Args:
         env: the env (its ``action_keys`` and ``full_action_spec``, when it has them).
         actions: what the policy wrote, ``{key: value}``.
 
+    Returns:
+        The actions the spec does not hold: give them to :func:`first_step`.
+
     Raises:
         ActionKeyError: naming the missing key, the keys the policy wrote and the env's action spec.
-        ActionSpecError: naming the key, the action's shape and dtype, the spec, and why it cannot fit.
     """
     try:
         spec = env_attr(env, "full_action_spec")
         specs = _leaf_specs(spec) if spec is not None else {}
         keys = [unravel_key(k) for k in (env_attr(env, "action_keys") or specs)]
     except Exception:  # an env whose specs cannot be read still collects; it just is not checked
-        return
+        return []
     for key in keys:
         if not _written(actions, key):
             wrote = ", ".join(repr(k) for k in actions) or "nothing"
@@ -190,14 +242,31 @@ def check_policy_actions(env: Any, actions: dict) -> None:
                 f"({type(env).__name__}) reads {key!r}" + (f", spec {describe_spec(leaf)}" if leaf is not None else "")
                 + ". Make the policy write that key (e.g. TensorDictModule(..., out_keys=[" + repr(key) + "]))."
             )
+    misfits = []
     for key in keys:
         leaf, value = specs.get(key), actions.get(key)
         if leaf is None or not isinstance(value, torch.Tensor):
             continue
         why = _misfit(leaf, value)
         if why is not None:
-            raise ActionSpecError(
-                f"the policy's action {key!r} ({_describe_value(value)}) cannot be an action of the env's spec "
-                f"{describe_spec(leaf)} ({type(env).__name__}): {why}. A policy over discrete actions must sample "
-                "or pick them (e.g. argmax of the logits, or a distribution's sample)."
-            )
+            misfits.append(ActionMisfit(key, _describe_value(value), describe_spec(leaf), type(env).__name__, why,
+                                        _reading(leaf, value)))
+    return misfits
+
+
+def first_step(step: Callable, misfits: list[ActionMisfit], *args: Any) -> Any:
+    """``step(*args)``: the env's first step with actions that do not fit its spec (``misfits``).
+
+    Raises:
+        ActionSpecError: when the env fails at that step (its error chained), naming each action and spec.
+
+    Warns:
+        ActionReadWarning: once the env took the step: each action, its spec and how it was read.
+    """
+    try:
+        outcome = step(*args)
+    except Exception as err:
+        raise ActionSpecError(" ".join(misfit.error(err) for misfit in misfits)) from err
+    for misfit in misfits:  # Python's default filter shows a warning once per place in a process
+        warnings.warn(misfit.warning(), ActionReadWarning, stacklevel=3)
+    return outcome

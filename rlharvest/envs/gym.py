@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .base import EnvBase
+from .gym_vector import VectorResets, vector_resets
 from .state import EnvStateUnavailable, instance_state, restore_instance_state
 from .specs import Bounded, Categorical, Composite, OneHot, TensorSpec, Unbounded
 
@@ -51,11 +52,21 @@ class GymEnv(EnvBase):
     under ``"observation"`` (a Dict observation space gives one key per entry). ``terminated`` and
     ``truncated`` are kept apart, ``done`` is their union.
 
+    A vector env is driven in the autoreset mode it declares (``metadata["autoreset_mode"]``): every
+    stored transition is a real step, and a sub-env whose episode ended starts afresh at its next
+    step. A mode the env's type cannot give that in (``NEXT_STEP`` or ``DISABLED`` with a ``reset``
+    that ignores ``options["reset_mask"]``, as gymnasium's ``CartPoleVectorEnv``) is refused here
+    (docs/envs.md, "Gymnasium vector envs").
+
     Args:
         env: a gymnasium id (``"CartPole-v1"``), an ``Env`` or a ``VectorEnv`` instance.
         num_envs: with an id, build a synchronous vector env of this many copies (batch ``(n,)``).
         categorical_action_encoding: integer instead of one-hot discrete actions.
         **kwargs: forwarded to ``gymnasium.make`` when ``env`` is an id.
+
+    Raises:
+        ValueError: for a vector env whose autoreset mode rlharvest cannot drive right (the message
+            names the mode and the fix).
 
     Example:
         >>> env = GymEnv("CartPole-v1")
@@ -84,8 +95,11 @@ class GymEnv(EnvBase):
                 env = gym.make(env, **kwargs)
         elif kwargs or num_envs:
             raise TypeError("num_envs and make() kwargs are only accepted with an env id.")
-        self._env = env
         self._vector = isinstance(env, gym.vector.VectorEnv)
+        self._resets: VectorResets | None = (
+            vector_resets(env, _gym_layers(env)[-1], gym) if self._vector else None
+        )
+        self._env = env
         self.batch_size = torch.Size([env.num_envs] if self._vector else [])
         obs_space = env.single_observation_space if self._vector else env.observation_space
         act_space = env.single_action_space if self._vector else env.action_space
@@ -105,8 +119,12 @@ class GymEnv(EnvBase):
         self._obs_dtype = self._obs_dtypes.get("observation")
         self._act_space = act_space
         self._one_hot = isinstance(act_space, gym.spaces.Discrete) and not categorical_action_encoding
-        self._same_step = self._vector and str(env.metadata.get("autoreset_mode", "")).endswith("SAME_STEP")
+        self._discrete = isinstance(act_space, gym.spaces.Discrete)
+        self._same_step = self._resets is not None and self._resets.same_step
+        self.partial_reset = self._resets is None or self._resets.partial
+        #: after a SAME_STEP step in which sub-envs ended: the observations the env reset them to
         self._autoreset_obs: dict | None = None
+        self._autoreset_done: np.ndarray | None = None
         self._pending_seed: int | None = None
 
     @property
@@ -122,22 +140,31 @@ class GymEnv(EnvBase):
         return {k: torch.from_numpy(np.array(obs[k], dtype=self._obs_dtypes[k])) for k in self._obs_keys}
 
     def _gym_action(self, action: torch.Tensor):
+        # Read as TorchRL's GymEnv reads an action, whatever the policy wrote (docs/collection.md,
+        # "Policies"): a one-hot by the index of its largest value once truncated to integers, the one
+        # discrete action of one env as an int.
         if not self._vector:
             # One env's action of one number, or one-hot, read as Python numbers: ~1 us a step in the
             # rollout loop, against ~3 us for a numpy view of the tensor, whose making and freeing cost
-            # more there than alone (docs/performance.md, "The action handed to gymnasium").
-            if action.dim() == 0:
-                return action.item()
-            if self._one_hot and action.dim() == 1:
-                values = action.tolist()
-                return values.index(max(values))  # the first largest, as numpy's argmax
+            # more there than alone (docs/archive/performance-history.md, "The action handed to gymnasium").
+            if self._one_hot:
+                if action.dim() == 1:
+                    values = action.tolist()
+                    if action.is_floating_point():
+                        values = [int(value) for value in values]
+                    return values.index(max(values))  # the first largest, as argmax
+            elif action.dim() == 0:
+                return int(action.item()) if self._discrete else action.item()
         try:
             # a CPU tensor outside autograd shares its memory with numpy (~1 us): the policy's usual output
             array = action.numpy()
         except (RuntimeError, TypeError):  # it requires grad, or lives on another device
             array = action.detach().cpu().numpy()
         if self._one_hot:  # numpy's argmax costs ~0.3 us against ~2 us for a tiny torch tensor
-            return int(array.argmax()) if not self._vector else array.argmax(-1)
+            if array.dtype.kind == "f":
+                array = array.astype(np.int64)
+            index = array.argmax(-1) if array.ndim else np.zeros((), dtype=np.int64)
+            return int(index) if not self._vector and index.size == 1 else index
         if not self._vector and array.ndim == 0:
             return array.item()
         return array
@@ -145,25 +172,34 @@ class GymEnv(EnvBase):
     # ------------------------------------------------------------------ array protocol
     def _reset_arrays(self, mask=None):
         seed, self._pending_seed = self._pending_seed, None
-        if mask is None or not self._vector:
-            obs, _ = self._env.reset(seed=seed)
-            self._autoreset_obs = None
-            return self._convert_obs(obs)
-        mask = np.asarray(torch.as_tensor(mask).reshape(-1).cpu(), dtype=np.bool_)
-        if self._autoreset_obs is not None:
-            # SAME_STEP vector envs already reset the rows that ended; only reset the others.
-            done_rows = self._autoreset_done
-            extra = mask & ~done_rows
-            current = self._autoreset_obs
-            self._autoreset_obs = None
-            if not extra.any():
-                return current
-            mask = extra
-        obs, _ = self._env.reset(seed=seed, options={"reset_mask": mask})
+        if mask is not None and self._vector:
+            mask = np.asarray(torch.as_tensor(mask).reshape(-1).cpu(), dtype=np.bool_)
+            current, fresh = self._autoreset_obs, self._autoreset_done
+            self._autoreset_obs = self._autoreset_done = None
+            if current is not None:  # a SAME_STEP env already reset the sub-envs that ended
+                mask = mask & ~fresh
+                if not mask.any():
+                    return current
+                if not mask.all() and not self._resets.partial and (mask | fresh).all():
+                    mask = None  # resetting those again too is the only way to reset the others
+            if mask is not None and not mask.all():
+                if not self._resets.partial:
+                    raise RuntimeError(self._no_partial_reset(mask))
+                obs, _ = self._env.reset(seed=seed, options={"reset_mask": mask})
+                return self._convert_obs(obs)
+        obs, _ = self._env.reset(seed=seed)
+        self._autoreset_obs = self._autoreset_done = None
         return self._convert_obs(obs)
+
+    def _no_partial_reset(self, mask: np.ndarray) -> str:
+        return (f"{self!r} cannot reset sub-envs {np.flatnonzero(mask).tolist()} alone: "
+                f"{self._resets.why_not_partial}. Its episodes end by themselves (autoreset mode "
+                f"{self._resets.mode}); a collector resets other sub-envs only for max_frames_per_traj: "
+                "give the env a time limit of its own (max_episode_steps) instead.")
 
     def _step_arrays(self, actions):
         obs, reward, terminated, truncated, info = self._env.step(self._gym_action(actions["action"]))
+        self._autoreset_obs = self._autoreset_done = None
         if not self._vector:
             return self._convert_obs(obs), float(reward), bool(terminated), bool(truncated)
         terminated = np.asarray(terminated, dtype=np.bool_).reshape(-1, 1)

@@ -11,8 +11,10 @@ even one holding the same key, therefore cannot inject, replay or reorder a sing
 bytes fail the tag and the channel closes.
 
 The first message a listener receives (the peer's *hello*) is decoded as a tuple of plain values
-(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) go through the
-restricted unpickler of :mod:`.wire`.
+(:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) are in wire format
+2 (:mod:`.wire`, never pickles), at most :func:`~.wire.node_limit` bytes each, and a channel may be
+told which messages it carries (:meth:`Channel.expect`). The listener's side (the main process)
+sends pickles: a node runs what the main process tells it anyway.
 
 Sockets are tuned so that a peer that vanished (host unreachable) makes a blocked send or receive
 fail within ``user_timeout`` seconds instead of the kernel's ~15 minutes.
@@ -30,12 +32,13 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from .handshake import AuthenticationFailed, Keys, NotProven, connector_side, listener_side
 from .keys import AUTHKEY_ENV, LearnerIdentity, NodeCredential, derive_key, new_authkey, parse_authkey, slot_key
 from .ports import PortInUseError, not_this_host
-from .wire import decode_hello, encode_hello, loads_from_node
+from .wire import (HELLO_MAX, NodeMessageError, decode_from_node, decode_hello, encode_from_node, encode_hello,
+                   node_limit)
 
 __all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "derive_key", "slot_key", "AuthenticationFailed",
            "RefusedMessage", "Channel", "Keys", "authenticate", "listen", "accept_channel", "open_channel",
@@ -46,8 +49,20 @@ _TAG = 32
 
 
 class RefusedMessage(ConnectionError):
-    """A node sent a message the main process does not decode (a global outside the allow-list of
-    :mod:`.wire`): the channel is closed, as if the node had gone."""
+    """A node sent a message the main process does not take (malformed, too long, of another wire
+    format, a class not allowed, or not one the channel carries): the channel is closed, as if the
+    node had gone."""
+
+
+def _describe(message: Any) -> str:
+    """What a message is, in a few words (never its whole text: it may be large)."""
+    if type(message) is tuple and message and type(message[0]) is str:
+        return f"a tuple starting with {message[0][:40]!r}"
+    return f"a {type(message).__name__}"
+
+
+def _pickle(obj: Any) -> bytes:
+    return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
 class Channel:
@@ -58,7 +73,8 @@ class Channel:
     """
 
     def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes, *, key_id: int = 0,
-                 loads: Callable[[bytes], Any] = pickle.loads, exporter: bytes | None = None) -> None:
+                 loads: Callable[[bytes], Any] = pickle.loads, dumps: Callable[[Any], bytes] = _pickle,
+                 max_message: Callable[[], int] | None = None, exporter: bytes | None = None) -> None:
         self._conn = conn
         self._send_key, self._recv_key = send_key, recv_key
         self._send_seq = self._recv_seq = 0
@@ -68,7 +84,12 @@ class Channel:
         self.key_id = key_id
         #: a secret of this channel alone (both ends hold it, nobody else): wraps a key sent over it
         self.exporter = exporter
-        self._loads = loads
+        self._loads, self._dumps, self._max_message = loads, dumps, max_message
+        self._expected: tuple[Callable[[Any], bool], str] | None = None
+
+    def expect(self, check: Callable[[Any], bool], what: str) -> None:
+        """Take only messages for which ``check`` is true (``what`` says which, in the refusal)."""
+        self._expected = (check, what)
 
     def send_bytes(self, data: bytes) -> None:
         with self._send_lock:
@@ -77,9 +98,24 @@ class Channel:
             self._conn.send_bytes(tag.digest() + data)
             self._send_seq += 1
 
-    def recv_bytes(self) -> bytes:
+    def recv_bytes(self, max_length: int | None = None) -> bytes:
+        """The next message's bytes, authenticated; from a node, at most :func:`~.wire.node_limit` bytes
+        (and ``max_length``), refused before they are read.
+
+        Raises:
+            AuthenticationFailed: for a message that fails its tag; RefusedMessage: for one too long.
+        """
         with self._recv_lock:
-            frame = self._conn.recv_bytes()
+            limits = [n for n in (max_length, None if self._max_message is None else self._max_message())
+                      if n is not None]
+            limit = min(limits) if limits else None
+            try:
+                frame = self._conn.recv_bytes(None if limit is None else limit + _TAG)
+            except OSError as err:
+                if limit is None or str(err) != "bad message length":
+                    raise
+                self._refuse(f"a message longer than {limit} bytes"
+                             + ("" if limit == max_length else " (rlharvest.transport.wire.limit_from_nodes)"))
             tag = hmac.new(self._recv_key, self._recv_seq.to_bytes(8, "big"), "sha256")
             tag.update(memoryview(frame)[_TAG:])
             if len(frame) < _TAG or not hmac.compare_digest(frame[:_TAG], tag.digest()):
@@ -89,22 +125,33 @@ class Channel:
             return frame[_TAG:]
 
     def send(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        """Send ``obj`` (a pickle from the listener's side, wire format 2 from the connecting side).
+
+        Raises:
+            UnsendableValue: (a TypeError, from a node) for what wire format 2 cannot hold; nothing was sent.
+        """
+        self.send_bytes(self._dumps(obj))
 
     def recv(self) -> Any:
         """The next message: authenticated bytes only (``recv_bytes`` checked the tag), and from a
-        node, through the allow-list of :mod:`.wire`.
+        node, decoded from wire format 2 (:mod:`.wire`) and one the channel expects.
 
         Raises:
-            RefusedMessage: (an OSError) for a message outside the allow-list; the channel is closed.
+            RefusedMessage: (an OSError) for a message it does not take; the channel is closed.
         """
         data = self.recv_bytes()
         try:
-            return self._loads(data)
-        except pickle.UnpicklingError as err:
-            self.close()
-            logger.warning("rlharvest: closed the channel of a peer whose message is refused: %s", err)
-            raise RefusedMessage(str(err)) from err
+            message = self._loads(data)
+        except NodeMessageError as err:
+            self._refuse(str(err))
+        if self._expected is not None and not self._expected[0](message):
+            self._refuse(f"a message that is not {self._expected[1]} ({_describe(message)})")
+        return message
+
+    def _refuse(self, why: str) -> NoReturn:
+        self.close()
+        logger.warning("rlharvest: closed the channel of a peer whose message is refused: %s", why)
+        raise RefusedMessage(why)
 
     def send_hello(self, hello: tuple) -> None:
         """The first message to a listener: plain values only (it never unpickles a hello)."""
@@ -216,13 +263,15 @@ def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listene
     try:
         if listener:
             session = listener_side(conn, authkey, identity)
+            channel = Channel(conn, session.send_key, session.recv_key, key_id=session.key_id,
+                              exporter=session.exporter, loads=decode_from_node, max_message=node_limit)
         else:
             session = connector_side(conn, authkey, key_id, learner)
-        channel = Channel(conn, session.send_key, session.recv_key, key_id=session.key_id, exporter=session.exporter,
-                          **({"loads": loads_from_node} if listener else {}))
+            channel = Channel(conn, session.send_key, session.recv_key, key_id=session.key_id,
+                              exporter=session.exporter, dumps=encode_from_node)
         if hello:  # the peer proved it holds the key
             watchdog.restart(hello_timeout if hello_timeout is not None else timeout)
-            first = decode_hello(channel.recv_bytes())
+            first = decode_hello(channel.recv_bytes(HELLO_MAX))
         else:
             first = None
     except Exception as err:
@@ -272,11 +321,12 @@ def accept_channel(server: socket.socket, authkey: Keys, timeout: float, user_ti
 
 
 def open_channel(host: str, port: int, authkey: bytes | NodeCredential, timeout: float, user_timeout: float,
-                 handshake_timeout: float = 5.0, key_id: int = 0) -> Channel:
+                 handshake_timeout: float = 5.0, key_id: int = 0,
+                 on_retry: Callable[[BaseException], None] | None = None) -> Channel:
     """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate
     with ``authkey``: a node's credential (its key, its id, and the learner's public key, whose
     signature the listener must show), or a key of id ``key_id`` (the listener then proves with an
-    HMAC under it: the weight and relay ports).
+    HMAC under it: the weight and relay ports); ``on_retry(error)`` is called before each retry.
 
     Raises:
         AuthenticationFailed: the listener did not prove itself; it is refused before anything it
@@ -297,9 +347,11 @@ def open_channel(host: str, port: int, authkey: bytes | NodeCredential, timeout:
                 raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
         except AuthenticationFailed as err:
             raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
-        except OSError:
+        except OSError as err:
             if time.monotonic() > deadline:
                 raise
+            if on_retry is not None:
+                on_retry(err)
         time.sleep(0.1)
 
 

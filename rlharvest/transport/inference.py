@@ -98,6 +98,9 @@ class InferenceChannels:
                 conn.close()
             except OSError:
                 pass
+        # A private copy, in place (the clients in the workers' specs hold this very tensor): the shared
+        # segment's descriptor closes with the collector's shutdown, even while the collector is referenced.
+        self.state.set_(self.state.clone())
 
 
 class InferenceClient(PolicyStep):
@@ -428,6 +431,8 @@ class InferenceServer:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        if not self.alive:  # the shared buffers' descriptors close with the collector, referenced or not
+            self.requests, self.responses, self.versions = {}, {}, None
 
     @property
     def alive(self) -> bool:

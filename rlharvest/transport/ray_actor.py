@@ -142,7 +142,7 @@ class RayWorkerEndpoint(WorkerEndpoint):
     def publish_batch(self, batch: TensorDictBase) -> FlatBatch | TensorDictBase:
         """A private copy (the reply is serialised when it leaves, after the next rollout may have
         begun), packed in one buffer when it can be: unpickling it in the parent is then one copy,
-        not a ``torch.load`` per leaf (docs/performance.md, "Learner CPU per batch")."""
+        not a ``torch.load`` per leaf (docs/archive/performance-history.md, "Learner CPU per batch")."""
         return FlatBatch.of(batch) if FlatBatch.packable(batch) else batch.clone()
 
     def wait_handle(self) -> Doorbell:

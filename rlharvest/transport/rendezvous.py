@@ -336,8 +336,62 @@ def _hello_rank(hello: Any) -> int | None:
 # torch's tcp:// rendezvous would serve rank 0's store on every interface: the main process serves
 # its own (store_server) and hands it to init_rpc through this URL scheme.
 _SCHEME = "rlharvest"
-_STORES: dict[str, Any] = {}
+#: token -> the forwarder torch RPC's agent is given, until the collector releases it
+_STORES: dict[str, "_ReleasableStore"] = {}
 _REGISTERED: list = []
+
+
+class _ReleasableStore(dist.Store):
+    """What torch RPC's agent is given as its store: it forwards to the group's ``TCPStore`` until
+    :meth:`release`, which drops the store, so its server stops listening and its connections close.
+
+    torch keeps the first RPC agent of a process for the process's life (its RRef context, a leaky
+    singleton, holds it), and with it the store the agent was given: that store's server listened on
+    ``tcp_port`` after ``shutdown()``, with two connections to itself, and the next collector on the
+    port could not start. A released forwarder holds nothing: what that first agent keeps is a few
+    TensorPipe descriptors, and no port.
+    """
+
+    def __init__(self, store: dist.TCPStore) -> None:
+        super().__init__()
+        self._store: dist.TCPStore | None = store
+
+    def release(self) -> None:
+        self._store = None
+
+    def _target(self) -> dist.TCPStore:
+        store = self._store
+        if store is None:
+            raise RuntimeError("the collector that served this RPC group's store was shut down")
+        return store
+
+    def set(self, key, value):
+        return self._target().set(key, value)
+
+    def get(self, key):
+        return self._target().get(key)
+
+    def add(self, key, value):
+        return self._target().add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._target().compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self._target().delete_key(key)
+
+    def num_keys(self):
+        return self._target().num_keys()
+
+    def check(self, keys):
+        return self._target().check(keys)
+
+    def wait(self, keys, timeout=None):
+        return self._target().wait(keys) if timeout is None else self._target().wait(keys, timeout)
+
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        self._target().set_timeout(timeout)
 
 
 def _store_rendezvous(url: str, **kwargs):
@@ -348,12 +402,14 @@ def _store_rendezvous(url: str, **kwargs):
 
 
 def serve_rpc_store(bind_host: str, port: int, world_size: int, timeout: float) -> tuple[str, Any]:
-    """Serve an RPC group's store on ``bind_host`` only; returns the ``init_method`` that uses it, and it."""
+    """Serve an RPC group's store on ``bind_host`` only; returns the ``init_method`` that uses it, and it
+    (:func:`release_rpc_store` closes it)."""
     if not _REGISTERED:
         register_rendezvous_handler(_SCHEME, _store_rendezvous)
         _REGISTERED.append(True)
     token = secrets.token_hex(8)
-    store = _STORES[token] = store_server(bind_host, port, world_size, timeout)
+    store = store_server(bind_host, port, world_size, timeout)
+    _STORES[token] = _ReleasableStore(store)
     return f"{_SCHEME}://{token}", store
 
 
@@ -376,4 +432,8 @@ def tensorpipe_interface(name: str | None) -> Iterator[None]:
 
 
 def release_rpc_store(init_method: str) -> None:
-    _STORES.pop(urlparse(init_method).netloc, None)
+    """Drop the store served for ``init_method``: once the caller drops its own reference too, its
+    server stops listening and its connections close (whatever torch keeps of the RPC agent)."""
+    forwarder = _STORES.pop(urlparse(init_method).netloc, None)
+    if forwarder is not None:
+        forwarder.release()

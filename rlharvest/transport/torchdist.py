@@ -17,6 +17,7 @@ public key), never the collector's secret: no node can act as the learner to ano
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -33,8 +34,8 @@ from .keys import AUTHKEY_ENV, NodeCredential, parse_node_key
 from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .pairing import form_pair, make_process_group
 from .rendezvous import CONTROL_KEY, PAIR_BACKENDS, Paired, Rendezvous
-from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle
-from .torchdist_join import JoinService
+from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle, is_node_message
+from .torchdist_join import JoinService, JoinWatcher
 from .torchdist_weights import NodeWeightLinks
 
 __all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_credential"]
@@ -178,6 +179,8 @@ class TorchDistBackend(Backend):
         return [self._handle(spec, paired[spec.worker_idx + 1], self.launched[spec.worker_idx]) for spec in specs]
 
     def _handle(self, spec: WorkerSpec, node: Paired, launched: LaunchedNode) -> DistWorkerHandle:
+        node.channel.expect(functools.partial(is_node_message, worker_idx=spec.worker_idx),
+                            f"a reply of node {spec.worker_idx} or a heartbeat")
         handle = DistWorkerHandle(node.channel, node.group, node.peer_rank, spec.worker_idx, launched,
                                   self.net.heartbeat_timeout, node.store)
         handle.conn.send_bytes(cloudpickle.dumps(spec))
@@ -185,9 +188,10 @@ class TorchDistBackend(Backend):
         return handle
 
     # ------------------------------------------------------------------ nodes that join (launcher="external")
-    def open_joins(self, command: list[str] | None = None) -> None:
+    def open_joins(self, command: list[str] | None = None, watcher: JoinWatcher | None = None) -> None:
         """``launcher="external"``: listen on ``tcp_port`` and take joining nodes from now on
-        (idempotent). ``command``: the argv that joins a node, named in the log while slots wait."""
+        (idempotent). ``command``: the argv that joins a node, named in the log while slots wait;
+        ``watcher``: told of each node that joins and each refused."""
         if self.joins is not None:
             return
         net = self.net
@@ -195,7 +199,8 @@ class TorchDistBackend(Backend):
         self.rendezvous = self._rendezvous()
         kwargs = {key: value for key, value in net.node_kwargs().items() if key in ("heartbeat_interval",)}
         self.joins = JoinService(self.rendezvous, self.backend, self.num_workers, kwargs, timeout=net.worker_timeout,
-                                 op_timeout=self.op_timeout, command=" ".join(command) if command else None)
+                                 op_timeout=self.op_timeout, command=" ".join(command) if command else None,
+                                 watcher=watcher)
 
     def _take_joined(self, specs: list[WorkerSpec], what: str) -> list[DistWorkerHandle]:
         """The handles of the nodes that joined the slots of ``specs`` (waiting up to ``worker_timeout``)."""

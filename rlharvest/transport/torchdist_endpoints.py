@@ -4,7 +4,9 @@ authenticated command channel and its process group (:mod:`rlharvest.transport.t
 
 A batch leaves a node as one flat ``uint8`` tensor (``rlharvest.data.flat``) sent point-to-point to
 the main process, right after the node's BATCH reply; the layout travels once, with the first reply
-(over the authenticated channel: the group only ever carries raw tensor bytes).
+(over the authenticated channel: the group only ever carries raw tensor bytes). The main process takes
+only replies and heartbeats on a node's channel, and allocates a batch buffer only for a layout it
+checked (:class:`~rlharvest.data.flat.FlatLayout`, within :func:`~rlharvest.transport.wire.node_limit`).
 
 Liveness: a node sends a heartbeat every ``heartbeat_interval`` seconds; the parent declares it
 dead when its connection closes (process death) or when no heartbeat arrived for
@@ -29,13 +31,15 @@ import torch
 from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout, is_dense
-from ..errors import WorkerError
+from ..errors import RemoteFailure, WorkerError
+from ..protocol import Reply
 from .base import WorkerEndpoint, WorkerHandle
 from .launchers import LaunchedNode
 from .rendezvous import BATCH_TAG
 from .torchdist_receiver import NodeGroupLinks
+from .wire import UnsendableValue
 
-__all__ = ["DistWorkerHandle", "DistWorkerEndpoint"]
+__all__ = ["DistWorkerHandle", "DistWorkerEndpoint", "is_node_message"]
 
 
 class DistWorkerHandle(WorkerHandle):
@@ -164,15 +168,20 @@ class DistWorkerHandle(WorkerHandle):
         if isinstance(reply.value, TensorDictBase):  # a batch that does not fit a flat buffer
             return reply.value
         if reply.value is not None:
-            if self._layout is not None and reply.value != self._layout:
-                raise ValueError(
-                    f"node {self.worker_idx} changed its batch layout.\nbefore: {self._layout.describe()}\n"
-                    f"now: {reply.value.describe()}"
-                )
+            if not isinstance(reply.value, FlatLayout):
+                raise WorkerError(f"sent a {type(reply.value).__name__} where a batch goes.",
+                                  worker_idx=self.worker_idx)
+            if self._layout is not None and reply.value != self._layout:  # a failure of the node's, as what follows
+                raise WorkerError(f"changed its batch layout.\nbefore: {self._layout.describe()}\n"
+                                  f"now: {reply.value.describe()}", worker_idx=self.worker_idx)
+            try:
+                self._flat, self._view = reply.value.allocate(zeroed=False)  # the node's bytes fill it whole
+            except (RuntimeError, ValueError) as err:  # e.g. memory, for a layout within the limit
+                raise WorkerError(f"its batch layout ({reply.value.total_bytes} bytes) could not be allocated: {err}",
+                                  worker_idx=self.worker_idx) from err
             self._layout = reply.value
-            self._flat, self._view = self._layout.allocate()
         if self._layout is None:
-            raise RuntimeError(f"node {self.worker_idx} sent a batch before its layout.")
+            raise WorkerError("sent a batch before its layout.", worker_idx=self.worker_idx)
         try:
             work = self.group.recv([self._flat], self.peer_rank, BATCH_TAG)
             work.wait(datetime.timedelta(seconds=self.heartbeat_timeout))
@@ -184,15 +193,23 @@ class DistWorkerHandle(WorkerHandle):
         return self._view
 
     def terminate(self, deadline: float) -> None:
+        self.launched.terminate(deadline)  # a node told to close exits by the deadline: it may be awaited
         try:
             self.conn.close()
         except OSError:
             pass
         self._closed = True
-        self.launched.terminate(deadline)
         # The node is gone: its group (sockets, threads) and batch buffer go too, also while this
         # handle stays in the slot of a node that left (as they go with a replaced node's handle).
         self.group = self._flat = self._view = self._layout = None
+
+
+def is_node_message(message: Any, worker_idx: int) -> bool:
+    """What node ``worker_idx`` sends its parent: its replies (their fields checked by the wire format)
+    and heartbeats (the main process takes nothing else on a node's command channel)."""
+    if type(message) is Reply:
+        return message.worker_idx == worker_idx
+    return type(message) is tuple and len(message) == 2 and message[0] == "hb" and type(message[1]) is int
 
 
 class DistWorkerEndpoint(WorkerEndpoint):
@@ -284,7 +301,13 @@ class DistWorkerEndpoint(WorkerEndpoint):
         return message
 
     def send(self, message: Any) -> None:
-        self._send(message)
+        try:
+            self._send(message)
+        except UnsendableValue as err:  # e.g. getattr_env of a value wire format 2 cannot hold: say so
+            if not isinstance(message, Reply):
+                raise
+            failure = RemoteFailure.capture(err, self.worker_idx)
+            self._send(Reply(message.request_id, message.worker_idx, failure=failure))
         if self._pending_send:
             # Non-blocking: the main process receives when it takes the reply, and meanwhile this node
             # must stay free to apply weight updates. The buffer is reused only after before_rollout().

@@ -5,11 +5,12 @@ Its command port (``tcp_port``) stays open for its whole life; nothing else of i
 before a node joined. A joining node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)
 opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: the collector
 proves first that it is the learner, then the node that it holds the join key, before anything is
-decoded) and says ``("join", pid, hostname)`` (plain values,
-never unpickled). On that same channel the main process answers
+decoded) and says ``("join", pid, hostname, wire format)`` (plain values, never unpickled; the format
+of the messages it sends, :data:`~.wire.WIRE_FORMAT`). On that same channel the main process answers
 
 * ``("refused", reason)`` when no slot is empty, nor empties within :attr:`JoinService.SLOT_GRACE`
-  seconds (logged at WARNING, the channel closed), or
+  seconds, or the node sends messages in another format (an older rlharvest's say no format: they are
+  pickles), logged at WARNING, the channel closed; or
 * ``("slot", rank, generation, backend, kwargs, wrapped)``: ``wrapped`` is the slot's key,
   encrypted under a secret of this channel alone; both sides then form the slot's group over the
   channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
@@ -22,8 +23,11 @@ Groups are formed on at most :attr:`JoinService.MAX_FORMING` threads at once, ea
 rendezvous timeout, so a node joins while the collector collects; the collector takes the joined
 node when it starts that slot (``TorchDistBackend``: ``start_all`` for the first nodes,
 ``start_one`` for a replacement), always on its own thread. While the collector waits for empty
-slots it says so (logger ``rlharvest``, INFO, every :attr:`JoinService.LOG_EVERY` seconds), with the
-command that joins a node.
+slots it says so, with the command that joins a node: once at WARNING after
+:attr:`JoinService.WARN_AFTER` seconds (a user who configured no logging sees it on stderr), then at
+INFO every :attr:`JoinService.LOG_EVERY` seconds. Whoever opens the service may be told of each node
+that joins a slot and each that is refused (:class:`JoinWatcher`): the collector publishes them as
+fleet events, without this module knowing of collectors.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel
@@ -43,19 +47,26 @@ from .keys import NodeCredential, slot_key, unwrap_key, wrap_key
 from .launchers import LaunchedNode
 from .pairing import form_pair
 from .rendezvous import Rendezvous
+from .wire import WIRE_FORMAT
 
-__all__ = ["JoinRefused", "JoinService", "JoinedNode", "Seat", "join_collector"]
+__all__ = ["JoinRefused", "JoinService", "JoinWatcher", "JoinedNode", "Seat", "join_collector"]
 
 logger = logging.getLogger("rlharvest")
 
 
 class JoinedNode(LaunchedNode):
-    """A node that joined from elsewhere, as the collector sees it: only through its channel."""
+    """A node that joined from elsewhere, as the collector sees it: only through its channel.
+
+    Args:
+        remote_pid, hostname, address: what the node said of itself, and where it connected from.
+        channel: its command channel, whose end on the node closes when the node's process exits.
+    """
 
     pid = None  # not a process of this machine (even when it runs here)
 
-    def __init__(self, remote_pid: int, hostname: str, address: str) -> None:
+    def __init__(self, remote_pid: int, hostname: str, address: str, channel: Channel | None = None) -> None:
         self.remote_pid, self.hostname, self.address = remote_pid, hostname, address
+        self._channel = channel
         self._stopped = False
 
     def is_alive(self) -> bool:
@@ -68,7 +79,17 @@ class JoinedNode(LaunchedNode):
         return f"the node that joined from {self.hostname} ({self.address}, pid {self.remote_pid}) is gone"
 
     def terminate(self, deadline: float) -> None:
-        self._stopped = True  # its handle closes its channel: the node exits on its own
+        """The node exits on its own once told to close, or once its handle closes the channel: wait
+        until ``deadline`` for its end of the channel to close (the collector's ``shutdown()`` then
+        returns once the nodes it told to close have exited). What it still sends is skipped unread."""
+        self._stopped = True
+        channel, self._channel = self._channel, None
+        try:
+            while channel is not None and time.monotonic() < deadline:
+                if channel.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    channel.recv_bytes()
+        except (EOFError, OSError):  # its end closed: the node's process has ended
+            pass
 
 
 @dataclass
@@ -80,6 +101,15 @@ class Joined:
     group: Any
     node: JoinedNode
     store: Any = None
+
+
+class JoinWatcher(NamedTuple):
+    """What the service tells whoever opened it, on the service's own threads (keep them short)."""
+
+    joined: Callable[[int, str, str], None]
+    """``(slot, hostname, address)``: a node joined ``slot`` (its group formed), waiting to be taken."""
+    refused: Callable[[str, str], None]
+    """``(who, reason)``: a node that came to join was refused."""
 
 
 def _local_address(channel: Channel) -> str:
@@ -102,10 +132,13 @@ class JoinService:
         timeout: seconds a joining node has to form its group and prove it.
         op_timeout: seconds a group operation may take.
         command: the command that joins a node, for the log while slots wait.
+        watcher: told of each node that joins a slot and each that is refused.
     """
 
     #: groups formed at once (each takes a thread for up to ``timeout``)
     MAX_FORMING = 4
+    #: seconds the collector waits for nodes before it says so at WARNING (once; INFO afterwards)
+    WARN_AFTER = 3.0
     #: seconds between two INFO lines naming the slots the collector waits for
     LOG_EVERY = 10.0
     #: seconds a node that finds every slot taken waits for one to empty before it is refused: the
@@ -113,8 +146,12 @@ class JoinService:
     SLOT_GRACE = 5.0
 
     def __init__(self, rendezvous: Rendezvous, backend: str, num_slots: int, node_kwargs: dict, *,
-                 timeout: float, op_timeout: float, command: str | None = None) -> None:
+                 timeout: float, op_timeout: float, command: str | None = None,
+                 watcher: JoinWatcher | None = None) -> None:
         self.rendezvous, self.backend, self.node_kwargs = rendezvous, backend, dict(node_kwargs)
+        self.node_kwargs.setdefault("slots", num_slots)  # a node says "joined as node i of n"
+        self.watcher = watcher
+        self._warned = False
         self.timeout, self.op_timeout, self.command = timeout, op_timeout, command
         self._cond = threading.Condition()
         self._wanted: set[int] = set(range(num_slots))
@@ -148,7 +185,7 @@ class JoinService:
             WorkerTimeoutError: naming the slots still empty then.
         """
         deadline = time.monotonic() + timeout
-        next_log = time.monotonic() + self.LOG_EVERY
+        next_log = time.monotonic() + (self.LOG_EVERY if self._warned else min(self.WARN_AFTER, self.LOG_EVERY))
         with self._cond:
             self._awaited.update(indices)
             try:
@@ -161,9 +198,10 @@ class JoinService:
                         break
                     if now >= next_log:
                         next_log = now + self.LOG_EVERY
-                        logger.info("rlharvest: waiting for nodes to join slot%s %s (%s, %.0f s left); start one per "
-                                    "empty slot with: %s", "s" if len(empty) > 1 else "", empty, what, deadline - now,
-                                    self.command or "collector.join_command()")
+                        level, self._warned = logging.INFO if self._warned else logging.WARNING, True
+                        logger.log(level, "rlharvest: waiting for nodes to join slot%s %s (%s, %.0f s left); start "
+                                   "one per empty slot with: %s", "s" if len(empty) > 1 else "", empty, what,
+                                   deadline - now, self.command or "collector.join_command()")
                     self._cond.wait(min(deadline - now, next_log - now, 0.5))
             finally:
                 self._awaited.difference_update(indices)
@@ -192,16 +230,21 @@ class JoinService:
 
     def _admit(self, channel: Channel, hello: Any, peer) -> None:
         listener = self.rendezvous.listener
-        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "join" and type(hello[1]) is int
+        if not (isinstance(hello, tuple) and len(hello) in (3, 4) and hello[0] == "join" and type(hello[1]) is int
                 and isinstance(hello[2], str) and channel.key_id == 0):
             channel.close()
             listener.drop(peer, f"not a join: {hello!r:.80}")
             return
         who = f"node {hello[2]!r:.40} (pid {hello[1]})"
+        if hello[3:] != (WIRE_FORMAT,):  # it could join, but the collector would refuse its first reply
+            said = f"wire format {hello[3]!r:.20}" if hello[3:] else "pickles (wire format 1)"
+            self._refuse(channel, peer, who, f"it sends its messages as {said}, this collector reads wire format "
+                         f"{WIRE_FORMAT}: install the collector's rlharvest version on the node")
+            return
         if not self._forming.acquire(blocking=False):
             self._refuse(channel, peer, who, f"{self.MAX_FORMING} nodes are joining already, try again")
             return
-        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?")
+        node = JoinedNode(hello[1], hello[2], peer[0] if peer else "?", channel)
         threading.Thread(target=self._join, args=(channel, peer, who, node),
                          name="rlharvest-join", daemon=True).start()
 
@@ -230,6 +273,8 @@ class JoinService:
             channel.send(("refused", reason))
         channel.close()
         self.rendezvous.listener.drop(peer, f"{who} refused: {reason}")
+        if self.watcher is not None:
+            self.watcher.refused(who, reason)
 
     def _join(self, channel: Channel, peer, who: str, node: JoinedNode) -> None:
         """Give the node a slot and form its group with it (on a thread of its own)."""
@@ -255,6 +300,8 @@ class JoinService:
             self._joined[index] = Joined(index, channel, group, node, store)
             self._cond.notify_all()
         logger.info("rlharvest: a node joined slot %d from %s (%s)", index, node.hostname, node.address)
+        if self.watcher is not None:
+            self.watcher.joined(index, node.hostname, node.address)
 
     def _seat(self, channel: Channel, index: int, generation: int) -> tuple[Any, Any]:
         """Tell the node its slot (and the slot's key, wrapped under this channel's own secret), form
@@ -278,16 +325,19 @@ class Seat:
     store: Any
     payload: bytes
     key: bytes = field(repr=False)
+    slots: int | None = None
+    """The collector's slots (None from a collector that does not say)."""
 
 
 def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, timeout: float = 120.0,
-                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0) -> Seat:
+                   handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0,
+                   on_retry: Callable[[BaseException], None] | None = None) -> Seat:
     """A joining node's side: join at the command port, form the slot's group, receive the spec.
 
     ``authkey``: the node's credential (what ``join_command()``'s key file holds), or the collector's
     secret (:func:`~.keys.parse_node_key` of the collector's key), whose join key it then proves.
     ``timeout`` bounds everything up to the collector's answer (reaching its command port, the
-    handshake), as one deadline.
+    handshake), as one deadline; ``on_retry(error)`` is called each time nothing answered yet.
 
     Raises:
         CollectorUnreachable: no collector answered at ``host:port`` within ``timeout``.
@@ -302,14 +352,18 @@ def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, tim
         # probe first: the collector would log each as a dropped connection, and its log of drops is
         # rate-limited, so probes could hide a real refusal or stranger
         conn = open_channel(host, int(port), credential, max(0.1, deadline - time.monotonic()), user_timeout,
-                            handshake_timeout)
+                            handshake_timeout, on_retry=on_retry)
     except OSError as err:
         if isinstance(err, ConnectionError) and not isinstance(err, ConnectionRefusedError):
             raise  # AuthenticationFailed, a reset: the collector answered
         raise CollectorUnreachable(f"no collector answered at {host}:{port} within {timeout:g} s "
                                    f"({_why(err)}).") from None
-    conn.send_hello(("join", os.getpid(), socket.gethostname()))
-    reply = conn.recv()  # the collector proved it is the learner: its messages are trusted
+    conn.send_hello(("join", os.getpid(), socket.gethostname(), WIRE_FORMAT))
+    try:
+        reply = conn.recv()  # the collector proved it is the learner: its messages are trusted
+    except EOFError:  # a collector that does not know this hello (an older rlharvest) closes at once
+        raise EOFError(f"without answering the join at {host}:{port}: it may run another rlharvest version, this "
+                       f"node sends wire format {WIRE_FORMAT}") from None
     if isinstance(reply, tuple) and reply[:1] == ("refused",):
         conn.close()
         raise JoinRefused(f"the collector at {host}:{port} refused this node: {reply[1]}.")
@@ -323,7 +377,9 @@ def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, tim
     group, store = form_pair(conn, key, 1, backend, timeout=timeout, op_timeout=op_timeout,
                              device_host=_local_address(conn))
     payload = conn.recv_bytes()
-    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload, key)
+    slots = kwargs.get("slots")
+    return Seat(conn, group, rank - 1, float(kwargs.get("heartbeat_interval", 1.0)), store, payload, key,
+                slots if type(slots) is int else None)
 
 
 def _why(err: BaseException) -> str:

@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..data.flat import FlatLayout
+from ..errors import RemoteFailure
 from .base import WeightReceiver
 from .channel import open_channel, shutdown_connection
 from .ports import boot_id, is_loopback
@@ -35,7 +36,7 @@ from .torchdist_relay import Forwarder, Links, RelayPort, Stream, local_address,
     weight_key
 from .weight_pool import attach_named, create_named, unlink_named
 
-__all__ = ["NodeGroupLinks", "DistWeightReceiver"]
+__all__ = ["NodeGroupLinks", "DistWeightReceiver", "is_receiver_message"]
 
 
 @dataclass
@@ -293,6 +294,25 @@ class DistWeightReceiver(WeightReceiver):
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def _is_id(value: Any) -> bool:
+    """A generation's id (an int) or a slot's (two ints)."""
+    return type(value) is int or (type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value))
+
+
+def is_receiver_message(message: Any) -> bool:
+    """What a receiver sends its sender (the main process takes nothing else on a weight channel):
+    ``("ack", version, generation or slot or None)``, ``("error", failure)``, ``("staged" or
+    "unrelayed", version, slot)``."""
+    if type(message) is not tuple or not message:
+        return False
+    if message[0] == "error":
+        return len(message) == 2 and type(message[1]) is RemoteFailure
+    if len(message) != 3 or type(message[1]) is not int:
+        return False
+    return (message[0] == "ack" and (message[2] is None or _is_id(message[2]))) or \
+        (message[0] in ("staged", "unrelayed") and _is_id(message[2]))
 
 
 def _take_early(receiver_ref: weakref.ref, message) -> bool:

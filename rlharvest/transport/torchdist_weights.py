@@ -43,7 +43,7 @@ from .listener import ChannelListener
 from .ports import boot_id
 from .rendezvous import WEIGHTS_TAG
 from .torchdist_hosts import RemoteHost, RemoteHosts
-from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks
+from .torchdist_receiver import DistWeightReceiver, NodeGroupLinks, is_receiver_message
 from .torchdist_relay import (FROM_MAIN, Forwarder, Links, Stream, chunk_digests, relay_port_key, weight_key,
                               wrap_key)
 from .weight_pool import GenerationBook, NamedShmAllocator
@@ -169,6 +169,7 @@ class DistWeightSender(WeightSender):
                     conn.close()
                     self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
                     continue
+                conn.expect(is_receiver_message, "an acknowledgement, a failure or a staged update")
                 self.conns[worker] = conn
                 self._awaited.discard(worker)
                 self.local[worker] = bool(hello[2]) and hello[3] == here
@@ -369,6 +370,8 @@ class DistWeightSender(WeightSender):
                 if state == "waiting":
                     self._send_unrelayed(carrier, version)
                     continue
+                if state == "staged" and self._staged[carrier][1] not in host.slots:  # not a slot it was given
+                    state = "lost"
                 if state == "staged":
                     _, slot_id = self._staged[carrier]
                     handle = (host.slots[slot_id], self._layout)

@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._utils import cpu_count
-from ..data.flat import FlatLayout, flat_leaves, freeze
+from ..data.flat import FlatLayout, check_same_leaves, flat_leaves, freeze
 
 __all__ = ["Generation", "GenerationBook", "GenerationPool", "TorchShmAllocator", "NamedShmAllocator", "attach_named", "copy_into",
            "create_named", "map_named", "unlink_named"]
@@ -144,11 +144,10 @@ def copy_into(generation: Generation, keys: list, weights: TensorDictBase) -> No
     """One fused copy of ``weights`` into a generation.
 
     Raises:
-        KeyError: when the weight keys differ from the generation's.
+        WeightNamesError, WeightShapeError: when the weights' names or shapes differ from the generation's.
     """
     given, sources = flat_leaves(weights)
-    if given != keys:
-        raise KeyError(f"Weight keys do not match the destination.\ndestination keys: {keys}\nweight keys: {given}")
+    check_same_leaves(keys, generation.leaves, given, sources, "the shared weights")
     if not sources:  # a parameter-free model (e.g. a random policy): nothing to move
         return
     with torch.no_grad():

@@ -4,30 +4,30 @@ holder can do").
 * **Hellos**, the first message on every port (command, weight, relay): a JSON array of plain
   values (``str``, ``int``, ``bool``, ``None``), at most :data:`HELLO_MAX` bytes, decoded as a tuple.
   A hello is never unpickled, so a peer that merely holds a key cannot make a listener run code.
-* **Messages from nodes to the main process** (replies, heartbeats, acknowledgements) are pickles,
-  unpickled by :class:`NodeUnpickler`: it resolves only the globals of an allow-list (the wire types
-  of the worker loop, tensors, tensordicts, numpy arrays and the plain containers of the standard
-  library); any other global, however harmless, fails the message. A node can still send wrong
-  values, as it can send a wrong batch; it cannot make the main process call what it likes.
-  :func:`allow_from_nodes` adds types of your own (e.g. what ``getattr_env`` returns).
+* **Messages from nodes to the main process** (replies, heartbeats, acknowledgements) are never
+  pickles: they are in wire format 2 (:mod:`.node_codec`), a JSON description of the value and raw
+  bytes for its tensors, decoded without importing anything or calling anything of the node's
+  choosing, every size bounded before it is allocated (:func:`limit_from_nodes`). A node can still
+  send wrong values, as it can send a wrong batch; it cannot make the main process run code, crash
+  or allocate what it likes. :func:`allow_from_nodes` adds classes of your own (e.g. what
+  ``getattr_env`` returns), rebuilt from their attributes.
 
 Nodes unpickle what the main process sends them as they are: they run the spec it sends anyway.
 """
 
 from __future__ import annotations
 
-import builtins
-import importlib
-import io
 import json
-import pickle
-import sys
 import threading
 from typing import Any
 
-import torch
+from .node_codec import FORMAT, ClassNotAllowed, NodeMessageError, UnsendableValue, decode, encode, rebuildable
 
-__all__ = ["HELLO_MAX", "allow_from_nodes", "decode_hello", "encode_hello", "loads_from_node", "NodeUnpickler"]
+__all__ = ["HELLO_MAX", "WIRE_FORMAT", "ClassNotAllowed", "NodeMessageError", "UnsendableValue", "allow_from_nodes",
+           "decode_from_node", "decode_hello", "encode_from_node", "encode_hello", "limit_from_nodes", "node_limit"]
+
+#: the format of the messages nodes send the main process (1: pickles, rlharvest before it)
+WIRE_FORMAT = FORMAT
 
 #: the largest hello, in bytes (every hello of the protocol takes less than 300)
 HELLO_MAX = 1024
@@ -68,109 +68,87 @@ def decode_hello(data: bytes) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------- node messages
-#: ``module -> names`` a node's message may refer to (classes built, functions called by the unpickler)
-_ALLOWED: dict[str, frozenset[str]] = {
-    "builtins": frozenset({"bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
-                           "object", "range", "set", "slice", "str", "tuple", "NoneType", "Ellipsis",
-                           "NotImplemented"}),
-    "collections": frozenset({"OrderedDict", "defaultdict", "deque", "Counter"}),
-    "datetime": frozenset({"date", "datetime", "time", "timedelta", "timezone"}),
-    "copyreg": frozenset({"_reconstructor"}),
-    "torch": frozenset({"Size", "device", "Tensor", "dtype"}),
-    "torch._utils": frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-                               "_rebuild_parameter_with_state", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
-                               "_rebuild_meta_tensor_no_storage", "_rebuild_qtensor",
-                               "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}),
-    "torch._tensor": frozenset({"_rebuild_from_type_v2"}),
-    "torch.nn.parameter": frozenset({"Parameter", "Buffer"}),
-    "numpy": frozenset({"ndarray", "dtype"}),
-    "numpy.core.multiarray": frozenset({"_reconstruct", "scalar"}),
-    "numpy._core.multiarray": frozenset({"_reconstruct", "scalar"}),
-    "numpy.random._pickle": frozenset({"__bit_generator_ctor", "__randomstate_ctor", "__generator_ctor"}),
-    "numpy.random.mtrand": frozenset({"RandomState"}),
-    "numpy.random._generator": frozenset({"Generator"}),
-    "numpy.random._pcg64": frozenset({"PCG64"}),
-    "numpy.random._mt19937": frozenset({"MT19937"}),
-    "tensordict._td": frozenset({"TensorDict"}),
-    "tensordict._lazy": frozenset({"LazyStackedTensorDict"}),
-    "tensordict.tensorclass": frozenset({"NonTensorData", "NonTensorStack"}),
-    "rlharvest.protocol": frozenset({"Reply", "Message", "Command"}),
-    "rlharvest.errors": frozenset({"RemoteFailure"}),
-    "rlharvest.data.flat": frozenset({"FlatLayout", "_Entry"}),
-}
-_EXTRA: dict[tuple[str, str], Any] = {}
+#: ``(module, qualified name) -> class``: the user's classes that messages from nodes may hold
+_ALLOWED: dict[tuple[str, str], type] = {}
 _LOCK = threading.Lock()
+#: the most bytes one message from a node may take, and one batch layout of a node announce
+_LIMIT = [1 << 32]
 
 
-def allow_from_nodes(*objects: Any) -> None:
-    """Let messages from nodes hold instances of ``objects`` (classes, or functions their pickles call).
+def allow_from_nodes(*classes: type) -> None:
+    """Let messages from nodes hold instances of ``classes`` (e.g. what ``getattr_env`` returns).
 
-    Only add types whose construction has no effect outside the object: the unpickler calls them
-    with arguments a node chooses.
+    Such an instance travels as its class's module and qualified name and its attributes (its
+    ``__dict__``, each value sent as any other), or for an ``Enum`` its member's name, for a named
+    tuple its fields. The main process rebuilds it without calling the class: ``object.__new__``
+    and the attributes set, as ``copy.copy`` does; ``__init__``, ``__post_init__`` and
+    ``__setstate__`` do not run. Its attributes may hold anything a node can send
+    (docs/security.md, "What a node's messages can do"), including other allowed classes.
 
     Raises:
-        TypeError: for an object without a module and a qualified name.
+        TypeError: for what is not such a class (a function, a class with a ``__new__`` of its own,
+            or whose instances keep their state in slots).
 
     Example:
-        >>> from rlharvest.transport.wire import allow_from_nodes
-        >>> class Spec: ...
+        >>> import dataclasses
+        >>> from rlharvest.transport.wire import allow_from_nodes, decode_from_node, encode_from_node
+        >>> @dataclasses.dataclass
+        ... class Spec:
+        ...     name: str
         >>> allow_from_nodes(Spec)
+        >>> decode_from_node(encode_from_node(Spec("pong")))
+        Spec(name='pong')
     """
-    for obj in objects:
-        module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-        if not isinstance(module, str) or not isinstance(name, str):
-            raise TypeError(f"allow_from_nodes takes classes or functions, got {obj!r:.80}")
+    for cls in classes:
+        if not isinstance(cls, type):
+            raise TypeError(f"allow_from_nodes takes classes, got {cls!r:.80}: messages from nodes are not pickles, "
+                            "no function is called to rebuild them (docs/security.md)")
+        if not rebuildable(cls):
+            raise TypeError(f"allow_from_nodes takes classes whose instances keep their state in their __dict__, "
+                            f"enums and named tuples; {cls.__qualname__} has a __new__ of its own or slots")
         with _LOCK:
-            _EXTRA[(module, name)] = obj
+            _ALLOWED[(cls.__module__, cls.__qualname__)] = cls
 
 
-def _load_storage(data: bytes):
-    """What ``torch.storage._load_from_bytes`` returns, loaded with torch's own allow-list."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _resolve(module: str, name: str) -> Any:
-    extra = _EXTRA.get((module, name))
-    if extra is not None:
-        return extra
-    if module == "torch.storage" and name == "_load_from_bytes":
-        return _load_storage  # torch's own would unpickle the storage's bytes without restriction
-    if "." in name:
-        return None  # a nested attribute path: never needed by an allowed type
-    if module == "builtins":
-        obj = getattr(builtins, name, None)
-        if name in _ALLOWED["builtins"] or (isinstance(obj, type) and issubclass(obj, BaseException)):
-            return obj
-        return None
-    if module == "torch":
-        obj = getattr(torch, name, None)
-        if name in _ALLOWED["torch"] or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            return obj
-        return None
-    if name in _ALLOWED.get(module, ()):
-        loaded = sys.modules.get(module) or importlib.import_module(module)
-        return getattr(loaded, name, None)
-    loaded = sys.modules.get(module)  # a warning category of a module already imported (load_state_dict)
-    obj = getattr(loaded, name, None) if loaded is not None else None
-    return obj if isinstance(obj, type) and issubclass(obj, Warning) else None
-
-
-class NodeUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals of the allow-list (module docstring)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = _resolve(module, name)
-        if obj is None:
-            raise pickle.UnpicklingError(
-                f"a node sent {module}.{name}, which the main process does not unpickle from nodes: add the type "
-                "with rlharvest.transport.wire.allow_from_nodes if it is yours (docs/security.md).")
-        return obj
-
-
-def loads_from_node(data: bytes) -> Any:
-    """Unpickle a node's message with :class:`NodeUnpickler`.
+def limit_from_nodes(max_bytes: int) -> None:
+    """The most bytes one message from a node may take (4 GiB by default), and the most a batch
+    layout a node announces may make the main process allocate for its batches. A node that sends
+    more is refused (its channel closes, logged at WARNING). Raise it for larger batches, state
+    dicts or values than that.
 
     Raises:
-        pickle.UnpicklingError: for a global outside the allow-list.
+        ValueError: for anything but a positive int.
+
+    Example:
+        >>> from rlharvest.transport.wire import limit_from_nodes, node_limit
+        >>> limit_from_nodes(8 << 30)
+        >>> node_limit()
+        8589934592
+        >>> limit_from_nodes(4 << 30)
     """
-    return NodeUnpickler(io.BytesIO(data)).load()
+    if type(max_bytes) is not int or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    _LIMIT[0] = max_bytes
+
+
+def node_limit() -> int:
+    """The limit of :func:`limit_from_nodes`."""
+    return _LIMIT[0]
+
+
+def encode_from_node(value: Any) -> bytes:
+    """What a node sends for ``value`` (wire format 2, :mod:`.node_codec`).
+
+    Raises:
+        UnsendableValue: (a ``TypeError``) for a value the format cannot hold, naming it.
+    """
+    return encode(value)
+
+
+def decode_from_node(data: bytes) -> Any:
+    """The value of a node's message, with the classes :func:`allow_from_nodes` allowed.
+
+    Raises:
+        NodeMessageError: (a ``ValueError``) for anything else; nothing else comes out of it.
+    """
+    return decode(data, _ALLOWED, _LIMIT[0])

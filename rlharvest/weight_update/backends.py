@@ -6,7 +6,7 @@ when that scheme is asked for.
 
 from __future__ import annotations
 
-import importlib
+from .._utils import import_object
 
 __all__ = ["BACKEND_SCHEMES", "BACKEND_ALIASES", "scheme_class"]
 
@@ -33,5 +33,4 @@ def scheme_class(backend: str) -> type:
     if not isinstance(name, str) or name not in BACKEND_SCHEMES:
         raise ValueError(f"backend must be one of {sorted(set(BACKEND_SCHEMES) | set(BACKEND_ALIASES))}, "
                          f"got {backend!r}")
-    module, _, qualname = BACKEND_SCHEMES[name].partition(":")
-    return getattr(importlib.import_module(module), qualname)
+    return import_object(BACKEND_SCHEMES[name])

@@ -25,7 +25,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         relay: with two or more remote hosts, send each update to one host only and let the hosts
             forward it to each other (docs/weights.md, "A relay between hosts"): ~1x the weights out
             of the learner whatever the number of hosts, and behind network-speed uplinks about the
-            latency of an update to one host, at the cost of CPU on the hosts (docs/performance.md).
+            latency of an update to one host, at the cost of CPU on the hosts (docs/performance-at-scale.md).
             On by default (it takes effect only with two or more remote hosts); ``False`` sends each
             remote host its own copy and opens no relay port on the nodes.
 

@@ -16,6 +16,7 @@ traceback, which the parent raises as :class:`~rlharvest.errors.WorkerError`.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import multiprocessing.connection
 import signal
@@ -36,7 +37,20 @@ from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, Unkn
 from ..transport.base import WorkerEndpoint
 from .contract import ParentDuties, WorkerCollector
 
-__all__ = ["Worker", "run_worker"]
+__all__ = ["Worker", "WorkerEnd", "run_worker"]
+
+
+class WorkerEnd(str, enum.Enum):
+    """Why a worker's loop ended (what :func:`run_worker` returns; ``rlharvest node`` says it)."""
+
+    CLOSED = "closed"
+    """The parent sent CLOSE: the collector shut down, or removed this worker."""
+    LEFT = "left"
+    """Preempted (SIGTERM): it finished or handed back its rollout and said it leaves."""
+    PARENT_GONE = "parent gone"
+    """The parent disappeared (its connection closed) without a word."""
+    FAILED = "failed"
+    """Building its collector failed (the parent was told)."""
 
 
 def _is_stateless(policy: Any) -> bool:
@@ -166,8 +180,8 @@ class Worker:
         return reply
 
     # ------------------------------------------------------------------ the push loop
-    def serve(self, idle_timeout: float = 0.25) -> None:
-        """Answer commands until CLOSE (or until the parent disappears)."""
+    def serve(self, idle_timeout: float = 0.25) -> WorkerEnd:
+        """Answer commands until CLOSE, a preemption's leave, or the parent disappearing; returns which."""
         endpoint = self.endpoint
         waitables = self._waitables()
         while not self.closed and self.preempted_at is None:
@@ -191,6 +205,8 @@ class Worker:
             endpoint.send(reply)
         if self.preempted_at is not None and not self.closed:
             self._leave()
+            return WorkerEnd.LEFT
+        return WorkerEnd.CLOSED if self.closed else WorkerEnd.PARENT_GONE
 
     # ------------------------------------------------------------------ preemption (docs/elastic.md)
     def preempt(self, *_: Any) -> None:
@@ -407,8 +423,10 @@ def _receiver_copy(scheme):
     return copy
 
 
-def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
-    """A worker's life on a push transport: build, send READY (or the failure), serve, clean up.
+def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint,
+               on_ready: Callable[[], None] | None = None) -> WorkerEnd:
+    """A worker's life on a push transport: build, send READY (or the failure), serve, clean up;
+    returns why it ended. ``on_ready()`` is called once READY was sent.
 
     Every push backend runs exactly this in its worker (a process, a thread, a node); backends get
     it passed in as their target (``rlharvest.transport`` never imports the worker loop).
@@ -423,7 +441,7 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
     except BaseException as err:
         endpoint.send(Reply(READY, spec.worker_idx, failure=RemoteFailure.capture(err, spec.worker_idx)))
         endpoint.close()
-        return
+        return WorkerEnd.FAILED
     if handles_sigterm:
         signal.signal(signal.SIGTERM, worker.preempt)  # a preemption is a leave (docs/elastic.md)
         if early:
@@ -431,8 +449,10 @@ def run_worker(spec: WorkerSpec, endpoint: WorkerEndpoint) -> None:
     elif spec.preemption_grace is not None:  # a loop in a thread (a Ray actor's): its process catches SIGTERM
         endpoint.on_preemption(worker.preempt_at)
     endpoint.send(Reply(READY, spec.worker_idx, value="ready"))
+    if on_ready is not None:
+        on_ready()
     try:
-        worker.serve()
+        return worker.serve()
     finally:
         if not worker.closed:
             worker.collector.shutdown(raise_on_error=False)

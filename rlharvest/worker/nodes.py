@@ -10,9 +10,10 @@ serves. They live beside the worker loop they run; backends get them as their ta
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 import torch
@@ -20,18 +21,29 @@ import torch
 from .._utils import use_worker_scheduling
 from ..errors import RemoteFailure
 from ..protocol import READY, Reply
+from ..transport.keys import NodeCredential
 from ..transport.rpc_node import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
 from ..transport.torchdist import DistWorkerEndpoint, join_as_node
-from ..transport.keys import NodeCredential
 from ..transport.torchdist_join import join_collector
 from ..transport.weight_pool import attach_named
-from .loop import Worker, run_worker
+from .loop import Worker, WorkerEnd, run_worker
 
-__all__ = ["node_main", "join_main", "RPC_CALLS"]
+__all__ = ["node_main", "join_main", "RPC_CALLS", "Report"]
+
+#: ``report(line)``: what a node started by hand (``rlharvest node``) says of each change of its state
+Report = Callable[[str], None]
+
+#: how a node says why it stopped
+_ENDS = {
+    WorkerEnd.CLOSED: "the collector closed this node (it shut down, or removed this node): exiting",
+    WorkerEnd.LEFT: "left the collector on SIGTERM (preempted), after its rollout: exiting",
+    WorkerEnd.PARENT_GONE: "lost the collector (its connection closed without a word): exiting",
+    WorkerEnd.FAILED: "could not build its env or policy (the collector was told why): exiting",
+}
 
 
 def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "gloo",
-              framework: str = "distributed", **kwargs: Any) -> None:
+              framework: str = "distributed", report: Report | None = None, **kwargs: Any) -> None:
     """The entry point of every node: its rank, the world size, the main process's address; the rest
     of its configuration arrives from the main process.
 
@@ -41,44 +53,78 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
         host, port: the main process's address and the collector's ``tcp_port``.
         backend: the process-group backend.
         framework: ``"distributed"`` (DistributedCollector) or ``"rpc"`` (RPCCollector).
+        report: told of each change of the node's state (``rlharvest node`` prints them); None: silent.
         **kwargs: start arguments from the launcher (key, timeouts, generation, ...).
     """
     use_worker_scheduling()  # before the store, gloo or RPC start their threads: they inherit it
     torch.set_num_threads(1)
+    say = report or _silent
+    say(f"connecting to {host}:{port} as node {rank - 1}")
     if framework == "rpc":
         serve_rpc_node(rank, host, port, RPC_CALLS, **kwargs)
+        say("the collector released this node: exiting")
         return
     endpoint, payload = join_as_node(rank, world_size, host, port, backend, **kwargs)
-    _serve(endpoint, payload, rank - 1)
+    say(f"joined as node {rank - 1} of {world_size - 1} ({host}:{port})")
+    _serve(endpoint, payload, rank - 1, say)
 
 
-def join_main(host: str, port: int, authkey: NodeCredential | bytes, **kwargs: Any) -> None:
+def join_main(host: str, port: int, authkey: NodeCredential | bytes, report: Report | None = None,
+              **kwargs: Any) -> None:
     """The entry point of a node that joins a running collector (``launcher="external"``): it is given
     an empty slot (or refused: :class:`~rlharvest.transport.torchdist_join.JoinRefused`), then serves
-    it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)."""
+    it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``); ``report`` is
+    told of each change of its state."""
     use_worker_scheduling()
     torch.set_num_threads(1)
-    seat = join_collector(host, port, authkey, **kwargs)
+    say = report or _silent
+    retrying: list[BaseException] = []
+
+    def on_retry(err: BaseException) -> None:
+        if not retrying:  # said once: the state changed from connecting to retrying
+            retrying.append(err)
+            say(f"nothing answers at {host}:{port} yet ({_reason(err)}): retrying for up to "
+                f"{kwargs.get('timeout', 120.0):g} s")
+
+    say(f"connecting to {host}:{port}")
+    seat = join_collector(host, port, authkey, on_retry=on_retry, **kwargs)
+    of = f" of {seat.slots}" if seat.slots is not None else ""
+    say(f"joined as node {seat.index}{of} ({host}:{port})")
+    # The collector knows this process has ended when its command socket closes (it cannot wait for a
+    # process of another host): a duplicate, never closed, keeps the socket open until the exit closes
+    # it, so the collector's shutdown() returns once this node is gone, not when it starts to exit.
+    os.dup(seat.conn.fileno())
     endpoint = DistWorkerEndpoint(seat.conn, seat.group, seat.index, seat.heartbeat_interval, seat.store, seat.key)
-    _serve(endpoint, seat.payload, seat.index)
+    _serve(endpoint, seat.payload, seat.index, say)
 
 
-def _serve(endpoint, payload: bytes, index: int) -> None:
+def _silent(line: str) -> None:
+    """A node started by a launcher says nothing: its collector logs what happens to it."""
+
+
+def _reason(err: BaseException) -> str:
+    return err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+
+
+def _serve(endpoint, payload: bytes, index: int, say: Report = _silent) -> None:
     """Run the worker loop of the spec the main process sent, on ``endpoint``."""
     rank = index + 1
     try:
-        # The spec names the env constructors and the policy by reference: a node whose sys.path
-        # lacks their module must say so to the main process, not only in its own log.
+        # The spec's env constructors and policy travel by reference when a module defines them
+        # (cloudpickle): a node whose sys.path lacks that module must say so to the main process,
+        # not only in its own log.
         spec = cloudpickle.loads(payload)  # authenticated bytes from the main process
     except BaseException as err:
         endpoint.send(Reply(READY, rank - 1, failure=RemoteFailure.capture(err, rank - 1)))
         endpoint.close()
+        say(f"could not load what the collector sent ({type(err).__name__}: {err}): exiting")
         return
     torch.set_num_threads(max(1, int(spec.num_threads)))
     try:
-        run_worker(spec, endpoint)
+        end = run_worker(spec, endpoint, on_ready=lambda: say(f"collecting as node {index}"))
     finally:
         endpoint.close()
+    say(_ENDS[end])
 
 
 # ---------------------------------------------------------------------------------------------- RPC nodes

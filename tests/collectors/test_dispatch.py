@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+from unittest import mock
 
 import pytest
 from mocks import CountingPolicy
 
 from rlharvest import service_backend
-from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiSyncCollector
+from rlharvest.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiCollector, MultiSyncCollector
 from rlharvest.collectors.distributed import DistributedCollector, RPCCollector
 from rlharvest.envs import CountingEnv
 
@@ -62,6 +63,45 @@ def test_node_backends_take_backend_options(backend, expected, free_port):
         assert next(iter(collector)).shape == (2, 4)
     finally:
         collector.shutdown()
+
+
+@pytest.mark.parametrize("backend, path", [
+    ("process", "rlharvest.collectors.multi.MultiCollector"),
+    ("multiprocessing", "rlharvest.collectors.multi.MultiCollector"),
+    ("distributed", "rlharvest.collectors.distributed.DistributedCollector"),
+    ("submitit", "rlharvest.collectors.distributed.DistributedCollector"),
+    ("rpc", "rlharvest.collectors.distributed.RPCCollector"),
+    ("ray", "rlharvest.collectors.distributed.RayCollector"),
+])
+def test_the_backend_class_is_looked_up_when_collector_is_called(backend, path):
+    """As TorchRL: what sits at the public path when Collector is called (here a mock) is what it builds."""
+    with mock.patch(path) as target:
+        built = Collector(CountingEnv, backend=backend, backend_options={"option": 1}, num_collectors=2,
+                          frames_per_batch=8)
+    assert built is target.return_value
+    args, kwargs = target.call_args
+    assert args == ([CountingEnv, CountingEnv],) and kwargs["sync"] is False and kwargs["option"] == 1
+    assert kwargs.get("launcher") == ("submitit" if backend == "submitit" else None)
+    assert kwargs.get("num_collectors") == (2 if backend == "ray" else None)
+
+
+def test_a_service_backend_context_builds_the_class_found_when_collector_is_called():
+    with mock.patch("rlharvest.collectors.distributed.RPCCollector") as target, service_backend("rpc"):
+        built = Collector(CountingEnv, num_collectors=2, frames_per_batch=8)
+    assert built is target.return_value and target.call_args.kwargs["sync"] is False
+
+
+def test_collector_and_multicollector_keep_their_rules_while_their_module_names_are_replaced():
+    with mock.patch("rlharvest.collectors.multi.MultiCollector"), mock.patch("rlharvest.collectors.single.Collector"):
+        collector = MultiCollector([CountingEnv], frames_per_batch=4, total_frames=4, sync=False)
+        try:
+            assert type(collector) is MultiAsyncCollector
+        finally:
+            collector.shutdown()
+        with pytest.raises(TypeError, match="only Collector"):  # a subclass still refuses the selectors
+            type("MyCollector", (Collector,), {})(CountingEnv, frames_per_batch=4, num_collectors=2)
+        direct = Collector(CountingEnv, frames_per_batch=4, total_frames=4)
+        assert type(direct) is Collector
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -13,10 +13,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
 import torch
+from tensordict.nn import TensorDictModule
 from mocks import ActionRewardEnv, FaultyEnv, wait_until, weight_policy, weight_policy_of
 from process_check import process_gone
 
@@ -223,11 +226,75 @@ def test_env_with_its_own_step_counter_and_a_batched_env():
     (dict(env=ActionRewardEnv(), weight_sync_schemes={}), "with weight_sync_schemes builds the env"),
     (dict(num_trajectories=0), "num_trajectories must be a positive int"),
     (dict(collector_cls="Colector"), "collector_cls 'Colector' is not a class of rlharvest.collectors"),
+    (dict(episode_sampling="shortest"), "Unknown episode_sampling 'shortest': choose one of 'first_done', 'per_env'"),
+    (dict(episode_sampling="per_env", max_steps=None), "integer max_steps; got max_steps=None"),
+    (dict(episode_sampling="per_env", backend="process"), "integer max_steps; got backend='process'"),
 ])
 def test_bad_arguments_name_what_is_allowed(arguments, message):
-    arguments = {"env": ActionRewardEnv, "policy_factory": weight_policy_of, **arguments}
+    arguments = {"env": ActionRewardEnv, "policy_factory": weight_policy_of, "max_steps": TRUNCATED, **arguments}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Evaluator(arguments.pop("env"), **arguments)
+
+
+class OverlapProbe(torch.nn.Module):
+    """Acts 1, and counts the calls that began while another one was running (two evaluations at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.running, self.overlaps, self.lock = 0, 0, threading.Lock()
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.running += 1
+            self.overlaps += self.running > 1
+        time.sleep(0.005)
+        with self.lock:
+            self.running -= 1
+        return torch.zeros(observation.shape) + self.weight
+
+
+@pytest.mark.parametrize("call", ["evaluate", "evaluate_episodes"])
+def test_a_request_queued_from_another_thread_waits_for_the_callers_evaluation(call):
+    probe = OverlapProbe()
+    evaluator = Evaluator(ActionRewardEnv(max_steps=3), TensorDictModule(probe, ["observation"], ["action"]),
+                          num_trajectories=20, max_steps=TRUNCATED, busy_policy="queue")
+    def trigger_while_busy():
+        wait_until(lambda: evaluator.pending, timeout=30, what="the caller's evaluation")
+        evaluator.trigger_eval(step=7)
+
+    helper = threading.Thread(target=trigger_while_busy)
+    try:
+        helper.start()
+        getattr(evaluator, call)()
+        helper.join(timeout=30)
+        assert evaluator.wait(timeout=30)["eval/step"] == 7
+        assert probe.overlaps == 0
+    finally:
+        evaluator.shutdown()
+
+
+def test_per_env_sampling_names_the_collector_arguments_it_does_not_use():
+    with pytest.warns(UserWarning, match="collector_cls, traj_format are not used"):
+        evaluator = Evaluator(ActionRewardEnv(max_steps=3), weight_policy(1.0), num_trajectories=3,
+                              max_steps=TRUNCATED, episode_sampling="per_env", collector_cls="Collector",
+                              collector_kwargs={"traj_format": "cat", "auto_register_policy_transforms": False})
+    assert_weights(evaluator.evaluate(), 1)
+    evaluator.shutdown()
+
+
+def test_evaluate_episodes_checks_its_seed_and_the_evaluator_state():
+    evaluator = make("thread")
+    try:
+        with pytest.raises(TypeError, match="seed must be an int or None, got float 1.5"):
+            evaluator.evaluate_episodes(seed=1.5)
+        episodes = evaluator.evaluate_episodes(weight_policy(0.0), seed=2)
+        assert episodes["truncated"].all() and episodes["episode_length"].tolist() == [TRUNCATED] * 3
+        assert_weights(evaluator.evaluate(), 0)  # one policy for both runs: the weights given stay
+    finally:
+        evaluator.shutdown()
+    with pytest.raises(EvaluatorClosedError, match=r"evaluate_episodes\(\) after shutdown\(\)"):
+        evaluator.evaluate_episodes()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -174,11 +174,19 @@ def test_init_fn_runs_in_each_worker_before_its_env(tmp_path):
 
 @pytest.mark.parametrize("collector_class", [Collector, MultiSyncCollector])
 def test_auto_register_policy_transforms(collector_class):
-    env_fn = envs(1)[0] if collector_class is Collector else envs(1)
-    for value in (None, False):
-        collector_class(env_fn, frames_per_batch=4, auto_register_policy_transforms=value).shutdown()
-    with pytest.raises(ValueError, match="auto_register_policy_transforms=True is not supported"):
-        collector_class(env_fn, frames_per_batch=4, auto_register_policy_transforms=True)
+    """A policy that needs no TorchRL transform: every value collects from the env as it is (the
+    recurrent TorchRL policies are in compat/test_policy_transforms.py)."""
+    env = CountingEnv(max_steps=3)
+    env_fn = env if collector_class is Collector else [lambda: CountingEnv(max_steps=3)]
+    for value in (None, False, True):
+        collector = collector_class(env_fn, weight_policy(1.0), frames_per_batch=4, total_frames=4,
+                                    auto_register_policy_transforms=value)
+        assert sorted(next(iter(collector))["observation"].reshape(-1).tolist()) == [0, 1, 2, 3]
+        if collector_class is Collector:
+            assert collector.env is env
+        collector.shutdown()
+    with pytest.raises(ValueError, match="auto_register_policy_transforms must be True, False or None, got 'yes'"):
+        collector_class(env_fn, frames_per_batch=4, auto_register_policy_transforms="yes")
 
 
 def test_trajectory_arguments_are_validated():

@@ -95,25 +95,39 @@ def test_gym_env_cartpole_one_hot_and_categorical():
 
 
 @pytest.mark.parametrize("categorical", [False, True])
-def test_gym_env_hands_gymnasium_the_action_numpy_would(categorical, monkeypatch):
-    """One env's discrete actions reach gymnasium as Python ints read without numpy (a faster path):
-    the first largest entry of a one-hot (ties, negative values, bools, ints, a tensor that requires
-    grad), the value of a categorical action; exactly what numpy's argmax / item() give."""
+def test_gym_env_hands_gymnasium_the_action_torchrl_would(categorical, monkeypatch):
+    """One env's discrete actions reach gymnasium as Python ints read without numpy (a faster path), as
+    TorchRL's GymEnv reads them: a one-hot by value.long().argmax(-1), the first largest entry once truncated
+    to integers (ties, negative values, bools, ints, floats, a tensor that requires grad), a categorical
+    action by int(value)."""
     env = GymEnv("CartPole-v1", categorical_action_encoding=categorical)
     sent = []
     step = env.env.step
     monkeypatch.setattr(env.env, "step", lambda action: (sent.append(action), step(action))[1])
     env.reset()
     if categorical:
-        actions = [torch.tensor(1), torch.tensor(0, dtype=torch.int32)]
-        expected = [int(a.numpy().item()) for a in actions]
+        actions = [torch.tensor(1), torch.tensor(0, dtype=torch.int32), torch.tensor(0.7), torch.tensor(1.7)]
+        expected = [1, 0, 0, 1]
     else:
         actions = [torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([-3.0, -2.0]),
-                   torch.tensor([True, False]), torch.tensor([0, 1]), torch.tensor([0.2, 0.7], requires_grad=True)]
-        expected = [int(a.detach().numpy().argmax()) for a in actions]
+                   torch.tensor([True, False]), torch.tensor([0, 1]), torch.tensor([0.2, 0.7], requires_grad=True),
+                   torch.tensor([1.2, 1.9]), torch.tensor([-1.5, 0.2])]
+        expected = [1, 0, 1, 0, 1, 0, 0, 1]
+        assert expected == [int(a.detach().long().argmax(-1)) for a in actions]  # TorchRL's OneHot.to_numpy
     for action in actions:
         env._step_arrays({"action": action})
     assert sent == expected and all(type(a) is int for a in sent)
+    env.close()
+
+
+def test_a_vector_gym_env_reads_one_hot_floats_as_torchrl_would(monkeypatch):
+    env = GymEnv("CartPole-v1", num_envs=3)
+    sent = []
+    step = env.env.step
+    monkeypatch.setattr(env.env, "step", lambda action: (sent.append(action.tolist()), step(action))[1])
+    env.reset()
+    env._step_arrays({"action": torch.tensor([[1.2, 1.9], [-1.5, 0.2], [0.2, 0.7]])})
+    assert sent == [[0, 1, 0]]  # value.long().argmax(-1), not the argmax of the floats: [1, 1, 1]
     env.close()
 
 

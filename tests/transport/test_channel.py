@@ -2,8 +2,8 @@
 
 Every attack here is a peer on 127.0.0.1 without the key: silent, garbage, a slow drip, a wrong key,
 a fake listener, a relay, a flood from one address. None may stall the listener, crash it, or get
-anything unpickled. A peer *with* the key cannot get a pickled hello or a message outside the
-allow-list unpickled by the listener either (rlharvest/transport/wire.py).
+anything unpickled. A peer *with* the key cannot get a pickled hello or message unpickled by the
+listener either (rlharvest/transport/wire.py: nodes send wire format 2, never pickles).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from rlharvest.transport.handshake import MAGIC
 from rlharvest.transport.keys import LearnerIdentity, NodeCredential
 from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.rendezvous import command_keys
+from rlharvest.transport.wire import encode_from_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -238,23 +239,27 @@ def test_a_relay_cannot_inject_messages(listener, tmp_path):
 
 def test_a_key_holder_gets_no_pickle_unpickled_by_the_listener(listener, tmp_path, caplog):
     """A peer holding the key sends a pickled hello (dropped: hellos are plain values), then, as a
-    node would, a message with a global outside the allow-list (refused, nothing called)."""
+    node would, a pickle (refused: nodes send wire format 2, never pickles) and an object of a class
+    the main process did not allow (refused, nothing called)."""
     caplog.set_level(logging.WARNING, logger="rlharvest")
     marker = tmp_path / "pwned"
     peer = open_channel("127.0.0.1", listener.port, listener.key, 5.0, 5.0, 2.0)
-    peer.send(Boom(str(marker)))  # a pickle where the hello goes
+    peer.send_bytes(pickle.dumps(Boom(str(marker))))  # a pickle where the hello goes
     assert listener.next(1.0) is None and closed_by_peer(socket.socket(fileno=os.dup(peer.fileno())), 5.0)
     wait_until(lambda: "not a JSON array" in caplog.text, 5.0, "the dropped pickled hello")
     peer.close()
-    peer = connect(listener)
-    channel, _, _ = listener.next(5.0)
-    peer.send(("hb", 3, {"x": [1.5, None]}))  # plain values pass
-    assert channel.recv() == ("hb", 3, {"x": [1.5, None]})
-    peer.send(("hb", Boom(str(marker))))
-    with pytest.raises(RefusedMessage, match=r"io\.open"):  # an OSError: as if the node had gone
-        channel.recv()
-    assert channel.closed and not marker.exists()
-    peer.close()
+    for message, refusal in ((pickle.dumps(("hb", Boom(str(marker)))), "a pickle: the node runs an older rlharvest"),
+                             (encode_from_node(("hb", Boom(str(marker)))), "test_channel.Boom, which the main process "
+                                                                            "does not rebuild")):
+        peer = connect(listener)
+        channel, _, _ = listener.next(5.0)
+        peer.send(("hb", 3, {"x": [1.5, None]}))  # plain values pass
+        assert channel.recv() == ("hb", 3, {"x": [1.5, None]})
+        peer.send_bytes(message)
+        with pytest.raises(RefusedMessage, match=refusal):  # an OSError: as if the node had gone
+            channel.recv()
+        assert channel.closed and not marker.exists()
+        peer.close()
 
 
 def test_a_slot_key_opens_a_channel_for_its_own_rank_only():

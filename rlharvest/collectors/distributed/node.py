@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from ..._node_cli import NodeArgs, add_node_arguments, parse_node_args
 from ...transport.join_keys import read_key_file
@@ -59,9 +60,11 @@ def read_key(args: NodeArgs) -> NodeCredential | bytes | None:
     return None
 
 
-def start_node(args: NodeArgs, key: NodeCredential | bytes | None) -> None:
+def start_node(args: NodeArgs, key: NodeCredential | bytes | None,
+               report: Callable[[str], None] | None = None) -> None:
     """Run the node ``args`` describe, proving it holds ``key`` (:func:`read_key`), until the
-    collector lets it go.
+    collector lets it go; ``report`` is told of each change of its state (``rlharvest node`` prints
+    them on stderr).
 
     Raises:
         JoinRefused: every slot of the collector is taken.
@@ -71,12 +74,12 @@ def start_node(args: NodeArgs, key: NodeCredential | bytes | None) -> None:
     """
     if args.join is not None:
         host, port = args.join
-        join_main(host, port, key, timeout=args.timeout, handshake_timeout=args.handshake_timeout)
+        join_main(host, port, key, report, timeout=args.timeout, handshake_timeout=args.handshake_timeout)
         return
     kwargs = {}
     if args.framework == "distributed":
         kwargs.update(credential=key, handshake_timeout=args.handshake_timeout, timeout=args.timeout)
-    node_main(args.rank, args.world_size, args.host, args.port, args.backend, args.framework, **kwargs)
+    node_main(args.rank, args.world_size, args.host, args.port, args.backend, args.framework, report, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:

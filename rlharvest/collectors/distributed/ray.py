@@ -27,7 +27,7 @@ __all__ = ["RayCollector"]
 
 @_workers.with_workers
 @_node_api.node_api()
-class RayCollector(BaseCollector, dispatch="ray"):
+class RayCollector(BaseCollector):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
     Takes DistributedCollector's arguments except those saying where nodes run (``launcher``,

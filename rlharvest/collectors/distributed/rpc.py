@@ -23,7 +23,7 @@ __all__ = ["RPCCollector"]
 
 @_workers.with_workers
 @_node_api.node_api("update_interval", "launcher", "slurm_kwargs", "tcp_port", "visible_devices", "tensorpipe_options")
-class RPCCollector(BaseCollector, dispatch="rpc"):
+class RPCCollector(BaseCollector):
     """Collect with one node per env constructor, commanded over torch RPC.
 
     Takes DistributedCollector's arguments except ``update_interval``, plus:

@@ -24,7 +24,7 @@ __all__ = ["DistributedCollector"]
 
 @_workers.with_workers
 @_node_api.node_api("update_interval", "launcher", "backend", "slurm_kwargs", "tcp_port", "join_command")
-class DistributedCollector(BaseCollector, dispatch="distributed"):
+class DistributedCollector(BaseCollector):
     """Collect with one node per entry of ``create_env_fn``, over a torch.distributed process group.
 
     Args:

@@ -6,7 +6,9 @@ StepCounter(...))``; when the env is itself a ``TransformedEnv``, TorchRL unwrap
 followed by the ``StepCounter``. Weight-sync model ids are written against that env: TorchRL's example
 ``"env.transform[0].module"`` names the env's first transform. rlharvest counts steps in the rollout
 and keeps the env as it was built, so it reads such an id through the same list
-(docs/torchrl-compatibility.md, "Model ids").
+(docs/torchrl-compatibility.md, "Model ids"). The transforms a recurrent policy needs, which TorchRL
+appends to the env's own list (``auto_register_policy_transforms=True``), rlharvest appends in a new
+env around it: the list reads through that one too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from typing import Any
 
 from ..._utils import resolve_attr_path
+from ...envs.policy_transforms import appended_by_collector
 
 __all__ = ["resolve_env_transform_path"]
 
@@ -30,12 +33,16 @@ def _torchrl_transforms(env: Any) -> list | None:
     if transformed is None or type(env) is not transformed:
         return None
     transform = env.transform
-    return list(transform) if type(transform) is compose else [transform]
+    own = list(transform) if type(transform) is compose else [transform]
+    if appended_by_collector(env):  # the user's env, then what the policy needed
+        return (_torchrl_transforms(env.base_env) or []) + own
+    return own
 
 
-def resolve_env_transform_path(env: Any, model_id: str) -> tuple[bool, Any]:
-    """``(True, model)`` for an ``"env.transform[i]..."`` id read as TorchRL's collector reads it (with
-    ``max_frames_per_traj``); ``(False, None)`` when the id is to be resolved against the env as built.
+def resolve_env_transform_path(env: Any, model_id: str, step_counter: bool = True) -> tuple[bool, Any]:
+    """``(True, model)`` for an ``"env.transform[i]..."`` id read as TorchRL's collector reads it
+    (``step_counter``: with ``max_frames_per_traj``, which appends one); ``(False, None)`` when the id
+    is to be resolved against the env as built.
 
     Raises:
         ValueError: when the index names TorchRL's added ``StepCounter``, which rlharvest does not add.
@@ -48,8 +55,8 @@ def resolve_env_transform_path(env: Any, model_id: str) -> tuple[bool, Any]:
     if transforms is None:
         return False, None
     index, rest = int(match.group(1)), match.group(2)
-    position = index + len(transforms) + 1 if index < 0 else index
-    if position == len(transforms):
+    position = index + len(transforms) + step_counter if index < 0 else index
+    if step_counter and position == len(transforms):
         raise ValueError(f"{model_id!r} names the StepCounter TorchRL's collector appends for max_frames_per_traj: "
                          "rlharvest counts steps in the rollout, without a transform, so it has no weights to sync.")
     model = transforms[position] if 0 <= position < len(transforms) else transforms[index]  # IndexError as a list's

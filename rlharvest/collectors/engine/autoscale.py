@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ...errors import WorkerError
 from ..options.autoscale import Autoscale
 from .autoscale_signals import Sample, check_seconds, fleet_demand, fleet_signals
+from .events import EventKind, FleetEvents
 
 __all__ = ["Autoscaler", "ScalingDecision", "ScalingTarget"]
 
@@ -141,6 +142,7 @@ class Autoscaler:
         join_command: ``launcher="external"``: the argv a node runs to join (``on_scale`` is called
             with it instead of ``target.add_workers``).
         clock: seconds, for the decisions' ``elapsed_s`` and ``seconds`` and for ``join_timeout``.
+        events: where each decision is published (and logged); a log of its own by default.
 
     Raises:
         ValueError: ``join_command`` without ``config.on_scale``.
@@ -163,12 +165,14 @@ class Autoscaler:
     """
 
     def __init__(self, config: Autoscale, target: ScalingTarget, *, sync: bool,
-                 join_command: Sequence[str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 join_command: Sequence[str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 events: FleetEvents | None = None) -> None:
         if join_command is not None and config.on_scale is None:
             raise ValueError("Autoscaler: join_command (launcher='external') needs Autoscale(on_scale=...).")
         self.config = config
         self.target = target
         self.sync = bool(sync)
+        self.events = events if events is not None else FleetEvents()
         self._join_command = list(join_command) if join_command is not None else None
         self._clock = clock
         self._start = clock()
@@ -393,16 +397,21 @@ class Autoscaler:
     def _log(self, decision: ScalingDecision) -> None:
         figures = (f"{decision.reason}; learner waited {decision.learner_wait:.0%} of its time, workers idle "
                    f"{decision.worker_idle:.0%}, over the last {self._last_epoch_batches()} batches")
+        level = logging.INFO
         if decision.error is not None:
-            logger.warning("autoscale: adding %d worker(s) failed, %d collecting (%s); next decision in %d "
-                           "batches: %s", decision.wanted - decision.collectors, decision.collectors, figures,
-                           self._cooldown, decision.error)
+            level = logging.WARNING
+            message = (f"autoscale: adding {decision.wanted - decision.collectors} worker(s) failed, "
+                       f"{decision.collectors} collecting ({figures}); next decision in {self._cooldown} batches: "
+                       f"{decision.error}")
         elif decision.action == "add" and not decision.workers:
-            logger.info("autoscale: asked on_scale for %d nodes, %d collecting (%s)", decision.wanted,
-                        decision.collectors, figures)
+            message = (f"autoscale: asked on_scale for {decision.wanted} nodes, {decision.collectors} collecting "
+                       f"({figures})")
         else:
-            logger.info("autoscale: %s workers %s, %d -> %d collecting (%s)", decision.action,
-                        list(decision.workers), decision.collectors, decision.wanted, figures)
+            message = (f"autoscale: {decision.action} workers {list(decision.workers)}, {decision.collectors} -> "
+                       f"{decision.wanted} collecting ({figures})")
+        details = {key: value for key, value in decision.as_dict().items() if key != "workers"}
+        self.events.publish(EventKind.AUTOSCALE, message, workers=decision.workers, details=details,
+                            logger=logger, level=level)
 
     def _last_epoch_batches(self) -> int:
         """Batches the last decision was taken on (the epoch before the current one)."""

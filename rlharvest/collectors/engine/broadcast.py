@@ -95,7 +95,7 @@ class WorkerBroadcast:
             key = f"worker{worker}"
             if key in state_dict:
                 raised = self._requests.request(worker, Command.LOAD_STATE_DICT, state_dict[key])
-                for category, message in raised or ():
+                for category, message in _raised_warnings(raised, worker):
                     warnings.warn(message, category, stacklevel=user_stacklevel())
 
     def reset(self, workers: Sequence[int] | None = None) -> None:
@@ -172,3 +172,18 @@ class WorkerBroadcast:
     def disable_profile(self) -> None:
         self.drain()
         self._requests.broadcast(Command.CASCADE, ("disable_profile", (), {}))
+
+
+def _raised_warnings(raised: Any, worker: int) -> list[tuple[type[Warning], str]]:
+    """The ``(category, message)`` pairs a worker says its ``load_state_dict`` raised.
+
+    Raises:
+        WorkerError: for any other answer (a node's answer is not trusted to be one).
+    """
+    if raised is None:
+        return []
+    if type(raised) is list and all(type(pair) is tuple and len(pair) == 2 and isinstance(pair[0], type)
+                                    and issubclass(pair[0], Warning) and type(pair[1]) is str for pair in raised):
+        return raised
+    raise WorkerError(f"answered load_state_dict with a {type(raised).__name__}, not the warnings it raised.",
+                      worker_idx=worker)

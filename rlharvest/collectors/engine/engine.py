@@ -35,6 +35,7 @@ from ...protocol import Command
 from ..options.common import WorkerSetup
 from . import checkpoint
 from .broadcast import WorkerBroadcast, argument_sets
+from .events import EventKind, FleetEvents
 from .extras import EngineExtra, ExternalJoins, RPCReferences
 from .fleet import Fleet, Replacement
 from .loops import Iteration
@@ -99,6 +100,8 @@ class CollectionEngine:
         self.hooks: dict[str, Any] = {"pre_collect_hook": self.config.pre_collect_hook,
                                       "post_collect_hook": self.config.post_collect_hook}
         self.progress = ProgressMeter()
+        #: what happened to the fleet (restarts, joins, leaves, autoscaling): log, stats and monitor read it
+        self.events = FleetEvents()
         #: each worker's figures, kept from its replies (``stats()``)
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.updates = WeightUpdates(self)
@@ -147,7 +150,8 @@ class CollectionEngine:
             hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                 _weakly(self._after_replacement), _weakly(self._after_leave))
             self.fleet = Fleet(self.backend, self.weights.sender_schemes or {}, options.worker_timeout,
-                               RestartPolicy.of(self.config, self.traits.noun), hooks, on_collect=self.figures.sent)
+                               RestartPolicy.of(self.config, self.traits.noun, self.events), hooks,
+                               on_collect=self.figures.sent, events=self.events)
             self.loop.choose_gather(self.fleet)
             self.broadcast = WorkerBroadcast(self.fleet, _weakly(self.loop.drain), self.traits.noun)
             _LIVE.add(self)
@@ -165,6 +169,8 @@ class CollectionEngine:
                     raise self.server.setup_error() from err  # the policy's or the env's own error
             raise
         self.closed = False
+        self.events.publish(EventKind.START, f"{self.name} started {options.num_workers} {self.traits.noun}s",
+                            workers=tuple(range(options.num_workers)))
         for extra in self.extras:
             extra.after_start()
         if self.scaler is not None:
@@ -484,6 +490,7 @@ class CollectionEngine:
                 self.server.stop()
             self.weights.shutdown()
             _LIVE.discard(self)
+            self.events.publish(EventKind.SHUTDOWN, f"{self.name} shut down")
 
     def describe(self) -> str:
         return f"{self.name}(num_workers={self.num_workers}, frames={self.frames})"

@@ -4,12 +4,17 @@ replaced or added, shutdown) through :class:`EngineExtra`'s methods, all no-ops 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...transport.join_keys import JoinKey, join_argv
+from ...transport.torchdist_join import JoinWatcher
+from .events import EventKind
 
 
 __all__ = ["EngineExtra", "ExternalJoins", "RPCReferences"]
+
+_log = logging.getLogger("rlharvest")
 
 
 class EngineExtra:
@@ -57,7 +62,16 @@ class ExternalJoins(EngineExtra):
         network = self.engine.options.network
         self.key = JoinKey(network.authkey)
         # the join command goes to the log while slots wait for nodes
-        self.engine.backend.open_joins(join_argv(network.advertised_host, network.tcp_port, self.key.path))
+        self.engine.backend.open_joins(join_argv(network.advertised_host, network.tcp_port, self.key.path),
+                                       JoinWatcher(self._joined, self._refused))
+
+    def _joined(self, worker: int, host: str, address: str) -> None:
+        # the join service logged it already
+        self.engine.events.publish(EventKind.JOIN, f"a node joined slot {worker} from {host} ({address})",
+                                   workers=(worker,), details={"host": host, "address": address})
+
+    def _refused(self, who: str, reason: str) -> None:
+        self.engine.events.publish(EventKind.JOIN_REFUSED, f"{who} was refused: {reason}", details={"reason": reason})
 
     def command(self) -> list[str]:
         """The argv a node runs to join.
@@ -78,8 +92,9 @@ class ExternalJoins(EngineExtra):
         if joins is None or requests is None or not requests.retired:
             return []
         rejoined = joins.joined(sorted(requests.retired))
-        for worker in rejoined:
+        for worker in rejoined:  # its join was published when it joined (``_joined``)
             fleet.renew(worker)
+            _log.info("a node took empty slot %d back", worker)
         return rejoined
 
     def after_stop(self) -> None:

@@ -29,6 +29,7 @@ drop what it had in flight and say what its replacement starts with.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -36,10 +37,13 @@ from typing import Any, Callable, Sequence
 from ...errors import WorkerError
 from ...protocol import READY, Command, WorkerSpec
 from ...transport.base import Backend, WorkerHandle
+from .events import EventKind, FleetEvents
 from .requests import WorkerRequests
 from .restarts import RestartPolicy
 
 __all__ = ["Fleet", "Replacement"]
+
+_log = logging.getLogger("rlharvest")
 
 
 def _nothing(worker: int) -> None:
@@ -75,6 +79,7 @@ class Fleet:
         restarts: which failed workers are replaced (default: none, failures raise).
         replacement: the collector's hooks around a replacement.
         on_collect: called with ``(worker, request_id)`` once each rollout is asked for (``WorkerRequests``).
+        events: where workers added and removed are published (default: the restart policy's).
 
     Example:
         >>> from rlharvest.collectors import Collector
@@ -90,10 +95,11 @@ class Fleet:
 
     def __init__(self, backend: Backend, schemes: dict[str, Any], timeout: float,
                  restarts: RestartPolicy | None = None, replacement: Replacement | None = None,
-                 on_collect: Callable[[int, int], None] | None = None) -> None:
+                 on_collect: Callable[[int, int], None] | None = None, events: FleetEvents | None = None) -> None:
         self.backend = backend
         self.on_collect = on_collect
-        self.restarts = restarts if restarts is not None else RestartPolicy(0, 0.0, backend.noun)
+        self.restarts = restarts if restarts is not None else RestartPolicy(0, 0.0, backend.noun, events)
+        self.events = events if events is not None else self.restarts.events
         self.replacement = replacement if replacement is not None else Replacement()
         self.schemes = schemes
         self.timeout = float(timeout)
@@ -290,6 +296,8 @@ class Fleet:
         except BaseException:
             self.shrink(first)
             raise
+        self.events.publish(EventKind.ADD, f"added {self.backend.noun}s {indices}", workers=tuple(indices),
+                            logger=_log)
 
     def remove(self, indices: Sequence[int], timeout: float | None = None, running_free: bool = False) -> None:
         """Make the workers ``indices`` leave, gracefully, within ``timeout`` seconds (default: the
@@ -311,6 +319,10 @@ class Fleet:
         closed = {index for index in indices if self._settle(index, deadline, running_free)}
         for index in indices:
             self._retire(index, deadline if index in closed else time.monotonic())
+        forced = sorted(set(indices) - closed)
+        self.events.publish(EventKind.REMOVE, f"removed {self.backend.noun}s {indices}" + (
+            f" ({forced} did not close in time and were terminated)" if forced else ""),
+            workers=tuple(indices), details={"terminated": len(forced)}, logger=_log)
 
     def _retire(self, index: int, deadline: float) -> None:
         """Worker ``index`` leaves for good: make sure it is gone, and release everything kept for it

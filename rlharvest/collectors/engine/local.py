@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from ..._utils import TRAJ_IDS, resolve_attr_path, unwrap
 from ...config import resolve_devices
 from ...envs.factory import close_env, make_env
+from ...envs.policy_transforms import appended_by_collector, env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
 from ...rollout import LocalTrajectoryCounter, Rollout
@@ -21,6 +22,7 @@ from ...weight_update.strategy import copy_weights_, weights_of
 from ..options.local import LocalOptions
 from . import checkpoint
 from .broadcast import argument_sets
+from .events import FleetEvents
 from ._model_paths import resolve_env_transform_path
 from .local_setup import check_env_options, compile_policy, round_frames_per_batch, rollout_settings
 from .output import BatchOutput
@@ -55,6 +57,7 @@ class LocalEngine:
         self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
                                       "post_collect_hook": unwrap(config.post_collect_hook)}
         self.progress = ProgressMeter()
+        self.events = FleetEvents()  # one process, no fleet: nothing is published (the monitor reads it alike)
         self.weights = WeightPublisher(self, self.progress, config.track_policy_version)
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
@@ -82,6 +85,7 @@ class LocalEngine:
         if policy is None and policy_factory is not None:
             policy = unwrap(policy_factory)()
         config = self.config
+        self.env = env_for_policy(config.auto_register_policy_transforms, self.env, policy, self.name)
         storing, policy_device, env_device = resolve_devices(config.device, config.storing_device,
                                                              config.policy_device, config.env_device, self.env)
         self.storing_device, self.policy_device, self.env_device = storing, policy_device, env_device
@@ -287,8 +291,9 @@ class LocalEngine:
         if model_id == "policy":
             source = self.weight_source
             return source if source is not None else self.policy
-        if self.config.max_frames_per_traj:  # TorchRL's env would have a StepCounter: ids index its transforms
-            found, model = resolve_env_transform_path(self.env, model_id)
+        step_counter = bool(self.config.max_frames_per_traj)  # TorchRL's env would have one: ids index its transforms
+        if step_counter or appended_by_collector(self.env):
+            found, model = resolve_env_transform_path(self.env, model_id, step_counter)
             if found:
                 return model
         return resolve_attr_path(self._face(), model_id)
@@ -330,6 +335,8 @@ class LocalEngine:
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
         weights_api = self.weights
+        if not weights_api.forwards(model_id):
+            return
         if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
                 and weights_api.updater is None and not weights_api.sync_schemes):
             weights_api.increment()  # the scheme wrote into the very modules this collector runs
@@ -432,7 +439,8 @@ class LocalEngine:
             frames=self.frames, batches=self.iter + 1,
             total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
             requested_frames_per_batch=self.frames_per_batch, policy_version=self.weights.policy_version,
-            progress=self.progress.stats(), times=self.time_split())
+            progress=self.progress.stats(), times=self.time_split(), weight_version=self.weights.version,
+            weight_syncs=self.progress.weight_sync_histogram())
 
     # ------------------------------------------------------------------ running free, shutdown
     def start_free(self) -> None:

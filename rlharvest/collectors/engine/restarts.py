@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ...config import CollectorConfig
 from ...errors import RestartLimitError, WorkerError, WorkerTimeoutError
+from .events import EventKind, FleetEvents
 
 __all__ = ["RestartCause", "RestartLimitError", "RestartPolicy", "failure_kind"]
 
@@ -83,6 +84,7 @@ class RestartPolicy:
             a count validated by :class:`~rlharvest.config.CollectorConfig` (see :meth:`of`).
         delay: seconds to wait before each replacement starts.
         noun: how messages name a worker ("worker", "node").
+        events: where restarts and preemptions are published (and logged); a log of its own by default.
 
     Example:
         >>> policy = RestartPolicy(max_restarts=1, delay=0.0)
@@ -92,17 +94,19 @@ class RestartPolicy:
         (1, 'died')
     """
 
-    def __init__(self, max_restarts: int = 0, delay: float = 0.0, noun: str = "worker") -> None:
+    def __init__(self, max_restarts: int = 0, delay: float = 0.0, noun: str = "worker",
+                 events: FleetEvents | None = None) -> None:
         self.max_restarts, self.delay = max_restarts, delay
         self.noun = noun
+        self.events = events if events is not None else FleetEvents()
         self.causes: list[RestartCause] = []
         #: workers that were preempted (kind ``"preempted"``): leaves, not counted as failures
         self.leaves: list[RestartCause] = []
 
     @classmethod
-    def of(cls, config: CollectorConfig, noun: str) -> RestartPolicy:
+    def of(cls, config: CollectorConfig, noun: str, events: FleetEvents | None = None) -> RestartPolicy:
         """The policy of a collector's ``max_worker_restarts`` and ``restart_delay`` (validated there)."""
-        return cls(config.max_worker_restarts, config.restart_delay, noun)
+        return cls(config.max_worker_restarts, config.restart_delay, noun, events)
 
     @property
     def enabled(self) -> bool:
@@ -126,8 +130,11 @@ class RestartPolicy:
             raise err
         leave = RestartCause.of(err)
         self.leaves.append(leave)
-        logger.warning("%s %d was preempted (not counted against max_worker_restarts); %s: %s", self.noun,
-                       leave.worker, "starting a replacement" if replaced else "going on without it", leave.message)
+        then = "starting a replacement" if replaced else "going on without it"
+        self.events.publish(
+            EventKind.PREEMPTION, f"{self.noun} {leave.worker} was preempted (not counted against "
+            f"max_worker_restarts); {then}: {leave.message}", workers=(leave.worker,),
+            details={"replaced": replaced, "message": leave.message}, logger=logger, level=logging.WARNING)
         return leave.worker
 
     def admit(self, err: WorkerError) -> int:
@@ -147,8 +154,10 @@ class RestartPolicy:
                 f"{len(causes)} {self.noun} failures, more than max_worker_restarts={self.max_restarts}; every "
                 f"failure, oldest first:\n{listed}", causes, err) from err
         self.causes.append(cause)
-        logger.warning("restarting %s %d (restart %d of %d): %s failure: %s", self.noun, cause.worker,
-                       len(self.causes), self.max_restarts, cause.kind, cause.message)
+        self.events.publish(
+            EventKind.RESTART, f"restarting {self.noun} {cause.worker} (restart {len(self.causes)} of "
+            f"{self.max_restarts}): {cause.kind} failure: {cause.message}", workers=(cause.worker,),
+            details={"cause": cause.kind, "message": cause.message}, logger=logger, level=logging.WARNING)
         if self.delay:
             time.sleep(self.delay)
         return cause.worker

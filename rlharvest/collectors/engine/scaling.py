@@ -65,7 +65,8 @@ class FleetScaler:
         joins = self.engine.extra(ExternalJoins)
         command = joins.command() if joins is not None else None
         config = self.config if command is None else dataclasses.replace(self.config, on_scale=self._on_scale)
-        self.controller = Autoscaler(config, self, sync=self.engine.traits.sync, join_command=command)
+        self.controller = Autoscaler(config, self, sync=self.engine.traits.sync, join_command=command,
+                                     events=self.engine.events)
 
     # ------------------------------------------------------------------ ScalingTarget
     def active_workers(self) -> list[int]:

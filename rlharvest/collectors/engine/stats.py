@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .progress import LatencyHistogram
+
 __all__ = ["StatsSnapshot", "WORKER_VIEWS", "fleet_stats"]
 
 #: what ``stats(workers=...)`` accepts
@@ -46,6 +48,13 @@ class StatsSnapshot:
     """Each worker's own snapshot, by index (asked of the workers)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Figures of optional parts (the autoscaler's ``autoscale/...``)."""
+    weight_version: int = 0
+    """Weight updates published so far (the policy version, tracked or not)."""
+    weight_syncs: LatencyHistogram | None = None
+    """Every weight update's latency so far, in buckets (what the monitor exports; not in :meth:`as_dict`)."""
+    worker_states: dict[int, str] = field(default_factory=dict)
+    """Each active worker's state (not in :meth:`as_dict`): ``"starting"`` (no batch taken from it
+    yet), ``"collecting"`` or ``"failed"`` (found dead, not replaced yet)."""
 
     def as_dict(self, workers: str = "aggregate") -> dict[str, Any]:
         """The flat dict TorchRL's ``stats()`` returns: this collector's figures (``"aggregate"``),
@@ -89,7 +98,8 @@ Raises:
         frames=engine.frames, batches=engine.iter + 1,
         total_frames=None if engine.config.endless else engine.config.total_frames, completed=engine.reached_total(),
         requested_frames_per_batch=engine.requested_frames_per_batch, policy_version=engine.weights.policy_version,
-        progress=engine.progress.stats(), times=dict(engine.progress.seconds))
+        progress=engine.progress.stats(), times=dict(engine.progress.seconds), weight_version=engine.weights.version,
+        weight_syncs=engine.progress.weight_sync_histogram())
     active = engine.active_workers
     asked = engine.traits.stats_asks_workers or workers != "aggregate"
     answers = _worker_stats(engine, timeout) if asked and not engine.closed and engine.broadcast is not None else {}
@@ -104,6 +114,12 @@ Raises:
     if engine.traits.stats_asks_workers and answers:
         snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
     snapshot.per_worker = answers
+    # env workers of a policy server send steps, not batches: they collect from their start
+    steps_only = engine.traits.gather == "chunks"
+    snapshot.worker_states = {
+        worker: "failed" if requests is not None and requests.is_dead(worker)
+        else "collecting" if steps_only or f"worker_{worker}/frames" in snapshot.fleet else "starting"
+        for worker in active}
     for extra in engine.extras:
         snapshot.extra.update(extra.stats())
     if engine.scaler is not None:

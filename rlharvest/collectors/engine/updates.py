@@ -131,7 +131,8 @@ class WeightUpdates:
         return self.fallback_policy
     def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
         """A receiver scheme of this collector (inside a node) applied ``weights``: our workers get them."""
-        self.update(weights, weights, None, model_id, None)
+        if self.engine.weights.forwards(model_id):
+            self.update(weights, weights, None, model_id, None)
 
     def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
         """Initial weights received from a parent continue down to our own workers (no version bump)."""

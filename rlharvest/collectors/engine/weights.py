@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..._utils import user_stacklevel
+from ...weight_update.payloads import check_fit
 from ...weight_update.schemes import WeightSyncScheme
 from ...weight_update.strategy import weights_of
 from ...weight_update.updaters import WeightUpdaterBase
@@ -66,6 +67,9 @@ class WeightOwner(Protocol):
 
     def resolve(self, path: str) -> Any:
         """An attribute path on the collector (weights given as a string)."""
+
+    def get_model(self, model_id: str) -> Any:
+        """The model ``model_id`` in this process (the policy: the one workers run), or None."""
 
 
 class WeightPublisher:
@@ -155,6 +159,10 @@ class WeightPublisher:
         if self.updater is not None:
             if weights_dict is not None or model_id is not None:
                 raise ValueError("weights_dict and model_id are not supported with legacy weight updater.")
+            model = self.owner.get_model("policy") if value is not None else None
+            if model is not None and type(self.updater).__module__.startswith("rlharvest."):
+                # ours push to the workers' policy; a user's class may take weights of its own shape
+                self._check_fit("policy", value, model)
             self.updater(policy_or_weights=value, worker_ids=worker_ids)
             return
         if weights_dict is not None:
@@ -162,22 +170,34 @@ class WeightPublisher:
                 raise ValueError("Cannot specify both 'weights_dict' and 'model_id'.")
             if value is not None:
                 raise ValueError("Cannot specify both 'weights_dict' and 'policy_or_weights'/'weights'/'policy'.")
-        schemes = self.sync_schemes
+        schemes = self.sync_schemes or {}
+        work = dict(weights_dict) if weights_dict is not None else {model_id or "policy": value}
+        missing = [mid for mid in work if mid not in schemes and (schemes or mid != "policy")]
+        if missing:
+            raise KeyError(f"Model '{missing[0]}' not found in registered weight sync schemes. "
+                           f"Available models: {sorted(schemes)}")
+        for mid, entry in work.items():  # every model's weights, before anything is sent
+            if entry is not None:
+                model = schemes[mid].model if schemes else self.owner.get_model(mid)
+                if model is not None or not schemes:  # a scheme without a model here: its receivers check
+                    self._check_fit(mid, entry, model)
         if schemes:
-            work = dict(weights_dict) if weights_dict is not None else {model_id or "policy": value}
-            missing = [mid for mid in work if mid not in schemes]
-            if missing:
-                raise KeyError(f"Model '{missing[0]}' not found in registered weight sync schemes. "
-                               f"Available models: {sorted(schemes)}")
             for mid, entry in work.items():
                 schemes[mid].send(weights=entry, worker_ids=worker_ids)
             self.owner.after_weights_sent(list(work))
             return
-        if weights_dict is not None:
-            value = weights_dict.get("policy")
-        elif model_id not in (None, "policy"):
-            return
-        self.owner.update_local_policy(value)
+        self.owner.update_local_policy(work.get("policy"))
+
+    def _check_fit(self, model_id: str, value: Any, model: Any) -> None:
+        """Raise unless ``model`` can take the explicit weights ``value`` (``check_fit``)."""
+        if isinstance(value, str):
+            value = self.owner.resolve(value)
+        check_fit(value, model, model_id)
+
+    def forwards(self, model_id: str) -> bool:
+        """Whether weights of ``model_id`` a receiver scheme applied go on from here (to this collector's
+        own policy or workers); a model it sends nowhere (one of its env's) stops at the receiver."""
+        return model_id == "policy" or model_id in (self.sync_schemes or {})
 
     def weights_from_value(self, value: Any) -> TensorDictBase:
         """The weights ``value`` stands for (a module, weights, or an attribute path on the collector).

@@ -16,7 +16,7 @@ from ...transport.base import Backend
 from ...transport.inprocess import InProcessBackend
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
-from .common import WorkerSetup
+from .common import WorkerSetup, check_env_constructors
 from .local import LocalOptions
 from .traits import Traits
 
@@ -108,6 +108,7 @@ def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch:
     reject_unsupported(options)
     if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
         raise TypeError("AsyncBatchedCollector: create_env_fn must be a non-empty list of env factories.")
+    check_env_constructors(create_env_fn, "worker process")
     num_envs = len(create_env_fn)
     backend = env_backend if env_backend is not None else options.get("backend") or "multiprocessing"
     if backend not in ENV_BACKENDS:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..._utils import wrap_callable
+from ..._utils import unwrap, wrap_callable
+from ...envs.factory import GYMNASIUM_ADVICE, gymnasium_instance
 from ...weight_update.schemes import WeightSyncScheme
 
 __all__ = [
@@ -70,6 +71,19 @@ def env_functions(create_env_fn, num_workers: int | None) -> list:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     return [create_env_fn] * num_workers
+
+
+def check_env_constructors(env_fns: Sequence[Any], noun: str) -> None:
+    """Refuse, in the learner, what a worker could not build its env from: a gymnasium env instance
+    (detected by its type), which the worker would only reject once started.
+
+    Raises:
+        TypeError: naming the entry and what to pass instead.
+    """
+    for index, env_fn in enumerate(env_fns):
+        if gymnasium_instance(unwrap(env_fn)):
+            raise TypeError(f"create_env_fn[{index}] is a gymnasium env ({type(unwrap(env_fn)).__name__}), which no "
+                            f"{noun} can build its env from: {GYMNASIUM_ADVICE}.")
 
 
 def per_worker(value: Any, num_workers: int, name: str, is_single: Callable[[Any], bool] | None = None) -> list:

@@ -16,8 +16,8 @@ from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
 from .autoscale import Autoscale, parse_autoscale
-from .common import (WorkerSetup, check_policy_args, default_schemes, env_functions, per_worker, stateless_copy,
-                     typed_class, validate_cat_results, validate_preemptive_threshold)
+from .common import (WorkerSetup, check_env_constructors, check_policy_args, default_schemes, env_functions, per_worker,
+                     stateless_copy, typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
 from .traits import Traits, WeightPushes
 
@@ -95,6 +95,7 @@ class WorkerProcessOptions:
         if not reset_when_done:
             raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
         env_fns = env_functions(create_env_fn, num_workers)
+        check_env_constructors(env_fns, "worker process")
         count = len(env_fns)
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
         check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
@@ -256,6 +257,7 @@ class WorkerProcessOptions:
             ValueError: for an argument that does not fit (named in the message).
         """
         env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        check_env_constructors(env_fns, "worker process")
         if not env_fns or any(not callable(env_fn) for env_fn in env_fns):
             raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
                              f"worker), got {create_env_fn!r}.")

@@ -16,7 +16,7 @@ from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
 from .autoscale import Autoscale, parse_autoscale
-from .common import WorkerSetup, has_weights, per_worker, stateless_copy, typed_class
+from .common import WorkerSetup, check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import WorkerProcessOptions
 from .traits import Traits, WeightPushes
@@ -144,6 +144,7 @@ class NodeOptions:
         """
         if not isinstance(create_env_fn, (list, tuple)) or not create_env_fn:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
+        check_env_constructors(create_env_fn, cls.noun)
         count = len(create_env_fn)
         config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames_per_batch, **config_arguments)
         if isinstance(config.frames_per_batch, tuple):
@@ -298,6 +299,7 @@ class NodeOptions:
         """
         noun = self.noun
         env_fns = list(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else [create_env_fn]
+        check_env_constructors(env_fns, noun)
         if not env_fns or any(env_fn is None for env_fn in env_fns):
             raise ValueError(f"create_env_fn must be an env constructor or a non-empty list of them (one per new "
                              f"{noun}), got {create_env_fn!r}.")

@@ -32,7 +32,11 @@ def check_launcher(launcher: str, external: bool = False) -> None:
         try:
             import submitit  # noqa: F401  (only whether it is there)
         except ImportError as err:
-            raise ImportError(f"launcher={launcher!r} needs submitit: pip install 'rlharvest[slurm]'") from err
+            default = " (the default)" if launcher == "submitit" else ""
+            raise ImportError(f"launcher={launcher!r}{default} starts the nodes as SLURM jobs, which needs submitit "
+                              "(pip install 'rlharvest[slurm]'). To run the nodes on this machine, pass "
+                              "launcher='mp'; nodes started by hand on any host join with launcher='external' "
+                              "(docs/elastic.md).") from err
 
 
 def check_external(backend: str, slurm_kwargs: dict | None, mp_start_method: str | None) -> None:

@@ -48,10 +48,6 @@ def make_nodes(collector_class, count: int = 2, **kwargs):
                                                   (RPCCollector, True)])
 def test_churn_on_nodes(collector_class, sync):
     events = 10
-    if collector_class is RPCCollector:
-        # torch keeps the first RPC agent of a process (its threads, descriptors) until exit, for its
-        # remote references (docs/restarts.md): start one first, so that what is left below is ours
-        make_nodes(RPCCollector, 1, frames_per_batch=4, total_frames=4, sync=True).shutdown()
     start_process_state()
     policy = echo_weight_policy(1.0)
     total = churn_frames(SHARE, events, most=3) if sync else churn_frames(2 * SHARE, events, most=1)

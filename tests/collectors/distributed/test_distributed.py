@@ -3,6 +3,7 @@ free; DistributedSyncCollector (docs/collection.md)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -10,14 +11,15 @@ import time
 
 import pytest
 import torch
-from mocks import CountingPolicy, wait_until
-from tensordict import TensorDict
+from mocks import About, CountingPolicy, StructuredEnv, wait_until
+from tensordict import LazyStackedTensorDict, TensorDict
 
 from rlharvest import WorkerError
 from rlharvest.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from rlharvest.collectors.distributed import DistributedCollector, DistributedDataCollector, DistributedWeightUpdater
 from rlharvest.envs import ContinuousMockEnv, CountingEnv
 from rlharvest.transport.ports import free_port_block
+from rlharvest.transport.wire import allow_from_nodes
 from rlharvest.collectors.engine import engine_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -182,6 +184,28 @@ def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on d
     finally:
         collector.async_shutdown()
     assert engine_of(collector).closed
+
+
+def test_values_asked_of_nodes_and_batches_of_any_structure_come_back():
+    """Nodes send wire format 2, never pickles (docs/security.md, "What a node's messages can do"): a
+    batch that fits no flat buffer (sub-TensorDicts, a lazy stack, text) arrives whole, a class of the
+    user's comes back once allowed, and a value the format cannot hold, or of a class not allowed, is
+    that call's error, not the node's end."""
+    allow_from_nodes(About)
+    with make([functools.partial(StructuredEnv, heterogeneous=True)], frames_per_batch=6, total_frames=-1,
+              sync=True) as collector:
+        batch = collector.next()
+        assert batch["agents"].batch_size == (1, 6, 2) and isinstance(batch["parts"], LazyStackedTensorDict)
+        assert list(batch["note"][0])[:4] == ["reset", "step 1", "step 2", "reset"]
+        about = collector.getattr_env("about")
+        assert isinstance(about, About) and about.name == "structured" and about.agents.tolist() == [0, 1]
+        with pytest.raises(WorkerError, match="ClassNotAllowed: a node sent a rlharvest.envs.specs.Composite, which "
+                                              "the main process does not rebuild from nodes: allow the class with"):
+            collector.getattr_env("observation_spec")
+        with pytest.raises(WorkerError, match="a node cannot send a builtins.method"):
+            collector.getattr_env("reset")
+        assert collector.next()["agents"].batch_size == (1, 6, 2)
+        assert collector.stats()["restarts"] == 0
 
 
 def test_enable_profile_on_nodes(tmp_path):  # docs/torchrl-compatibility.md, "enable_profile on distributed collectors"

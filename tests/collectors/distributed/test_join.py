@@ -16,6 +16,7 @@ import sys
 import threading
 
 import fresh
+import psutil
 import pytest
 from mocks import check_trajectories, counting_env_7 as counting_env, wait_until, weight_policy
 
@@ -157,6 +158,28 @@ def test_a_killed_node_is_replaced_by_the_next_join_and_a_leave_is_not_counted()
     check_trajectories(batches, 64)
     codes = ended(nodes)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == codes[3] == 0
+
+
+def test_shutdown_returns_once_the_nodes_that_joined_have_exited():
+    """The collector cannot wait for a process of another host: a node keeps its command socket open
+    until its process ends, and shutdown() waits (within its deadline) for the socket to close."""
+    collector = make(2, frames_per_batch=8, total_frames=16, sync=True)
+    nodes = [start_node(collector.join_command()) for _ in range(2)]
+    try:
+        assert sum(batch.numel() for batch in collector) == 16
+    finally:
+        collector.shutdown()
+    running = [node.pid for node in nodes if _running(node.pid)]
+    assert running == [], f"nodes still running when shutdown() returned: {running}"
+    assert ended(nodes) == [0, 0]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an ended child not reaped yet by the zygote has ended)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_node_that_finds_every_slot_taken_takes_one_that_empties_within_the_grace():

@@ -65,4 +65,6 @@ def test_a_node_whose_key_the_collector_does_not_hold_exits_with_5(tmp_path):
     finally:
         collector.shutdown()
     assert stranger.returncode == 5, err
-    assert len(err.strip().splitlines()) == 1 and "does the key file hold this collector's key?" in err.lower(), err
+    # the line it said when it started, then the failure in one line
+    assert err.strip().splitlines() == [f"rlharvest node: connecting to {host_port}", err.strip().splitlines()[-1]], err
+    assert "does the key file hold this collector's key?" in err.lower(), err

@@ -443,3 +443,24 @@ def test_autoscale_submits_a_node_job_while_the_learner_starves(in_tmp):
     assert [tuple(b.shape) for b in batches] == [(1, 12)] * added + [(2, 6)] * (12 - added)
     check_trajectories(batches, 12 * 12)
     assert_closed_cleanly(in_tmp, shutdown_seconds, jobs=2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("collector_class", [DistributedCollector, RPCCollector])
+def test_node_jobs_leave_nothing_open_and_the_port_free(in_tmp, collector_class):
+    """After shutdown() the learner holds no descriptor and no port it opened for its SLURM nodes
+    (tests/held.py), and a second collector starts on the same port."""
+    from held import Held, held, held_since, start_process_state
+
+    start_process_state()
+    before = held()
+    port = free_port_block(3)
+    for _ in range(2):
+        collector = collector_class([lambda: CountingEnv(max_steps=3)], CountingPolicy(1.0), launcher="submitit",
+                                    tcp_port=port, slurm_kwargs=SLURM_KWARGS, frames_per_batch=4, total_frames=8)
+        try:
+            assert sum(batch.numel() for batch in collector) == 8
+        finally:
+            collector.shutdown()
+        assert held_since(before) == Held({}, set())
+    assert_jobs_gone(in_tmp, expected=2)

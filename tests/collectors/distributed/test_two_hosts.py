@@ -324,7 +324,8 @@ def _as_batch(event: dict):
 @pytest.mark.timeout(150)
 def test_two_hosts_link_cut_node_is_replaced_on_the_main_host(require_netns, tmp_path):
     """Node 1 runs in host B (an ``"mp"`` node moved into B's namespace); B's link goes down mid-run:
-    no heartbeat reaches A, node 1 is declared lost (kind "heartbeat") and replaced by a new node on
+    no heartbeat reaches A, node 1 is declared lost (kind "heartbeat"; "died" when the node, missing the
+    main process's heartbeats too, exits first) and replaced by a new node on
     host A, which starts with the current weights; the link comes back; collection goes on."""
     from mocks import check_counting_batches
 
@@ -346,14 +347,15 @@ def test_two_hosts_link_cut_node_is_replaced_on_the_main_host(require_netns, tmp
         finally:
             _link(b, "up")
             net.restore()  # the peers' addresses again (a link going down flushed them)
-        assert "heartbeat" in restarting["message"], restarting
+        # lost by heartbeat, or (on a loaded host, the node noticing the silence first) by its exit
+        assert "heartbeat" in restarting["message"] or "exited with code 0" in restarting["message"], restarting
         stats = lines.until("stats", timeout=90)
         lines.until("shutdown", timeout=30)
         assert wait_exit(main, 30, "the main process") == 0, str(lines.logs)
         # no node left, in either host (the main process's forkserver leaves once the main process has)
         wait_until(lambda: not ns_pids(a) and not ns_pids(b), timeout=10,
                    what=lambda: f"the exit of {[_cmdline(pid) for pid in ns_pids(a) + ns_pids(b)]} (both hosts)")
-    assert stats["restarts"] == 1 and [c[:2] for c in stats["causes"]] == [[1, "heartbeat"]], stats
+    assert stats["restarts"] == 1 and [c[:2] for c in stats["causes"]] in ([[1, "heartbeat"]], [[1, "died"]]), stats
     assert stats["pids"][0] == started["pids"][0] and stats["pids"][1] != started["pids"][1]
     batches = [e for e in lines.events if e["event"] == "batch"]
     restarted_at = next(e["i"] for e in batches if e["restarts"])
