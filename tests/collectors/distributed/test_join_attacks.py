@@ -29,6 +29,7 @@ from rlharvest.errors import WorkerTimeoutError
 from rlharvest.transport.channel import open_channel
 from rlharvest.transport.join_keys import read_key_file
 from rlharvest.transport.keys import NodeCredential, parse_node_key
+from rlharvest.transport.wire import WIRE_FORMAT
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("zygote")]
 
@@ -71,7 +72,7 @@ def test_a_node_whose_store_key_does_not_decode_gives_its_slot_back(nodes, caplo
         argv = collector.join_command()
         key = parse_node_key(read_key_file(argv[7]), "--key-file")
         evil = open_channel("127.0.0.1", int(collector.tcp_port), key, 30.0, 10.0)
-        evil.send_hello(("join", os.getpid(), "evil"))
+        evil.send_hello(("join", os.getpid(), "evil", WIRE_FORMAT))
         assert evil.recv()[0] == "slot"
         evil.send_bytes(b"S" + (2).to_bytes(2, "big") + b"\xff\xfe" + b"value")
         wait_until(lambda: evil.poll(0) and _ended(evil), 30.0, "the learner dropping the node")
