@@ -69,7 +69,9 @@ class LocalEngine:
         self.rollout = Rollout(self.env, self.policy, rollout_settings(config, self.env, self.frames_per_batch, self.devices()), counter)
         if served is not None:
             served.connect(self.env, self.rollout.root)
-        self.output = BatchOutput(config, private_copy=self.rollout.settings.use_buffers and not config.return_same_td)
+        if self.rollout.settings.use_buffers and not config.return_same_td:
+            self.rollout.hand_out_batches()  # each batch a buffer of its own: nothing to copy before handing it out
+        self.output = BatchOutput(config)
         compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
