@@ -117,13 +117,12 @@ ATTACKS = {
 
 def node() -> int:
     from rlharvest.errors import JoinRefused
-    from rlharvest.transport.keys import parse_node_key
     from rlharvest.transport.torchdist_join import join_collector
 
     address, key_file, attack = sys.argv[1:4]
     host, port = address.rsplit(":", 1)
     with open(key_file) as key:
-        authkey = parse_node_key(key.read(), "the key file")
+        authkey = bytes.fromhex(key.read().strip())
     deadline = time.monotonic() + 60.0
     while True:
         try:

@@ -35,7 +35,8 @@ import time
 from typing import Any, Callable, NoReturn
 
 from .handshake import AuthenticationFailed, Keys, NotProven, connector_side, listener_side
-from .keys import AUTHKEY_ENV, LearnerIdentity, NodeCredential, derive_key, new_authkey, parse_authkey, slot_key
+from .keys import (AUTHKEY_ENV, LearnerIdentity, NodeCredential, as_credential, derive_key, new_authkey,
+                   parse_authkey, slot_key)
 from .ports import PortInUseError, not_this_host
 from .wire import (HELLO_MAX, NodeMessageError, decode_from_node, decode_hello, encode_from_node, encode_hello,
                    node_limit)
@@ -325,15 +326,16 @@ def open_channel(host: str, port: int, authkey: bytes | NodeCredential, timeout:
                  on_retry: Callable[[BaseException], None] | None = None) -> Channel:
     """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate
     with ``authkey``: a node's credential (its key, its id, and the learner's public key, whose
-    signature the listener must show), or a key of id ``key_id`` (the listener then proves with an
+    signature the listener must show; or its encoded bytes), or a key of id ``key_id`` (the listener then proves with an
     HMAC under it: the weight and relay ports); ``on_retry(error)`` is called before each retry.
 
     Raises:
         AuthenticationFailed: the listener did not prove itself; it is refused before anything it
             sent was unpickled, and before this side sent anything that depends on its key.
     """
-    if isinstance(authkey, NodeCredential):
-        key, key_id, learner = authkey.key, authkey.key_id, authkey.learner
+    credential = as_credential(authkey)  # also a node key's bytes (a key file's hex, decoded)
+    if credential is not None:
+        key, key_id, learner = credential.key, credential.key_id, credential.learner
     else:
         key, learner = authkey, None
     deadline = time.monotonic() + timeout

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 __all__ = ["AUTHKEY_ENV", "MAX_RANK", "LearnerIdentity", "NodeCredential", "derive_key", "join_key", "new_authkey",
-           "parse_authkey", "parse_node_key", "slot_key", "stretch_authkey", "unwrap_key", "verify_learner",
+           "as_credential", "parse_authkey", "parse_node_key", "slot_key", "stretch_authkey", "unwrap_key", "verify_learner",
            "wrap_key"]
 
 #: environment variable holding the collector's key (hex) for nodes started by hand
@@ -41,7 +41,9 @@ _MIN_DISTINCT = 8
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}
 #: the largest rank a slot key is derived for (a key id beyond is refused before any work)
 MAX_RANK = 1 << 20
-_CREDENTIAL = "rlharvest-node-key-1"
+#: how an encoded node key starts (then its id, 4 bytes, its key and the learner's public key)
+_CREDENTIAL = b"rlharvest-node-key-1\0"
+_ENCODED = len(_CREDENTIAL) + 4 + 32 + 32
 _SIGNED = b"rlharvest-listener\0"
 
 
@@ -145,8 +147,9 @@ class NodeCredential:
     """What a node proves and checks with: its key (``key_id`` 0: the join key, else its rank's slot
     key) and the learner's public key, which the main process's signature must match.
 
-    Its text form (:meth:`encode`) is what a key file of ``join_command()`` holds, and what the
-    collector puts in the start arguments of the nodes it starts.
+    Its text form (:meth:`encode`: hex, as a collector's key, of a prefix, the id and both keys) is
+    what a key file of ``join_command()`` holds, and what the collector puts in the start arguments
+    of the nodes it starts.
     """
 
     key_id: int
@@ -162,23 +165,37 @@ class NodeCredential:
         return cls(0, join_key(secret), LearnerIdentity(secret).public)
 
     def encode(self) -> str:
-        return f"{_CREDENTIAL}:{self.key_id}:{self.key.hex()}:{self.learner.hex()}"
+        return (_CREDENTIAL + self.key_id.to_bytes(4, "big") + self.key + self.learner).hex()
 
     @classmethod
     def decode(cls, text: str, name: str = "the node key") -> NodeCredential:
         """Raises:
             ValueError: naming ``name`` for anything but an encoded credential."""
-        parts = text.strip().split(":")
-        try:
-            if len(parts) != 4 or parts[0] != _CREDENTIAL or not 0 <= int(parts[1]) <= MAX_RANK:
-                raise ValueError
-            key, learner = bytes.fromhex(parts[2]), bytes.fromhex(parts[3])
-        except ValueError:
-            raise ValueError(f"{name} is not a node key of this rlharvest version ({_CREDENTIAL}:ID:KEY:LEARNER)") \
-                from None
-        if len(key) != 32 or len(learner) != 32:
-            raise ValueError(f"{name} holds a key or learner key of the wrong length")
-        return cls(int(parts[1]), key, learner)
+        credential = _credential_of(text)
+        if credential is None:
+            raise ValueError(f"{name} is not a node key of this rlharvest version (what join_command()'s key file "
+                             "holds)")
+        return credential
+
+
+def as_credential(value: NodeCredential | bytes) -> NodeCredential | None:
+    """``value`` as a node credential: itself, or its encoded bytes (a key file's hex, decoded);
+    None for anything else (a key)."""
+    if isinstance(value, NodeCredential):
+        return value
+    if not (isinstance(value, (bytes, bytearray)) and len(value) == _ENCODED and value.startswith(_CREDENTIAL)):
+        return None
+    start = len(_CREDENTIAL) + 4
+    key_id = int.from_bytes(value[len(_CREDENTIAL):start], "big")
+    return NodeCredential(key_id, bytes(value[start:start + 32]), bytes(value[start + 32:])) \
+        if key_id <= MAX_RANK else None
+
+
+def _credential_of(text: str) -> NodeCredential | None:
+    try:
+        return as_credential(bytes.fromhex(text.strip()))
+    except ValueError:  # not hex
+        return None
 
 
 def parse_node_key(text: str, name: str) -> NodeCredential | bytes:
@@ -188,6 +205,4 @@ def parse_node_key(text: str, name: str) -> NodeCredential | bytes:
     Raises:
         ValueError: naming ``name``.
     """
-    if text.strip().startswith(_CREDENTIAL):
-        return NodeCredential.decode(text, name)
-    return stretch_authkey(parse_authkey(text, name))
+    return _credential_of(text) or stretch_authkey(parse_authkey(text, name))

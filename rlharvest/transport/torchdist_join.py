@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple
 
 from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
 from .channel import Channel, open_channel
-from .keys import NodeCredential, slot_key, unwrap_key, wrap_key
+from .keys import NodeCredential, as_credential, slot_key, unwrap_key, wrap_key
 from .launchers import LaunchedNode
 from .pairing import form_pair
 from .rendezvous import Rendezvous
@@ -334,8 +334,9 @@ def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, tim
                    on_retry: Callable[[BaseException], None] | None = None) -> Seat:
     """A joining node's side: join at the command port, form the slot's group, receive the spec.
 
-    ``authkey``: the node's credential (what ``join_command()``'s key file holds), or the collector's
-    secret (:func:`~.keys.parse_node_key` of the collector's key), whose join key it then proves.
+    ``authkey``: the node's credential (what ``join_command()``'s key file holds, or that hex
+    decoded), or the collector's secret (:func:`~.keys.parse_node_key` of the collector's key),
+    whose join key it then proves.
     ``timeout`` bounds everything up to the collector's answer (reaching its command port, the
     handshake), as one deadline; ``on_retry(error)`` is called each time nothing answered yet.
 
@@ -345,7 +346,7 @@ def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, tim
         AuthenticationFailed: when the collector did not prove it is the learner of that key.
         PairingFailed: when the slot's group did not form, or its peer is not the collector.
     """
-    credential = authkey if isinstance(authkey, NodeCredential) else NodeCredential.for_joining(authkey)
+    credential = as_credential(authkey) or NodeCredential.for_joining(authkey)
     deadline = time.monotonic() + timeout
     try:
         # open_channel retries while nothing listens (a collector may start after its nodes); no bare

@@ -25,7 +25,7 @@ from mocks import wait_until
 from rlharvest.transport.channel import (AuthenticationFailed, RefusedMessage, listen, new_authkey, open_channel,
                                          parse_authkey, slot_key)
 from rlharvest.transport.handshake import MAGIC
-from rlharvest.transport.keys import LearnerIdentity, NodeCredential
+from rlharvest.transport.keys import LearnerIdentity, NodeCredential, as_credential, parse_node_key, stretch_authkey
 from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.rendezvous import command_keys
 from rlharvest.transport.wire import encode_from_node
@@ -381,3 +381,17 @@ def test_a_key_too_repetitive_to_be_random_is_refused():
         with pytest.raises(ValueError, match="not a random key"):
             parse_authkey(weak)
     parse_authkey(new_authkey().hex())
+
+
+def test_a_node_key_is_one_line_of_hex_and_its_bytes_are_the_same_key():
+    """join_command()'s key file holds hex, as a collector's key did: read as text, or as the bytes
+    that hex holds (what a script reading a key file does), it is the same node key, never taken for
+    a collector's key; a collector's key is still one."""
+    secret = new_authkey()
+    credential = NodeCredential.for_joining(secret)
+    text = credential.encode()
+    assert parse_node_key(text, "--key-file") == credential == as_credential(bytes.fromhex(text))
+    assert secret.hex() not in text and credential.key.hex() in text
+    assert parse_node_key(secret.hex(), "--key-file") == stretch_authkey(secret)
+    with pytest.raises(ValueError, match="--key-file is not a node key"):
+        NodeCredential.decode(secret.hex(), "--key-file")

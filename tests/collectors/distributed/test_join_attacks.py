@@ -94,8 +94,7 @@ def _ended(channel) -> bool:
 
 def stolen_key(path: str) -> str:
     """The key a join key file holds, in hex: what an impostor that read it passes as ``authkey``."""
-    text = read_key_file(path)
-    return NodeCredential.decode(text).key.hex() if text.startswith("rlharvest-node-key") else text
+    return NodeCredential.decode(read_key_file(path)).key.hex()
 
 
 def test_a_node_holding_the_key_file_cannot_act_as_the_learner(nodes, tmp_path):

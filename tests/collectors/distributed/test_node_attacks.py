@@ -23,7 +23,6 @@ from mocks import counting_env_7
 
 from rlharvest.collectors.distributed import DistributedCollector
 from rlharvest.transport.channel import open_channel
-from rlharvest.transport.keys import parse_node_key
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("zygote")]
 
@@ -101,7 +100,7 @@ def test_a_node_of_an_older_rlharvest_is_refused_with_a_clear_message(caplog):
         argv = collector.join_command()
         host, port = argv[5].rsplit(":", 1)
         with open(argv[7]) as key_file:
-            key = parse_node_key(key_file.read(), "the key file")
+            key = bytes.fromhex(key_file.read().strip())
         old = open_channel(host, int(port), key, 10.0, 10.0, 5.0)
         old.send_hello(("join", os.getpid(), "old-host"))  # rlharvest before wire format 2
         answer = old.recv()
