@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import secrets
 import subprocess
 import sys
 
@@ -84,7 +85,7 @@ def test_a_node_without_a_collector_says_so_without_a_traceback(tmp_path):
     from rlharvest.transport.ports import free_port
 
     key = tmp_path / "key"
-    key.write_text("ab" * 32)
+    key.write_text(secrets.token_hex(32))  # a key of one repeated byte is refused before anything
     key.chmod(0o600)
     done = rlharvest_command("node", "--join", f"127.0.0.1:{free_port()}", "--key-file", str(key), "--timeout", "1",
                              timeout=120)

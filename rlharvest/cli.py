@@ -160,7 +160,7 @@ def _node(ns: argparse.Namespace) -> int:
 
     try:
         key = read_key(args)
-    except (OSError, ValueError) as err:  # missing, readable by others, not hex
+    except (OSError, ValueError) as err:  # missing, readable or replaceable by others, malformed
         return _node_failed(f"error: {err}", EXIT_USAGE)
     try:
         start_node(args, key, _node_says)
