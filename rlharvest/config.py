@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -469,7 +469,7 @@ def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
     return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
 
 
-def _is_default(spec, value: Any) -> bool:
+def _is_default(spec: Field, value: Any) -> bool:
     default = spec.default_factory() if callable(spec.default_factory) else spec.default
     if value is default:
         return True

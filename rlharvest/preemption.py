@@ -16,11 +16,21 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
 __all__ = ["PreemptionCheckpoint"]
+
+
+class Resumable(Protocol):
+    """What a checkpoint is taken of and loaded into: a collector (any of rlharvest's)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class PreemptionCheckpoint:
@@ -60,7 +70,7 @@ class PreemptionCheckpoint:
         """Whether a signal announced the end of this job."""
         return self.signal is not None
 
-    def resume(self, collector: Any, **others: Any) -> bool:
+    def resume(self, collector: Resumable, **others: Any) -> bool:
         """Load the checkpoint, if there is one, into ``collector`` and into each of ``others`` (objects
         with ``load_state_dict``, saved under the same names). Returns whether one was loaded."""
         if not self.path.exists():
@@ -71,14 +81,14 @@ class PreemptionCheckpoint:
             obj.load_state_dict(checkpoint[name])
         return True
 
-    def save(self, collector: Any, **others: Any) -> None:
+    def save(self, collector: Resumable, **others: Any) -> None:
         """Write ``collector``'s checkpoint and ``others``' state dicts, atomically."""
         checkpoint = {"collector": collector.state_dict(), **{name: obj.state_dict() for name, obj in others.items()}}
         partial = self.path.with_name(self.path.name + ".partial")
         torch.save(checkpoint, partial)
         os.replace(partial, self.path)
 
-    def save_and_exit(self, collector: Any, **others: Any) -> None:
+    def save_and_exit(self, collector: Resumable, **others: Any) -> None:
         """:meth:`save`, shut ``collector`` down, requeue the job if asked, and exit with status 0.
 
         Raises:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from .errors import RemoteFailure
 
-__all__ = ["Command", "Message", "Reply", "WorkerSpec", "FREE_BATCH", "LEAVING", "READY", "UnknownCommandError"]
+__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "FREE_BATCH", "LEAVING", "READY", "UnknownCommandError"]
 
 
 class Command(enum.Enum):
@@ -75,6 +75,22 @@ class Reply:
     host: str | None = None
 
 
+class WorkerOptions(Protocol):
+    """The typed options of a worker's collector when it is one of rlharvest's (``LocalOptions``, or
+    ``WorkerProcessOptions`` for a node running worker processes), parsed and validated in the parent."""
+
+    @property
+    def config(self) -> Any:
+        """The collector's ``CollectorConfig``."""
+
+    def with_hooks(self, hooks: dict) -> WorkerOptions:
+        """These options with the pre/post-collect ``hooks`` (``{name: hook}``) set."""
+
+    def in_worker(self, *, create_env_fn: Any, policy: Any, policy_factory: Any, worker_idx: int) -> WorkerOptions:
+        """The options the worker builds its collector from: its env constructor and policy, made in the
+        worker, and its index."""
+
+
 @dataclass
 class WorkerSpec:
     """Everything a worker is built from, identity included.
@@ -86,12 +102,14 @@ class WorkerSpec:
 
     worker_idx: int
     """The worker's index in its collector (0-based); never changes, also across replacements."""
-    collector_class: Any
+    collector_class: Callable[..., Any]
+    """The class of the worker's collector (wrapped for pickling where it may be the user's)."""
     create_env_fn: Any
+    """The worker's env constructor (or env), or one per sub-worker of a node running worker processes."""
     collector_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the worker's collector when it is a class of the user's own (from
     ``CollectorConfig.for_worker``); empty when ``options`` is given."""
-    options: Any = None
+    options: WorkerOptions | None = None
     """The typed options of the worker's collector when it is one of rlharvest's, parsed and validated
     in the parent (``collector_class.from_options`` builds it: nothing is parsed again in the worker);
     None for a class of the user's own, built from ``collector_kwargs``."""

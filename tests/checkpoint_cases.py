@@ -203,7 +203,7 @@ def main() -> None:
         collected = [next(iterator).clone() for _ in range(int(batches))]
         collected += [batch.clone() for batch in iterator] if case in ASYNC_CASES else []
         started = [child.pid for child in psutil.Process().children(recursive=True)]
-        frames = engine_of(collector).frames  # a RayCollector shut itself down at the end of its iteration
+        frames = engine_of(collector).tally.frames  # a RayCollector shut itself down at the end of its iteration
         torch.save({"batches": collected, "frames": frames, "children": started,
                     "restarts": restarts}, out)
     finally:

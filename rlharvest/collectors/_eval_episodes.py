@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, pad
 
 from .._utils import MASK, TRAJ_IDS, as_tuple_key
+from .base import BaseCollector
 from ._evaluation import EPISODE_REWARD_KEY, episode_metrics, eval_mode
 
 __all__ = ["EpisodeRun", "FirstEpisodesEnd", "ENV_INDEX", "episodes_of"]
@@ -130,7 +131,7 @@ class EpisodeRun:
         >>> run.shutdown()
     """
 
-    def __init__(self, collector: Any, stop: FirstEpisodesEnd, num_trajectories: int, reward_key: Any,
+    def __init__(self, collector: BaseCollector, stop: FirstEpisodesEnd, num_trajectories: int, reward_key: Any,
                  done_key: Any, metrics_fn: Callable | None = None) -> None:
         self.collector = collector
         self.stop = stop

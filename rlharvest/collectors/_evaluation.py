@@ -26,6 +26,7 @@ from tensordict import TensorDictBase
 
 from .._utils import as_tuple_key, unwrap
 from ..envs.factory import env_keys, make_env
+from .base import BaseCollector
 from .single import Collector
 
 __all__ = ["EvalConfig", "EvalCollector", "TrajectoryRun", "LocalRun", "WorkerRun", "episode_metrics", "eval_mode",
@@ -205,7 +206,7 @@ class TrajectoryRun:
         >>> run.shutdown()
     """
 
-    def __init__(self, collector: Any, reward_key: Any, metrics_fn: Callable | None = None) -> None:
+    def __init__(self, collector: BaseCollector, reward_key: Any, metrics_fn: Callable | None = None) -> None:
         self.collector = collector
         self.reward_key = reward_key
         self.metrics_fn = metrics_fn

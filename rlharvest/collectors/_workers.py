@@ -1,23 +1,26 @@
-"""The methods every public collector with workers shows (TorchRL's, and rlharvest's elastic ones),
-written once and given to each face as class attributes: they only delegate to the engine, so no face
-needs a base class between it and TorchRL's (docs/architecture.md)."""
+"""The members every public collector with workers shows (TorchRL's, and rlharvest's elastic ones),
+written once here and named in each face's class body (``remove_collectors = _workers.remove_collectors``):
+each is one call to the part that acts, so no face needs a base class between it and TorchRL's
+(docs/architecture.md).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
+from .base import BaseCollector
 from .engine.engine import CollectionEngine
 
-__all__ = ["WORKER_METHODS", "with_workers"]
+__all__ = ["worker_pids", "num_workers", "active_workers", "restart_causes", "remove_collectors",
+           "add_collectors"]
 
 
-def build_engine(self, options: Any) -> None:
-    """Build this collector's engine from its parsed options and start its workers."""
-    self._engine = CollectionEngine(options, self)
-    self._engine.start()
+def _fleet_engine(collector: BaseCollector, action: str | None = None) -> CollectionEngine:
+    """The engine with workers behind ``collector`` (open, when ``action`` is named)."""
+    return cast(CollectionEngine, collector._open(action) if action is not None else collector._engine)
 
 
-def worker_pids(self) -> list[int | None]:
+def worker_pids(self: BaseCollector) -> list[int | None]:
     """The process id of each worker that is a process of this machine (a worker process, an ``"mp"``
     node), None for the others (a SLURM job, a Ray actor, a thread). For monitoring, and for tests that
     inject faults (docs/restarts.md).
@@ -26,26 +29,31 @@ def worker_pids(self) -> list[int | None]:
         >>> collector.worker_pids()                              # doctest: +SKIP
         [41236, 41237]
     """
-    return self._engine.worker_pids()
+    return _fleet_engine(self).fleet.pids()
 
 
-def _num_workers(self) -> int:
+def _num_workers(self: BaseCollector) -> int:
     """Worker slots: every index given so far, those of workers that left included."""
-    return self._engine.num_workers
+    return len(_fleet_engine(self).fleet)
 
 
-def _active_workers(self) -> list[int]:
+def _active_workers(self: BaseCollector) -> list[int]:
     """The indices of the workers collecting now (those that left are not there), in order."""
-    return self._engine.active_workers
+    return _fleet_engine(self).fleet.active
 
 
-def _restart_causes(self) -> tuple:
+def _restart_causes(self: BaseCollector) -> tuple:
     """Why each worker was replaced, or left on a preemption (kind ``"preempted"``), so far, oldest first
     (docs/restarts.md, docs/elastic.md)."""
-    return self._engine.restart_causes
+    return _fleet_engine(self).fleet.restarts.history()
 
 
-def remove_collectors(self, indices: int | Sequence[int], timeout: float | None = None) -> None:
+num_workers = property(_num_workers)
+active_workers = property(_active_workers)
+restart_causes = property(_restart_causes)
+
+
+def remove_collectors(self: BaseCollector, indices: int | Sequence[int], timeout: float | None = None) -> None:
     """Make the workers ``indices`` leave the collection, gracefully (docs/elastic.md).
 
     Each stops at a rollout boundary: between two batches nothing is in flight; with ``sync=False`` its
@@ -75,10 +83,10 @@ def remove_collectors(self, indices: int | Sequence[int], timeout: float | None 
         ([0], 4)
         >>> collector.shutdown()
     """
-    self._open("remove_collectors()").remove_workers(indices, timeout)
+    _fleet_engine(self, "remove_collectors()").membership.remove(indices, timeout)
 
 
-def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs: int | None = None,
+def add_collectors(self: BaseCollector, create_env_fn: Callable | Sequence[Callable], num_envs: int | None = None,
                    policy: Any = None, collector_kwargs: dict | Sequence[dict] | None = None) -> None:
     """Add one worker per entry of ``create_env_fn`` to the running collector (docs/elastic.md).
 
@@ -112,25 +120,4 @@ def add_collectors(self, create_env_fn: Callable | Sequence[Callable], num_envs:
         ([0, 1], 8)
         >>> collector.shutdown()
     """
-    self._open("add_collectors()").add_workers(create_env_fn, num_envs, policy, collector_kwargs)
-
-
-#: ``{name: attribute}`` each face with workers takes (:func:`with_workers`)
-WORKER_METHODS = {
-    "worker_pids": worker_pids,
-    "num_workers": property(_num_workers),
-    "active_workers": property(_active_workers),
-    "restart_causes": property(_restart_causes),
-    "remove_collectors": remove_collectors,
-    "add_collectors": add_collectors,
-}
-
-
-def with_workers(cls: type) -> type:
-    """Class decorator of a face whose collection runs in workers: it gets :data:`WORKER_METHODS` and
-    :func:`build_engine` as ``_build``, except those it writes itself (Ray's ``add_collectors`` takes
-    actor options; its ``_build`` starts Ray first)."""
-    for name, attribute in {**WORKER_METHODS, "_build": build_engine}.items():
-        if name not in vars(cls):
-            setattr(cls, name, attribute)
-    return cls
+    _fleet_engine(self, "add_collectors()").add_workers(create_env_fn, num_envs, policy, collector_kwargs)

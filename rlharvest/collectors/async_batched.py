@@ -119,8 +119,9 @@ class AsyncBatchedCollector(BaseCollector):
             mp_start_method=mp_start_method, worker_collector=Collector, torchrl_options=torchrl_options))
 
     def _build(self, options: AsyncBatchedOptions) -> None:
-        self._engine = CollectionEngine(options, self)
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
         self._engine.start()
+
 
     @property
     def options(self) -> AsyncBatchedConfig:
@@ -137,9 +138,9 @@ class AsyncBatchedCollector(BaseCollector):
         return self._engine.options.policy_factory
 
     worker_pids = _workers.worker_pids
-    num_workers = _workers.WORKER_METHODS["num_workers"]
-    active_workers = _workers.WORKER_METHODS["active_workers"]
-    restart_causes = _workers.WORKER_METHODS["restart_causes"]
+    num_workers = _workers.num_workers
+    active_workers = _workers.active_workers
+    restart_causes = _workers.restart_causes
 
     @property
     def yield_completed_trajectories(self) -> bool:

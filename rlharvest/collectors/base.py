@@ -20,8 +20,12 @@ from .._utils import resolve_attr_path
 from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
 from ..worker import ParentDuties
+from .engine.contract import EngineOptions
+from .engine.engine import CollectionEngine
 from .engine.events import FleetEvents
+from .engine.local import LocalEngine
 from .engine.weights import merge_weight_arguments
+from .options.local import LocalOptions
 
 __all__ = ["BaseCollector"]
 
@@ -40,7 +44,8 @@ class BaseCollector(IterableDataset):
         [10, 10, 10]
     """
 
-    _engine: Any = None
+    #: the engine behind this face: the rollout loop in this process (``Collector``), or workers
+    _engine: LocalEngine | CollectionEngine | None = None
     _persistent_iterator: Iterator | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -54,20 +59,20 @@ class BaseCollector(IterableDataset):
         return object.__new__(cls)
 
     @classmethod
-    def from_options(cls, options: Any) -> BaseCollector:
+    def from_options(cls, options: LocalOptions | EngineOptions) -> BaseCollector:
         """A collector built from typed options parsed elsewhere (a worker's, from its parent's spec:
         nothing is parsed again)."""
         collector = object.__new__(cls)
         collector._build(options)
         return collector
 
-    def _build(self, options: Any) -> None:  # pragma: no cover - every face builds its engine
+    def _build(self, options: LocalOptions | EngineOptions) -> None:  # pragma: no cover - every face builds its own
         raise NotImplementedError
 
-    def _open(self, action: str) -> Any:
+    def _open(self, action: str) -> LocalEngine | CollectionEngine:
         """The engine, or the error saying this collector is shut down."""
         engine = self._engine
-        if engine is None or engine.closed:
+        if engine is None or engine.life.closed:
             name = type(self).__name__
             raise CollectorShutdownError(f"{name} is shut down: {action} is not possible any more (build a new "
                                          f"{name} to collect again).")
@@ -77,7 +82,7 @@ class BaseCollector(IterableDataset):
     @property
     def worker_idx(self) -> int | None:
         """Index of this collector inside a parent collector; None at the top level."""
-        return self._engine.worker_idx
+        return self._engine.config.worker_idx
 
     @property
     def config(self):
@@ -85,12 +90,11 @@ class BaseCollector(IterableDataset):
         return self._engine.config
 
     @property
-    def frames_per_batch(self) -> int:
-        return self.requested_frames_per_batch
-
-    @property
     def requested_frames_per_batch(self) -> int:
-        return self._engine.requested_frames_per_batch
+        """Frames of the next batch (a sync batch follows the workers that join and leave)."""
+        return self._engine.sizes.frames_per_batch()
+
+    frames_per_batch = requested_frames_per_batch
 
     @property
     def total_frames(self) -> int:
@@ -100,11 +104,11 @@ class BaseCollector(IterableDataset):
     # too but read by scripts and by TorchRL's own tests (``test_collector_reloading``)
     @property
     def _frames(self) -> int:
-        return self._engine.frames
+        return self._engine.tally.frames
 
     @property
     def _iter(self) -> int:
-        return self._engine.iter
+        return self._engine.tally.iter
 
     @property
     def replay_buffer(self):
@@ -162,7 +166,7 @@ class BaseCollector(IterableDataset):
         return batch
 
     def __len__(self) -> int:
-        return self._engine.num_batches()
+        return self._engine.sizes.num_batches()
 
     # ------------------------------------------------------------------ life cycle
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
@@ -171,12 +175,8 @@ class BaseCollector(IterableDataset):
             self._engine.shutdown(timeout, close_env, raise_on_error)
 
     def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:
-        """Shut down a collector started with :meth:`start` (or any collector).
-
-        Args:
-            timeout: bound on the wait for background collection to stop.
-            close_env: whether to close the envs.
-        """
+        """Shut down a collector started with :meth:`start` (or any collector), waiting at most ``timeout``
+        seconds for background collection to stop; ``close_env``: whether to close the envs."""
         self.shutdown(timeout=timeout, close_env=close_env)
 
     def __del__(self):
@@ -197,7 +197,7 @@ class BaseCollector(IterableDataset):
             NotImplementedError: on collectors that cannot run free.
             RuntimeError: without a replay buffer, or when already running.
         """
-        self._open("start()").start_free()
+        self._open("start()").background.start()
 
     @contextlib.contextmanager
     def pause(self):
@@ -207,12 +207,12 @@ class BaseCollector(IterableDataset):
             NotImplementedError: when entered on collectors that cannot pause.
             RuntimeError: when the collector is not running free.
         """
-        with self._open("pause()").pause():
+        with self._open("pause()").background.pause():
             yield
 
     def is_running(self) -> bool:
         """Whether background collection (``start()``) is in progress."""
-        return self._engine is not None and self._engine.is_running()
+        return self._engine is not None and self._engine.background.is_running()
 
     # ------------------------------------------------------------------ profiling
     def enable_profile(self, *, workers: list[int] | None = None, num_rollouts: int = 3, warmup_rollouts: int = 1,
@@ -230,7 +230,7 @@ class BaseCollector(IterableDataset):
             ...                          save_path="traces/trace_{worker_idx}.json")
         """
         engine = self._open("enable_profile()")
-        if engine.iteration_started:
+        if engine.life.started:
             raise RuntimeError("Cannot enable profiling after iteration has started; call it before iterating.")
         engine.enable_profile(ProfileConfig(
             workers=list(workers) if workers is not None else [0], num_rollouts=num_rollouts,
@@ -264,7 +264,7 @@ class BaseCollector(IterableDataset):
         """
         head = attr_path.partition(".")[0]
         if head == "workers" or head.startswith("workers["):
-            return self._open("cascade_execute()").cascade_execute(attr_path, args, kwargs)
+            return self._open("cascade_execute()").calls.cascade(attr_path, args, kwargs)
         target = resolve_attr_path(self, attr_path)
         if callable(target):
             return target(*args, **kwargs)
@@ -279,7 +279,7 @@ class BaseCollector(IterableDataset):
         Example:
             >>> collector.get_distant_attr("worker_idx")            # doctest: +SKIP
         """
-        return self._engine.get_distant_attr(attr)
+        return self._engine.calls.get_attr(attr)
 
     def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
                list_of_kwargs: list[dict] | None = None) -> list[Any]:
@@ -288,7 +288,7 @@ class BaseCollector(IterableDataset):
         Raises:
             ValueError: when ``list_of_args`` and ``list_of_kwargs`` have different lengths.
         """
-        return self._engine.map_fn(method_name, list_of_args, list_of_kwargs)
+        return self._engine.calls.map_fn(method_name, list_of_args, list_of_kwargs)
 
     # ------------------------------------------------------------------ hooks and progress
     @property
@@ -343,7 +343,7 @@ class BaseCollector(IterableDataset):
             >>> collector.stats()["frames"]                          # doctest: +SKIP
             0
         """
-        return self._open("stats()").stats(workers, timeout).as_dict(workers)
+        return self._open("stats()").stats.snapshot(workers, timeout).as_dict(workers)
 
     @property
     def events(self) -> FleetEvents:
@@ -354,7 +354,7 @@ class BaseCollector(IterableDataset):
     def time_split(self) -> dict[str, float]:
         """Seconds of collection so far per part: ``env`` (env steps and the rollout's bookkeeping),
         ``policy``, ``transport`` (batches crossing a process boundary) and ``waiting`` (for workers)."""
-        return self._engine.time_split()
+        return self._engine.stats.time_split()
 
     # ------------------------------------------------------------------ inside a worker
     @property
@@ -394,11 +394,11 @@ class BaseCollector(IterableDataset):
 
     def getattr_policy(self, name: str) -> Any:
         """An attribute of the policy (the first worker's, for collectors with workers)."""
-        return self._engine.getattr_policy(name)
+        return self._engine.calls.getattr_policy(name)
 
     def getattr_env(self, name: str) -> Any:
         """An attribute of the env (the first worker's, for collectors with workers)."""
-        return self._engine.getattr_env(name)
+        return self._engine.calls.getattr_env(name)
 
     def getattr_rb(self, name: str) -> Any:
         """An attribute of the replay buffer."""
@@ -432,7 +432,7 @@ class BaseCollector(IterableDataset):
         Raises:
             RuntimeError: when a version tracker without ``increment_version`` was given.
         """
-        self._engine.increment_version()
+        self._engine.updates.increment_version()
 
     def update_policy_weights_(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None,
                                worker_ids: int | list[int] | torch.device | list[torch.device] | None = None,
@@ -460,7 +460,7 @@ class BaseCollector(IterableDataset):
         """
         engine = self._open("update_policy_weights_()")
         value = merge_weight_arguments(policy_or_weights, weights, policy, kwargs)
-        engine.update_weights(value, policy_or_weights, worker_ids, model_id, weights_dict)
+        engine.updates.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
 
     def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
         """Apply weights to this collector's own policy (the receiver-side entry point, docs/weights.md).
@@ -476,7 +476,7 @@ class BaseCollector(IterableDataset):
         Raises:
             RuntimeError: for a scheme already initialised as a sender.
         """
-        self._engine.register_receivers(weight_recv_schemes, synchronize_weights)
+        self._engine.updates.register_receivers(weight_recv_schemes, synchronize_weights)
 
     @property
     def _receiver_schemes(self) -> dict | None:
@@ -490,10 +490,10 @@ class BaseCollector(IterableDataset):
 
     def get_model(self, model_id: str) -> Any:
         """The main-side weight source for ``model_id`` (``"policy"`` = the user's policy)."""
-        return self._engine.get_model(model_id)
+        return self._engine.updates.get_model(model_id)
 
     def weight_links(self):
-        return self._engine.weight_links()
+        return self._engine.updates.weight_links()
 
     def __repr__(self) -> str:
         return self._engine.describe() if self._engine is not None else f"{type(self).__name__}(not built)"

@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from ..policies import ExplorationType
 from . import _workers
 from .base import BaseCollector
-from .engine.legacy import cached_weights, push_staged, staged_weights
+from .engine.engine import CollectionEngine
 from .options.autoscale import Autoscale
 from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
 from .single import Collector
@@ -23,7 +23,6 @@ from .single import Collector
 __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
 
 
-@_workers.with_workers
 class MultiCollector(BaseCollector):
     """Collectors whose rollouts run in worker processes on this machine.
 
@@ -133,6 +132,18 @@ class MultiCollector(BaseCollector):
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
             auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
 
+    # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
+    def _build(self, options: WorkerProcessOptions) -> None:
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
+
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.num_workers
+    active_workers = _workers.active_workers
+    restart_causes = _workers.restart_causes
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+
     # ------------------------------------------------------------------ what the options hold
     @property
     def policy(self) -> Any:
@@ -169,16 +180,16 @@ class MultiCollector(BaseCollector):
     def get_cached_weights(self, model_id: str) -> TensorDictBase | None:
         """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or
         None when that model's scheme keeps none (pipes, or no update yet)."""
-        return cached_weights(self._engine, model_id)
+        return self._engine.legacy.cached_weights(model_id)
 
     @property
     def policy_weights(self) -> dict:
         """``{device: weights}`` staging area of legacy updaters (private copies; pushed on write)."""
-        return staged_weights(self._engine)
+        return self._engine.legacy.staged_weights()
 
     def legacy_weights_written(self, device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
-        push_staged(self._engine, self.weight_updater, device)
+        self._engine.legacy.push_staged(self.weight_updater.policy_weights, device)
 
 
 class MultiSyncCollector(MultiCollector):
@@ -195,7 +206,6 @@ class MultiSyncCollector(MultiCollector):
     """
 
 
-
 class MultiAsyncCollector(MultiCollector):
     """Workers collect continuously; each batch is the first one ready (off-policy training).
 
@@ -206,7 +216,6 @@ class MultiAsyncCollector(MultiCollector):
         [8, 8]
         >>> collector.shutdown()
     """
-
 
 
 class AsyncCollector(MultiAsyncCollector):

@@ -21,12 +21,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .choices import COLLECTORS, DEFAULT_FRAMES, TARGET_RETURN
 from .ppo import PPO, PPOConfig, make_policy, make_value
+
+if TYPE_CHECKING:  # the collectors are imported when the demo runs (``make_collector``)
+    from ..collectors.base import BaseCollector
 
 __all__ = ["DemoConfig", "run_demo", "make_env", "build_collector", "EpisodeTracker", "CollectorUnavailable",
            "COLLECTORS", "DEFAULT_FRAMES"]
@@ -94,7 +97,7 @@ def build_collector(name: str, policy, workers: int, frames_per_batch: int, tota
     raise ValueError(f"unknown collector {name!r}; choose one of {COLLECTORS}")
 
 
-def seed_collector(collector, seed: int) -> None:
+def seed_collector(collector: BaseCollector, seed: int) -> None:
     """Seed the envs (and, for worker collectors, the workers' torch RNG); tolerate collectors without it."""
     try:
         collector.set_seed(seed)
@@ -250,7 +253,7 @@ def run_demo(config: DemoConfig) -> dict:
     return summary
 
 
-def _start_monitor(collector, port: int | None):
+def _start_monitor(collector: BaseCollector, port: int | None):
     """``--monitor``: the collector's live page (docs/monitoring.md), its address on stderr."""
     if port is None:
         return None
@@ -265,7 +268,7 @@ def _start_monitor(collector, port: int | None):
     return monitor
 
 
-def _train(collector, ppo: PPO, config: DemoConfig, progress: _Progress, bar) -> None:
+def _train(collector: BaseCollector, ppo: PPO, config: DemoConfig, progress: _Progress, bar) -> None:
     """Train on every batch, pushing the weights after each update, until solved or the budget is spent."""
     tracker, timings, sync_ms = progress.tracker, progress.timings, progress.sync_ms
     tick = time.perf_counter()

@@ -25,7 +25,7 @@ from .._utils import NestedKey
 from ._subenv_protocol import Buffers, FirstStep, SubEnvCommand, SubEnvDescription, Unavailable
 from ._subenv_worker import SubEnvRunner, build_env
 from .base import EnvBase
-from .specs import Composite, TensorSpec, Unbounded
+from .specs import Composite, SpecLike, TensorSpec, Unbounded
 from .state import EnvStateUnavailable
 
 __all__ = ["BatchedEnvConfig", "BatchedEnvBase", "SerialEnv", "SubEnvPool"]
@@ -176,7 +176,7 @@ class _StackedSpec(TensorSpec):
         return _StackedSpec(self.inner, (*batch, *self.batch))
 
 
-def _stacked(spec, num_workers: int, layout: tuple | None = None):
+def _stacked(spec: SpecLike, num_workers: int, layout: tuple | None = None) -> TensorSpec | _StackedSpec:
     """The spec of ``num_workers`` stacked sub-envs' values of ``spec`` (rlharvest's kept by type)."""
     if layout is not None and (tuple(spec.shape), spec.dtype) != layout:
         return Unbounded((num_workers, *layout[0]), dtype=layout[1])  # the declared spec disagrees with the data

@@ -33,6 +33,7 @@ import torch
 from .._utils import NestedKey, as_tuple_key, unravel_key
 from ..errors import ActionKeyError, ActionReadWarning, ActionSpecError
 from .adapters import env_attr
+from .specs import CompositeLike, SpecLike
 
 __all__ = ["ActionMisfit", "check_step_specs", "check_policy_actions", "first_step", "raise_if_changed"]
 
@@ -48,7 +49,7 @@ def _meta(value: Any) -> tuple[tuple | None, torch.dtype | None]:
     return None, None
 
 
-def _leaf_specs(spec: Any) -> dict[NestedKey, Any]:
+def _leaf_specs(spec: CompositeLike) -> dict[NestedKey, SpecLike]:
     """``{key: leaf spec}`` of a composite spec (ours or TorchRL's)."""
     return {unravel_key(key): leaf for key, leaf in spec.items(True, True)
             if isinstance(getattr(leaf, "dtype", None), torch.dtype)}
@@ -131,7 +132,7 @@ def raise_if_changed(key: NestedKey, values: list, shape: tuple, dtype: torch.dt
 
 
 # ---------------------------------------------------------------------------------------------- actions
-def describe_spec(spec: Any) -> str:
+def describe_spec(spec: SpecLike) -> str:
     """``OneHot(shape=(2,), dtype=torch.int64)``: a leaf spec in one line (TorchRL's repr takes many)."""
     n = getattr(spec, "n", None)
     extra = f", n={n}" if isinstance(n, int) else ""
@@ -183,12 +184,12 @@ class ActionMisfit:
                 "them (e.g. argmax of the logits, or a distribution's sample).")
 
 
-def _is_one_hot(spec: Any) -> bool:
+def _is_one_hot(spec: SpecLike) -> bool:
     """rlharvest's or TorchRL's one-hot spec (``OneHot``, ``MultiOneHot``; their old names too)."""
     return "OneHot" in type(spec).__name__
 
 
-def _reading(spec: Any, value: torch.Tensor) -> str:
+def _reading(spec: SpecLike, value: torch.Tensor) -> str:
     """How TorchRL's envs turn ``value`` into the env's action, for a spec that does not hold it."""
     if _is_one_hot(spec):
         reading = "value.long().argmax(-1), the index of the largest value once truncated to integers"
@@ -200,7 +201,7 @@ def _reading(spec: Any, value: torch.Tensor) -> str:
     return "as it is, handed to the env"
 
 
-def _misfit(spec: Any, value: torch.Tensor) -> str | None:
+def _misfit(spec: SpecLike, value: torch.Tensor) -> str | None:
     """Why ``value`` cannot be an action of ``spec`` (None if it can): another number of values, or
     values its dtype cannot hold. Lenient on purpose: another dtype of the same kind, or floats that
     are whole numbers (a one-hot sample of 0. and 1., as TorchRL's ``OneHotCategorical`` draws it),

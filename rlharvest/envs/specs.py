@@ -5,7 +5,7 @@ actions. TorchRL's specs satisfy the same duck-typed interface (``shape``, ``dty
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -14,6 +14,19 @@ from tensordict.utils import NestedKey
 from .._utils import as_tuple_key
 
 __all__ = ["TensorSpec", "Unbounded", "Bounded", "Categorical", "OneHot", "Binary", "Composite"]
+
+
+class SpecLike(Protocol):
+    """What rlharvest reads of a leaf spec, its own (:class:`TensorSpec`) or TorchRL's."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class CompositeLike(Protocol):
+    """What rlharvest reads of a composite spec, its own (:class:`Composite`) or TorchRL's."""
+
+    def items(self, include_nested: bool = False, leaves_only: bool = False) -> Iterator[tuple[Any, Any]]: ...
 
 
 class TensorSpec:
@@ -138,7 +151,7 @@ class Composite:
         for key, spec in {**(specs or {}), **kwargs}.items():
             self[key] = spec
 
-    def __setitem__(self, key: NestedKey, spec) -> None:
+    def __setitem__(self, key: NestedKey, spec: TensorSpec | Composite) -> None:
         parts = as_tuple_key(key)
         if len(parts) > 1:
             sub = self._specs.setdefault(parts[0], Composite(shape=self.shape, device=self.device))

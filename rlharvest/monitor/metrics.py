@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector as PrometheusCollector
 
+from ..collectors.base import BaseCollector
 from ..collectors.engine.events import EventKind
 from .reading import FleetReader, Reading
 
@@ -41,7 +42,7 @@ class FleetMetrics(PrometheusCollector):
         >>> collector.shutdown()
     """
 
-    def __init__(self, collector: Any) -> None:
+    def __init__(self, collector: BaseCollector | FleetReader) -> None:
         self.reader = collector if isinstance(collector, FleetReader) else FleetReader(collector)
 
     def describe(self) -> list:

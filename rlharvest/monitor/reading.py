@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..collectors.base import BaseCollector
 from ..collectors.engine import engine_of
 from ..collectors.evaluator import Evaluator
 from ..collectors.engine.events import EventKind, FleetEvent
@@ -114,7 +115,7 @@ class FleetReader:
         >>> collector.shutdown()
     """
 
-    def __init__(self, collector: Any, timeout: float = 1.0, max_age: float = 0.1) -> None:
+    def __init__(self, collector: BaseCollector, timeout: float = 1.0, max_age: float = 0.1) -> None:
         if isinstance(collector, Evaluator):
             raise TypeError("an Evaluator has no fleet to watch: each evaluation runs to its end on its own "
                             "collector. Monitor the collector you train with, and send the evaluator's results "
@@ -141,7 +142,7 @@ class FleetReader:
         since (after shutdown: the last figures, marked closed)."""
         with self._lock:
             last = self._last
-            fresh = last is not None and last.last_seq == self._events.last_seq and last.closed == self._engine.closed
+            fresh = last is not None and last.last_seq == self._events.last_seq and last.closed == self._engine.life.closed
             # a read that asks workers (RayCollector's) is shared for 20 times its own duration at least
             if fresh and (last.closed or time.time() - last.time < max(self.max_age, _SHARED_FOR * self._cost)):
                 return last
@@ -152,11 +153,11 @@ class FleetReader:
 
     def _read(self, last: Reading | None) -> Reading:
         engine = self._engine
-        closed = bool(engine.closed)
+        closed = bool(engine.life.closed)
         snapshot = None
         for attempt in range(_TRIES):
             try:
-                snapshot = engine.stats("aggregate", self.timeout)
+                snapshot = engine.stats.snapshot("aggregate", self.timeout)
                 break
             except Exception:  # a dict the learner resized while it was read, or parts gone at shutdown
                 if attempt == _TRIES - 1 and last is None:

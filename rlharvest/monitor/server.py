@@ -22,6 +22,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
+from ..collectors.base import BaseCollector
 from .reading import FleetReader, plain
 
 __all__ = ["Monitor"]
@@ -147,7 +148,8 @@ class Monitor:
         >>> collector.shutdown()
     """
 
-    def __init__(self, collector: Any, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+    def __init__(self, collector: BaseCollector, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
         metrics = _load_prometheus()
         from prometheus_client import CollectorRegistry
 

@@ -243,6 +243,9 @@ class Backend(ABC):
     growable = False
     #: whether a new worker can take the slot of one that left (nodes that join: ``launcher="external"``)
     refills_slots = False
+    #: whether a worker can be started again at the index of one that failed or left (a preempted one
+    #: is then replaced; False: nodes started elsewhere, which only leave)
+    replaceable = True
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
@@ -256,7 +259,7 @@ class Backend(ABC):
         that has imported torch) prepares it while the first workers start, not at a failure."""
         self.replacements_expected = True
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         """Make room for ``count`` more workers, indices ``num_workers`` on, each then started with
         :meth:`start_one` (docs/backends.md, "Adding workers").
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -182,7 +182,7 @@ class MPWorkerEndpoint(PipeEndpoint):
         return super().parent_alive() and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
 
-def _process_main(target: WorkerTarget, spec, conn, signals, row: int, worker_idx: int, parent_pid: int | None,
+def _process_main(target: WorkerTarget, spec: WorkerSpec, conn, signals, row: int, worker_idx: int, parent_pid: int | None,
                   death_signal: bool) -> None:
     """A worker process's first steps: make sure it dies with its parent, then run ``target``."""
     if not prepare_worker_process(parent_pid, death_signal):
@@ -267,7 +267,7 @@ class MPBackend(Backend):
 
     growable = True
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         """Room for ``count`` more worker processes; ``options``: the policy device of each (default:
         worker 0's)."""
         first = self.num_workers

@@ -26,7 +26,7 @@ import os
 import select
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import cloudpickle
 import torch.distributed.rpc as rpc
@@ -302,10 +302,15 @@ class RPCBackend(Backend):
         self._session: dict | None = None
         self._running = False
 
+    @property
+    def replaceable(self) -> bool:
+        """Nodes started elsewhere (``launcher="submitit_delayed"``) cannot be started again: they only leave."""
+        return self.launcher != "submitit_delayed"
+
     #: nodes can be added to a running collector: each joins the dynamic group with a fresh rank
     growable = True
 
-    def grow(self, count: int, options=None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         super().grow(count, options)
         self.launched.extend([None] * count)
 

@@ -65,7 +65,7 @@ class RPCNodeCalls:
     leave: Callable[[float], tuple[str, int]] = lambda deadline: ("finished", 0)
 
 
-def _init_rpc_quietly(name: str, rank: int, options) -> None:
+def _init_rpc_quietly(name: str, rank: int, options: rpc.TensorPipeRpcBackendOptions) -> None:
     """``rpc.init_rpc`` of a dynamic group, without the warning torch's own TensorPipe start-up emits."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")

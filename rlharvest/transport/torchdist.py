@@ -21,7 +21,7 @@ import functools
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import cloudpickle
 import torch.distributed as dist
@@ -129,6 +129,11 @@ class TorchDistBackend(Backend):
         self.last_group_seconds: float | None = None
 
     @property
+    def replaceable(self) -> bool:
+        """Nodes started elsewhere (``launcher="submitit_delayed"``) cannot be started again: they only leave."""
+        return self.launcher != "submitit_delayed"
+
+    @property
     def refills_slots(self) -> bool:
         """``launcher="external"``: a node that joins takes the slot of one that left."""
         return self.launcher == "external"
@@ -140,7 +145,7 @@ class TorchDistBackend(Backend):
         the slots it opened, docs/elastic.md "Autoscaling")."""
         return self.backend in PAIR_BACKENDS and self.launcher != "submitit_delayed"
 
-    def grow(self, count: int, options=None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         super().grow(count, options)
         self.launched.extend([None] * count)
 

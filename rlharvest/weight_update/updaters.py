@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -29,6 +29,14 @@ __all__ = [
     "MultiProcessedWeightUpdater",
     "RemoteModuleWeightUpdater",
 ]
+
+
+class UpdaterHost(Protocol):
+    """What a legacy updater is registered with: a collector. Every updater bumps its version; the kinds
+    that need more (a worker-process collector's staged weights, a node collector's push) look for it
+    by name."""
+
+    def increment_version(self) -> None: ...
 
 
 class WeightUpdaterBase:
@@ -68,7 +76,7 @@ class WeightUpdaterBase:
         """Build an updater from a policy; the base class cannot, and returns None."""
         return None
 
-    def register_collector(self, collector) -> None:
+    def register_collector(self, collector: UpdaterHost) -> None:
         """Register ``collector``. Once registered, another live collector is refused.
 
         Raises:
@@ -237,7 +245,7 @@ class MultiProcessedWeightUpdater(WeightUpdaterBase):
         self.get_server_weights = get_server_weights
         self.policy_weights = policy_weights
 
-    def register_collector(self, collector) -> None:
+    def register_collector(self, collector: UpdaterHost) -> None:
         super().register_collector(collector)
         if self.policy_weights is None:
             self.policy_weights = dict(getattr(collector, "policy_weights", {}) or {})

@@ -25,7 +25,7 @@ IDS = ("collector", "traj_ids")
 
 
 def worker_pid(collector, worker: int) -> int:
-    return engine_of(collector).requests.handles[worker].process.pid
+    return engine_of(collector).fleet.requests.handles[worker].process.pid
 
 
 def test_a_sync_batch_shrinks_by_the_removed_share_and_indices_stay():

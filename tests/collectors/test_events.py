@@ -27,7 +27,7 @@ def test_restart_add_remove_and_shutdown_are_published_in_order_and_logged(caplo
     with caplog.at_level(logging.INFO, logger="rlharvest"):
         for index, _ in enumerate(collector):
             if index == 1:
-                pid = engine_of(collector).requests.handles[1].process.pid
+                pid = engine_of(collector).fleet.requests.handles[1].process.pid
                 os.kill(pid, signal.SIGKILL)
                 wait_until(lambda: process_gone(pid), timeout=10, what=f"worker 1 (pid {pid}) gone")
             elif index == 3:

@@ -48,7 +48,7 @@ def main(out: str = "docs/img/monitor.png", seconds: float = 25.0) -> None:
                 collector.update_policy_weights_()
                 if not killed and time.monotonic() - start > seconds / 2:
                     killed = True
-                    os.kill(engine_of(collector).requests.handles[1].process.pid, signal.SIGKILL)
+                    os.kill(engine_of(collector).fleet.requests.handles[1].process.pid, signal.SIGKILL)
             time.sleep(1.0)  # two polls of the page
             browser.driver.save_screenshot(out)
     finally:

@@ -44,7 +44,7 @@ def test_metrics_follow_a_collection_and_a_killed_workers_restart():
         assert {labels["host"] for labels, _ in samples["rlharvest_worker_info"]} == {os.uname().nodename}
         assert "rlharvest_autoscale_collectors" not in samples  # built without autoscale=
 
-        pid = engine_of(collector).requests.handles[1].process.pid
+        pid = engine_of(collector).fleet.requests.handles[1].process.pid
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: process_gone(pid), timeout=10, what=f"worker 1 (pid {pid}) gone")
         wait_until(lambda: next(batches) is None or collector.events.counts()["restart"] == 1, 60, "the restart")

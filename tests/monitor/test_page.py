@@ -85,7 +85,7 @@ def test_a_killed_workers_restart_shows_in_its_row_and_the_timeline(browser):
         next(batches)
         page = Page(browser, monitor)
         page.wait(lambda p: len(p["rows"]) == 2 and p["frames"] == "8", "two rows")
-        pid = engine_of(collector).requests.handles[1].process.pid
+        pid = engine_of(collector).fleet.requests.handles[1].process.pid
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: process_gone(pid), 10, f"worker 1 (pid {pid}) gone")
         wait_until(lambda: next(batches) is None or collector.events.counts()["restart"] == 1, 60, "the restart")

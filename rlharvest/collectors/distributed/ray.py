@@ -16,6 +16,7 @@ from ...protocol import Command
 from ...transport.ray import ensure_ray, require_ray
 from .. import _workers
 from ..base import BaseCollector
+from ..engine.engine import CollectionEngine
 from ..engine.checkpoint import as_actor_list, from_actor_list
 from ..options.autoscale import Autoscale
 from ..options.ray import RayOptions
@@ -25,8 +26,6 @@ from . import _node_api
 __all__ = ["RayCollector"]
 
 
-@_workers.with_workers
-@_node_api.node_api()
 class RayCollector(BaseCollector):
     """Collect with one Ray actor per entry of ``create_env_fn``.
 
@@ -124,20 +123,39 @@ class RayCollector(BaseCollector):
             pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook, autoscale=autoscale
         ))
 
+    # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.num_workers
+    active_workers = _workers.active_workers
+    restart_causes = _workers.restart_causes
+    remove_collectors = _workers.remove_collectors
+
+    # ------------------------------------------------------------------ every collector with nodes (``_node_api.py``)
+    policy = _node_api.policy
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.collector_class
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.num_workers_per_collector
+    update_after_each_batch = _node_api.update_after_each_batch
+    max_weight_update_interval = _node_api.max_weight_update_interval
+    push_legacy_weights = _node_api.push_legacy_weights
+
     def _build(self, options: RayOptions) -> None:
         ensure_ray(options.ray_init_config)
-        _workers.build_engine(self, options)
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
 
     # ------------------------------------------------------------------ TorchRL's Ray API
     @property
     def num_collectors(self) -> int:
-        return self._engine.num_workers
+        return len(self._engine.fleet)
 
     @property
     def remote_collectors(self) -> list:
         """The Ray actor handles of the workers, in worker order (each runs one collector); None in the
         slot of an actor that left (``remove_collectors``, preempted and not replaced)."""
-        return [getattr(handle, "actor", None) for handle in self._engine.handles()]
+        return [getattr(handle, "actor", None) for handle in self._engine.fleet.handles()]
 
     def local_policy(self):
         """The policy of this process (the source of the actors' weights)."""
@@ -218,7 +236,7 @@ class RayCollector(BaseCollector):
             return
         engine.loop.drain()
         for worker, state in enumerate(states):
-            raised = engine.requests.request(worker, Command.LOAD_STATE_DICT, state)
+            raised = engine.fleet.requests.request(worker, Command.LOAD_STATE_DICT, state)
             for category, message in raised or ():  # an actor's episode that restarts (docs/checkpoints.md)
                 warnings.warn(message, category, stacklevel=2)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from ...policies import ExplorationType
 from .. import _workers
 from ..base import BaseCollector
+from ..engine.engine import CollectionEngine
 from ..engine.extras import RPCReferences
 from ..options.autoscale import Autoscale
 from ..options.rpc import RPCOptions
@@ -21,8 +22,6 @@ from . import _node_api
 __all__ = ["RPCCollector"]
 
 
-@_workers.with_workers
-@_node_api.node_api("update_interval", "launcher", "slurm_kwargs", "tcp_port", "visible_devices", "tensorpipe_options")
 class RPCCollector(BaseCollector):
     """Collect with one node per env constructor, commanded over torch RPC.
 
@@ -119,6 +118,35 @@ class RPCCollector(BaseCollector):
             restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
             bind_address=bind_address, autoscale=autoscale
         ))
+
+    # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
+    def _build(self, options: RPCOptions) -> None:
+        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine.start()
+
+    worker_pids = _workers.worker_pids
+    num_workers = _workers.num_workers
+    active_workers = _workers.active_workers
+    restart_causes = _workers.restart_causes
+    remove_collectors = _workers.remove_collectors
+    add_collectors = _workers.add_collectors
+
+    # ------------------------------------------------------------------ every collector with nodes (``_node_api.py``)
+    policy = _node_api.policy
+    policy_factory = _node_api.policy_factory
+    policy_weights = _node_api.policy_weights
+    collector_class = _node_api.collector_class
+    collector_kwargs = _node_api.collector_kwargs
+    num_workers_per_collector = _node_api.num_workers_per_collector
+    update_after_each_batch = _node_api.update_after_each_batch
+    max_weight_update_interval = _node_api.max_weight_update_interval
+    push_legacy_weights = _node_api.push_legacy_weights
+    update_interval = _node_api.update_interval
+    launcher = _node_api.launcher
+    slurm_kwargs = _node_api.slurm_kwargs
+    tcp_port = _node_api.tcp_port
+    visible_devices = _node_api.visible_devices
+    tensorpipe_options = _node_api.tensorpipe_options
 
     @property
     def collector_rrefs(self) -> list:

@@ -18,7 +18,7 @@ from ...protocol import Command
 from .fleet import Fleet
 from ..._utils import user_stacklevel, wrap_callable
 
-__all__ = ["WorkerBroadcast", "argument_sets"]
+__all__ = ["WorkerBroadcast", "LocalCalls", "argument_sets"]
 
 
 def argument_sets(list_of_args, list_of_kwargs, count: int | None) -> list[tuple[tuple, dict]]:
@@ -48,6 +48,8 @@ class WorkerBroadcast:
         fleet: the collector's workers.
         drain: called before each call, to let in-flight rollouts answer first.
         noun: how errors name a worker ("worker", "node", "actor").
+        policy_here: the policy when it runs in this process (a policy server), asked instead of the
+            first worker's; None otherwise.
 
     Example:
         >>> broadcast = WorkerBroadcast(fleet, drain=lambda: None)         # doctest: +SKIP
@@ -55,10 +57,11 @@ class WorkerBroadcast:
         9
     """
 
-    def __init__(self, fleet: Fleet, drain: Callable[[], None], noun: str = "worker") -> None:
+    def __init__(self, fleet: Fleet, drain: Callable[[], None], noun: str = "worker", policy_here: Any = None) -> None:
         self.fleet = fleet
         self.drain = drain
         self.noun = noun
+        self.policy_here = policy_here
         #: what the last :meth:`seed` returned, and its ``static_seed``: workers added later continue there
         self.seed_chain: tuple[int, bool] | None = None
 
@@ -122,7 +125,32 @@ class WorkerBroadcast:
         """The attribute at ``attr`` in every worker's collector, in worker order."""
         return self._requests.broadcast(Command.CASCADE, ("get_distant_attr", (attr,), {}))
 
+    def map_fn(self, method_name: str, list_of_args: Sequence | None, list_of_kwargs: Sequence | None) -> list[Any]:
+        """``map_fn``: ``method_name`` called in the ``k``-th current worker's collector with the ``k``-th
+        arguments (one entry per current worker).
+
+        Raises:
+            ValueError: for lists of different lengths, or not one entry per worker.
+        """
+        return self.call_each(method_name, argument_sets(list_of_args, list_of_kwargs, len(self._all())))
+
+    def cascade(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
+        """``cascade_execute("workers[i].<path>")`` runs inside worker i's collector (its result),
+        ``"workers.<path>"`` inside every worker (their results, in worker order).
+
+        Raises:
+            ValueError: when nothing follows ``workers[i].``.
+        """
+        head, _, rest = attr_path.partition(".")
+        if not rest:
+            raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
+        workers = self._all() if head == "workers" else [int(head[len("workers["):-1])]
+        results = self.call(rest, args, kwargs, workers)
+        return results if head == "workers" else results[0]
+
     def getattr_policy(self, name: str) -> Any:
+        if self.policy_here is not None:  # the policy lives here (AsyncBatchedCollector)
+            return getattr(self.policy_here, name)
         return self._requests.request(self._all()[0], Command.GETATTR_POLICY, name)
 
     def getattr_env(self, name: str) -> Any:
@@ -173,6 +201,39 @@ class WorkerBroadcast:
         self.drain()
         self._requests.broadcast(Command.CASCADE, ("disable_profile", (), {}))
 
+
+class LocalCalls:
+    """What a ``Collector`` answers of the calls :class:`WorkerBroadcast` asks workers: from this process.
+
+    Args:
+        resolve: the object at an attribute path of the collector.
+        env: the collector's env.
+        policy: the policy it runs now.
+        name: how messages name the collector.
+    """
+
+    def __init__(self, resolve: Callable[[str], Any], env: Any, policy: Callable[[], Any], name: str) -> None:
+        self.resolve = resolve
+        self.env = env
+        self.policy = policy
+        self.name = name
+
+    def get_attr(self, attr: str) -> Any:
+        return self.resolve(attr)
+
+    def map_fn(self, method_name: str, list_of_args: Sequence | None, list_of_kwargs: Sequence | None) -> list[Any]:
+        method = self.resolve(method_name)
+        return [method(*args, **kwargs) for args, kwargs in argument_sets(list_of_args, list_of_kwargs, None)]
+
+    def cascade(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
+        """Raises: AttributeError: a ``Collector`` has no workers to run ``workers[i].<path>`` in."""
+        raise AttributeError(f"{attr_path!r}: a {self.name} has no workers to run it in.")
+
+    def getattr_policy(self, name: str) -> Any:
+        return getattr(self.policy(), name)
+
+    def getattr_env(self, name: str) -> Any:
+        return getattr(self.env, name)
 
 def _raised_warnings(raised: Any, worker: int) -> list[tuple[type[Warning], str]]:
     """The ``(category, message)`` pairs a worker says its ``load_state_dict`` raised.

@@ -1,20 +1,19 @@
 """CollectionEngine: what every collector with workers is, whatever the backend (docs/architecture.md).
 
-The engine is built from a collector's typed options (``collectors/options/``) and owns the parts:
+The engine wires the parts and owns their lifetimes; each part is given, typed, only what it uses:
 
-* the :class:`~.fleet.Fleet` (workers' life cycle, with its :class:`~.restarts.RestartPolicy` and
-  :class:`~.requests.WorkerRequests`), the :class:`~.broadcast.WorkerBroadcast` (calls asked of every
-  worker);
-* the :class:`~.loops.Iteration` (how batches come back: ``gather.py``) and the
+* the :class:`~.fleet.Fleet` (the workers' life cycle, with its :class:`~.restarts.RestartPolicy`), the
+  :class:`~.broadcast.WorkerBroadcast` (calls asked of every worker);
+* the loop its options' :class:`~.gather.Gathering` makes (how batches come back) and the
   :class:`~.output.BatchOutput` (post-processing, replay buffer, complete trajectories);
 * the :class:`~.weights.WeightPublisher` (schemes, legacy updater, versions) and the
-  :class:`~.schedule.WeightSchedule` (automatic pushes);
-* the :class:`~.membership.Membership` (workers that join and leave), the trajectory ids
-  (``traj_ids.py``), the background runs (``running.py``), checkpoints (``checkpoint.py``) and the
-  :class:`~.stats.StatsSnapshot`.
+  :class:`~.updates.WeightUpdates` (updates that meet failed workers, automatic pushes);
+* the :class:`~.membership.Membership` (workers that join and leave) and the :class:`~.state.BatchSizes`,
+  the :class:`~.running.Background` (``start()``), the :class:`~.checkpoint.FleetCheckpoint` and the
+  :class:`~.stats.FleetStats`; what its backend adds (``extras.py``, ``served.py``, ``scaling.py``).
 
-What differs between backends is data in the options' :class:`~rlharvest.collectors.options.traits.Traits`;
-the public classes are faces that build an engine and delegate to it.
+What differs between backends is what the options hand over (``contract.py``); the public classes are
+faces that build an engine and call its parts.
 """
 
 from __future__ import annotations
@@ -25,32 +24,35 @@ import dataclasses
 import multiprocessing  # noqa: F401  (imported before our exit hook so that hook runs first)
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tensordict import TensorDictBase
 
+from ..._utils import resolve_attr_path
+from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
 from ...protocol import Command
-from ..options.common import WorkerSetup
-from . import checkpoint
-from .broadcast import WorkerBroadcast, argument_sets
+from .broadcast import WorkerBroadcast
+from .checkpoint import FleetCheckpoint
+from .contract import EngineOptions, WorkerSetup
 from .events import EventKind, FleetEvents
-from .extras import EngineExtra, ExternalJoins, RPCReferences
+from .extras import EngineExtra, ExternalJoins
 from .fleet import Fleet, Replacement
-from .loops import Iteration
+from .gather import Gathering
+from .legacy import LegacyStaging
+from .loops import LoopParts
 from .membership import Membership
 from .output import BatchOutput
 from .progress import ProgressMeter
-from .restarts import RestartCause, RestartPolicy
+from .pushed import Receiving
+from .restarts import RestartPolicy
 from .running import Background
 from .scaling import FleetScaler
-from .schedule import WeightSchedule
-from .served import PolicyServer
-from .stats import StatsSnapshot, fleet_stats
+from .state import BatchSizes, Lifecycle, Tally
+from .stats import FleetStats
 from .updates import WeightUpdates
-from .traj_ids import PerWorkerIds, SharedIds
-from .weights import WeightPublisher
+from .weights import NO_LOCAL_POLICY, WeightPublisher
 from .worker_figures import WorkerFigures
 
 __all__ = ["CollectionEngine"]
@@ -66,7 +68,7 @@ def _close_live_engines() -> None:
             engine.shutdown(timeout=5.0, raise_on_error=False)
 
 
-def _weakly(method, default: Any = None):
+def _weakly(method: Callable, default: Any = None) -> Callable:
     """``method`` (bound) called through a weak reference to its object: ``default`` once it is gone."""
     ref = weakref.WeakMethod(method)
 
@@ -82,112 +84,147 @@ class CollectionEngine:
 
     Args:
         options: the collector's typed options (``WorkerProcessOptions``, ``TorchDistOptions``,
-            ``RPCOptions``, ``RayOptions``, ``AsyncBatchedOptions``).
+            ``RPCOptions``, ``RayOptions``, ``AsyncBatchedOptions``): see :class:`~.contract.EngineOptions`.
         face: the public collector (held weakly: dropping it stops the workers).
     """
 
-    def __init__(self, options: Any, face: Any) -> None:
-        self.name = type(face).__name__
-        #: the public collector, held weakly (dropping it stops the workers)
-        self.face = weakref.ref(face)
+    def __init__(self, options: EngineOptions, face: object) -> None:
+        face_ref = self._face = weakref.ref(face)
+        #: the collector's options now (they grow with ``add_collectors``)
         self.options = options
-        self.traits = options.traits
-        self.config = options.config
-        self.closed = True  # until the workers are up
-        self.frames, self.iter = 0, -1
-        self.iteration_started = False
+        config = options.config
+        noun = options.noun
+        #: how the workers' batches come back (and whether they stand still between batches)
+        self.gathering = gathering = options.gathering
+        self.life = Lifecycle(type(face).__name__)
+        self.tally = Tally(config)
+        self.hooks: dict[str, Any] = {"pre_collect_hook": config.pre_collect_hook,
+                                      "post_collect_hook": config.post_collect_hook}
         self.profile_config: ProfileConfig | None = None
-        self.hooks: dict[str, Any] = {"pre_collect_hook": self.config.pre_collect_hook,
-                                      "post_collect_hook": self.config.post_collect_hook}
         self.progress = ProgressMeter()
         #: what happened to the fleet (restarts, joins, leaves, autoscaling): log, stats and monitor read it
         self.events = FleetEvents()
+        self.backend = options.build_backend()
+        #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
+        self.server = options.served_policy(self.backend)
+        self.weights = WeightPublisher(self.server if self.server is not None else NO_LOCAL_POLICY, self.progress,
+                                       options.version_tracker, lambda path: resolve_attr_path(face_ref(), path),
+                                       lambda model_id: self.updates.get_model(model_id))
+        if self.server is not None:
+            self.weights.version = self.server.version
         #: each worker's figures, kept from its replies (``stats()``)
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
-        self.updates = WeightUpdates(self)
-        self.weights = WeightPublisher(self.updates, self.progress, options.version_tracker)
-        self.output = BatchOutput(self.config, assembles=options.assembles_trajectories)
-        self.membership = Membership(self, options.frames_share)
-        self.schedule = WeightSchedule(self.traits.pushes, self.updates.push, options.num_workers)
-        self.ids = PerWorkerIds(options.num_workers) if self.traits.per_worker_ids else SharedIds()
-        self.loop = Iteration(self)
-        self.background = Background(self)
-        self.backend = options.build_backend()
-        self.fleet: Fleet | None = None
-        self.broadcast: WorkerBroadcast | None = None
-        self.setup: WorkerSetup | None = None
+        self.ids = options.trajectory_ids()
+        self.output = BatchOutput(config, assembles=options.assembles_trajectories)
+        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy.of(config, noun, self.events),
+                           Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
+                                       _weakly(self._after_replacement), _weakly(self._after_leave)),
+                           on_collect=self.figures.sent, events=self.events)
+        self.receiving = Receiving()
+        #: the calls asked of every worker (their in-flight rollouts answered first: the loop drains them)
+        self.calls = WorkerBroadcast(self.fleet, lambda: self.loop.drain(), noun,
+                                     self.server.policy if self.server is not None else None)
+        refused = None if gathering.stands_still else f"{self.life.name} pushes weights every update_interval batches by itself."
+        self.updates = WeightUpdates(
+            self.weights, self.fleet, self.calls, options.pushes, self.receiving, self.life, self.backend.weight_links,
+            self.weights.resolve, policy=options.policy,
+            fallback_factories=options.policy_factories if options.factory_fallback else None,
+            worker_idx=config.worker_idx, refused=refused, num_workers=options.num_workers)
+        self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
-        self.extras: list[EngineExtra] = []
-        if self.traits.external_joins:
-            self.extras.append(ExternalJoins(self))
-        if self.traits.remote_references:
-            self.extras.append(RPCReferences(self))
-        #: the policy served in this process to env workers (``AsyncBatchedCollector``), or None
-        self.server = PolicyServer(options, self) if self.traits.gather == "chunks" else None
+        self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)
         #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
-        self.scaler: FleetScaler | None = None
-        if getattr(options, "autoscale", None) is not None:
-            self.scaler = FleetScaler(self, options.autoscale)
-            self.membership.share = self.scaler.frames_of
+        self.scaler = self._scaler(options, gathering.sync)
+        self._compose_batches(options, gathering)
+        #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
+        self.legacy = LegacyStaging(self.weights, self.updates.get_model, config, self.fleet)
+        #: what the workers' specs were built with (``add_collectors`` builds more)
+        self.setup: WorkerSetup | None = None
+
+    def _compose_batches(self, options: EngineOptions, gathering: Gathering) -> None:
+        """The parts around the batches: their sizes, the loop the options chose, running free, who
+        collects, checkpoints and ``stats()``."""
+        fleet, config, noun = self.fleet, options.config, options.noun
+        self.sizes = BatchSizes(self.tally, lambda: self.options.requested_frames, sync=gathering.sync,
+                                share=self.scaler.frames_of if self.scaler is not None else options.frames_share,
+                                active=lambda: fleet.active)
+        self.loop = gathering.loop(LoopParts(
+            fleet=fleet, tally=self.tally, progress=self.progress, figures=self.figures, ids=self.ids,
+            output=self.output, config=config, sizes=self.sizes, pacing=self.updates,
+            between_batches=_weakly(self._between_batches), hooks=self.hooks,
+            policy_error=self.server.policy_error if self.server is not None else lambda: None,
+            workers_write_buffer=options.workers_write_buffer))
+        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config, self.iterate,
+                                     self.life, noun)
+        self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
+                                     self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
+                                     self.scaler, noun)
+        self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
+                                          config, self.sizes.frames_per_batch, self.ids, [self.schedule],
+                                          self.server)
+        self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
+                                self.figures, self.calls, self.life, options.census,
+                                [*self.extras, *([self.scaler] if self.scaler is not None else [])],
+                                steps_only=self.server is not None)
+
+    def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
+        if options.autoscale is None:
+            return None
+        joins = next((extra for extra in self.extras if isinstance(extra, ExternalJoins)), None)
+        return FleetScaler(options.autoscale, self.fleet, self.figures, self.tally, self.life,
+                           add=_weakly(self._scaled_add), grow=_weakly(self._joined_grow),
+                           remove=_weakly(self._scaled_remove), requested=lambda: self.options.requested_frames,
+                           share=options.frames_share, backend_options=options.scaled_backend_options,
+                           env_fn=options.env_fns[0], joins=joins, events=self.events, sync=sync)
 
     # ------------------------------------------------------------------ construction
     def start(self) -> None:
-        """Set the weights up, start the workers and wait for them (as the traits say)."""
-        options = self.options
+        """Set the weights up, start the workers and wait for them (as the options say)."""
+        options, fleet = self.options, self.fleet
+        launched = False
         try:
             self.setup = setup = options.prepare(self.backend)
             self.weights.sender_schemes = setup.schemes
             self.weights.sync_schemes = None if setup.legacy else setup.schemes
-            if isinstance(self.ids, SharedIds):
-                self.ids.counter = setup.trajectory_counter
+            self.ids.counter = setup.trajectory_counter
             if self.server is not None:
                 self.setup = setup = dataclasses.replace(setup, inference=self.server.channels)
-            for model_id, scheme in (self.weights.sender_schemes or {}).items():
+            for model_id, scheme in setup.schemes.items():
                 scheme.init_on_sender(model_id=model_id, context=self.updates, num_workers=options.num_workers)
             for extra in self.extras:
                 extra.before_start()
-            specs = options.worker_specs(self.setup)
-            hooks = Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
-                                _weakly(self._after_replacement), _weakly(self._after_leave))
-            self.fleet = Fleet(self.backend, self.weights.sender_schemes or {}, options.worker_timeout,
-                               RestartPolicy.of(self.config, self.traits.noun, self.events), hooks,
-                               on_collect=self.figures.sent, events=self.events)
-            self.loop.choose_gather(self.fleet)
-            self.broadcast = WorkerBroadcast(self.fleet, _weakly(self.loop.drain), self.traits.noun)
+            specs = options.worker_specs(setup)
+            fleet.schemes = setup.schemes
             _LIVE.add(self)
-            self.fleet.start(specs, started=self._started_hook(), wait=self.traits.wait_until_built,
-                             deferred=self.traits.deferred_start)
+            launched = True
+            startup = options.startup
+            fleet.start(specs, started=self.server.start if self.server is not None else None,
+                        wait=startup.wait_until_built, deferred=startup.deferred)
         except BaseException as err:  # the fleet stopped what it started
             self.weights.shutdown()
             for extra in self.extras:
                 extra.after_stop()
-            if self.fleet is None:
+            if not launched:
                 self.backend.stop_all(time.monotonic())
             if self.server is not None:
                 self.server.stop()
                 if isinstance(err, WorkerError) and self.server.setup_error() is not None:
                     raise self.server.setup_error() from err  # the policy's or the env's own error
             raise
-        self.closed = False
-        self.events.publish(EventKind.START, f"{self.name} started {options.num_workers} {self.traits.noun}s",
+        self.life.closed = False
+        self.events.publish(EventKind.START, f"{self.life.name} started {options.num_workers} {options.noun}s",
                             workers=tuple(range(options.num_workers)))
         for extra in self.extras:
             extra.after_start()
         if self.scaler is not None:
             self.scaler.start()
         if options.weight_updater is not None:
-            self.weights.set_updater(options.weight_updater, self.face())
+            self.weights.set_updater(options.weight_updater, self._face())
         if options.weight_recv_schemes is not None:
-            self.register_receivers(options.weight_recv_schemes)
+            self.updates.register_receivers(options.weight_recv_schemes)
 
     def _policy_version(self) -> int:
         return self.weights.version
-
-    def _started_hook(self):
-        """What runs once the workers are started, before they are awaited (a policy server)."""
-        if self.server is None:
-            return None
-        return self.server.start
 
     def extra(self, kind: type) -> Any:
         """The backend part of type ``kind``, or None."""
@@ -195,93 +232,28 @@ class CollectionEngine:
 
     # ------------------------------------------------------------------ what the faces read
     @property
-    def requests(self):
-        return self.fleet.requests if self.fleet is not None else None
-
-    @property
-    def num_workers(self) -> int:
-        """Worker slots: every index given so far, those of workers that left included."""
-        return len(self.fleet) if self.fleet is not None else self.options.num_workers
-
-    @property
-    def active_workers(self) -> list[int]:
-        return self.fleet.active if self.fleet is not None else []
-
-    @property
-    def requested_frames_per_batch(self) -> int:
-        resized = self.membership.resized_frames_per_batch()
-        return self.options.requested_frames if resized is None else resized
-
-    @property
-    def worker_idx(self) -> int | None:
-        return self.config.worker_idx
-
-    def worker_pids(self) -> list[int | None]:
-        requests = self.fleet.current_requests if self.fleet is not None else None
-        return [handle.pid for handle in requests.handles] if requests is not None else []
-
-    def handles(self) -> list:
-        """The workers' handles, in index order (empty once shut down)."""
-        requests = self.fleet.current_requests if self.fleet is not None and not self.closed else None
-        return list(requests.handles) if requests is not None else []
-
-    @property
-    def restart_causes(self) -> tuple[RestartCause, ...]:
-        if self.fleet is None:
-            return ()
-        restarts = self.fleet.restarts
-        return tuple(sorted([*restarts.causes, *restarts.leaves], key=lambda cause: cause.time))
-
-    def is_running(self) -> bool:
-        return self.background.is_running()
-
-    def workers_pushing(self) -> bool:
-        """Whether the workers push batches unasked now (they are paused before they leave)."""
-        return self.loop.pushing
-
-    def weight_links(self):
-        return self.backend.weight_links()
-
-    def check_open(self, action: str) -> None:
-        """Raises: RuntimeError naming ``action`` once the collector is shut down."""
-        if self.closed:
-            raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
+    def config(self) -> CollectorConfig:
+        """The collector's arguments now (they grow with ``add_collectors``)."""
+        return self.options.config
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
         """The collector's batches (``__iter__``), each recorded for ``stats()`` as it is yielded."""
         if self.background.workers_run_free():
             raise RuntimeError("The collector is running free (start()); iterate the replay buffer instead.")
-        self.iteration_started = True
-        scaler = self.scaler if not self.is_running() else None  # running free (start()): nobody waits in here
+        self.life.started = True
+        scaler = self.scaler if not self.background.is_running() else None  # running free: nobody waits in here
         if scaler is not None:
             scaler.restarted()
         for batch in self.loop.batches():
-            self.progress.record(self.frames, batch, self.weights.policy_version)
+            self.progress.record(self.tally.frames, batch, self.weights.policy_version)
             if scaler is not None:  # between two batches: workers may join and leave
                 scaler.batch_ready()
             yield batch
             if scaler is not None:
                 scaler.asked()
-        if self.traits.shutdown_after_total and self.reached_total():  # TorchRL's Ray collector does so
+        if self.options.shutdown_after_total and self.tally.reached_total():  # TorchRL's Ray collector does so
             self.shutdown()
-
-    def reached_total(self) -> bool:
-        return not self.config.endless and self.frames >= self.config.total_frames
-
-    def random_phase(self) -> bool:
-        return self.config.in_random_phase(self.frames)
-
-    def num_batches(self) -> int:
-        """``len()``.
-
-        Raises:
-            RuntimeError: for an endless collector.
-        """
-        if self.config.endless:
-            raise RuntimeError(f"Non-terminating collector (total_frames={self.config.total_frames}): len() is "
-                               "undefined.")
-        return self.membership.num_batches(lambda: self.config.num_batches(self.options.requested_frames))
 
     def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One batch for a parent collector (this engine's collector runs inside a node)."""
@@ -302,39 +274,13 @@ class CollectionEngine:
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         """Batches are assembled here from the workers': nothing to redirect."""
 
-    def add_step_check(self, check) -> None:
+    def add_step_check(self, check: Callable[[], bool]) -> None:
         """Rollouts run in this engine's workers, which check their own parent link."""
 
     def resize_batches(self, frames: int) -> int:
         """Raises: NotImplementedError: a node running workers of its own is not re-split (autoscaling
         refuses such nodes with ``sync=True`` at construction)."""
-        raise NotImplementedError(f"{self.name} inside a node cannot change the frames of its batches.")
-    #: legacy updaters' ``{device: weights}`` staging area (``legacy.py``), made on first use
-    legacy_staging: dict | None = None
-
-    def interrupt_workers(self) -> None:
-        """Make the workers' rollouts in progress end soon."""
-        requests = self.fleet.current_requests if self.fleet is not None else None
-        if requests is not None:
-            for worker in requests.active():
-                requests.handles[worker].interrupt()
-
-    # ------------------------------------------------------------------ weights (``updates.py``)
-    def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
-                       weights_dict: dict | None) -> None:
-        self.updates.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
-
-    def updating_weights(self, update, counted: bool = True) -> None:
-        self.updates.updating(update, counted)
-
-    def increment_version(self) -> None:
-        self.updates.increment_version()
-
-    def get_model(self, model_id: str) -> Any:
-        return self.updates.get_model(model_id)
-
-    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
-        self.weights.register_receivers(schemes, self.updates, self.worker_idx, synchronize)
+        raise NotImplementedError(f"{self.life.name} inside a node cannot change the frames of its batches.")
 
     # ------------------------------------------------------------------ failed workers (docs/restarts.md)
     def _before_replacement(self, worker: int) -> None:
@@ -351,7 +297,7 @@ class CollectionEngine:
 
     def _after_replacement(self, worker: int) -> None:
         if self.loop.pushing:  # the replacement runs free like the others
-            self.requests.request(worker, Command.RUN_FREE)
+            self.fleet.requests.request(worker, Command.RUN_FREE)
         for extra in self.extras:
             extra.after_replacement(worker)
 
@@ -359,21 +305,48 @@ class CollectionEngine:
         """A worker left for good (preempted, not replaced): batches shrink as after remove_collectors."""
         self.membership.resized()
 
-    # ------------------------------------------------------------------ workers that join and leave
-    def admit_rejoined(self) -> None:
+    def _between_batches(self) -> None:
         """Empty slots that a node joined meanwhile take it (``launcher="external"``)."""
         for extra in self.extras:
-            if extra.admit(self.fleet):
+            if extra.admit():
                 self.membership.resized()
+
+    # ------------------------------------------------------------------ workers that join and leave
+    def add_workers(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+                    backend_options: Any = None) -> None:
+        """``add_collectors``: the membership starts the new workers; this collector's options become
+        the grown ones (docs/elastic.md)."""
+        self.membership.check_add()
+        self._grow(create_env_fn, num_envs, policy, collector_kwargs, backend_options)
+
+    def _grow(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+              backend_options: Any) -> None:
+        grown, specs, extra = self.membership.prepare(self.options, self.setup, create_env_fn, num_envs, policy,
+                                                      collector_kwargs, backend_options)
+        previous, self.options = self.options, grown
+        try:
+            self.membership.start_added(specs, extra)
+        except BaseException:
+            self.options = previous
+            raise
+
+    def _scaled_add(self, env_fns: list, backend_options: Any) -> None:
+        self.add_workers(env_fns, None, None, None, backend_options)
+
+    def _joined_grow(self, env_fns: list) -> None:
+        self._grow(env_fns, None, None, None, None)
+
+    def _scaled_remove(self, indices: list[int]) -> None:
+        self.membership.remove(indices, None)
 
     # ------------------------------------------------------------------ asked of every worker
     def set_seed(self, seed: int, static_seed: bool) -> int:
         """Seed worker 0 with ``seed`` and worker k with what worker k-1 returned (workers that left are
         skipped); returns the last. Asynchronous collectors drop the batches in flight."""
-        if self.traits.states_only_while_idle:
-            raise NotImplementedError(f"{self.name} does not support set_seed (nodes run free).")
+        if not self.gathering.stands_still:
+            raise NotImplementedError(f"{self.life.name} does not support set_seed (nodes run free).")
         self.loop.drop()
-        seed = self.broadcast.seed(self.active_workers, seed, static_seed)
+        seed = self.calls.seed(self.fleet.active, seed, static_seed)
         if self.output.trajectories is not None:
             self.output.trajectories.drop_in_flight()  # the workers started fresh episodes: those never end
         return seed
@@ -381,85 +354,39 @@ class CollectionEngine:
     def reset(self, reset_idx: Sequence[bool] | None) -> None:
         if self.output.trajectories is not None:
             self.output.trajectories.flush()
-        self.broadcast.reset([w for w in self.active_workers if reset_idx is None or reset_idx[w]])
-
-    def get_distant_attr(self, attr: str) -> list[Any]:
-        return self.broadcast.get_attr(attr)
-
-    def map_fn(self, method_name: str, list_of_args, list_of_kwargs) -> list[Any]:
-        return self.broadcast.call_each(method_name, argument_sets(list_of_args, list_of_kwargs,
-                                                                   len(self.active_workers)))
-
-    def cascade_execute(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
-        """``workers[i].<path>`` runs inside worker i's collector, ``workers.<path>`` inside every worker;
-        any other path resolves on the collector itself."""
-        head, _, rest = attr_path.partition(".")
-        if head == "workers" or head.startswith("workers["):
-            if not rest:
-                raise ValueError(f"{attr_path!r}: give the path to run inside the worker after 'workers[i].'")
-            workers = self.active_workers if head == "workers" else [int(head[len("workers["):-1])]
-            results = self.broadcast.call(rest, args, kwargs, workers)
-            return results if head == "workers" else results[0]
-        return None
+        self.calls.reset([w for w in self.fleet.active if reset_idx is None or reset_idx[w]])
 
     def set_hook(self, name: str, hook: Any) -> None:
         self.hooks[name] = hook
-        if self.traits.hooks_in_workers and self.broadcast is not None:
-            self.broadcast.set_hook(name, hook)
-
-    def getattr_policy(self, name: str) -> Any:
-        if self.server is not None:  # the policy lives here (AsyncBatchedCollector)
-            return getattr(self.server.policy, name)
-        return self.broadcast.getattr_policy(name)
-
-    def getattr_env(self, name: str) -> Any:
-        return self.broadcast.getattr_env(name)
+        if self.gathering.hooks_in_workers:
+            self.calls.set_hook(name, hook)
 
     def enable_profile(self, config: ProfileConfig) -> None:
         self.profile_config = config
-        self.broadcast.enable_profile(config)
+        self.calls.enable_profile(config)
 
     def disable_profile(self) -> None:
-        if self.broadcast is not None:
-            self.broadcast.disable_profile()
+        self.calls.disable_profile()
         self.profile_config = None
 
     # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
     def state_dict(self, env_state: bool) -> dict:
-        if self.traits.states_only_while_idle:
-            raise NotImplementedError(f"{self.name} has no state_dict: its nodes run free, so there is no moment "
+        name = self.life.name
+        if not self.gathering.stands_still:
+            raise NotImplementedError(f"{name} has no state_dict: its nodes run free, so there is no moment "
                                       "they all stand still at (docs/checkpoints.md).")
         if self.background.workers_run_free():
-            raise NotImplementedError(f"{self.name}.state_dict() while its {self.traits.noun}s run free (start()) "
+            raise NotImplementedError(f"{name}.state_dict() while its {self.options.noun}s run free (start()) "
                                       "and write the replay buffer themselves: checkpoint before start() or after "
                                       "async_shutdown() (docs/checkpoints.md).")
         with self.background.thread_run.at_batch_boundary():
-            return checkpoint.engine_state(self, env_state)
+            return self.checkpoint.state(env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
-        if self.traits.states_only_while_idle:
-            raise NotImplementedError(f"{self.name} has no load_state_dict: its nodes run free "
+        if not self.gathering.stands_still:
+            raise NotImplementedError(f"{self.life.name} has no load_state_dict: its nodes run free "
                                       "(docs/checkpoints.md).")
-        checkpoint.load_engine_state(self, state_dict)
-
-    def stats(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
-        return fleet_stats(self, workers, timeout)
-
-    def start_free(self) -> None:
-        self.background.start()
-
-    def pause(self):
-        return self.background.pause()
-
-    def remove_workers(self, indices: int | Sequence[int], timeout: float | None) -> None:
-        self.membership.remove(indices, timeout)
-
-    def add_workers(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-                    backend_options: Any = None) -> None:
-        self.membership.add_collectors(create_env_fn, num_envs, policy, collector_kwargs, backend_options)
-
-    def time_split(self) -> dict[str, float]:
-        return dict(self.progress.seconds)
+        self.checkpoint.load(state_dict)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
@@ -468,11 +395,11 @@ class CollectionEngine:
         Raises:
             RuntimeError: ``close_env=False`` where workers always close their envs.
         """
-        if self.closed:
+        if self.life.closed:
             return
-        if not close_env and self.traits.refuses_keep_env:
-            raise RuntimeError(f"{self.name} always closes its workers' envs (close_env=False refused).")
-        self.closed = True
+        if not close_env and self.options.refuses_keep_env:
+            raise RuntimeError(f"{self.life.name} always closes its workers' envs (close_env=False refused).")
+        self.life.closed = True
         try:
             self.background.stop(timeout)
             self.loop.stop_pushing()
@@ -490,8 +417,7 @@ class CollectionEngine:
                 self.server.stop()
             self.weights.shutdown()
             _LIVE.discard(self)
-            self.events.publish(EventKind.SHUTDOWN, f"{self.name} shut down")
+            self.events.publish(EventKind.SHUTDOWN, f"{self.life.name} shut down")
 
     def describe(self) -> str:
-        return f"{self.name}(num_workers={self.num_workers}, frames={self.frames})"
-
+        return f"{self.life.name}(num_workers={len(self.fleet) or self.options.num_workers}, frames={self.tally.frames})"

@@ -107,6 +107,8 @@ class Fleet:
         self._requests: WorkerRequests | None = None
         #: ``start``'s arguments while the start waits for its first use (nodes that join, docs/elastic.md)
         self._deferred: tuple | None = None
+        #: set by :meth:`stop`
+        self.stopped = False
 
     @property
     def requests(self) -> WorkerRequests | None:
@@ -172,6 +174,23 @@ class Fleet:
             self.stop(5.0)
             raise
 
+    def pids(self) -> list[int | None]:
+        """The process id of each worker that is a process of this machine, None for the others."""
+        requests = self._requests
+        return [handle.pid for handle in requests.handles] if requests is not None else []
+
+    def handles(self) -> list[WorkerHandle]:
+        """The workers' handles, in index order (empty once stopped)."""
+        requests = self._requests
+        return list(requests.handles) if requests is not None and not self.stopped else []
+
+    def interrupt(self) -> None:
+        """Make the workers' rollouts in progress end soon (nothing when they were never started)."""
+        requests = self._requests
+        if requests is not None:
+            for worker in requests.active():
+                requests.handles[worker].interrupt()
+
     def remember(self, index: int, **changes: Any) -> None:
         """Record in worker ``index``'s spec what it became (a seed it was given), for a replacement."""
         if self.specs[index] is not None:
@@ -227,7 +246,7 @@ class Fleet:
                 return worker
             except WorkerError as again:
                 worker = self.restarts.admit(again)
-            except NotImplementedError as cannot:  # e.g. nodes started elsewhere ("submitit_delayed")
+            except NotImplementedError as cannot:  # a backend that cannot start a worker again (not ``replaceable``)
                 raise err from cannot
 
     def _after_preemption(self, err: WorkerError, **changes: Any) -> int:
@@ -238,7 +257,7 @@ class Fleet:
         Raises:
             WorkerError: ``err`` when it was the last worker.
         """
-        replace = self.restarts.enabled and self._can_replace()
+        replace = self.restarts.enabled and self.backend.replaceable
         worker = self.restarts.record_leave(err, replace)
         if replace:
             try:
@@ -255,10 +274,7 @@ class Fleet:
         self.replacement.left(worker)
         return worker
 
-    def _can_replace(self) -> bool:
-        return getattr(self.backend, "launcher", None) != "submitit_delayed"
-
-    def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
+    def grow(self, specs: Sequence[WorkerSpec], options: Sequence[dict] | None = None) -> None:
         """Start more workers after the others, each running the current weights before it collects.
 
         All are started at once, then connected to every weight scheme, then awaited (READY). When
@@ -424,6 +440,7 @@ class Fleet:
 
     def stop(self, timeout: float) -> None:
         """Ask every worker to close, then make sure each is gone, within one deadline (idempotent)."""
+        self.stopped = True
         deadline = time.monotonic() + timeout
         closing: set[int] = set()
         self._deferred = None  # never started: nothing to ask

@@ -4,42 +4,60 @@ of that device when written; and the shared-memory weights the workers run on (d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
 
+from ...config import CollectorConfig
 from ...weight_update.strategy import weights_of
+from .fleet import Fleet
+from .weights import WeightPublisher
+
+__all__ = ["LegacyStaging"]
 
 
-__all__ = ["staged_weights", "push_staged", "cached_weights"]
+class LegacyStaging:
+    """The legacy updaters' side of a collector with worker processes.
 
+    Args:
+        weights: the publisher (its sender schemes).
+        source: the main-side weight source of a model (``get_model``).
+        config: the collector's arguments (each worker's policy device).
+        fleet: the workers (how many slots there are).
+    """
 
-def staged_weights(engine: Any) -> dict:
-    """``{device: weights}``: private copies of the main-side weights, one per policy device (made on
-    first use); a legacy updater writes them, then :func:`push_staged`."""
-    staging = engine.legacy_staging
-    if staging is None:
-        source = engine.get_model("policy")
-        if source is None:
-            return {}
-        weights = weights_of(source)
-        devices = dict.fromkeys(engine.config.policy_device_of(w) for w in range(engine.num_workers))
-        staging = engine.legacy_staging = {device: weights.detach().to(device).clone() for device in devices}
-    return staging
+    def __init__(self, weights: WeightPublisher, source: Callable[[str], Any], config: CollectorConfig,
+                 fleet: Fleet) -> None:
+        self.weights = weights
+        self.source = source
+        self.config = config
+        self.fleet = fleet
+        #: ``{device: weights}``, made on first use
+        self.staging: dict | None = None
 
+    def staged_weights(self) -> dict:
+        """``{device: weights}``: private copies of the main-side weights, one per policy device (made on
+        first use); a legacy updater writes them, then :meth:`push_staged`."""
+        if self.staging is None:
+            source = self.source("policy")
+            if source is None:
+                return {}
+            weights = weights_of(source)
+            devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(len(self.fleet)))
+            self.staging = {device: weights.detach().to(device).clone() for device in devices}
+        return self.staging
 
-def push_staged(engine: Any, updater: Any, device: torch.device) -> None:
-    """A legacy updater wrote ``device``'s weights: push them to the workers on that device."""
-    workers = [w for w in range(engine.num_workers) if engine.config.policy_device_of(w) == torch.device(device)]
-    engine.weights.sender_schemes["policy"].send(weights=updater.policy_weights[device], worker_ids=workers)
+    def push_staged(self, written: dict, device: torch.device) -> None:
+        """A legacy updater wrote ``written[device]``: push it to the workers on that device."""
+        workers = [w for w in range(len(self.fleet)) if self.config.policy_device_of(w) == torch.device(device)]
+        self.weights.sender_schemes["policy"].send(weights=written[device], worker_ids=workers)
 
-
-def cached_weights(engine: Any, model_id: str) -> TensorDictBase | None:
-    """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or None when
-    that model's scheme keeps none (pipes, or no update yet)."""
-    scheme = (engine.weights.sender_schemes or {}).get(model_id)
-    buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
-    if not buffers:
-        return None
-    return buffers.get(engine.config.policy_device_of(0), next(iter(buffers.values())))
+    def cached_weights(self, model_id: str) -> TensorDictBase | None:
+        """The shared-memory weights the workers of ``model_id`` run on (first worker's device), or None
+        when that model's scheme keeps none (pipes, or no update yet)."""
+        scheme = (self.weights.sender_schemes or {}).get(model_id)
+        buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
+        if not buffers:
+            return None
+        return buffers.get(self.config.policy_device_of(0), next(iter(buffers.values())))

@@ -1,37 +1,37 @@
-"""LocalEngine: the rollout loop in the calling process (``Collector``), with the parts every engine
-shares (weights, output, stats, background run, checkpoints). A worker process, a node or a Ray actor
-runs the same engine inside the worker loop (docs/architecture.md)."""
+"""LocalEngine: the rollout loop in the calling process (``Collector``), with the parts a face calls on
+every engine, each the local kind: ``updates`` (``local_weights.py``), ``calls``, ``background``,
+``stats``, ``sizes``, ``checkpoint``. A worker process, a node or a Ray actor runs the same engine
+inside the worker loop (docs/architecture.md)."""
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tensordict import TensorDictBase
 
-from ..._utils import TRAJ_IDS, resolve_attr_path, unwrap
-from ...config import resolve_devices
-from ...envs.factory import close_env, make_env
-from ...envs.policy_transforms import appended_by_collector, env_for_policy
+from ..._utils import TRAJ_IDS, as_tuple_key, resolve_attr_path, unwrap, user_stacklevel
+from ...config import CollectorConfig, resolve_devices
+from ...envs.adapters import env_attr
+from ...envs.factory import close_env, env_keys, make_env
+from ...envs.policy_transforms import env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
-from ...rollout import LocalTrajectoryCounter, Rollout
-from ...weight_update.strategy import copy_weights_, weights_of
+from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
 from ..options.local import LocalOptions
-from . import checkpoint
-from .broadcast import argument_sets
+from .broadcast import LocalCalls
+from .checkpoint import LocalCheckpoint
 from .events import FleetEvents
-from ._model_paths import resolve_env_transform_path
-from .local_setup import check_env_options, compile_policy, round_frames_per_batch, rollout_settings
+from .local_weights import LocalWeights
 from .output import BatchOutput
 from .progress import ProgressMeter
-from .running import ThreadRun
-from .stats import StatsSnapshot, check_view
-from .weights import WeightPublisher
+from .running import LocalRun, ThreadRun
+from .state import BatchSizes, Lifecycle, Tally
+from .stats import LocalStats
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "rollout_settings", "check_env_options", "compile_policy"]
 
 
 class LocalEngine:
@@ -42,31 +42,27 @@ class LocalEngine:
         face: the public collector (held weakly; attribute paths given as weights resolve on it).
     """
 
-    def __init__(self, options: LocalOptions, face: Any) -> None:
-        self.name = type(face).__name__
-        self._face = weakref.ref(face)
+    def __init__(self, options: LocalOptions, face: object) -> None:
+        self.life = Lifecycle(type(face).__name__)  # closed until construction succeeds
+        self.name = self.life.name
+        face_ref = weakref.ref(face)
+        resolve: Callable[[str], Any] = lambda path: resolve_attr_path(face_ref(), path)  # noqa: E731
         self.options = options
         self.config = config = options.config
-        self.closed = True  # until construction succeeds
-        self.frames, self.iter = 0, -1
-        self.iteration_started = False
+        self.tally = Tally(config)
         self.profile_config: ProfileConfig | None = None
-        #: ``(seed, static_seed, next seed)`` of the last ``set_seed`` (a checkpoint keeps the seed chain)
-        self.seed_chain: tuple | None = None
         self.extra_checks: tuple = ()
         self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
                                       "post_collect_hook": unwrap(config.post_collect_hook)}
         self.progress = ProgressMeter()
         self.events = FleetEvents()  # one process, no fleet: nothing is published (the monitor reads it alike)
-        self.weights = WeightPublisher(self, self.progress, config.track_policy_version)
         self.env = make_env(options.create_env_fn, config.create_env_kwargs)
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
-        self._served = served is not None
         self._setup_policy(served if served is not None else options.policy, options.policy_factory)
         check_env_options(config, self.env)
-        self.frames_per_batch = round_frames_per_batch(config, self.env_batch)
+        settings = rollout_settings(config, self.env, self.devices())
         counter = options.trajectory_counter or LocalTrajectoryCounter()
-        self.rollout = Rollout(self.env, self.policy, rollout_settings(config, self.env, self.frames_per_batch, self.devices()), counter)
+        self.rollout = Rollout(self.env, self.policy, settings, counter)
         if served is not None:
             served.connect(self.env, self.rollout.root)
         if self.rollout.settings.use_buffers and not config.return_same_td:
@@ -74,13 +70,25 @@ class LocalEngine:
         self.output = BatchOutput(config)
         compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
+        policy = self._current_policy
+        self.updates = LocalWeights(self.rollout, policy, self._weight_source_ref, self.policy_is_copy,
+                                    served is not None, self.env, config, self.policy_device, resolve, self.progress,
+                                    self.name)
+        self.weights = self.updates.weights
+        self.calls = LocalCalls(resolve, self.env, policy, self.name)
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
-        self.closed = False
+        self.background = LocalRun(self.thread_run, config, self.life)
+        self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
+        self.stats = LocalStats(self.tally, self.progress, self.weights,
+                                lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy))
+        self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
+                                          self.output, config, lambda: self.frames_per_batch, self.where())
+        self.life.closed = False
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, face)
-        self._init_sender_schemes(options.weight_sync_schemes)
+        self.updates.init_senders(options.weight_sync_schemes)
         if options.weight_recv_schemes is not None:
-            self.register_receivers(options.weight_recv_schemes)
+            self.updates.register_receivers(options.weight_recv_schemes)
 
     # ------------------------------------------------------------------ construction
     def _setup_policy(self, policy: Any, policy_factory: Any) -> None:
@@ -105,78 +113,39 @@ class LocalEngine:
         """Envs stepped at once (the env's batch size)."""
         return int(self.env.batch_size.numel()) if len(self.env.batch_size) else 1
 
-    def _init_sender_schemes(self, schemes: dict | None) -> None:
-        if not schemes:
-            return
-        for model_id, scheme in schemes.items():
-            if scheme.needs_workers:
-                raise ValueError(
-                    f"weight_sync_schemes[{model_id!r}] is a {type(scheme).__name__}, which sends weights to worker "
-                    "processes or nodes: a Collector has none (its policy runs in this process and "
-                    "update_policy_weights_ updates it directly). Use weight_recv_schemes to receive weights from a "
-                    "parent collector, or a MultiSyncCollector/MultiAsyncCollector to run workers.")
-        self.weights.sync_schemes = dict(schemes)
-        for model_id, scheme in schemes.items():
-            scheme.init_on_sender(model_id=model_id, context=self, num_workers=1)
-            if not scheme.synchronized_on_sender:
-                scheme.connect()
-
     # ------------------------------------------------------------------ what the face reads
     @property
-    def requested_frames_per_batch(self) -> int:
-        return self.frames_per_batch
+    def frames_per_batch(self) -> int:
+        """Frames of each batch: the rollout's time steps times the envs stepped at once."""
+        return self.rollout.settings.time_steps * self.env_batch
 
     @property
     def worker_idx(self) -> int | None:
         return self.config.worker_idx
 
-    @property
-    def policy_lock(self):
-        return self.rollout.policy_lock
-
-    def check_open(self, action: str) -> None:
-        """Raises: RuntimeError naming ``action`` once the collector is shut down."""
-        if self.closed:
-            raise RuntimeError(f"{self.name} is shut down: {action} is not possible any more (build a new collector).")
-
-    def is_running(self) -> bool:
-        return self.thread_run.is_running()
-
-    def time_split(self) -> dict[str, float]:
-        split = dict(self.progress.seconds)
-        split["env"] += self.rollout.times.env
-        split["policy"] += self.rollout.times.policy
-        return split
+    def _current_policy(self) -> Any:
+        return self.policy
 
     # ------------------------------------------------------------------ iteration
-    def reached_total(self) -> bool:
-        return not self.config.endless and self.frames >= self.config.total_frames
-
-    def num_batches(self) -> int:
-        """Raises: RuntimeError for an endless collector."""
-        if self.config.endless:
-            raise RuntimeError(f"Non-terminating collector (total_frames={self.config.total_frames}): len() is "
-                               "undefined.")
-        return self.config.num_batches(self.frames_per_batch)
 
     def iterate(self) -> Iterator[TensorDictBase | None]:
         for batch in self._batches():
-            self.progress.record(self.frames, batch, self.weights.policy_version)
+            self.progress.record(self.tally.frames, batch, self.weights.policy_version)
             yield batch
 
     def _batches(self) -> Iterator[TensorDictBase | None]:
-        self.iteration_started = True
+        self.life.started = True
         buffer = self.config.replay_buffer
         output = self.output
         trajectories = output.trajectories
-        while not self.reached_total():
+        while not self.tally.reached_total():
             if self.thread_run.should_stop():
                 return
             pre = self.hooks["pre_collect_hook"]
             if pre is not None:
                 pre()
             batch = self.rollout_batch()
-            self.frames += self._batch_frames(batch)
+            self.tally.frames += self._batch_frames(batch)
             post = self.hooks["post_collect_hook"]
             if buffer is not None and (not self.config.return_same_td or trajectories is not None):
                 self._write_buffer(buffer, batch, hook=post)
@@ -187,10 +156,10 @@ class LocalEngine:
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
         """One raw batch (no postproc): the unit of work of a worker."""
-        self.iteration_started = True
-        self.iter += 1
+        self.life.started = True
+        self.tally.iter += 1
         if random is None:
-            random = self.config.in_random_phase(self.frames)
+            random = self.tally.random_phase()
         if self.config.reset_at_each_iter and self.rollout.stepped_since_reset:
             self.rollout.reset()
         hook = self._between_steps()
@@ -205,7 +174,7 @@ class LocalEngine:
         if pre is not None:
             pre()
         batch = self.rollout_batch(random)
-        self.frames += self._batch_frames(batch)
+        self.tally.frames += self._batch_frames(batch)
         post = self.hooks["post_collect_hook"]
         if post is not None:
             post(batch)
@@ -256,7 +225,6 @@ class LocalEngine:
         that re-split its batch (docs/elastic.md, "Autoscaling"); returns the frames it will collect."""
         rounded = -(-int(frames) // self.env_batch) * self.env_batch
         if rounded != self.frames_per_batch:
-            self.frames_per_batch = rounded
             self.rollout.resize(rounded // self.env_batch)
         return rounded
 
@@ -284,90 +252,11 @@ class LocalEngine:
                         batch.get(full).narrow(rollout.time_dim, steps - 1, 1).fill_(True)
         return self.output.postprocess(batch)
 
-    # ------------------------------------------------------------------ weights (WeightOwner)
-    @property
-    def weight_source(self) -> Any:
-        return self._weight_source_ref()
-
-    def get_model(self, model_id: str) -> Any:
-        if model_id == "policy":
-            source = self.weight_source
-            return source if source is not None else self.policy
-        step_counter = bool(self.config.max_frames_per_traj)  # TorchRL's env would have one: ids index its transforms
-        if step_counter or appended_by_collector(self.env):
-            found, model = resolve_env_transform_path(self.env, model_id, step_counter)
-            if found:
-                return model
-        return resolve_attr_path(self._face(), model_id)
-
-    def update_local_policy(self, value: Any) -> None:
-        if value is None:
-            source = self.weight_source
-            if source is None or source is self.policy or not isinstance(source, torch.nn.Module):
-                self.weights.increment()
-                return
-            value = source
-        self.copy_into_local_policy(self.weights.weights_from_value(value))
-        self.weights.increment()
-
-    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
-        if not isinstance(self.policy, torch.nn.Module):
-            return
-        with self.rollout.policy_lock:
-            copy_weights_(weights_of(self.policy), weights)
-
-    def after_weights_sent(self, model_ids: list[str]) -> None:
-        if "policy" in model_ids:
-            self.weights.increment()
-
-    def on_version_bump(self, version: int) -> None:
-        self.rollout.policy_version = version
-
-    def resolve(self, path: str) -> Any:
-        return resolve_attr_path(self._face(), path)
-
-    def increment_version(self) -> None:
-        self.weights.increment()
-
-    def update_weights(self, value: Any, policy_or_weights: Any, worker_ids: Any, model_id: str | None,
-                       weights_dict: dict | None) -> None:
-        """``update_policy_weights_``: the policy runs here, its weights are copied in directly."""
-        self.weights.update(value, policy_or_weights, worker_ids, model_id, weights_dict)
-
-    def weights_received(self, model_id: str, weights: TensorDictBase, applied_to: Any) -> None:
-        """A receiver scheme applied ``weights`` to ``applied_to``: bring our own policy copy up to date."""
-        weights_api = self.weights
-        if not weights_api.forwards(model_id):
-            return
-        if (model_id == "policy" and applied_to is self.get_model("policy") and not self.policy_is_copy
-                and weights_api.updater is None and not weights_api.sync_schemes):
-            weights_api.increment()  # the scheme wrote into the very modules this collector runs
-            return
-        weights_api.update(weights, weights, None, model_id, None)
-
-    def swaps_between_steps(self, model_id: str, model: Any) -> bool:
-        """Whether a receiver scheme may swap ``model``'s weights in from its own thread, under
-        :attr:`policy_lock`: the policy runs here under that lock (an env step's action and the
-        version it records at once), and :meth:`weights_received` then only moves the version."""
-        weights_api = self.weights
-        return (model_id == "policy" and model is self.get_model("policy") and not self.policy_is_copy
-                and weights_api.updater is None and not weights_api.sync_schemes
-                and weights_api.version_tracker in (None, False, True) and not self._served)
-
-    def forward_initial_weights(self, model_id: str, weights: TensorDictBase) -> None:
-        """No workers of our own: nothing to pass on."""
-
-    def weight_links(self):
-        raise RuntimeError(f"{self.name} has no workers to send weights to.")
-
-    def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
-        self.weights.register_receivers(schemes, self, self.worker_idx, synchronize)
-
     # ------------------------------------------------------------------ env, seeds, state
     def set_seed(self, seed: int, static_seed: bool) -> int:
         """Seed the env (then start fresh episodes); returns the seed for the next env."""
         out = self.env.set_seed(seed, static_seed=static_seed)
-        self.seed_chain = (seed, bool(static_seed), out)
+        self.checkpoint.seed_chain = (seed, bool(static_seed), out)
         self.rollout.reset()
         if self.output.trajectories is not None:
             self.output.trajectories.drop_in_flight()  # those episodes will never end
@@ -395,31 +284,15 @@ class LocalEngine:
         # under the policy's lock too: a receiver may swap weights in (and move the version) from its
         # own thread (swaps_between_steps), and a checkpoint holds one version's weights with its number
         with self.thread_run.at_batch_boundary(), self.rollout.policy_lock:
-            return checkpoint.local_state(self, env_state)
+            return self.checkpoint.state(env_state)
 
     def load_state_dict(self, state_dict: dict, strict: bool) -> None:
         with self.rollout.policy_lock:
-            checkpoint.load_local_state(self, state_dict, strict)
+            self.checkpoint.load(state_dict, strict)
 
-    # ------------------------------------------------------------------ hooks, attributes, profiling
+    # ------------------------------------------------------------------ hooks, profiling
     def set_hook(self, name: str, hook: Any) -> None:
         self.hooks[name] = hook
-
-    def cascade_execute(self, attr_path: str, args: tuple, kwargs: dict) -> Any:
-        raise AttributeError(f"{attr_path!r}: a {self.name} has no workers to run it in.")
-
-    def getattr_policy(self, name: str) -> Any:
-        return getattr(self.policy, name)
-
-    def getattr_env(self, name: str) -> Any:
-        return getattr(self.env, name)
-
-    def get_distant_attr(self, attr: str) -> Any:
-        return resolve_attr_path(self._face(), attr)
-
-    def map_fn(self, method_name: str, list_of_args, list_of_kwargs) -> list[Any]:
-        method = resolve_attr_path(self._face(), method_name)
-        return [method(*args, **kwargs) for args, kwargs in argument_sets(list_of_args, list_of_kwargs, None)]
 
     def enable_profile(self, config: ProfileConfig) -> None:
         self.profile_config = config
@@ -434,40 +307,13 @@ class LocalEngine:
             self.profiler = None
         self.profile_config = None
 
-    # ------------------------------------------------------------------ stats
-    def stats(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
-        check_view(workers)
-        return StatsSnapshot(
-            frames=self.frames, batches=self.iter + 1,
-            total_frames=None if self.config.endless else self.config.total_frames, completed=self.reached_total(),
-            requested_frames_per_batch=self.frames_per_batch, policy_version=self.weights.policy_version,
-            progress=self.progress.stats(), times=self.time_split(), weight_version=self.weights.version,
-            weight_syncs=self.progress.weight_sync_histogram())
-
-    # ------------------------------------------------------------------ running free, shutdown
-    def start_free(self) -> None:
-        """Raises: RuntimeError without a replay buffer or when already running."""
-        if self.config.replay_buffer is None:
-            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
-        if self.is_running():
-            raise RuntimeError("The collector is already running.")
-        self.iteration_started = True
-        self.thread_run.start()
-
-    @contextlib.contextmanager
-    def pause(self):
-        """Raises: NotImplementedError, as TorchRL's ``Collector`` (its background thread stops with
-        ``async_shutdown()``)."""
-        raise NotImplementedError(f"Collector pause() is not implemented for {self.name}.")
-        yield  # pragma: no cover
-
     def shutdown(self, timeout: float | None = None, close_env_too: bool = True, raise_on_error: bool = True) -> None:
         """Stop the background thread, the profiler, and close the env (idempotent)."""
-        if self.closed:
+        if self.life.closed:
             return
-        self.closed = True
+        self.life.closed = True
         try:
-            self.thread_run.stop(timeout)
+            self.background.stop(timeout)
             if self.profiler is not None:
                 self.profiler.stop()
             if close_env_too:
@@ -481,4 +327,62 @@ class LocalEngine:
     def describe(self) -> str:
         total = "endless" if self.config.endless else self.config.total_frames
         return (f"{self.name}(frames_per_batch={self.frames_per_batch}, total_frames={total}, "
-                f"frames={self.frames})")
+                f"frames={self.tally.frames})")
+
+
+def rollout_settings(config: CollectorConfig, env: Any, devices: tuple) -> RolloutSettings:
+    """The settings of a collector's rollouts: its ``frames_per_batch`` as time steps of ``env`` (rounded up
+    to a multiple of the env batch, with a warning at the user's line when it was not one, or when
+    ``total_frames`` or ``init_random_frames`` are not multiples of it), its ``(storing, policy, env)``
+    ``devices``, buffers (preallocated unless a replay buffer is the storage or the env's specs are
+    dynamic)."""
+    storing, policy_device, env_device = devices
+    n_env = int(env.batch_size.numel()) if len(env.batch_size) else 1
+    frames = -(-config.frames_per_batch // n_env) * n_env
+    if frames != config.frames_per_batch:
+        warnings.warn(f"frames_per_batch={config.frames_per_batch} is not a multiple of the env batch size "
+                      f"({n_env}); collecting {frames} frames per batch.", stacklevel=user_stacklevel())
+    total, random_frames = config.total_frames, config.init_random_frames
+    if total > 0 and total % frames:
+        warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={frames}: the last batch "
+                      "will overshoot.", stacklevel=user_stacklevel())
+    if random_frames and random_frames % frames:
+        warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={frames}: "
+                      "random actions continue to the end of the batch that reaches it.",
+                      stacklevel=user_stacklevel())
+    dynamic = bool(env_attr(env, "_has_dynamic_specs", False))
+    use_buffers = config.use_buffers
+    if use_buffers is None:
+        use_buffers = config.replay_buffer is None and not dynamic
+    return RolloutSettings(
+        time_steps=frames // n_env, max_frames_per_traj=config.max_frames_per_traj,
+        set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
+        exploration_type=config.exploration_type, storing_device=storing, policy_device=policy_device,
+        env_device=env_device, use_buffers=use_buffers, track_traj_ids=config.track_traj_ids,
+        compact_obs=config.compact_obs, lazy_stack=dynamic)
+
+
+def check_env_options(config: CollectorConfig, env: Any) -> None:
+    """Raises: ValueError or RuntimeError for options the env cannot honour (``max_frames_per_traj`` with a
+    step counter of its own, ``set_truncated`` without a truncated key)."""
+    if config.max_frames_per_traj and ("step_count",) in env_keys(env):
+        raise ValueError("max_frames_per_traj is set but the env already has a 'step_count' entry (a step "
+                         "counter); remove one of them.")
+    done_keys = [as_tuple_key(k)[-1] for k in env_attr(env, "done_keys", [])]
+    if config.set_truncated and "truncated" not in done_keys and not config.max_frames_per_traj:
+        raise RuntimeError("set_truncated=True requires the env to have a 'truncated' done key (or "
+                           "max_frames_per_traj).")
+
+
+def compile_policy(config: CollectorConfig, rollout: Rollout) -> None:
+    """``compile_policy``: ``torch.compile`` the policy's stages (``cudagraph_policy`` warns without CUDA)."""
+    options = config.compile_policy
+    if options:
+        kwargs = options if isinstance(options, dict) else {}
+        step = rollout.policy_step
+        if hasattr(step, "stages"):
+            step.stages = [(torch.compile(m, **kwargs), i, o) for m, i, o in step.stages]
+        elif hasattr(step, "policy"):
+            step.policy = torch.compile(step.policy, **kwargs)
+    if config.cudagraph_policy and not torch.cuda.is_available():
+        warnings.warn("cudagraph_policy needs CUDA; it is ignored on this machine.", stacklevel=user_stacklevel())

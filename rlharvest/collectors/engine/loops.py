@@ -1,32 +1,34 @@
-"""How an engine turns its workers' rollouts into the caller's batches, one loop per way of gathering
-(docs/collection.md):
+"""What every way of gathering batches does with a worker's batch once its reply is in: take it off the
+transport, map its trajectory ids, count its frames, and deliver it (post-processed, or into the replay
+buffer). The ways themselves (one rollout of every worker, the first ready, pushed, flat chunks) are
+:class:`BatchLoop` subclasses in ``gather.py`` and ``served.py``, chosen by the collector's options
+(docs/collection.md).
 
-* **stack** (sync): every batch holds one rollout of every worker, in worker order;
-* **first ready** (async): each worker keeps one request in flight; whichever answers first is served
-  and asked again (before the yield, or after it where weights pushed after a batch must reach it);
-* **pushed**: the workers run free during iteration and push every batch (``DistributedSyncCollector``);
-* **chunks**: flat frames of whichever env workers are ready (``AsyncBatchedCollector``, ``chunks.py``).
-
-Every loop counts frames, writes the replay buffer or post-processes, and meets failed workers the same
-way: the fleet replaces them as the restart policy allows (docs/restarts.md).
+Every loop meets failed workers the same way: the fleet replaces them as the restart policy allows
+(docs/restarts.md).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import torch
 from tensordict import TensorDictBase
 
 from ..._utils import MASK, TRAJ_IDS
+from ...config import CollectorConfig
 from ...errors import WorkerError
-from ...protocol import Command
-from .gather import FirstReady, Pushed, SyncStack, request_batch
-from .pushed import PushedBatchReceiver
+from ...protocol import Command, Reply
+from .fleet import Fleet
+from .output import BatchOutput
+from .progress import ProgressMeter
+from .state import BatchSizes, Tally
+from .traj_ids import TrajectoryIds
+from .worker_figures import WorkerFigures
 
-
-__all__ = ["Iteration", "valid_part", "assemble_sync"]
+__all__ = ["BatchLoop", "LoopParts", "Pacing", "valid_part", "assemble_sync", "request_batch"]
 
 
 def valid_part(batch: TensorDictBase) -> TensorDictBase:
@@ -63,269 +65,246 @@ def assemble_sync(batches: list[TensorDictBase], cat_results: str | int = "stack
     return out
 
 
-class Iteration:
-    """The engine's batches: the loop its traits choose, and what every loop shares."""
+def request_batch(fleet: Fleet, worker: int, random: bool) -> int | None:
+    """Ask ``worker`` for one rollout (random actions when ``random``), replacing it first when it is
+    found failed (restarts on); interrupts issued from now on stop that rollout. Returns the
+    request id, or None when the worker left (preempted, not replaced: docs/elastic.md)."""
+    while True:
+        if worker in fleet.requests.retired:
+            return None
+        try:
+            mark = fleet.requests.handles[worker].interrupt_mark()
+            return fleet.requests.send(worker, Command.COLLECT, (bool(random), mark))
+        except WorkerError as err:
+            fleet.recover(err)
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.gather: SyncStack | FirstReady | Pushed | None = None
+
+class Pacing(Protocol):
+    """When a loop lets weights be pushed without being asked (``WeightUpdates``, docs/weights.md)."""
+
+    def before_batch(self, workers: list[int]) -> None:
+        """Sync: before every worker is asked for its rollout."""
+
+    def before_relaunch(self, worker: int, started: bool) -> None:
+        """Async: before ``worker`` is asked again (``started``: a batch was collected already)."""
+
+    def after_yield(self, served: list[int], active: list[int], done: bool) -> None:
+        """A batch of ``served`` was yielded (``done``: ``total_frames`` reached)."""
+
+    def before_pushed_batch(self) -> None:
+        """Workers running free: before each batch (the weights go out every k batches)."""
+
+    def pushed_batch_yielded(self) -> None:
+        """Workers running free: a batch was yielded."""
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    """The collaborators of a loop, made once by the engine."""
+
+    fleet: Fleet
+    """The workers (requests, replacements)."""
+    tally: Tally
+    """Frames and batches so far, against ``total_frames``."""
+    progress: ProgressMeter
+    """Where transport, env, policy and waiting seconds are recorded."""
+    figures: WorkerFigures
+    """Each worker's figures, from the replies taken."""
+    ids: TrajectoryIds
+    """How the workers' trajectory ids become collector-wide ones."""
+    output: BatchOutput
+    """Post-processing, the replay buffer, complete trajectories."""
+    config: CollectorConfig
+    """The replay buffer and ``trajs_per_batch``."""
+    sizes: BatchSizes
+    """Frames a batch counts with a replay buffer."""
+    pacing: Pacing
+    """Weights pushed between batches."""
+    between_batches: Callable[[], None]
+    """Called after each yield: workers may join meanwhile (``launcher="external"``)."""
+    hooks: dict
+    """The pre/post-collect hooks, for loops that run them here (where batches are assembled)."""
+    policy_error: Callable[[], BaseException | None]
+    """The policy's own error when it raised where it is served (a policy server), else None."""
+    workers_write_buffer: bool = False
+    """Whether workers may write an rlharvest replay buffer themselves (given its storage)."""
+
+
+class BatchLoop:
+    """The collector's batches: one subclass per way of gathering them, and what every way shares.
+
+    Subclasses write :meth:`_loop` (the batches, counted and delivered through :meth:`emit`) and, where
+    requests stay in flight between batches, :meth:`drain`, :meth:`drop` and :meth:`forget`.
+
+    Args:
+        parts: the loop's collaborators.
+    """
+
+    def __init__(self, parts: LoopParts) -> None:
+        self.parts = parts
+        self.fleet = parts.fleet
+        self.tally = parts.tally
         #: with restarts and ``trajs_per_batch``: the episodes each worker had running at its last batch
         self.running_trajs: dict[int, list[int]] = {}
         #: async, after a load: ``(worker, frames, batch)`` collected before the checkpoint, yielded first
         self.restored: list[tuple[int, int, TensorDictBase]] = []
         #: async: ``{(worker, request id): batch}`` a checkpoint fetched before the iterator took it
         self.fetched_early: dict[tuple[int, int], TensorDictBase] = {}
-        #: whether the workers were told to run free for iteration (``gather="pushed"``)
+        #: whether the workers were told to run free for iteration (``Pushed``)
         self.pushing = False
         #: whether the workers were given the replay buffer's storage to write into
         self.buffer_attached = False
+        #: while a batch is being collected (not suspended at a yield): workers cannot join or leave then
+        self.collecting = False
+        #: between a batch's yield and the iteration resuming (when workers may join or leave)
+        self.suspended = False
 
-    def choose_gather(self, fleet: Any) -> None:
-        engine = self.engine
-        kind = engine.traits.gather
-        if kind == "stack":
-            self.gather = SyncStack(fleet, engine.progress, engine.options.preemptive_threshold)
-        elif kind == "pushed":
-            self.gather = Pushed(fleet, engine.progress, engine.options.worker_timeout, engine.traits.noun)
-        else:  # "first_ready", "chunks"
-            self.gather = FirstReady(fleet, engine.progress)
-
-    # ------------------------------------------------------------------ the loops
+    # ------------------------------------------------------------------ the loop
     def batches(self) -> Iterator[TensorDictBase | None]:
-        engine = self.engine
-        kind = engine.traits.gather
-        if kind == "chunks":
-            yield from engine.server.batches(engine)
-            return
-        loop = {"stack": self._sync, "first_ready": self._async, "pushed": self._pushed}[kind]()
-        membership = engine.membership
-        membership.collecting = True
+        """The batches, with :attr:`collecting` and :attr:`suspended` telling where the loop is."""
+        loop = self._loop()
+        self.collecting = True
         try:
             for batch in loop:
-                membership.collecting, membership.suspended = False, True
+                self.collecting, self.suspended = False, True
                 yield batch
-                membership.collecting, membership.suspended = True, False
+                self.collecting, self.suspended = True, False
         finally:
-            membership.collecting = membership.suspended = False
+            self.collecting = self.suspended = False
             loop.close()
 
-    def _sync(self) -> Iterator[TensorDictBase | None]:
-        engine = self.engine
-        while not engine.reached_total():
-            engine.updating_weights(lambda: engine.schedule.before_batch(engine.active_workers))
-            engine.iter += 1
-            random = engine.random_phase()
-            gathered = self.gather.gather(random)  # {worker: reply}, workers that left have none
-            batches, replies = [], []
-            for worker, reply in gathered.items():
-                batch, reply = self._fetched(worker, reply, random)
-                if reply is not None:  # None: it left (preempted) while sending, its rollout handed back
-                    batches.append(batch)
-                    replies.append(reply)
-            yield from self.emit([b for b in batches if b is not None], replies, sync=True)
-            self._after_yield(None)
-
-    def _fetched(self, worker: int, reply, random: bool) -> tuple[TensorDictBase | None, Any]:
-        """The batch of ``reply`` and the reply; when the worker fails while sending it (nodes send
-        batches after replying), its replacement collects the batch again."""
-        fleet = self.engine.fleet
-        while True:
-            try:
-                if reply is None:
-                    request_id = request_batch(fleet, worker, random)
-                    if request_id is None:
-                        return None, None
-                    reply = fleet.requests.wait_for(worker, request_id)
-                return self.take(worker, reply), reply
-            except WorkerError as err:
-                fleet.recover(err)
-                reply = None
-
-    def _async(self) -> Iterator[TensorDictBase | None]:
-        engine, gather = self.engine, self.gather
-        while self.restored and not engine.reached_total():  # collected before the checkpoint
-            worker, frames, batch = self.restored.pop(0)
-            engine.iter += 1
-            engine.frames += frames
-            yield from self.emit([batch], [None], sync=False, counted=True)
-            self._after_yield(worker)
-        while not engine.reached_total():
-            for worker in gather.idle():
-                self.relaunch(worker)
-            got = gather.next()
-            if got is None:  # a worker failed: its batch is dropped, the loop asks its replacement again
-                continue
-            worker, reply = got
-            try:
-                batch = self.take(worker, reply)
-            except WorkerError as err:  # it failed while sending the batch: asked again of its replacement
-                engine.fleet.recover(err)
-                continue
-            engine.iter += 1
-            copying = time.perf_counter()
-            batch = batch.clone() if batch is not None else None  # private: the worker reuses its buffer
-            engine.progress.add_seconds("transport", time.perf_counter() - copying)
-            engine.frames += self.count_frames([reply])
-            if not engine.traits.relaunch_after_yield and not engine.reached_total():
-                self.relaunch(worker)  # before yielding: the worker collects while the caller trains
-            yield from self.emit([batch] if batch is not None else [], [reply], sync=False, counted=True)
-            self._after_yield(worker)
-
-    def _pushed(self) -> Iterator[TensorDictBase | None]:
-        engine = self.engine
-        if not self.pushing:
-            engine.requests.broadcast(Command.RUN_FREE)
-            self.pushing = True
-        while not engine.reached_total():
-            if engine.schedule.free_running_due():
-                self._push_free_running()
-            engine.iter += 1
-            batches, frames = [], 0
-            for node in engine.active_workers:
-                reply, batch = self.gather.next_of(node, lambda w, r: engine.ids.remap(self.fetch(w, r), w))
-                if reply is None:  # it left (preempted) and was not replaced
-                    continue
-                batches.append(valid_part(batch).clone() if reply.frames < batch.numel() else batch)
-                frames += reply.frames
-            engine.frames += frames
-            engine.schedule.yielded += 1
-            yield from self.emit(batches, [], sync=True, counted=True)
-
-    def _push_free_running(self) -> None:
-        """Workers running free pick the weights up between two env steps, without acknowledging; each
-        counts one version as we do, so a replacement starts at the new one."""
-        engine = self.engine
-        scheme = (engine.weights.sender_schemes or {}).get("policy")
-        if scheme is not None:
-            engine.weights.increment()
-            engine.updating_weights(scheme.send, counted=False)
+    def _loop(self) -> Iterator[TensorDictBase | None]:  # pragma: no cover - every way writes its own
+        raise NotImplementedError
 
     def stop_pushing(self) -> None:
-        """Stop workers that run free for iteration, taking what they pushed meanwhile (dropped)."""
-        if not self.pushing:
-            return
-        receiver = PushedBatchReceiver(self.engine)
-        receiver.stop_requested.set()
-        receiver.run()
-        self.pushing = False
+        """Stop workers that run free for iteration (only ``Pushed`` tells them to)."""
 
-    # ------------------------------------------------------------------ what the loops share
-    def relaunch(self, worker: int) -> None:
-        """Async: weights for ``worker`` if due, then its next request (replacing it if found failed)."""
-        engine = self.engine
-        engine.updating_weights(lambda: engine.schedule.before_relaunch(worker, started=engine.iter >= 0))
-        self.gather.launch(worker, engine.random_phase())
+    def drain(self) -> None:
+        """Wait until in-flight rollouts have answered, so workers are idle (their batches are kept)."""
 
-    def _after_yield(self, worker: int | None) -> None:
-        engine = self.engine
-        engine.admit_rejoined()
-        served = engine.active_workers if worker is None else [worker]
-        engine.schedule.after_yield(served, engine.active_workers, engine.reached_total())
+    def drop(self) -> None:
+        """Wait for the in-flight rollouts and drop their batches: they predate a change that must hold
+        from the next batch on (``set_seed``). Iteration re-launches the workers."""
+        self.fetched_early.clear()
 
-    def take(self, worker: int, reply) -> TensorDictBase | None:
+    def forget(self, worker: int) -> None:
+        """Drop what ``worker`` had in flight (it is replaced or leaves): its early fetches, its
+        episodes held back for complete-trajectory batches (they will never end)."""
+        self.fetched_early = {key: batch for key, batch in self.fetched_early.items() if key[0] != worker}
+        running = self.running_trajs.pop(worker, None)
+        trajectories = self.parts.output.trajectories
+        if running and trajectories is not None:
+            trajectories.drop_in_flight(running)
+
+    def in_flight(self) -> dict[int, int]:
+        """``{worker: request id}`` of the rollouts asked for and not taken yet (a checkpoint keeps them)."""
+        return {}
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of frames assembled here and not delivered yet (none by default)."""
+        return {}
+
+    def restore(self, section: dict) -> None:
+        """Continue from a checkpoint's :meth:`state`."""
+
+    # ------------------------------------------------------------------ what every loop does with a batch
+    def after_yield(self, worker: int | None) -> None:
+        """Between two batches: workers that joined are taken in, and weights pushed where due."""
+        self.parts.between_batches()
+        active = self.fleet.active
+        self.parts.pacing.after_yield(active if worker is None else [worker], active, self.tally.reached_total())
+
+    def take(self, worker: int, reply: Reply) -> TensorDictBase | None:
         """The worker's batch as a private copy with collector-wide ids, or None if it went to the buffer."""
-        engine = self.engine
-        engine.figures.taken(worker, reply)
+        self.parts.figures.taken(worker, reply)
         if reply.written:
             self.record_times(reply)
             return None
-        batch = engine.ids.remap(self.fetch(worker, reply), worker)
-        if engine.output.trajectories is not None:
+        batch = self.parts.ids.remap(self.fetch(worker, reply), worker)
+        if self.parts.output.trajectories is not None:
             ids = batch.get(TRAJ_IDS, None)  # the episodes running at its end, dropped if the worker fails or leaves
             self.running_trajs[worker] = ids[..., -1].flatten().tolist() if ids is not None else []
         return batch
 
-    def fetch(self, worker: int, reply) -> TensorDictBase:
+    def fetch(self, worker: int, reply: Reply) -> TensorDictBase:
         """The batch ``reply`` announces (the time it takes counts as transport)."""
-        engine = self.engine
         start = time.perf_counter()
         batch = self.fetched_early.pop((worker, reply.request_id), None)  # by a checkpoint
         if batch is None:
-            batch = engine.requests.handles[worker].fetch_batch(reply)
-        engine.progress.add_seconds("transport", time.perf_counter() - start)
+            batch = self.fleet.requests.handles[worker].fetch_batch(reply)
+        self.parts.progress.add_seconds("transport", time.perf_counter() - start)
         self.record_times(reply)
         return batch
 
-    def record_times(self, reply) -> None:
+    def record_times(self, reply: Reply) -> None:
         if reply.times is not None:
             env, policy = reply.times
-            self.engine.progress.add_seconds("env", env)
-            self.engine.progress.add_seconds("policy", policy)
+            self.parts.progress.add_seconds("env", env)
+            self.parts.progress.add_seconds("policy", policy)
 
-    def count_frames(self, replies: list) -> int:
-        engine = self.engine
-        if engine.config.replay_buffer is not None:
-            if engine.traits.sync:
-                return engine.requested_frames_per_batch
-            return sum(engine.options.frames_share(reply.worker_idx) for reply in replies)
+    def count_frames(self, replies: list[Reply]) -> int:
+        """Frames ``replies`` add: with a replay buffer, what each worker was asked for (its batch may have
+        gone to the buffer); else what each collected."""
+        if self.parts.config.replay_buffer is not None:
+            sizes = self.parts.sizes
+            if sizes.sync:  # every batch holds one rollout of every worker: its size
+                return sizes.frames_per_batch()
+            return sum(sizes.share(reply.worker_idx) for reply in replies)
         return sum(reply.frames for reply in replies)
 
-    def emit(self, batches: list, replies: list, *, sync: bool, counted: bool = False):
-        """Count frames, write or post-process, and yield one batch (or None with a buffer)."""
-        engine = self.engine
+    def emit(self, batches: list[TensorDictBase], replies: list[Reply], *, counted: bool = False,
+             assemble: Callable[[list[TensorDictBase]], TensorDictBase] | None = None
+             ) -> Iterator[TensorDictBase | None]:
+        """Count frames, write or post-process, and yield one batch (or None with a buffer); ``assemble``
+        makes one batch of several workers' (sync)."""
         if not counted:
-            engine.frames += self.count_frames(replies)
-        if engine.config.replay_buffer is not None:
+            self.tally.frames += self.count_frames(replies)
+        output = self.parts.output
+        if self.parts.config.replay_buffer is not None:
             # Each worker's batch is written as that worker's own collector would write it, so a
             # buffer that counts items along the first dim (TorchRL's) gets the frames, not W rows.
             for batch in batches:
                 self.write(batch)
             yield None
             return
-        if sync and batches:
+        if assemble is not None and batches:
             stacking = time.perf_counter()
-            options = engine.options
-            batch = assemble_sync(batches, options.cat_results, options.preemptive_threshold is not None)
-            engine.progress.add_seconds("transport", time.perf_counter() - stacking)
+            batch = assemble(batches)
+            self.parts.progress.add_seconds("transport", time.perf_counter() - stacking)
         else:
             batch = batches[0] if batches else None
-        yield from engine.output.deliver(batch)
+        yield from output.deliver(batch)
 
     def write(self, batch: TensorDictBase) -> None:
         """One worker's batch into the replay buffer (its collected steps); the first time workers can
         write the buffer themselves, they are given its storage."""
-        engine = self.engine
+        config, output = self.parts.config, self.parts.output
         batch = valid_part(batch)
-        buffer = engine.config.replay_buffer
-        writers = engine.options.workers_write_buffer
-        if writers and engine.config.trajs_per_batch is not None:
+        buffer = config.replay_buffer
+        writers = self.parts.workers_write_buffer
+        if writers and config.trajs_per_batch is not None:
             # The worker that sent this batch keeps its trajectories and writes them once the storage
             # is attached: here the batch only gives the storage its layout.
             if batch.numel():
-                buffer.init_storage(engine.output.postprocess(batch))
+                buffer.init_storage(output.postprocess(batch))
         else:
-            engine.output.write(buffer, batch)
+            output.write(buffer, batch)
         if writers and buffer.storage is not None and not self.buffer_attached:
             self.buffer_attached = True
             self.drain()
-            engine.requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)
+            self.fleet.requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)
+
+    def write_pushed(self, worker: int, reply: Reply) -> None:
+        """A batch a worker pushed while running free (``start()``): into the replay buffer, its frames
+        counted. While the workers run free for iteration instead, nobody takes it: it is dropped."""
+        if self.pushing:
+            self.fleet.requests.handles[worker].fetch_batch(reply)
+            return
+        self.write(self.parts.ids.remap(self.fetch(worker, reply), worker))
+        self.tally.frames += reply.frames
 
     def prepare_workers_writing(self) -> None:
         """Before workers run free writing the buffer: its storage exists (allocated from a first batch)."""
-        engine = self.engine
-        if engine.config.replay_buffer.storage is None:
-            reply = engine.requests.wait_for(0, request_batch(engine.fleet, 0, engine.random_phase()))
+        if self.parts.config.replay_buffer.storage is None:
+            reply = self.fleet.requests.wait_for(0, request_batch(self.fleet, 0, self.tally.random_phase()))
             self.write(self.take(0, reply))
-
-    def forget(self, worker: int) -> None:
-        """Drop what ``worker`` had in flight (it is replaced or leaves): its request, its early
-        fetches, its episodes held back for complete-trajectory batches (they will never end)."""
-        if self.gather is not None:
-            self.gather.forget(worker)
-        self.fetched_early = {key: batch for key, batch in self.fetched_early.items() if key[0] != worker}
-        running = self.running_trajs.pop(worker, None)
-        trajectories = self.engine.output.trajectories
-        if running and trajectories is not None:
-            trajectories.drop_in_flight(running)
-
-    def drain(self) -> None:
-        """Wait until in-flight rollouts have answered, so workers are idle (their batches are kept)."""
-        if self.gather is not None:
-            self.gather.drain()
-
-    def drop(self) -> None:
-        """Wait for the in-flight rollouts and drop their batches: they predate a change that must hold
-        from the next batch on (``set_seed``). Iteration re-launches the workers."""
-        if self.gather is not None:
-            self.gather.drop()
-        self.fetched_early.clear()

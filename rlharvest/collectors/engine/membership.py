@@ -2,53 +2,91 @@
 worker's leave, nodes that join from anywhere, and what a sync batch holds once the workers changed.
 
 One code path for every backend: new workers start through :meth:`Fleet.grow` from specs their
-options built, leaving ones through :meth:`Fleet.remove`; the engine calls :meth:`Membership.resized`
-whenever the set of workers changed (a leave on SIGTERM too).
+options built, leaving ones through :meth:`Fleet.remove`; :meth:`Membership.resized` runs whenever the
+set of workers changed (a leave on SIGTERM too).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ..._utils import user_stacklevel, wrap_callable
-from ...protocol import Command
+from ...protocol import Command, WorkerSpec
+from .broadcast import WorkerBroadcast
+from .extras import EngineExtra
+from .fleet import Fleet
+from .loops import BatchLoop
+from .state import BatchSizes, Lifecycle
+from .schedule import WeightSchedule
+from .traj_ids import TrajectoryIds
+from .weights import WeightPublisher
+
+__all__ = ["Membership", "Growable"]
 
 
-__all__ = ["Membership"]
+class Growable(Protocol):
+    """What a collector's options do when workers are added (``add_collectors``)."""
+
+    def added(self, first: int, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
+              backend_options: Any, setup: Any) -> tuple[Any, list[WorkerSpec], Any]:
+        """These options grown by the new workers, their specs, and what the backend needs of each."""
+
+
+class Resplit(Protocol):
+    """The autoscaler's part that keeps a sync batch's size as workers change (``scaling.py``)."""
+
+    def resplit(self) -> None:
+        """Tell each current worker its share of ``frames_per_batch``."""
 
 
 class Membership:
     """Who collects, and what a sync batch holds because of it.
 
     Args:
-        engine: the engine whose fleet, counters and options this part reads.
-        share: ``share(worker)``: frames ``worker`` adds to every sync batch.
+        fleet: the workers.
+        loop: the collector's batches (where the iteration is; whether workers run free for it).
+        broadcast: commands to every worker (the seed chain new workers continue).
+        weights: the publisher (the version new workers start at; a legacy updater refuses growth).
+        schedule: the automatic weight pushes (counters per worker).
+        ids: the trajectory-id map (room for new workers).
+        sizes: what a sync batch holds.
+        extras: the parts a backend adds (told of new workers; may refuse ``add_collectors``).
+        hooks: the pre/post-collect hooks new workers get.
+        life: the collector's name, and whether it is open.
+        is_running: whether the collector runs free (``start()``): workers cannot join or leave then.
+        scaler: the autoscaler's part (re-splits sync batches), or None.
+        noun: how messages name a worker.
     """
 
-    def __init__(self, engine: Any, share: Callable[[int], int]) -> None:
-        self.engine = engine
-        self.share = share
-        #: while a batch is being collected (not suspended at a yield): workers cannot join or leave then
-        self.collecting = False
-        #: between a batch's yield and the iteration resuming (when workers may join or leave)
-        self.suspended = False
-        #: ``(batches, frames)`` when the workers of a sync collection changed: ``len()`` counts batches
-        #: of the former size up to there
-        self.resize_point: tuple[int, int] | None = None
+    def __init__(self, fleet: Fleet, loop: BatchLoop, broadcast: WorkerBroadcast, weights: WeightPublisher,
+                 schedule: WeightSchedule, ids: TrajectoryIds, sizes: BatchSizes, extras: Sequence[EngineExtra],
+                 hooks: dict, life: Lifecycle, is_running: Callable[[], bool], scaler: Resplit | None = None,
+                 noun: str = "worker") -> None:
+        self.fleet = fleet
+        self.loop = loop
+        self.broadcast = broadcast
+        self.weights = weights
+        self.schedule = schedule
+        self.ids = ids
+        self.sizes = sizes
+        self.extras = extras
+        self.hooks = hooks
+        self.life = life
+        self.is_running = is_running
+        self.scaler = scaler
+        self.noun = noun
 
     # ------------------------------------------------------------------ checks
     def check_resizable(self, verb: str) -> None:
         """Raises: RuntimeError after shutdown, during a batch, or while running free."""
-        engine = self.engine
-        noun, name = engine.traits.noun, engine.name
-        if engine.closed or engine.fleet is None or engine.fleet.requests is None:
+        noun, name = self.noun, self.life.name
+        if self.life.closed or self.fleet.requests is None:
             raise RuntimeError(f"{name} is shut down: it cannot {verb} {noun}s.")
-        if self.collecting:
+        if self.loop.collecting:
             raise RuntimeError(f"{name} cannot {verb} {noun}s while a batch is being collected (from a postproc, a "
                                "hook or another thread): call it between two batches.")
-        if engine.is_running():
+        if self.is_running():
             raise RuntimeError(f"{name} is running free (start()): {verb} {noun}s before start() or after "
                                "async_shutdown().")
 
@@ -61,125 +99,97 @@ class Membership:
             RuntimeError: see :meth:`check_resizable`.
         """
         self.check_resizable("remove")
-        fleet = self.engine.fleet
-        indices = fleet.check_removable(indices)
-        fleet.remove(indices, timeout, running_free=self.engine.workers_pushing())
+        indices = self.fleet.check_removable(indices)
+        self.fleet.remove(indices, timeout, running_free=self.loop.pushing)
         self.resized()
 
     # ------------------------------------------------------------------ joining
-    def add(self, specs: list, backend_options: list | None) -> None:
+    def prepare(self, options: Growable, setup: Any, create_env_fn: Any, num_envs: int | None, policy: Any,
+                collector_kwargs: Any, backend_options: Any = None) -> tuple[Any, list[WorkerSpec], Any]:
+        """``add_collectors`` once its arguments are accepted (the autoscaler also grows a
+        ``launcher="external"`` collector by the nodes that joined the slots it opened): the options
+        grown by the new workers, their specs, and what the backend needs of each; nothing starts yet.
+
+        Raises:
+            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
+                weight sender cannot grow. RuntimeError: see :meth:`check_resizable`.
+        """
+        self.check_resizable("add")
+        if self.weights.updater is not None:
+            raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
+                             f"weight_updater, which serves the {self.noun}s it started with only.")
+        grown, specs, extra_options = options.added(len(self.fleet), create_env_fn, num_envs, policy,
+                                                    collector_kwargs, backend_options, setup)
+        self.fleet.check_growable()
+        return grown, specs, extra_options
+
+    def check_add(self) -> None:
+        """Raises: NotImplementedError when a part of the backend refuses ``add_collectors`` (slots that
+        nodes fill by joining)."""
+        for extra in self.extras:
+            extra.check_add()
+
+    def start_added(self, specs: list[WorkerSpec], backend_options: Any) -> None:
+        """Start the new workers :meth:`prepare` made the specs of, and bring them to where the others
+        are (running free, counted, in the batches' size).
+
+        Raises:
+            WorkerError: a new worker failed to start (the new workers are stopped; the collector goes
+                on as it was).
+        """
+        self._start(specs, backend_options)
+        count = len(specs)
+        if self.loop.pushing:  # the new workers run free like the others
+            for spec in specs:
+                self.fleet.requests.request(spec.worker_idx, Command.RUN_FREE)
+        self.ids.grow(count)
+        self.schedule.grow(count, mid_batch=self.sizes.sync and self.loop.suspended)
+        for extra in self.extras:
+            extra.grown(count)
+        self.resized()
+
+    def _start(self, specs: list[WorkerSpec], backend_options: list | None) -> None:
         """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and
         policy version, with the hooks set since construction, seeded by continuing the chain of the
         last ``set_seed`` (docs/backends.md, "Adding workers").
 
         Raises:
-            RuntimeError: see :meth:`check_resizable`. WorkerError: a new worker failed to start (the new
-                workers are stopped; the collector goes on as it was).
+            WorkerError: a new worker failed to start (the new workers are stopped; the collector goes
+                on as it was).
         """
-        engine = self.engine
-        hooks = {name: wrap_callable(hook) for name, hook in engine.hooks.items() if hook is not None}
-        specs = [spec.with_hooks(hooks).replacement(policy_version=engine.weights.version) for spec in specs]
-        fleet = engine.fleet
+        hooks = {name: wrap_callable(hook) for name, hook in self.hooks.items() if hook is not None}
+        specs = [spec.with_hooks(hooks).replacement(policy_version=self.weights.version) for spec in specs]
+        fleet = self.fleet
         first = len(fleet)
         fleet.grow(specs, backend_options)  # the others' rollouts in flight go on meanwhile
-        chain = engine.broadcast.seed_chain
+        chain = self.broadcast.seed_chain
         if chain is None:
             return
         try:
-            engine.broadcast.seed([spec.worker_idx for spec in specs], *chain)
+            self.broadcast.seed([spec.worker_idx for spec in specs], *chain)
         except BaseException:  # a new worker failed at once: as if it had failed to start
             fleet.shrink(first)
             raise
 
-    def add_collectors(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-                    backend_options: Any = None) -> None:
-        """``add_collectors``: the options check and build the new workers' specs; the membership
-        starts them (docs/elastic.md).
-
-        Raises:
-            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
-                weight sender cannot grow. RuntimeError: see :meth:`Membership.check_resizable`.
-        """
-        if self.engine.traits.external_joins:
-            raise NotImplementedError("launcher='external': the slots are the entries of create_env_fn, filled by the "
-                                      "nodes that join (join_command()); add_collectors cannot add slots to it.")
-        self.grow(create_env_fn, num_envs, policy, collector_kwargs, backend_options)
-
-    def grow(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-             backend_options: Any = None) -> None:
-        """What :meth:`add_collectors` does once its arguments are accepted; the autoscaler also grows a
-        ``launcher="external"`` collector by the nodes that joined the slots it opened.
-
-        Raises:
-            as :meth:`add_collectors`.
-        """
-        engine = self.engine
-        self.check_resizable("add")
-        if engine.weights.updater is not None:
-            raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
-                             f"weight_updater, which serves the {engine.traits.noun}s it started with only.")
-        first = engine.num_workers
-        grown, specs, extra_options = engine.options.added(first, create_env_fn, num_envs, policy, collector_kwargs,
-                                                         backend_options, engine.setup)
-        engine.fleet.check_growable()
-        previous = engine.options
-        engine.options, engine.config = grown, grown.config
-        try:
-            self.add(specs, extra_options)
-        except BaseException:
-            engine.options, engine.config = previous, previous.config
-            raise
-        count = len(specs)
-        if engine.loop.pushing:  # the new workers run free like the others
-            for spec in specs:
-                engine.requests.request(spec.worker_idx, Command.RUN_FREE)
-        engine.ids.grow(count)
-        engine.schedule.grow(count, mid_batch=engine.traits.sync and self.suspended)
-        for extra in engine.extras:
-            extra.grown(count)
-        self.resized()
-
     # ------------------------------------------------------------------ what a sync batch holds
-    def resized_frames_per_batch(self) -> int | None:
-        """Frames of a sync batch once workers joined or left (the shares of the current workers);
-        None while the workers are those of construction, or when batches are not synchronous."""
-        if self.engine.traits.sync and self.resize_point is not None:
-            return sum(self.share(worker) for worker in self.engine.active_workers)
-        return None
-
     def resized(self) -> None:
         """Bookkeeping once workers joined or left: a sync batch holds the current workers' shares from
         the next batch on (autoscaling: ``frames_per_batch`` re-split among them); ``len()`` counts the
         batches of the former size so far."""
-        engine = self.engine
-        if not engine.traits.sync:
+        sizes = self.sizes
+        if not sizes.sync:
             return
-        scaler = engine.scaler
-        if scaler is not None and not self.collecting:  # else at the end of the batch being collected
+        scaler = self.scaler
+        if scaler is not None and not self.loop.collecting:  # else at the end of the batch being collected
             scaler.resplit()
-        self.resize_point = (engine.iter + 1, engine.frames)
+        sizes.resized()
         if scaler is not None:  # batches keep their size: nothing to warn about
             return
-        config = engine.config
-        remaining = config.total_frames - engine.frames
-        per_batch = engine.requested_frames_per_batch
+        tally = sizes.tally
+        config = tally.config
+        remaining = config.total_frames - tally.frames
+        per_batch = sizes.frames_per_batch()
         if not config.endless and remaining > 0 and remaining % per_batch:
             warnings.warn(f"{remaining} frames remain to total_frames={config.total_frames}, not a multiple of the "
-                          f"{per_batch} of a batch of {len(engine.active_workers)} {engine.traits.noun}s: the last "
+                          f"{per_batch} of a batch of {len(self.fleet.active)} {self.noun}s: the last "
                           "batch collects the excess.", stacklevel=user_stacklevel())
-
-    def num_batches(self, default: Callable[[], int]) -> int:
-        """``len()``: ``default()`` while the workers never changed, else the batches of the former sizes
-        so far plus those of the current size to ``total_frames``."""
-        point = self.resize_point
-        if point is None or self.engine.config.endless:
-            return default()
-        batches, frames = point
-        remaining = max(0, self.engine.config.total_frames - frames)
-        return batches + math.ceil(remaining / self.engine.requested_frames_per_batch)
-
-    def state(self) -> Any:
-        return list(self.resize_point) if self.resize_point is not None else None
-
-    def restore(self, state: Any) -> None:
-        self.resize_point = tuple(state) if state is not None else None

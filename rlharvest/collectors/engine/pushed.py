@@ -1,29 +1,50 @@
 """Workers running free push batches; a receiver thread writes them into the replay buffer.
 
-While they run free, the receiver is the only user of the engine's WorkerRequests: it takes each pushed
-batch (posting the process-group receive a node waits for), and hands it to the engine
-(``Background.write_pushed``: ids remapped, uncollected steps dropped, the buffer extended); it
-also replaces a worker that failed (restarts on), under the lock shared with weight updates
-(``Background.replace_free_worker``). ``pause()`` and the shutdown talk to that thread through
-events, so the requests stay single-threaded.
+While they run free, the receiver is the only user of the fleet's WorkerRequests: it takes each pushed
+batch (posting the process-group receive a node waits for), and hands it on (``BatchLoop.write_pushed``:
+ids remapped, uncollected steps dropped, the buffer extended); it also replaces a worker that failed
+(restarts on), under the lock shared with weight updates (``Background.replace_free_worker``).
+``pause()`` and the shutdown talk to that thread through events, so the requests stay single-threaded.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from ...errors import WorkerError
-from ...protocol import Command
+from ...protocol import Command, Reply
+from .fleet import Fleet
 
-__all__ = ["PushedBatchReceiver"]
+__all__ = ["PushedBatchReceiver", "Receiving"]
+
+
+class Receiving:
+    """Whether a receiver thread owns the workers (they run free pushing to it), and the lock it holds
+    while it replaces a worker: weight updates sent from the caller's thread take it too, and leave a
+    worker they find failed to that thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.active = False
 
 
 class PushedBatchReceiver(threading.Thread):
-    """Drains batches pushed by free-running workers into the engine's replay buffer."""
+    """Drains batches pushed by free-running workers.
 
-    def __init__(self, engine) -> None:
+    Args:
+        fleet: the workers running free.
+        take: ``take(worker, reply)`` takes one pushed batch (into the replay buffer, or dropped).
+        replace: ``replace(error)`` replaces the worker a failure names and sets it running free too;
+            None: a failure met while running is raised (surfaced by ``pause()`` and the shutdown).
+    """
+
+    def __init__(self, fleet: Fleet, take: Callable[[int, Reply], None],
+                 replace: Callable[[WorkerError], None] | None = None) -> None:
         super().__init__(name="rlharvest-pushed-batches", daemon=True)
-        self.engine = engine
+        self.fleet = fleet
+        self.take = take
+        self.replace = replace
         self.error: BaseException | None = None
         self.stop_requested = threading.Event()
         self.pause_requested = threading.Event()
@@ -49,21 +70,21 @@ class PushedBatchReceiver(threading.Thread):
         node found failed (also while sending a batch, which is then dropped whole) is replaced as the
         restart policy allows, and runs free like the others (docs/restarts.md)."""
         try:
-            item = self.engine.requests.next_pushed(timeout)
+            item = self.fleet.requests.next_pushed(timeout)
             if item is None:
                 return False
             worker, reply = item
-            self.engine.background.write_pushed(worker, reply)
+            self.take(worker, reply)
         except WorkerError as err:
-            if not replace_failed:
+            if not replace_failed or self.replace is None:
                 raise
-            self.engine.background.replace_free_worker(err)
+            self.replace(err)
             return False
         return True
 
     def _stop_pushing(self) -> None:
         """Ask every node to stop after its current rollout; keep writing what arrives meanwhile."""
-        pool = self.engine.requests
+        pool = self.fleet.requests
         for handle in pool.handles:
             handle.interrupt()
         requests = {w: pool.send(w, Command.PAUSE) for w in range(len(pool))}
@@ -86,7 +107,7 @@ class PushedBatchReceiver(threading.Thread):
         self.resume_requested.clear()
         self.paused.clear()
         if not self.stop_requested.is_set():
-            self.engine.requests.broadcast(Command.RESUME)
+            self.fleet.requests.broadcast(Command.RESUME)
 
     def _quiesce(self) -> None:
         self._stop_pushing()

@@ -112,6 +112,10 @@ class RestartPolicy:
     def enabled(self) -> bool:
         return self.max_restarts > 0
 
+    def history(self) -> tuple[RestartCause, ...]:
+        """Why each worker was replaced, or left on a preemption, so far, oldest first."""
+        return tuple(sorted([*self.causes, *self.leaves], key=lambda cause: cause.time))
+
     def restarts_of(self, worker: int) -> int:
         """How many times worker ``worker`` was replaced after a failure."""
         return sum(cause.worker == worker for cause in self.causes)

@@ -1,19 +1,25 @@
 """Collecting in the background into the replay buffer (``start()``/``pause()``/``async_shutdown()``),
-for every engine: a thread of this process iterating, workers writing an rlharvest buffer themselves,
-or workers pushing every batch to a thread here that writes it (docs/collection.md, "Running free").
+for every engine: a thread of this process iterating (:data:`IN_A_THREAD`), workers writing an rlharvest
+buffer themselves (:data:`WORKERS_WRITE`), or workers pushing every batch to a thread here that writes it
+(:data:`PUSHED_TO_A_RECEIVER`); a collector's options say which (docs/collection.md, "Running free").
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
+from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...protocol import Command
-from .pushed import PushedBatchReceiver
+from .fleet import Fleet
+from .loops import BatchLoop
+from .pushed import PushedBatchReceiver, Receiving
+from .state import Lifecycle
 
-__all__ = ["Background", "ThreadRun", "WorkersRun", "PushedRun"]
+__all__ = ["Background", "LocalRun", "FreeRun", "IN_A_THREAD", "WORKERS_WRITE", "PUSHED_TO_A_RECEIVER", "ThreadRun",
+           "WorkersRun", "PushedRun"]
 
 
 class ThreadRun:
@@ -120,34 +126,37 @@ class WorkersRun:
     shared memory); this process only starts, pauses and stops them.
 
     Args:
-        requests: makes the fleet's requests (read at each call: workers may be replaced).
+        fleet: the workers (their requests are read at each call: workers may be replaced).
+        noun: how errors name a worker.
     """
 
-    def __init__(self, requests: Callable[[], Any]) -> None:
-        self._requests = requests
-        self.running = False
+    def __init__(self, fleet: Fleet, noun: str = "worker") -> None:
+        self.fleet = fleet
+        self.noun = noun
 
     def start(self) -> None:
-        self._requests().broadcast(Command.RUN_FREE)
-        self.running = True
+        self.fleet.requests.broadcast(Command.RUN_FREE)
 
     @contextlib.contextmanager
-    def pause(self, noun: str) -> Iterator[None]:
+    def pause(self) -> Iterator[None]:
         """Every worker stops after its write in progress; they resume after the block.
 
         Raises:
             ValueError: when a worker answers something else than ``"paused"``.
         """
-        pool = self._requests()
+        pool = self.fleet.requests
         for worker in pool.active():
             pool.handles[worker].interrupt()
         for worker, reply in zip(pool.active(), pool.broadcast(Command.PAUSE, timeout=30.0)):
             if reply != "paused":
-                raise ValueError(f"{noun} {worker} answered {reply!r} to pause.")
+                raise ValueError(f"{self.noun} {worker} answered {reply!r} to pause.")
         try:
             yield
         finally:
             pool.broadcast(Command.RESUME, timeout=30.0)
+
+    def stop(self, timeout: float | None) -> None:
+        """Nothing runs here: the workers stop with the fleet."""
 
 
 class PushedRun:
@@ -155,14 +164,15 @@ class PushedRun:
 
     Args:
         receiver: the thread (``engine/pushed.py``), made when running starts.
+        receiving: set while the receiver owns the workers (weight updates take its lock).
     """
 
-    def __init__(self, receiver: Any) -> None:
+    def __init__(self, receiver: PushedBatchReceiver, receiving: Receiving) -> None:
         self.receiver = receiver
-        #: held while a worker is replaced by the receiver or weights are sent from the caller's thread
-        self.lock = threading.RLock()
+        self.receiving = receiving
 
     def start(self) -> None:
+        self.receiving.active = True
         self.receiver.start()
 
     @contextlib.contextmanager
@@ -184,6 +194,7 @@ class PushedRun:
             the receiver's error, if it failed.
         """
         receiver = self.receiver
+        self.receiving.active = False  # the caller's thread owns the workers again
         receiver.stop_requested.set()
         receiver.resume_requested.set()
         receiver.join(timeout if timeout is not None else 60.0)
@@ -191,17 +202,74 @@ class PushedRun:
             raise receiver.error
 
 
+class FreeRun(Protocol):
+    """How a collector runs free (``start()``), as its options hand it to the engine."""
+
+    def begin(self, background: Background) -> WorkersRun | PushedRun | None:
+        """Start running free; returns what runs in the workers (None: a thread here iterates)."""
+
+
+class _InAThread:
+    """A thread here iterates the collector into the replay buffer."""
+
+    def begin(self, background: Background) -> None:
+        background.thread_run.start()
+
+
+class _WorkersWrite:
+    """The workers write an rlharvest replay buffer themselves (in shared memory)."""
+
+    def begin(self, background: Background) -> WorkersRun:
+        background.loop.prepare_workers_writing()
+        run = WorkersRun(background.fleet, background.noun)
+        run.start()
+        return run
+
+
+class _PushedToAReceiver:
+    """The workers push every batch; a thread here writes them."""
+
+    def begin(self, background: Background) -> PushedRun:
+        loop, fleet = background.loop, background.fleet
+        loop.drain()
+        fleet.requests.broadcast(Command.RUN_FREE)
+        run = PushedRun(PushedBatchReceiver(fleet, loop.write_pushed, background.replace_free_worker),
+                        background.receiving)
+        run.start()
+        return run
+
+
+IN_A_THREAD: FreeRun = _InAThread()
+WORKERS_WRITE: FreeRun = _WorkersWrite()
+PUSHED_TO_A_RECEIVER: FreeRun = _PushedToAReceiver()
+
+
 class Background:
-    """How one engine collects in the background (``start()``/``pause()``/``async_shutdown()``), as
-    its traits say: a thread here, workers writing the buffer, or workers pushing to a receiver here.
+    """How one engine collects in the background (``start()``/``pause()``/``async_shutdown()``).
 
     Args:
-        engine: the engine (its traits, options, loop and requests).
+        mode: how the collector runs free (None: it cannot).
+        loop: the collector's batches (a first batch allocates a buffer workers write; pushed batches
+            are written through it).
+        fleet: the workers.
+        receiving: who replaces a failed worker while workers push to a receiver here.
+        config: the collector's arguments (its replay buffer).
+        iterate: makes the collector's iterator, which a thread here runs into the buffer.
+        life: the collector's name and whether it is open.
+        noun: how errors name a worker.
     """
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.thread_run = ThreadRun(lambda: engine.iterate(), engine.interrupt_workers, name=f"{engine.name}-run")
+    def __init__(self, mode: FreeRun | None, loop: BatchLoop, fleet: Fleet, receiving: Receiving,
+                 config: CollectorConfig, iterate: Callable[[], Iterator[Any]], life: Lifecycle,
+                 noun: str = "worker") -> None:
+        self.mode = mode
+        self.loop = loop
+        self.fleet = fleet
+        self.receiving = receiving
+        self.config = config
+        self.life = life
+        self.noun = noun
+        self.thread_run = ThreadRun(iterate, fleet.interrupt, name=f"{life.name}-run")
         self.free_run: WorkersRun | PushedRun | None = None
 
     def is_running(self) -> bool:
@@ -218,40 +286,25 @@ class Background:
             NotImplementedError: for a collector that cannot run free. RuntimeError: without a replay
                 buffer, or when already running.
         """
-        mode = self.engine.traits.run_free
-        if mode is None:
-            raise NotImplementedError(f"Collector start() is not implemented for {self.engine.name}.")
-        if self.engine.config.replay_buffer is None:
+        if self.mode is None:
+            raise NotImplementedError(f"Collector start() is not implemented for {self.life.name}.")
+        if self.config.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")
-        self.engine.iteration_started = True
-        if mode == "workers" and self.engine.options.workers_write_buffer:
-            self.engine.loop.prepare_workers_writing()
-            self.free_run = WorkersRun(lambda: self.engine.requests)
-            self.free_run.start()
-        elif mode == "pushed":
-            self.engine.loop.drain()
-            self.engine.requests.broadcast(Command.RUN_FREE)
-            self.free_run = PushedRun(PushedBatchReceiver(self.engine))
-            self.free_run.start()
-        else:
-            self.thread_run.start()
+        self.life.started = True
+        self.free_run = self.mode.begin(self)
 
     @contextlib.contextmanager
-    def pause(self):
+    def pause(self) -> Iterator[None]:
         """Raises: NotImplementedError for a collector that cannot run free; RuntimeError when not running."""
-        if self.engine.traits.run_free is None:
-            raise NotImplementedError(f"Collector pause() is not implemented for {self.engine.name}.")
+        if self.mode is None:
+            raise NotImplementedError(f"Collector pause() is not implemented for {self.life.name}.")
         if self.thread_run.is_running():
             with self.thread_run.pause():
                 yield
             return
-        if isinstance(self.free_run, WorkersRun):
-            with self.free_run.pause(self.engine.traits.noun):
-                yield
-            return
-        if isinstance(self.free_run, PushedRun):
+        if self.free_run is not None:
             with self.free_run.pause():
                 yield
             return
@@ -261,7 +314,7 @@ class Background:
         """Stop what runs in the background (idempotent)."""
         run, self.free_run = self.free_run, None
         try:
-            if isinstance(run, PushedRun):
+            if run is not None:
                 run.stop(timeout)
         finally:
             self.thread_run.stop(timeout)
@@ -269,21 +322,49 @@ class Background:
     def replace_free_worker(self, err: WorkerError) -> None:
         """Running free: replace the worker ``err`` names (as the restart policy allows, else raise),
         and set its replacement running free too. Called by the receiver thread."""
-        with self.free_run.lock:
+        with self.receiving.lock:
             while True:
-                worker = self.engine.fleet.recover(err)
+                worker = self.fleet.recover(err)
                 try:
-                    self.engine.requests.request(worker, Command.RUN_FREE)
+                    self.fleet.requests.request(worker, Command.RUN_FREE)
                     return
                 except WorkerError as again:  # the replacement failed at once: one more failure
                     err = again
 
-    def write_pushed(self, worker: int, reply) -> None:
-        """A batch a worker pushed while running free: into the replay buffer (dropped while stopping
-        a collector whose iteration runs the workers free: nobody will take it)."""
-        if self.engine.loop.pushing:
-            self.engine.requests.handles[worker].fetch_batch(reply)
-            return
-        batch = self.engine.ids.remap(self.engine.loop.fetch(worker, reply), worker)
-        self.engine.loop.write(batch)
-        self.engine.frames += reply.frames
+
+class LocalRun:
+    """A ``Collector``'s background collection (``start()``): a thread of this process iterating into the
+    replay buffer until ``async_shutdown()``; it cannot pause, as TorchRL's ``Collector``.
+
+    Args:
+        thread_run: the thread.
+        config: the collector's arguments (its replay buffer).
+        life: the collector's name, and whether it started iterating.
+    """
+
+    def __init__(self, thread_run: ThreadRun, config: CollectorConfig, life: Lifecycle) -> None:
+        self.thread_run = thread_run
+        self.config = config
+        self.life = life
+
+    def is_running(self) -> bool:
+        return self.thread_run.is_running()
+
+    def start(self) -> None:
+        """Raises: RuntimeError without a replay buffer or when already running."""
+        if self.config.replay_buffer is None:
+            raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
+        if self.is_running():
+            raise RuntimeError("The collector is already running.")
+        self.life.started = True
+        self.thread_run.start()
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Raises: NotImplementedError, as TorchRL's ``Collector`` (its background thread stops with
+        ``async_shutdown()``)."""
+        raise NotImplementedError(f"Collector pause() is not implemented for {self.life.name}.")
+        yield  # pragma: no cover
+
+    def stop(self, timeout: float | None) -> None:
+        self.thread_run.stop(timeout)

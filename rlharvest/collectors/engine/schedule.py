@@ -1,14 +1,36 @@
 """Weights pushed without being asked: before each batch, every k batches, or to a worker left without
 an update for too long (docs/weights.md, "Automatic updates"). One part for every collector with
-workers; what it does is the options' :class:`~rlharvest.collectors.options.traits.WeightPushes`."""
+workers; what it does is the rules its options hand over (:class:`WeightPushes`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..options.traits import WeightPushes
+__all__ = ["WeightPushes", "WeightSchedule"]
 
-__all__ = ["WeightSchedule"]
+
+@dataclass(frozen=True)
+class WeightPushes:
+    """When the engine pushes the policy's weights to the workers without being asked."""
+
+    before_each_batch: bool = False
+    """Before every sync request, or before an async worker is asked again (``update_at_each_batch``,
+    ``update_after_each_batch``)."""
+    every: int | None = None
+    """Every this many yielded batches, to the workers that served them (``update_interval``)."""
+    max_interval: int = -1
+    """To a worker left without an update for more than this many batches (-1: never;
+    ``max_weight_update_interval``)."""
+    free_running: bool = False
+    """Workers run free during iteration (``DistributedSyncCollector``): the weights are pushed
+    without acknowledgement before batches 0, k, 2k, ... (k = ``every``), the version counted here."""
+    per_target_counters: bool = False
+    """Count batches since each worker's last update (nodes); a checkpoint keeps the counters."""
+    name_targets: bool = True
+    """A push before a sync batch names the workers it updates (False: one update of every worker)."""
+    skip_before_first: bool = False
+    """Async: no push before a worker's first rollout (its initial weights are fresh)."""
 
 
 class WeightSchedule:
@@ -75,5 +97,7 @@ class WeightSchedule:
         return {"batches_since_update": list(self.since_update), "yielded": int(self.yielded)}
 
     def restore(self, state: dict) -> None:
-        self.since_update = list(state["batches_since_update"])
-        self.yielded = int(state["yielded"])
+        """Continue from :meth:`state` (a checkpoint of a collector without these counters keeps ours)."""
+        if "batches_since_update" in state:
+            self.since_update = list(state["batches_since_update"])
+            self.yielded = int(state["yielded"])

@@ -1,6 +1,7 @@
 """A policy served in this process to env workers (``AsyncBatchedCollector``): the inference server
-part of the engine, and the loop that turns the workers' chunks of frames into flat batches of exactly
-``frames_per_batch`` frames, or into complete trajectories (docs/collection.md).
+part of the engine (:class:`PolicyServer`), and the loop that turns the workers' chunks of frames into
+flat batches of exactly ``frames_per_batch`` frames, or into complete trajectories (:class:`ChunkLoop`,
+the :class:`ServedChunks` way of gathering; docs/collection.md).
 
 Every worker runs THE worker loop around an ordinary ``Collector`` whose policy is an inference client;
 the actual policy runs in the server's thread here, serving whichever workers are ready in one call.
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any, Callable, Iterator
+import multiprocessing.context
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from tensordict import TensorDictBase
@@ -20,10 +23,11 @@ from ...checkpoint import pack, unpack
 from ...errors import WorkerError
 from ...transport.inference import InferenceChannels, InferenceServer
 from ...weight_update.strategy import copy_weights_, weights_of
-from ..options.common import has_weights
+from .gather import FirstReady
+from .loops import LoopParts
+from .weights import WeightPublisher, has_weights
 
-
-__all__ = ["PolicyServer", "ENV_INDEX"]
+__all__ = ["PolicyServer", "ServedChunks", "ChunkLoop", "ENV_INDEX"]
 
 ENV_INDEX = "env_index"
 
@@ -64,28 +68,30 @@ def flat_chunk(batch: TensorDictBase, worker: int) -> TensorDictBase:
 
 
 class PolicyServer:
-    """The served policy, its inference server and channels, and what is assembled here between batches.
+    """The served policy, its inference server and the channels env workers call it through.
 
     Args:
-        options: the collector's options (``AsyncBatchedOptions``).
-        engine: the engine it belongs to.
+        policy: the user's policy (the server runs a private copy of it when it has weights).
+        ctx: the multiprocessing context of the env workers (the channels' shared memory and locks).
+        num_workers: env workers, one channel each.
+        max_batch_size: most frames one policy call serves.
+        min_batch_size: frames gathered, for up to ``timeout`` seconds, before a call.
+        timeout: see ``min_batch_size``.
+        device: where the policy runs (None: where it is).
+        exploration_type: interaction mode of the policy calls.
+        trust_policy: use the policy as it is (no wrapping checks).
+        version: version of the initial weights.
     """
 
-    def __init__(self, options: Any, engine: Any) -> None:
-        batched = options.batched
-        self.options = options
-        self.policy = options.policy
-        self.channels = InferenceChannels(engine.backend.ctx, batched.num_workers)
+    def __init__(self, policy: Any, ctx: multiprocessing.context.BaseContext, *, num_workers: int,
+                 max_batch_size: int, min_batch_size: int, timeout: float, device: torch.device | None,
+                 exploration_type: Any, trust_policy: bool | None, version: int) -> None:
+        self.policy = policy
+        self.channels = InferenceChannels(ctx, num_workers)
         self.server = InferenceServer(
-            _private_copy(options.policy, batched.device), self.channels, max_batch_size=batched.max_batch_size,
-            min_batch_size=batched.min_batch_size, timeout=batched.server_timeout, device=batched.device,
-            exploration_type=options.config.exploration_type, trust_policy=options.config.trust_policy,
-            version=batched.policy_version)
-        engine.weights.version = batched.policy_version
-        self._carry: collections.deque = collections.deque()
-        self._carried = 0
-        self._partial: dict[int, list] = {}
-        self._complete: collections.deque = collections.deque()
+            _private_copy(policy, device), self.channels, max_batch_size=max_batch_size,
+            min_batch_size=min_batch_size, timeout=timeout, device=device, exploration_type=exploration_type,
+            trust_policy=trust_policy, version=version)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -104,54 +110,110 @@ class PolicyServer:
         """The policy's or the env's own error, when a worker failed to build because of it."""
         return self.server.setup_error
 
+    def policy_error(self) -> BaseException | None:
+        """The policy's own error, when it raised in the server."""
+        return self.server.error
+
     def stats(self) -> dict:
         """Counters of the policy server: ``requests``, ``batches``, ``frames``, ``max_batch_frames``."""
         return dict(self.server.stats)
 
-    # ------------------------------------------------------------------ weights
-    def update(self, weights: Any, value: Any) -> int:
-        """Copy the weights (the policy's own, when ``value`` is None) into the served policy; returns the
-        new version."""
+    # ------------------------------------------------------------------ weights (the publisher's ``LocalPolicy``)
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
+        """Copy the weights (the policy's own, when ``value`` is None) into the served policy, and count
+        the version the server gives them."""
         if value is None:
             value = self.policy if isinstance(self.policy, torch.nn.Module) else None
         taken = weights.weights_from_value(value) if value is not None else None
-        return self.server.update_policy(_copy_in(taken))
+        weights.version = self.server.update_policy(_copy_in(taken))
 
-    def copy_in(self, weights: TensorDictBase) -> None:
+    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
         self.server.update_policy(_copy_in(weights))
 
-    # ------------------------------------------------------------------ batches
-    def batches(self, engine: Any) -> Iterator[TensorDictBase | None]:
-        if self.options.batched.yield_completed_trajectories:
-            yield from self._trajectories(engine)
+    def on_version_bump(self, version: int) -> None:
+        """The served policy stamps its own versions."""
+
+    # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
+    def state(self) -> dict:
+        """The served policy's weights and version (the workers' policy is a client)."""
+        extra: dict[str, Any] = {"server_version": int(self.server.version)}
+        if isinstance(self.server.policy, torch.nn.Module):
+            extra["served_policy"] = self.server.policy_state_dict()
+        return extra
+
+    def restore(self, section: dict) -> None:
+        served = section.get("served_policy")
+        if served is not None and isinstance(self.server.policy, torch.nn.Module):
+            self.server.update_policy(lambda policy: policy.load_state_dict(served))
+        self.server.version = int(section["server_version"])
+
+
+@dataclass(frozen=True)
+class ServedChunks:
+    """Flat batches of exactly ``frames_per_batch`` frames of whichever env workers are ready, or
+    complete trajectories one at a time (``AsyncBatchedCollector``): the hooks run here."""
+
+    sync: ClassVar[bool] = False
+    stands_still: ClassVar[bool] = True
+    hooks_in_workers: ClassVar[bool] = False
+
+    yield_completed_trajectories: bool = False
+    """Yield one complete trajectory at a time instead of batches of ``frames_per_batch`` frames."""
+
+    def loop(self, parts: LoopParts) -> ChunkLoop:
+        return ChunkLoop(parts, self.yield_completed_trajectories)
+
+
+class ChunkLoop(FirstReady):
+    """Env workers collect chunks of steps, each asked again at once; the chunks of whichever are ready
+    make the batches, assembled (and post-processed, the hooks run) here.
+
+    Args:
+        parts: the loop's collaborators.
+        trajectories: yield complete trajectories one at a time instead of batches of frames.
+    """
+
+    def __init__(self, parts: LoopParts, trajectories: bool = False) -> None:
+        super().__init__(parts)
+        self.trajectories = trajectories
+        self._carry: collections.deque = collections.deque()
+        self._carried = 0
+        self._partial: dict[int, list] = {}
+        self._complete: collections.deque = collections.deque()
+
+    def _loop(self) -> Iterator[TensorDictBase | None]:
+        if self.trajectories:
+            yield from self._trajectories()
             return
-        total = engine.config.total_frames
-        while not engine.reached_total():
-            pre = engine.hooks["pre_collect_hook"]
+        tally, config, hooks = self.tally, self.parts.config, self.parts.hooks
+        total = config.total_frames
+        while not tally.reached_total():
+            pre = hooks["pre_collect_hook"]
             if pre is not None:
                 pre()
-            wanted = engine.config.frames_per_batch
+            wanted = config.frames_per_batch
             if total >= 0:
-                wanted = min(wanted, total - engine.frames)
-            batch = self._take_frames(engine, wanted)
-            engine.iter += 1
-            engine.frames += batch.numel()
-            yield from self._deliver(engine, batch)
+                wanted = min(wanted, total - tally.frames)
+            batch = self._take_frames(wanted)
+            tally.iter += 1
+            tally.frames += batch.numel()
+            yield from self._deliver(batch)
 
-    def _trajectories(self, engine: Any) -> Iterator[TensorDictBase | None]:
-        while not engine.reached_total():
+    def _trajectories(self) -> Iterator[TensorDictBase | None]:
+        tally = self.tally
+        while not tally.reached_total():
             while not self._complete:
-                self._split_trajectories(self._next_chunk(engine))
+                self._split_trajectories(self._next_chunk())
             trajectory = self._complete.popleft()
-            engine.iter += 1
-            engine.frames += trajectory.numel()
-            yield from self._deliver(engine, trajectory)
+            tally.iter += 1
+            tally.frames += trajectory.numel()
+            yield from self._deliver(trajectory)
 
-    def _deliver(self, engine: Any, batch: TensorDictBase) -> Iterator[TensorDictBase | None]:
+    def _deliver(self, batch: TensorDictBase) -> Iterator[TensorDictBase | None]:
         """Post-processed here, where the batch is assembled: ``postproc``, then the post-collect hook."""
-        buffer = engine.config.replay_buffer
-        batch = engine.output.postprocess(batch)
-        post = engine.hooks["post_collect_hook"]
+        buffer = self.parts.config.replay_buffer
+        batch = self.parts.output.postprocess(batch)
+        post = self.parts.hooks["post_collect_hook"]
         if post is not None:
             post(batch)
         if buffer is not None:
@@ -160,10 +222,10 @@ class PolicyServer:
         else:
             yield batch
 
-    def _take_frames(self, engine: Any, wanted: int) -> TensorDictBase:
+    def _take_frames(self, wanted: int) -> TensorDictBase:
         """Exactly ``wanted`` frames, in order of arrival; what is left over opens the next batch."""
         while self._carried < wanted:
-            chunk = self._next_chunk(engine)
+            chunk = self._next_chunk()
             self._carry.append(chunk)
             self._carried += chunk.numel()
         chunks = list(self._carry)
@@ -175,28 +237,26 @@ class PolicyServer:
             batch = batch[:wanted]
         return batch
 
-    def _next_chunk(self, engine: Any) -> TensorDictBase:
+    def _next_chunk(self) -> TensorDictBase:
         """The frames of the first worker ready (as a flat private copy); that worker goes on at once.
         Chunks a loaded checkpoint holds (collected before it, not delivered yet) come first."""
-        loop = engine.loop
-        if loop.restored:
-            worker, _, batch = loop.restored.pop(0)
+        if self.restored:
+            worker, _, batch = self.restored.pop(0)
             return flat_chunk(batch, worker)
-        gather = loop.gather
-        for worker in gather.idle():
-            gather.launch(worker, False)
+        for worker in self.idle():
+            self.launch(worker, False)
         try:
-            worker, reply = gather.next()  # restarts are off: a failure raises
+            worker, reply = self.next()  # restarts are off: a failure raises
         except WorkerError as err:
-            error = self.server.error
+            error = self.parts.policy_error()
             if error is not None:  # the policy raised in the server: its own error
                 raise error from err
             raise
-        batch = loop.fetched_early.pop((worker, reply.request_id), None)  # by a checkpoint
+        batch = self.fetched_early.pop((worker, reply.request_id), None)  # by a checkpoint
         if batch is None:
-            batch = engine.requests.handles[worker].fetch_batch(reply)
+            batch = self.fleet.requests.handles[worker].fetch_batch(reply)
         chunk = flat_chunk(batch, worker)
-        gather.launch(worker, False)
+        self.launch(worker, False)
         return chunk
 
     def _split_trajectories(self, chunk: TensorDictBase) -> None:
@@ -218,20 +278,12 @@ class PolicyServer:
     # ------------------------------------------------------------------ checkpoints (docs/checkpoints.md)
     def state(self) -> dict:
         """The frames assembled here and not delivered yet (the next batch's first frames, the pieces of
-        trajectories), and the served policy's weights and version (the workers' policy is a client)."""
-        extra = {"carry": pack(list(self._carry)), "partial": pack(self._partial),
-                 "complete": pack(list(self._complete)), "server_version": int(self.server.version)}
-        if isinstance(self.server.policy, torch.nn.Module):
-            extra["served_policy"] = self.server.policy_state_dict()
-        return extra
+        trajectories)."""
+        return {"carry": pack(list(self._carry)), "partial": pack(self._partial),
+                "complete": pack(list(self._complete))}
 
-    def restore(self, section: dict, weights: Any) -> None:
+    def restore(self, section: dict) -> None:
         self._carry = collections.deque(unpack(section["carry"]))
         self._carried = sum(chunk.numel() for chunk in self._carry)
         self._partial = unpack(section["partial"])
         self._complete = collections.deque(unpack(section["complete"]))
-        served = section.get("served_policy")
-        if served is not None and isinstance(self.server.policy, torch.nn.Module):
-            self.server.update_policy(lambda policy: policy.load_state_dict(served))
-        self.server.version = int(section["server_version"])
-        weights.version = self.server.version

@@ -1,18 +1,27 @@
 """``stats()``, once for every collector: a typed snapshot the engine's parts fill, returned in TorchRL's
 dict shape (flat keys, plain scalars; docs/restarts.md, "Watching a run").
 
-Adding a figure means adding a field here and filling it where it is known; every collector reports
-it the same way.
+A figure lives in the part that knows it: the counters (:class:`~.state.Tally`), throughput and times
+(``progress.py``), each worker's figures from its replies (``worker_figures.py``), restarts
+(``restarts.py``), and every :class:`StatsSource` the engine lists (a backend's extras, the autoscaler):
+adding a figure means adding it to one of those (or one more source); every collector reports it the
+same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence
 
-from .progress import LatencyHistogram
+from .broadcast import WorkerBroadcast
+from .fleet import Fleet
+from .progress import LatencyHistogram, ProgressMeter
+from .state import Lifecycle, Tally
+from .weights import WeightPublisher
+from .worker_figures import WorkerFigures
 
-__all__ = ["StatsSnapshot", "WORKER_VIEWS", "fleet_stats"]
+__all__ = ["StatsSnapshot", "StatsSource", "WORKER_VIEWS", "FleetStats", "LocalStats", "WorkerCensus", "ASKED_WHEN_VIEWED",
+           "ASKED_EVERY_TIME", "check_view", "check_timeout"]
 
 #: what ``stats(workers=...)`` accepts
 WORKER_VIEWS = ("aggregate", "per_worker", "both")
@@ -83,51 +92,169 @@ class StatsSnapshot:
         return stats
 
 
-def fleet_stats(engine: Any, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
-    """The snapshot of a collector with workers: the engine's counters and progress, the fleet's figures
-(kept here, no worker is asked), each worker's own snapshot when asked (``per_worker``/``both``, or
-always where the traits say so), and what optional parts add.
+class StatsSource(Protocol):
+    """A part that adds figures to ``stats()`` (flat keys, plain scalars)."""
 
-Raises:
-    ValueError: for another ``workers`` view or a negative ``timeout``.
-"""
-    check_view(workers)
+    def stats(self) -> dict[str, Any]:
+        """This part's figures now."""
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Raises: ValueError for a negative (or non-numeric) ``timeout``."""
     if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
         raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-    snapshot = StatsSnapshot(
-        frames=engine.frames, batches=engine.iter + 1,
-        total_frames=None if engine.config.endless else engine.config.total_frames, completed=engine.reached_total(),
-        requested_frames_per_batch=engine.requested_frames_per_batch, policy_version=engine.weights.policy_version,
-        progress=engine.progress.stats(), times=dict(engine.progress.seconds), weight_version=engine.weights.version,
-        weight_syncs=engine.progress.weight_sync_histogram())
-    active = engine.active_workers
-    asked = engine.traits.stats_asks_workers or workers != "aggregate"
-    answers = _worker_stats(engine, timeout) if asked and not engine.closed and engine.broadcast is not None else {}
-    requests = engine.requests if engine.fleet is not None and not engine.closed else None
-    alive = len(answers) if engine.traits.stats_asks_workers else (
-        sum(not requests.is_dead(w) for w in active) if requests is not None else 0)
-    snapshot.fleet = {"workers": len(active), "workers_alive": alive}
-    if engine.fleet is not None:  # kept here, no worker is asked
-        snapshot.fleet.update(engine.fleet.restarts.stats(engine.num_workers))
-        snapshot.fleet["workers_removed"] = engine.num_workers - len(active)
-        snapshot.fleet.update(engine.figures.stats(active))  # kept from the replies
-    if engine.traits.stats_asks_workers and answers:
-        snapshot.extra["worker_frames"] = int(sum(answer.get("frames", 0) for answer in answers.values()))
-    snapshot.per_worker = answers
-    # env workers of a policy server send steps, not batches: they collect from their start
-    steps_only = engine.traits.gather == "chunks"
-    snapshot.worker_states = {
-        worker: "failed" if requests is not None and requests.is_dead(worker)
-        else "collecting" if steps_only or f"worker_{worker}/frames" in snapshot.fleet else "starting"
-        for worker in active}
-    for extra in engine.extras:
-        snapshot.extra.update(extra.stats())
-    if engine.scaler is not None:
-        snapshot.extra.update(engine.scaler.stats())
-    return snapshot
 
 
-def _worker_stats(engine, timeout: float | None) -> dict[int, dict]:
-    if engine.traits.stats_asks_workers:
-        return engine.broadcast.stats_within(timeout)
-    return dict(zip(engine.active_workers, engine.broadcast.worker_stats()))
+class WorkerCensus(Protocol):
+    """When ``stats()`` asks the workers for their own snapshots, and who counts as alive."""
+
+    def answers(self, broadcast: WorkerBroadcast, active: list[int], view: str,
+                timeout: float | None) -> dict[int, dict]:
+        """``{worker: its stats()}`` asked for this ``view`` (none when not asked)."""
+
+    def alive(self, answers: dict[int, dict], fleet: Fleet, active: list[int]) -> int:
+        """How many workers are alive."""
+
+    def figures(self, answers: dict[int, dict]) -> dict[str, Any]:
+        """What the answers add to the aggregate."""
+
+
+class _AskedWhenViewed:
+    """The workers are asked only for a per-worker view; alive: not found dead."""
+
+    def answers(self, broadcast: WorkerBroadcast, active: list[int], view: str,
+                timeout: float | None) -> dict[int, dict]:
+        return dict(zip(active, broadcast.worker_stats())) if view != "aggregate" else {}
+
+    def alive(self, answers: dict[int, dict], fleet: Fleet, active: list[int]) -> int:
+        requests = fleet.requests
+        return sum(not requests.is_dead(w) for w in active) if requests is not None else 0
+
+    def figures(self, answers: dict[int, dict]) -> dict[str, Any]:
+        return {}
+
+
+class _AskedEveryTime:
+    """Every ``stats()`` asks each worker (within ``timeout``); alive: those that answered; their frames
+    summed as ``worker_frames`` (``RayCollector``, as TorchRL's)."""
+
+    def answers(self, broadcast: WorkerBroadcast, active: list[int], view: str,
+                timeout: float | None) -> dict[int, dict]:
+        return broadcast.stats_within(timeout)
+
+    def alive(self, answers: dict[int, dict], fleet: Fleet, active: list[int]) -> int:
+        return len(answers)
+
+    def figures(self, answers: dict[int, dict]) -> dict[str, Any]:
+        if not answers:
+            return {}
+        return {"worker_frames": int(sum(answer.get("frames", 0) for answer in answers.values()))}
+
+
+ASKED_WHEN_VIEWED: WorkerCensus = _AskedWhenViewed()
+ASKED_EVERY_TIME: WorkerCensus = _AskedEveryTime()
+
+
+class FleetStats:
+    """The snapshot of a collector with workers: its counters and progress, the fleet's figures (kept
+    here, no worker is asked), each worker's own snapshot when its census asks, and what its sources add.
+
+    Args:
+        tally: frames and batches so far, against ``total_frames``.
+        progress: throughput, lag, weight-update latency and where the time goes.
+        weights: the policy version (tracked or not).
+        frames_per_batch: the frames of the next batch.
+        fleet: the workers (restarts, who left, who is found dead).
+        figures: each worker's figures, kept from its replies.
+        broadcast: asks the workers for their own snapshots.
+        life: whether the collector is open (a closed one asks nobody).
+        census: when the workers are asked, and who counts as alive.
+        sources: the parts that add figures (a backend's extras, the autoscaler).
+        steps_only: the workers send steps, not batches (env workers of a policy server): they are
+            collecting from their start.
+    """
+
+    def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
+                 frames_per_batch: Callable[[], int], fleet: Fleet, figures: WorkerFigures,
+                 broadcast: WorkerBroadcast, life: Lifecycle, census: WorkerCensus = ASKED_WHEN_VIEWED,
+                 sources: Sequence[StatsSource] = (), steps_only: bool = False) -> None:
+        self.tally = tally
+        self.progress = progress
+        self.weights = weights
+        self.frames_per_batch = frames_per_batch
+        self.fleet = fleet
+        self.figures = figures
+        self.broadcast = broadcast
+        self.life = life
+        self.census = census
+        self.sources = list(sources)
+        self.steps_only = steps_only
+
+    def snapshot(self, workers: str = "aggregate", timeout: float | None = 10.0) -> StatsSnapshot:
+        """Raises: ValueError for another ``workers`` view or a negative ``timeout``."""
+        check_view(workers)
+        check_timeout(timeout)
+        tally, config, fleet, progress = self.tally, self.tally.config, self.fleet, self.progress
+        snapshot = StatsSnapshot(
+            frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
+            completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
+            policy_version=self.weights.policy_version, progress=progress.stats(), times=dict(progress.seconds),
+            weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram())
+        active = fleet.active
+        open_ = not self.life.closed
+        answers = self.census.answers(self.broadcast, active, workers, timeout) if open_ else {}
+        alive = self.census.alive(answers, fleet, active) if open_ else 0
+        slots = len(fleet)
+        snapshot.fleet = {"workers": len(active), "workers_alive": alive, **fleet.restarts.stats(slots),
+                          "workers_removed": slots - len(active), **self.figures.stats(active)}
+        snapshot.extra.update(self.census.figures(answers))
+        snapshot.per_worker = answers
+        requests = fleet.requests if open_ else None
+        snapshot.worker_states = {
+            worker: "failed" if requests is not None and requests.is_dead(worker)
+            else "collecting" if self.steps_only or f"worker_{worker}/frames" in snapshot.fleet else "starting"
+            for worker in active}
+        for source in self.sources:
+            snapshot.extra.update(source.stats())
+        return snapshot
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds per part of collection (the workers' env and policy seconds come with their replies)."""
+        return dict(self.progress.seconds)
+
+
+class LocalStats:
+    """The snapshot of a ``Collector``: its counters and progress, and where its rollouts' time goes.
+
+    Args:
+        tally: frames and batches so far, against ``total_frames``.
+        progress: throughput, lag, weight-update latency and where the time goes.
+        weights: the policy version (tracked or not).
+        frames_per_batch: the frames of its batches.
+        rollout_seconds: the seconds its rollouts spent in the env and in the policy.
+    """
+
+    def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
+                 frames_per_batch: Callable[[], int], rollout_seconds: Callable[[], tuple[float, float]]) -> None:
+        self.tally = tally
+        self.progress = progress
+        self.weights = weights
+        self.frames_per_batch = frames_per_batch
+        self.rollout_seconds = rollout_seconds
+
+    def snapshot(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
+        """Raises: ValueError for another ``workers`` view."""
+        check_view(workers)
+        tally, config = self.tally, self.tally.config
+        return StatsSnapshot(
+            frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
+            completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
+            policy_version=self.weights.policy_version, progress=self.progress.stats(), times=self.time_split(),
+            weight_version=self.weights.version, weight_syncs=self.progress.weight_sync_histogram())
+
+    def time_split(self) -> dict[str, float]:
+        split = dict(self.progress.seconds)
+        env, policy = self.rollout_seconds()
+        split["env"] += env
+        split["policy"] += policy
+        return split

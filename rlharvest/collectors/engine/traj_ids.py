@@ -18,12 +18,38 @@ newest segment, consistently for every batch it appears in. docs/collection.md, 
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
+from tensordict import TensorDictBase
 
 from ..._utils import TRAJ_IDS
 from ...checkpoint import pack, unpack
 
-__all__ = ["TrajIdMap", "SharedIds", "PerWorkerIds"]
+__all__ = ["TrajIdMap", "TrajectoryIds", "SharedIds", "PerWorkerIds"]
+
+
+class TrajectoryIds(Protocol):
+    """How a collector's workers' trajectory ids become unique across them (:class:`SharedIds` or
+    :class:`PerWorkerIds`, as the collector's options choose)."""
+
+    counter: Any
+    """The counter the workers share (TorchRL's ``traj_pool``), or None."""
+
+    def remap(self, batch: TensorDictBase, worker: int) -> TensorDictBase:
+        """``batch`` of ``worker`` with collector-wide ids."""
+
+    def replacement_changes(self, worker: int) -> dict:
+        """What a worker replacing ``worker`` starts with to keep ids unique."""
+
+    def grow(self, count: int) -> None:
+        """``count`` workers were added."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps."""
+
+    def restore(self, section: dict) -> None:
+        """Continue from a checkpoint's section."""
 
 
 class TrajIdMap:

@@ -2,8 +2,7 @@
 legacy ``weight_updater`` and policy versions, once for every collector (docs/weights.md).
 
 What differs between engines is where the weights go when no scheme carries them (a policy in this
-process, a policy server) and when a version is counted: an engine hands the publisher a
-:class:`WeightOwner` saying so.
+process, a policy server, none): an engine hands the publisher a :class:`LocalPolicy` saying so.
 """
 
 from __future__ import annotations
@@ -16,13 +15,14 @@ import torch
 from tensordict import TensorDictBase
 
 from ..._utils import user_stacklevel
+from ...weight_update.context import ReceiverContext
 from ...weight_update.payloads import check_fit
 from ...weight_update.schemes import WeightSyncScheme
 from ...weight_update.strategy import weights_of
-from ...weight_update.updaters import WeightUpdaterBase
+from ...weight_update.updaters import UpdaterHost, WeightUpdaterBase
 from .progress import ProgressMeter
 
-__all__ = ["WeightOwner", "WeightPublisher", "merge_weight_arguments"]
+__all__ = ["LocalPolicy", "NO_LOCAL_POLICY", "WeightPublisher", "merge_weight_arguments", "has_weights"]
 
 
 def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kwargs: dict) -> Any:
@@ -50,40 +50,55 @@ def merge_weight_arguments(policy_or_weights: Any, weights: Any, policy: Any, kw
     return None
 
 
-class WeightOwner(Protocol):
-    """What the publisher asks of the engine it belongs to."""
+class LocalPolicy(Protocol):
+    """Where weights go when no scheme carries them: the policy an engine runs itself (``Collector``), a
+    policy served to env workers (``AsyncBatchedCollector``), or none (:data:`NO_LOCAL_POLICY`)."""
 
-    def update_local_policy(self, value: Any) -> None:
-        """No scheme and no updater: bring the policy this engine runs itself up to date."""
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
+        """No scheme and no updater: bring the policy up to date from ``value`` (None: its own source)
+        and count the version in ``weights``."""
 
     def copy_into_local_policy(self, weights: TensorDictBase) -> None:
-        """Copy ``weights`` into the policy this engine runs itself (``receive_weights``)."""
-
-    def after_weights_sent(self, model_ids: list[str]) -> None:
-        """Schemes delivered ``model_ids``: count the version where this engine counts it."""
+        """Copy ``weights`` into the policy (``receive_weights``)."""
 
     def on_version_bump(self, version: int) -> None:
         """Reflect a new version where rollouts stamp it."""
 
-    def resolve(self, path: str) -> Any:
-        """An attribute path on the collector (weights given as a string)."""
 
-    def get_model(self, model_id: str) -> Any:
-        """The model ``model_id`` in this process (the policy: the one workers run), or None."""
+class _NoLocalPolicy:
+    """A collector whose policy runs only in its workers: nothing to copy, versions still move."""
 
+    def update_local_policy(self, value: Any, weights: WeightPublisher) -> None:
+        weights.version += 1  # a parameter-free policy: nothing to send, versions still move
+
+    def copy_into_local_policy(self, weights: TensorDictBase) -> None:
+        """The workers' policies take weights through the schemes only."""
+
+    def on_version_bump(self, version: int) -> None:
+        """Workers count their own versions."""
+
+
+NO_LOCAL_POLICY: LocalPolicy = _NoLocalPolicy()
 
 class WeightPublisher:
     """Versions, schemes and the legacy updater of one collector.
 
     Args:
-        owner: the engine (what differs per engine, :class:`WeightOwner`).
+        local: where weights go when no scheme carries them (:class:`LocalPolicy`).
         progress: where update latencies are recorded (``stats()``: ``weight_sync_s_*``).
         version_tracker: ``track_policy_version``: False/None (untracked), True, or an object with
             ``version`` and ``increment_version()``.
+        resolve: the object at an attribute path of the collector (weights given as a string).
+        get_model: the model ``model_id`` in this process (the policy: the one workers run), or None;
+            explicit weights are checked against it before anything is sent.
     """
 
-    def __init__(self, owner: WeightOwner, progress: ProgressMeter, version_tracker: Any = None) -> None:
-        self.owner = owner
+    def __init__(self, local: LocalPolicy, progress: ProgressMeter, version_tracker: Any = None,
+                 resolve: Callable[[str], Any] | None = None,
+                 get_model: Callable[[str], Any] | None = None) -> None:
+        self.get_model = get_model if get_model is not None else (lambda model_id: None)
+        self.local = local
+        self.resolve = resolve
         self.progress = progress
         self.version_tracker = version_tracker or None
         self.version = 0
@@ -118,14 +133,14 @@ class WeightPublisher:
                 raise RuntimeError(f"The policy-version tracker {tracker!r} has no increment_version().")
             tracker.increment_version()
         self.version += 1
-        self.owner.on_version_bump(self.version)
+        self.local.on_version_bump(self.version)
 
     def set_version(self, version: int) -> None:
         self.version = int(version)
-        self.owner.on_version_bump(self.version)
+        self.local.on_version_bump(self.version)
 
     # ------------------------------------------------------------------ legacy updater
-    def set_updater(self, value: Any, collector: Any) -> None:
+    def set_updater(self, value: Any, collector: UpdaterHost) -> None:
         """Install a legacy updater (an instance or a constructor of one), registered with ``collector``.
 
         Raises:
@@ -159,7 +174,7 @@ class WeightPublisher:
         if self.updater is not None:
             if weights_dict is not None or model_id is not None:
                 raise ValueError("weights_dict and model_id are not supported with legacy weight updater.")
-            model = self.owner.get_model("policy") if value is not None else None
+            model = self.get_model("policy") if value is not None else None
             if model is not None and type(self.updater).__module__.startswith("rlharvest."):
                 # ours push to the workers' policy; a user's class may take weights of its own shape
                 self._check_fit("policy", value, model)
@@ -178,21 +193,32 @@ class WeightPublisher:
                            f"Available models: {sorted(schemes)}")
         for mid, entry in work.items():  # every model's weights, before anything is sent
             if entry is not None:
-                model = schemes[mid].model if schemes else self.owner.get_model(mid)
+                model = schemes[mid].model if schemes else self.get_model(mid)
                 if model is not None or not schemes:  # a scheme without a model here: its receivers check
                     self._check_fit(mid, entry, model)
         if schemes:
             for mid, entry in work.items():
                 schemes[mid].send(weights=entry, worker_ids=worker_ids)
-            self.owner.after_weights_sent(list(work))
+            if "policy" in work:  # workers bumped their own versions when they applied it: ours moves here
+                self.increment()
             return
-        self.owner.update_local_policy(work.get("policy"))
+        self.local.update_local_policy(work.get("policy"), self)
 
     def _check_fit(self, model_id: str, value: Any, model: Any) -> None:
         """Raise unless ``model`` can take the explicit weights ``value`` (``check_fit``)."""
         if isinstance(value, str):
-            value = self.owner.resolve(value)
+            value = self._path(value)
         check_fit(value, model, model_id)
+
+    def _path(self, path: str) -> Any:
+        """The object at an attribute path of the collector (weights given as a string).
+
+        Raises:
+            ValueError: without a collector to resolve it on.
+        """
+        if self.resolve is None:
+            raise ValueError(f"Cannot resolve weights path {path!r} without a collector.")
+        return self.resolve(path)
 
     def forwards(self, model_id: str) -> bool:
         """Whether weights of ``model_id`` a receiver scheme applied go on from here (to this collector's
@@ -206,7 +232,7 @@ class WeightPublisher:
             ValueError: for per-worker weights, which only a per-worker scheme takes.
         """
         if isinstance(value, str):
-            value = self.owner.resolve(value)
+            value = self._path(value)
         if isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
             raise ValueError("Per-worker weights ({worker_idx: weights}) need a SharedMemWeightSyncScheme "
                              "with per_worker_weights=True.")
@@ -227,9 +253,9 @@ class WeightPublisher:
                 scheme.receive()
             return
         if value is not None:
-            self.owner.copy_into_local_policy(self.weights_from_value(value))
+            self.local.copy_into_local_policy(self.weights_from_value(value))
 
-    def register_receivers(self, schemes: dict[str, WeightSyncScheme], context: Any, worker_idx: int | None,
+    def register_receivers(self, schemes: dict[str, WeightSyncScheme], context: ReceiverContext, worker_idx: int | None,
                            synchronize: bool) -> None:
         """Register schemes through which the collector receives weights from a parent.
 
@@ -289,5 +315,7 @@ class WeightPublisher:
                 scheme.shutdown()
 
 
-def is_module(value: Any) -> bool:
-    return isinstance(value, torch.nn.Module)
+def has_weights(policy: Any) -> bool:
+    """Whether ``policy`` is a module with parameters or buffers (something a weight update changes)."""
+    return isinstance(policy, torch.nn.Module) and (
+        any(True for _ in policy.parameters()) or any(True for _ in policy.buffers()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -16,9 +16,19 @@ from ...transport.base import Backend
 from ...transport.inprocess import InProcessBackend
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
-from .common import WorkerSetup, check_env_constructors
+from ..engine.contract import Startup, WorkerSetup
+from ..engine.extras import EngineExtra
+from ..engine.fleet import Fleet
+from ..engine.gather import Gathering
+from ..engine.running import IN_A_THREAD, FreeRun
+from ..engine.schedule import WeightPushes
+from ..engine.served import PolicyServer, ServedChunks
+from ..engine.events import FleetEvents
+from ..engine.state import Lifecycle
+from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
+from ..engine.traj_ids import SharedIds, TrajectoryIds
+from .common import check_env_constructors
 from .local import LocalOptions
-from .traits import Traits
 
 __all__ = ["AsyncBatchedConfig", "AsyncBatchedOptions", "async_batched_config", "worker_env_factories"]
 
@@ -184,6 +194,16 @@ class AsyncBatchedOptions:
     weight_recv_schemes = None
     version_tracker = True
     policy_factories = None
+    noun = "worker"
+    refuses_keep_env = True
+    shutdown_after_total = False
+    startup = Startup()
+    census: ClassVar[WorkerCensus] = ASKED_WHEN_VIEWED
+    #: no weight is pushed by itself: the policy runs here
+    pushes = WeightPushes()
+    #: ``start()``: a thread here iterates into the replay buffer
+    free_run: ClassVar[FreeRun] = IN_A_THREAD
+    autoscale = None
 
     @classmethod
     def parse(cls, *, create_env_fn: Sequence[Callable], policy: Any, policy_factory: Any, frames_per_batch: int,
@@ -219,10 +239,34 @@ class AsyncBatchedOptions:
                    worker_timeout=positive_seconds("worker_timeout", worker_timeout), mp_start_method=mp_start_method,
                    worker_collector=worker_collector)
 
+    # ------------------------------------------------------------------ what the engine is handed
     @property
-    def traits(self) -> Traits:
+    def gathering(self) -> Gathering:
         """Batches are assembled here, from whichever env worker is ready: hooks run here too."""
-        return Traits(noun="worker", sync=False, gather="chunks", hooks_in_workers=False, run_free="thread")
+        return ServedChunks(self.batched.yield_completed_trajectories)
+
+    def trajectory_ids(self) -> TrajectoryIds:
+        """One counter every worker shares."""
+        return SharedIds()
+
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
+        return []
+
+    def served_policy(self, backend: Backend) -> PolicyServer:
+        """The policy, served in this process to every env worker (a private copy of it)."""
+        batched = self.batched
+        return PolicyServer(self.policy, backend.ctx, num_workers=batched.num_workers,
+                            max_batch_size=batched.max_batch_size, min_batch_size=batched.min_batch_size,
+                            timeout=batched.server_timeout, device=batched.device,
+                            exploration_type=self.config.exploration_type, trust_policy=self.config.trust_policy,
+                            version=batched.policy_version)
+
+    def scaled_backend_options(self, count: int) -> None:
+        return None
+
+    def added(self, *args: Any) -> Any:
+        """Raises: NotImplementedError: an ``AsyncBatchedCollector`` cannot add env workers."""
+        raise NotImplementedError("AsyncBatchedCollector cannot add env workers to a running collector.")
 
     @property
     def num_workers(self) -> int:

@@ -8,7 +8,6 @@ The arguments every collector shares are checked once, in :class:`rlharvest.conf
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,9 +15,9 @@ import torch
 from ..._utils import unwrap, wrap_callable
 from ...envs.factory import GYMNASIUM_ADVICE, gymnasium_instance
 from ...weight_update.schemes import WeightSyncScheme
+from ..engine.weights import has_weights
 
 __all__ = [
-    "WorkerSetup",
     "typed_class",
     "per_worker",
     "env_functions",
@@ -30,23 +29,6 @@ __all__ = [
     "validate_preemptive_threshold",
     "check_policy_args",
 ]
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """What a collector's worker specs are built with, decided once its backend exists."""
-
-    policy: Any
-    """The policy each worker is given (a stateless copy when its weights arrive through a scheme)."""
-    schemes: dict
-    """The sender schemes ``{model_id: scheme}`` feeding the workers (a legacy updater's transport too)."""
-    legacy: bool = False
-    """A legacy ``weight_updater`` drives the schemes (``update_policy_weights_`` goes through it)."""
-    trajectory_counter: Any = None
-    """The trajectory-id counter the workers share, or None when each counts its own."""
-    inference: Any = None
-    """The channels of a policy served in the collector's process (``AsyncBatchedCollector``): each
-    worker's policy is a client of it."""
 
 
 def typed_class(collector_class: Any, ours: Sequence[type]) -> bool:
@@ -117,11 +99,6 @@ def validate_preemptive_threshold(value: Any) -> float | None:
     return float(value)
 
 
-def has_weights(policy: Any) -> bool:
-    return isinstance(policy, torch.nn.Module) and (
-        any(True for _ in policy.parameters()) or any(True for _ in policy.buffers()))
-
-
 def stateless_copy(policy: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``policy`` whose parameters and buffers live on the meta device (no data copied)."""
     memo: dict[int, Any] = {}
@@ -132,21 +109,22 @@ def stateless_copy(policy: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(policy, memo)
 
 
-def default_schemes(scheme_name: str, policy: Any, factories: list | None, **options: Any) -> dict[str, WeightSyncScheme]:
+def default_schemes(scheme_name: str, policy: Any, factories: list | None,
+                    **scheme_arguments: Any) -> dict[str, WeightSyncScheme]:
     """The schemes a collector with workers creates when none were given (docs/weights.md).
 
     Args:
         scheme_name: the backend's default scheme (``Backend.default_scheme()``).
         policy: the policy workers run (no scheme when it has no weights).
         factories: per-worker policy factories, or None.
-        **options: arguments of the scheme.
+        **scheme_arguments: arguments of the scheme.
     """
     if factories is not None and any(f is not None for f in factories):
         if scheme_name == "shared" and len({id(f) for f in factories}) > 1:
-            options = {**options, "per_worker_weights": True}  # distinct policies: one buffer per worker
-        return {"policy": WeightSyncScheme.from_backend(scheme_name, **options)}
+            scheme_arguments = {**scheme_arguments, "per_worker_weights": True}  # distinct policies: one buffer per worker
+        return {"policy": WeightSyncScheme.from_backend(scheme_name, **scheme_arguments)}
     if has_weights(policy):
-        return {"policy": WeightSyncScheme.from_backend(scheme_name, **options)}
+        return {"policy": WeightSyncScheme.from_backend(scheme_name, **scheme_arguments)}
     return {}
 
 

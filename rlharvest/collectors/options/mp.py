@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -15,11 +15,21 @@ from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
 from ...worker import run_worker
+from ..engine.contract import Startup, WorkerSetup
+from ..engine.extras import EngineExtra
+from ..engine.fleet import Fleet
+from ..engine.gather import FirstReadyBatches, Gathering, Stacked
+from ..engine.running import IN_A_THREAD, WORKERS_WRITE, FreeRun
+from ..engine.schedule import WeightPushes
+from ..engine.served import PolicyServer
+from ..engine.events import FleetEvents
+from ..engine.state import Lifecycle
+from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
+from ..engine.traj_ids import PerWorkerIds, SharedIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import (WorkerSetup, check_env_constructors, check_policy_args, default_schemes, env_functions, per_worker,
+from .common import (check_env_constructors, check_policy_args, default_schemes, env_functions, per_worker,
                      stateless_copy, typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
-from .traits import Traits, WeightPushes
 
 __all__ = ["WorkerProcessOptions"]
 
@@ -76,6 +86,15 @@ class WorkerProcessOptions:
     shutdown_timeout = 10.0
     #: ``update_policy_weights_()`` without weights and without a policy: a factory's policy is the source
     factory_fallback = True
+    #: how errors and ``stats()`` name a worker
+    noun = "worker"
+    #: ``shutdown(close_env=False)`` is refused: worker processes always close their envs
+    refuses_keep_env = True
+    shutdown_after_total = False
+    #: the constructor returns once every worker is built
+    startup = Startup()
+    #: ``stats()`` asks the workers only for a per-worker view
+    census: ClassVar[WorkerCensus] = ASKED_WHEN_VIEWED
 
     @classmethod
     def parse(cls, owner: str, *, sync: bool, create_env_fn: Any, num_workers: int | None, policy: Any,
@@ -144,16 +163,34 @@ class WorkerProcessOptions:
         return len(self.env_fns)
 
     @property
-    def traits(self) -> Traits:
-        """Worker processes on this machine: stacked or first-ready batches, hooks in the workers, an
-        rlharvest buffer written by the workers themselves when running free, one trajectory counter
-        shared by all (docs/collection.md). Serving a parent (inside a node), an async collector asks
-        a worker again only after its batch was yielded, so that weights the parent pushes after
-        taking a batch are in the next one."""
-        return Traits(noun="worker", sync=self.sync, gather="stack" if self.sync else "first_ready",
-                      relaunch_after_yield=self.config.worker_idx is not None, run_free="workers",
-                      per_worker_ids=not self.typed_workers,
-                      pushes=WeightPushes(before_each_batch=self.update_at_each_batch, name_targets=False))
+    def gathering(self) -> Gathering:
+        """Stacked batches, or the first ready. Serving a parent (inside a node), an async collector asks a
+        worker again only after its batch was yielded, so that weights the parent pushes after taking a
+        batch are in the next one (docs/collection.md)."""
+        if self.sync:
+            return Stacked(self.cat_results, self.preemptive_threshold)
+        return FirstReadyBatches(relaunch_after_yield=self.config.worker_idx is not None)
+
+    @property
+    def pushes(self) -> WeightPushes:
+        """``update_at_each_batch``: one update of every worker before each batch."""
+        return WeightPushes(before_each_batch=self.update_at_each_batch, name_targets=False)
+
+    @property
+    def free_run(self) -> FreeRun:
+        """``start()``: the workers write an rlharvest buffer themselves; any other, a thread here."""
+        return WORKERS_WRITE if self.workers_write_buffer else IN_A_THREAD
+
+    def trajectory_ids(self) -> TrajectoryIds:
+        """One counter every worker shares; a collector class of the user's own counts its own ids,
+        mapped here."""
+        return SharedIds() if self.typed_workers else PerWorkerIds(self.num_workers)
+
+    def extras(self, backend: MPBackend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
+        return []
+
+    def served_policy(self, backend: MPBackend) -> PolicyServer | None:
+        return None
 
     @property
     def typed_workers(self) -> bool:

@@ -1,25 +1,35 @@
 """The options every collector with one node (or actor) per env constructor shares:
 ``DistributedCollector`` and ``DistributedSyncCollector`` (``torchdist.py``), ``RPCCollector``
 (``rpc.py``) and ``RayCollector`` (``ray.py``). Parsed once from their arguments; what differs between
-them (the backend, where nodes run, their traits) is the fields each adds."""
+them (the backend, where nodes run, the ready objects they hand the engine) is what each adds."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from ..._utils import wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
+from ..engine.contract import Startup, WorkerSetup
+from ..engine.extras import EngineExtra
+from ..engine.fleet import Fleet
+from ..engine.gather import FirstReadyBatches, Gathering, Stacked
+from ..engine.running import PUSHED_TO_A_RECEIVER, FreeRun
+from ..engine.schedule import WeightPushes
+from ..engine.served import PolicyServer
+from ..engine.events import FleetEvents
+from ..engine.state import Lifecycle
+from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
+from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import WorkerSetup, check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
+from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import WorkerProcessOptions
-from .traits import Traits, WeightPushes
 
 __all__ = ["NodeOptions", "resolve_collector_class", "replicated"]
 
@@ -126,6 +136,11 @@ class NodeOptions:
     stateless_nodes = True
     #: how errors and ``stats()`` name a node
     noun = "node"
+    #: ``shutdown(close_env=False)`` keeps the nodes' envs open (their collectors close them or not)
+    refuses_keep_env = False
+    shutdown_after_total = False
+    startup = Startup()
+    census: ClassVar[WorkerCensus] = ASKED_WHEN_VIEWED
 
     @classmethod
     def parse_common(cls, owner: str, *, sync: bool, create_env_fn: Any, policy: Any, policy_factory: Any,
@@ -219,17 +234,35 @@ class NodeOptions:
         """Whether nodes build rlharvest's ``Collector`` from typed options."""
         return typed_class(self.collector_class, [self.single_collector])
 
-    def base_traits(self, **changes: Any) -> Traits:
-        """The traits of every node collector; a backend changes a few."""
-        pushes = WeightPushes(before_each_batch=self.update_after_each_batch, every=self.update_interval,
-                              max_interval=self.max_weight_update_interval, per_target_counters=True,
-                              skip_before_first=True)
-        # Take a node's batch, yield it, (update), then ask that node again: weights the caller changed
-        # before the next batch reach the node before it collects again (docs/weights.md).
-        traits = Traits(noun=self.noun, sync=self.sync, gather="stack" if self.sync else "first_ready",
-                        relaunch_after_yield=True, run_free="pushed", refuses_keep_env=False, per_worker_ids=True,
-                        pushes=pushes)
-        return dataclasses.replace(traits, **changes)
+    @property
+    def gathering(self) -> Gathering:
+        """Stacked batches, or the first ready: take a node's batch, yield it, (update), then ask that node
+        again, so that weights the caller changed before the next batch reach the node before it collects
+        again (docs/weights.md)."""
+        return Stacked() if self.sync else FirstReadyBatches(relaunch_after_yield=True)
+
+    @property
+    def pushes(self) -> WeightPushes:
+        """``update_after_each_batch``, ``update_interval``, ``max_weight_update_interval``, counted per node."""
+        return WeightPushes(before_each_batch=self.update_after_each_batch, every=self.update_interval,
+                            max_interval=self.max_weight_update_interval, per_target_counters=True,
+                            skip_before_first=True)
+
+    @property
+    def free_run(self) -> FreeRun | None:
+        """``start()``: the nodes run free and push every batch to a thread here that writes it."""
+        return PUSHED_TO_A_RECEIVER
+
+    def trajectory_ids(self) -> TrajectoryIds:
+        """Each node counts its own trajectory ids, mapped to collector-wide ones here."""
+        return PerWorkerIds(self.num_workers)
+
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
+        """Parts a backend adds (none by default)."""
+        return []
+
+    def served_policy(self, backend: Backend) -> PolicyServer | None:
+        return None
 
     @property
     def version_tracker(self) -> Any:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ...transport.base import Backend
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, as_replay_buffer
 from ...worker import run_worker
+from ..engine.contract import Startup
+from ..engine.stats import ASKED_EVERY_TIME, WorkerCensus
 from .nodes import NodeOptions, replicated
-from .traits import Traits
 
 __all__ = ["RayOptions", "remote_configs_of"]
 
@@ -39,6 +40,10 @@ class RayOptions(NodeOptions):
     """``ray.init`` arguments, used only when Ray is not initialised yet."""
 
     noun = "actor"
+    #: iteration releases the actors once ``total_frames`` were collected, as TorchRL's does
+    shutdown_after_total = True
+    #: every ``stats()`` asks each actor
+    census: ClassVar[WorkerCensus] = ASKED_EVERY_TIME
 
     @classmethod
     def parse(cls, owner: str, *, create_env_fn: Any, num_collectors: int | None, collector_kwargs: Any,
@@ -67,12 +72,10 @@ class RayOptions(NodeOptions):
         return cls.widened(shared, remote_configs=tuple(configs), ray_init_config=ray_init_config)
 
     @property
-    def traits(self) -> Traits:
+    def startup(self) -> Startup:
         """Async: iteration starts each actor's first rollout as soon as it is built and yields the first
-        batch ready, so the constructor does not wait for the slowest actor (docs/ray.md). Iteration
-        releases the actors once ``total_frames`` were collected, as TorchRL's does; every ``stats()``
-        asks each actor."""
-        return self.base_traits(wait_until_built=self.sync, shutdown_after_total=True, stats_asks_workers=True)
+        batch ready, so the constructor does not wait for the slowest actor (docs/ray.md)."""
+        return Startup(wait_until_built=self.sync)
 
     def added_backend_options(self, backend_options: Any, count: int) -> list[dict]:
         return remote_configs_of(backend_options, count, f"new {self.noun} (one per entry of create_env_fn)")

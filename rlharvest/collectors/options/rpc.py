@@ -12,11 +12,15 @@ from ...transport.rendezvous import check_backend
 from ...transport.rpc import RPCBackend, node_name
 from ...weight_update.rpc import RPCWeightSyncScheme
 from ...worker.nodes import RPC_CALLS, node_main
+from ..engine.extras import EngineExtra, RPCReferences
+from ..engine.fleet import Fleet
+from ..engine.running import IN_A_THREAD, FreeRun
+from ..engine.events import FleetEvents
+from ..engine.state import Lifecycle
 from .common import has_weights
 from .network import NetworkConfig
 from .nodes import NodeOptions
 from .torchdist import EXTERNAL, check_external, check_launcher
-from .traits import Traits
 
 __all__ = ["RPCOptions"]
 
@@ -64,10 +68,14 @@ class RPCOptions(NodeOptions):
                            tensorpipe_options=dict(tensorpipe_options or {}))
 
     @property
-    def traits(self) -> Traits:
+    def free_run(self) -> FreeRun | None:
         """RPC nodes only act on calls (nothing runs on a node between two of them): running free, a thread
         here keeps requesting batches, as iteration does."""
-        return self.base_traits(run_free="thread", remote_references=True)
+        return IN_A_THREAD
+
+    def extras(self, backend: Backend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
+        """A remote reference to each node's collector (``collector_rrefs``)."""
+        return [RPCReferences(fleet, self.worker_timeout)]
 
     def default_scheme(self, backend: Backend) -> dict:
         weighted = has_weights(self.policy) or self.policy_factories is not None

@@ -12,10 +12,17 @@ from ...transport.launchers import DEFAULT_SLURM_CONF, LAUNCHERS
 from ...transport.rendezvous import PAIR_BACKENDS, check_backend
 from ...weight_update.torchdist import DistributedWeightSyncScheme
 from ...worker.nodes import node_main
+from ..engine.contract import Startup
+from ..engine.extras import EngineExtra, ExternalJoins
+from ..engine.fleet import Fleet
+from ..engine.gather import Gathering, PushedBatches
+from ..engine.running import FreeRun
+from ..engine.schedule import WeightPushes
+from ..engine.events import FleetEvents
+from ..engine.state import Lifecycle
 from .common import has_weights
 from .network import NetworkConfig
 from .nodes import NodeOptions
-from .traits import Traits, WeightPushes
 
 __all__ = ["TorchDistOptions", "EXTERNAL", "check_launcher", "check_external"]
 
@@ -117,13 +124,39 @@ class TorchDistOptions(NodeOptions):
                          weight_sync_schemes=schemes, weight_recv_schemes=None, replay_buffer=None,
                          free_running=True, **others)
 
+    # ------------------------------------------------------------------ what the engine is handed
     @property
-    def traits(self) -> Traits:
+    def gathering(self) -> Gathering:
+        """``DistributedSyncCollector``: the nodes run free during iteration, pushing every batch."""
         if self.free_running:
-            return self.base_traits(gather="pushed", run_free=None, states_only_while_idle=True,
-                                    pushes=WeightPushes(every=self.update_interval or 1, free_running=True))
-        return self.base_traits(external_joins=self.launcher == EXTERNAL,
-                                deferred_start=self.launcher == EXTERNAL)
+            return PushedBatches(self.worker_timeout, self.noun)
+        return super().gathering
+
+    @property
+    def pushes(self) -> WeightPushes:
+        """Running free, the weights go out without acknowledgement every ``update_interval`` batches."""
+        if self.free_running:
+            return WeightPushes(every=self.update_interval or 1, free_running=True)
+        return super().pushes
+
+    @property
+    def free_run(self) -> FreeRun | None:
+        """``DistributedSyncCollector`` cannot ``start()``: its nodes run free for iteration already."""
+        return None if self.free_running else super().free_run
+
+    @property
+    def joins(self) -> bool:
+        """Nodes join from anywhere (``launcher="external"``; not the free-running collector's)."""
+        return self.launcher == EXTERNAL and not self.free_running
+
+    @property
+    def startup(self) -> Startup:
+        """Nodes that join are awaited at the first use (the constructor returns before any joined)."""
+        return Startup(deferred=self.joins)
+
+    def extras(self, backend: TorchDistBackend, fleet: Fleet, life: Lifecycle, events: FleetEvents) -> list[EngineExtra]:
+        """``launcher="external"``: the join key and command, slots filled again by nodes that join."""
+        return [ExternalJoins(self.network, backend, fleet, life, events)] if self.joins else []
 
     @property
     def group_backend(self) -> str | None:

@@ -235,7 +235,7 @@ def _veth_collector_class(target=None):
 
     from rlharvest.collectors.distributed import DistributedCollector
     from rlharvest.collectors.options.network import NetworkConfig
-    from rlharvest.collectors.options import TorchDistOptions
+    from rlharvest.collectors.options.torchdist import TorchDistOptions
     from rlharvest.transport.torchdist import TorchDistBackend
 
     @dataclasses.dataclass(frozen=True)

@@ -183,7 +183,7 @@ def test_seed_api_and_errors():  # docs/torchrl-compatibility.md, "set_seed on d
         assert collector.worker_idx is None  # None at the top level, as TorchRL documents
     finally:
         collector.async_shutdown()
-    assert engine_of(collector).closed
+    assert engine_of(collector).life.closed
 
 
 def test_values_asked_of_nodes_and_batches_of_any_structure_come_back():

@@ -15,8 +15,10 @@ from mocks import SlowCountingEnv, check_trajectories, counting_env_7 as countin
 from process_check import process_gone
 
 from rlharvest.collectors.distributed import DistributedCollector, DistributedSyncCollector, RPCCollector
+from rlharvest.transport.mp import MPBackend, mp_context
 from rlharvest.transport.ports import free_port_block
 from rlharvest.transport.torchdist import TorchDistBackend
+from rlharvest.worker import run_worker
 from rlharvest.worker.nodes import node_main
 from rlharvest.collectors.engine import engine_of
 
@@ -131,6 +133,17 @@ def test_torchdist_nodes_grow_where_a_node_can_be_replaced():
     assert not backend("submitit_delayed").growable and not backend("mp", "mpi").growable
     with pytest.raises(NotImplementedError, match="cannot add workers"):
         backend("submitit_delayed").grow(1)
+
+
+def test_a_backend_says_whether_a_node_can_be_started_again():
+    """The fleet asks the backend (``replaceable``), not its launcher's name, whether a preempted node is
+    replaced: nodes started elsewhere (``submitit_delayed``) only leave."""
+    def backend(launcher):
+        return TorchDistBackend(1, node_main, None, launcher=launcher)
+
+    assert backend("mp").replaceable and backend("submitit").replaceable and backend("external").replaceable
+    assert not backend("submitit_delayed").replaceable
+    assert MPBackend(1, run_worker, mp_context(None)).replaceable
 
 
 # ---------------------------------------------------------------------------------- preemption (SIGTERM)

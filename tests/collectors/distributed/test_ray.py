@@ -157,7 +157,7 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
     try:
         iterator = iter(collector)
         next(iterator)
-        engine_of(collector).requests.handles[1].node_id = "another-node"  # as Ray would report an actor placed elsewhere
+        engine_of(collector).fleet.requests.handles[1].node_id = "another-node"  # as Ray would report an actor placed elsewhere
         set_weight(policy, 3.0)
         collector.update_policy_weights_()
         assert next(iterator)["action"].unique().tolist() == [3.0]
@@ -165,7 +165,7 @@ def test_actors_on_another_node_get_updates_through_the_object_store(ray_cluster
         assert sender.book.current == {0: 0} and not sender.book.pending  # only actor 0 runs on a generation
         sender._driver_node = "a-third-node"  # the replacement counts as remote: it gets a reference
         ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        wait_until(lambda: not engine_of(collector).fleet.requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         engine_of(collector).fleet.renew(0)
         assert next(iterator)["action"].unique().tolist() == [3.0] and 0 not in sender.book.current
     finally:

@@ -82,7 +82,7 @@ def test_sync_growth_adds_a_row_with_the_current_weights_and_unique_ids(ray_clus
         collector.update_policy_weights_(worker_ids=[1])  # reaches the new actor only
         third = next(iterator)
         assert third["action"][0].unique().tolist() == [3.0] and third["action"][1].unique().tolist() == [1.0]
-        assert next(iterator, None) is None and engine_of(collector).frames == 20  # total_frames, exactly
+        assert next(iterator, None) is None and engine_of(collector).tally.frames == 20  # total_frames, exactly
         assert first[IDS][0, -1] == second[IDS][0, 0]  # the trajectory running at the growth kept its id
         check_trajectories([stream([first, second, third], 0), stream([second, third], 1)])
         assert collector.remote_collectors == []  # iteration shut every actor down, the new one too
@@ -105,7 +105,7 @@ def test_async_growth_serves_the_new_actor_with_the_current_weights_and_exact_to
         assert collector.requested_frames_per_batch == 4 and len(collector) == 12
         batches += list(iterator)
         assert len(batches) == 12 and all(b.shape == (4,) for b in batches)
-        assert sum(b.numel() for b in batches) == 48 == engine_of(collector).frames
+        assert sum(b.numel() for b in batches) == 48 == engine_of(collector).tally.frames
         assert all(b["action"].unique().tolist() == [2.0] for b in batches[1:])
         # a batch comes from one actor; the new one's env counts past 2 (max_steps=5)
         per_actor: dict[int, list] = {0: [batches[0]]}

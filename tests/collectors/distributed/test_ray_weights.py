@@ -95,7 +95,7 @@ def test_a_replacement_on_this_node_opens_a_channel_of_its_own(ray_cluster):
     try:
         sender, calls, iterator = spy_and_start(collector)
         ray_cluster.kill(collector.remote_collectors[0])
-        wait_until(lambda: not engine_of(collector).requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
+        wait_until(lambda: not engine_of(collector).fleet.requests.handles[0].is_alive(), timeout=20.0, what="the actor's death")
         engine_of(collector).fleet.renew(0)
         assert calls == [(0, True)] and next(iterator)["action"].unique().tolist() == [1.0]
         set_weight(policy, 5.0)
