@@ -133,6 +133,13 @@ def init_ray(kind: str) -> None:
 WEIGHTSYNC_KINDS = {"multisync": "multisync", "distributed": "distributed_sync", "rpc": "rpc_sync",
                     "ray": "ray_sync"}
 
+#: ``weightsync_<backend>_1m`` of nodes collecting while the update happens: the async
+#: ``DistributedCollector``, :data:`COLLECTING_FRAMES_PER_BATCH`-frame batches, each update followed by
+#: a batch, :data:`COLLECTING_UPDATES` updates (full, quick): the update users of async nodes wait for.
+COLLECTING_WEIGHTSYNC_KINDS = {"distributed_collecting": "distributed_async"}
+COLLECTING_FRAMES_PER_BATCH = 50
+COLLECTING_UPDATES = (20, 6)
+
 #: ``freshness_<name>``: name -> collector kind.
 FRESHNESS_KINDS = {
     "multiasync": "multiasync",
@@ -153,6 +160,7 @@ def collector_workload_names() -> list[str]:
     names += [
         f"weightsync_{backend}_{size}" for backend in WEIGHTSYNC_KINDS for size in BIG_POLICY_SIZES
     ]
+    names += [f"weightsync_{backend}_1m" for backend in COLLECTING_WEIGHTSYNC_KINDS]
     names += [f"freshness_{name}" for name in FRESHNESS_KINDS]
     return names
 

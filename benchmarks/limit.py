@@ -7,7 +7,10 @@ Rows (a markdown table, with the date and the load average before and after):
 * ``collector_cartpole``: ``Collector`` (CartPole-v1, 4-64-64-2 MLP) against the raw gymnasium + MLP
   loop (``common.raw_gym_loop_for``) in one process;
 * ``multisync_cartpole`` / ``multiasync_cartpole``: 2 workers against two raw loops run concurrently in
-  2 processes (their steps/s summed).
+  2 processes (their steps/s summed);
+* ``batched_*`` (``benchmarks/limit_batched.py``): one env with a batch (``CountingEnv`` of 16 and 1024
+  rows, gymnasium's ``SyncVectorEnv`` of 64 CartPoles) against its raw loop in the same process,
+  alternated, and TorchRL 0.14.1's ``Collector`` on the same workload (``.venv-torchrl14``).
 
 Beside each ratio of frames/s (wall time: what a user gets, meaningful on a quiet machine), the CPU
 microseconds per frame of the collector's processes (all of them) and of the raw loop, and their
@@ -142,6 +145,13 @@ def multi_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
             for name in ("multisync_cartpole", "multiasync_cartpole")]
 
 
+def batched_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
+    """One env with a batch against its raw loop, beside TorchRL 0.14.1 (``benchmarks/limit_batched.py``)."""
+    import limit_batched
+
+    return limit_batched.rows(quick, pairs)
+
+
 def update_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
     """The rows of ``benchmarks/limit_updates.py`` (weight updates), none when it does not exist;
     ``pairs``: alternated quiet/busy runs of rlharvest's side."""
@@ -152,7 +162,8 @@ def update_rows(quick: bool, pairs: int = 1) -> list[dict[str, Any]]:
 
 #: The throughput rows, in order, by the name ``--rows`` takes (each ``(quick, pairs)``); :func:`update_rows`
 #: follows unless ``--no-updates``.
-ROWS: dict[str, Callable[[bool, int], list[dict[str, Any]]]] = {"collector": collector_rows, "multi": multi_rows}
+ROWS: dict[str, Callable[[bool, int], list[dict[str, Any]]]] = {"collector": collector_rows, "multi": multi_rows,
+                                                                 "batched": batched_rows}
 
 
 # ------------------------------------------------------------------------------------------- table

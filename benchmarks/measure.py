@@ -28,6 +28,7 @@ Metric definitions (all times from ``time.perf_counter`` unless noted):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -301,6 +302,12 @@ def run_workload(side: Side, name: str, budget: common.Budget) -> dict[str, Any]
         if size in common.BIG_POLICY_SIZES:
             kind = common.WEIGHTSYNC_KINDS[backend]
             return measure_weightsync(side, kind, common.BIG_POLICY_SIZES[size], budget)
+    if name.startswith("weightsync_") and backend in common.COLLECTING_WEIGHTSYNC_KINDS and size == "1m":
+        updates = common.COLLECTING_UPDATES[budget == common.QUICK]
+        collecting = dataclasses.replace(budget, weightsync_frames_per_batch=common.COLLECTING_FRAMES_PER_BATCH,
+                                         weightsync_repeats=updates)
+        return measure_weightsync(side, common.COLLECTING_WEIGHTSYNC_KINDS[backend], common.BIG_POLICY_SIZES[size],
+                                  collecting)
     freshness = name.removeprefix("freshness_")
     if name.startswith("freshness_") and freshness in common.FRESHNESS_KINDS:
         return measure_freshness(side, common.FRESHNESS_KINDS[freshness], budget)

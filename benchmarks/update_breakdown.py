@@ -181,6 +181,11 @@ def _events(directory: Path) -> dict[int, list[dict]]:
     return {int(p.stem): [json.loads(line) for line in p.read_text().splitlines()] for p in directory.glob("*.jsonl")}
 
 
+#: the node's reader thread back in Python with the notice -> the new weights swapped in (by the reader
+#: itself or by the collection loop between two steps): what the GIL and the policy's lock cost
+WAKE_TO_SWAP = "node: wake-to-swap (reader has the notice -> swapped in)"
+
+
 def analyse(by_pid: dict[int, list[dict]], main_pid: int) -> dict[str, float]:
     """Median milliseconds of each stage (see the module docstring)."""
     main = by_pid[main_pid]
@@ -219,12 +224,23 @@ def analyse(by_pid: dict[int, list[dict]], main_pid: int) -> dict[str, float]:
             add("node: map generation (receive)", node["receive_end"] - node["receive_start"])
             add("node: swap tensors (apply_weights)", node["apply_end"] - node["apply_start"])
             add("node: apply end -> ack written (cascade)", node["ack_write"] - node["apply_end"])
+            add(WAKE_TO_SWAP, node["apply_end"] - node["notice_read"])
             later = [t for t in acks if t >= node["ack_write"]]
             if later:
                 add("ack on the wire (node writes -> main reads)", min(later) - node["ack_write"])
         if acks:
             add("last ack read -> send returns", first["send_end"] - max(acks))
-    return {name: statistics.median(values) for name, values in stages.items()}
+    medians = {name: statistics.median(values) for name, values in stages.items()}
+    medians[WAKE_TO_SWAP + ", 90th percentile"] = _percentile(stages.get(WAKE_TO_SWAP, []), 0.9)
+    medians[WAKE_TO_SWAP + ", largest"] = max(stages.get(WAKE_TO_SWAP, [float("nan")]))
+    return medians
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def timeline(by_pid: dict[int, list[dict]], main_pid: int) -> dict[str, float]:

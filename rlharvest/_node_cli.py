@@ -35,7 +35,7 @@ EXIT_CODES = {
     EXIT_USAGE: "a bad argument or key file",
     EXIT_REFUSED: "the collector refused this node: every slot is taken, or the node runs another rlharvest version",
     EXIT_UNREACHABLE: "no collector answered at the address within --timeout",
-    EXIT_HANDSHAKE: "the collector did not prove it holds the key of --key-file within --handshake-timeout",
+    EXIT_HANDSHAKE: "the collector did not prove it is the learner of the key of --key-file within --handshake-timeout",
 }
 
 FRAMEWORKS = ("distributed", "rpc")
@@ -77,15 +77,16 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
                       help="distributed (DistributedCollector) or rpc (RPCCollector)")
     both = parser.add_argument_group("both")
     both.add_argument("--key-file", metavar="PATH",
-                      help="file holding the collector's key in hex, readable by its owner only (required with "
-                           "--join; with --rank, $RLHARVEST_AUTHKEY may hold the key instead)")
+                      help="file holding the node key join_command() wrote, or the collector's key in hex, readable "
+                           "by its owner only (required with --join; with --rank, $RLHARVEST_AUTHKEY may hold the "
+                           "collector's key instead)")
     both.add_argument("--authkey-file", metavar="PATH", help="deprecated spelling of --key-file")
     both.add_argument("--timeout", type=float, default=120.0,
                       help="seconds to wait for the collector to answer at its address (retried while nothing "
                            "listens there), then for each step of joining it; counted once the node has imported "
                            "torch")
     both.add_argument("--handshake-timeout", type=float, default=5.0,
-                      help="seconds the collector has to prove it holds the key")
+                      help="seconds the collector has to prove it is the learner of that key")
     parser.epilog = "exit status: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 
 

@@ -40,6 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlharvest", description="rlharvest: RL experience collectors.")
     parser.add_argument("--version", action="version", version=f"rlharvest {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(commands)
+    _add_bench(commands)
+    node = commands.add_parser(
+        "node", help="start a node by hand: join a DistributedCollector (launcher='external'), or serve one of "
+                     "launcher='submitit_delayed'",
+        description="Start a node by hand. With --join HOST:PORT: join the DistributedCollector listening there "
+                    "(launcher='external'; collector.join_command() prints this command) and collect in the first "
+                    "empty slot until the collector shuts down, this node is removed, or it receives SIGTERM (it "
+                    "then leaves). With --rank/--world-size/--host/--port: be that node of a collector of "
+                    "launcher='submitit_delayed'. The collector's key is read from --key-file (mode 0600); it is "
+                    "never given on the command line.",
+    )
+    add_node_arguments(node)
+    return parser
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo", help="train PPO on CartPole-v1 through an rlharvest collector",
         description="Train a small PPO on gymnasium's CartPole-v1 with experience collected by an rlharvest "
@@ -62,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--monitor", nargs="?", const=0, type=_port, metavar="PORT",
                       help="serve the live page of the collector (rlharvest.monitor) on 127.0.0.1:PORT while PPO "
                            "trains (PORT omitted: one the OS chooses; the address is printed)")
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench", help="measure rlharvest's collectors (and TorchRL's, side by side) and print one table",
         description="Run benchmarks/ for rlharvest and, when their side environments exist (see "
@@ -85,18 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--noisy-retries", type=int, help="re-runs of a workload disturbed by other processes "
                                                          "(default 2, 0 with --quick)")
     bench.add_argument("--benchmarks", help="the benchmarks/ folder (default: the source checkout's)")
-    node = commands.add_parser(
-        "node", help="start a node by hand: join a DistributedCollector (launcher='external'), or serve one of "
-                     "launcher='submitit_delayed'",
-        description="Start a node by hand. With --join HOST:PORT: join the DistributedCollector listening there "
-                    "(launcher='external'; collector.join_command() prints this command) and collect in the first "
-                    "empty slot until the collector shuts down, this node is removed, or it receives SIGTERM (it "
-                    "then leaves). With --rank/--world-size/--host/--port: be that node of a collector of "
-                    "launcher='submitit_delayed'. The collector's key is read from --key-file (mode 0600); it is "
-                    "never given on the command line.",
-    )
-    add_node_arguments(node)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +160,7 @@ def _node(ns: argparse.Namespace) -> int:
 
     try:
         key = read_key(args)
-    except (OSError, ValueError) as err:  # missing, readable by others, not hex
+    except (OSError, ValueError) as err:  # missing, readable or replaceable by others, malformed
         return _node_failed(f"error: {err}", EXIT_USAGE)
     try:
         start_node(args, key, _node_says)

@@ -5,7 +5,8 @@ forward arguments are observation names are wrapped into :class:`ObservationModu
 rollout loop does not call the policy on a TensorDict when it can avoid it: *key-to-key* modules
 (our wrapper, an unmodified ``TensorDictModule``, a ``TensorDictSequential`` of those) are called
 directly on the tensors of their ``in_keys``. Everything else goes through a TensorDict built from
-the step's values.
+the step's values. A step in which a module the fast path calls past has a hook (its own or torch's
+global module hooks) goes through the TensorDict too: the fast path never skips user code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.modules.module as _torch_module
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import (
     InteractionType,
@@ -194,21 +196,48 @@ def policy_device_copy(policy: Any, device: torch.device | None) -> tuple[Any, A
 
 
 # ---------------------------------------------------------------------------------------------- fast path
+def hooks_would_run(modules: tuple) -> bool:
+    """Whether calling any of ``modules`` would run a hook: its own forward or backward (pre-)hooks, or
+    torch's global module hooks (``register_module_forward_hook``...). The checks ``nn.Module.__call__``
+    makes, read from plain dicts: ~0.3 us for one module, the globals included."""
+    hooks = _torch_module
+    if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_pre_hooks
+            or hooks._global_backward_hooks):
+        return True
+    for module in modules:
+        if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+            return True
+    return False
+
+
 class PolicyStep:
     """Computes a step's policy outputs from the step's root values (``{key: value}``)."""
 
     #: keys this step writes (the action keys at least)
     out_keys: list[NestedKey]
+    #: the user's modules a fast step calls past (``TensorModuleStep`` calls what they wrap), and the
+    #: step that calls them instead: taken for every step in which one of them has a hook
+    bypassed: tuple = ()
+    general: PolicyStep | None = None
 
     def __call__(self, root: dict) -> dict:
         raise NotImplementedError
 
 
 class TensorModuleStep(PolicyStep):
-    """Calls key-to-key stages directly on tensors: no TensorDict per step."""
+    """Calls key-to-key stages directly on tensors: no TensorDict per step.
 
-    def __init__(self, stages: list[tuple[Callable, list, list]], device: torch.device | None):
+    Hooks are checked before every step (:func:`hooks_would_run` on ``bypassed``): a hook added to the
+    policy during a run, even within a batch, runs from the next step on; that step and every one while
+    a hook is there go through ``general``, which calls the policy itself.
+    """
+
+    def __init__(self, stages: list[tuple[Callable, list, list]], device: torch.device | None,
+                 bypassed: tuple = (), general: PolicyStep | None = None):
+        if bypassed and general is None:
+            raise ValueError("a TensorModuleStep that calls past modules needs the general step that calls them")
         self.device = device
+        self.bypassed, self.general = bypassed, general
         self.stages = stages
         produced: list = []
         for _, _, outs in stages:
@@ -229,6 +258,8 @@ class TensorModuleStep(PolicyStep):
         self._one = (stages[0][0], stages[0][1][0], stages[0][2]) if one else None
 
     def __call__(self, root: dict) -> dict:
+        if self.bypassed and hooks_would_run(self.bypassed):
+            return self.general(root)
         one = self._one
         if one is not None:
             result = one[0](root[one[1]])
@@ -294,14 +325,21 @@ class TensorDictStep(PolicyStep):
 
 
 class RandomStep(PolicyStep):
-    """Random actions from the env's action spec (init_random_frames, policy=None)."""
+    """Random actions from the env's action spec (init_random_frames, policy=None, a ``RandomPolicy``).
 
-    def __init__(self, env, random_policy: RandomPolicy | None = None):
+    A user's ``RandomPolicy`` is checked for hooks before every step, as :class:`TensorModuleStep` does.
+    """
+
+    def __init__(self, env, random_policy: RandomPolicy | None = None, general: PolicyStep | None = None):
         self.env = env
         self.random_policy = random_policy or RandomPolicy(env.full_action_spec)
         self.out_keys = [unravel_key(k) for k in env.action_keys]
+        if general is not None:
+            self.bypassed, self.general = (self.random_policy,), general
 
     def __call__(self, root: dict) -> dict:
+        if self.bypassed and hooks_would_run(self.bypassed):
+            return self.general(root)
         return self.random_policy.sample()
 
 
@@ -317,6 +355,13 @@ def _plain_tdmodule_stage(module) -> tuple | None:
     in_keys = [unravel_key(k) for k in module.in_keys]
     out_keys = [unravel_key(k) for k in module.out_keys]
     return module.module, in_keys, out_keys
+
+
+def _bypassed(policy) -> tuple:
+    """The modules a fast step would call past for ``policy``: the wrappers whose ``__call__`` it skips."""
+    if type(policy) is TensorDictSequential:
+        return (policy, *policy.module)
+    return (policy,) if isinstance(policy, torch.nn.Module) else ()
 
 
 def _stages_of(policy) -> list[tuple] | None:
@@ -337,24 +382,30 @@ def make_policy_step(policy: Callable, env, root_keys: set, device: torch.device
     """The fastest :class:`PolicyStep` that computes exactly what ``policy`` would.
 
     A policy that already is a :class:`PolicyStep` (rlharvest's inference client, whose policy runs
-    elsewhere) is used as it is.
+    elsewhere) is used as it is. A fast step (:class:`TensorModuleStep`, :class:`RandomStep`) looks for
+    hooks on the modules it calls past before every step: one added during a run runs from the next
+    step on, through a :class:`TensorDictStep` of ``policy``; one there from the start means no fast step.
     """
     if isinstance(policy, PolicyStep):
         return policy
-    if isinstance(policy, RandomPolicy):
-        return RandomStep(env, policy)
-    stages = _stages_of(policy)
-    if stages is not None:
+    general = TensorDictStep(policy, env.batch_size, device, [unravel_key(k) for k in env.action_keys])
+    bypassed = _bypassed(policy)
+    if bypassed and hooks_would_run(bypassed):
+        return general  # the hooks' outputs are found on the first step, as any policy's
+    if type(policy) is RandomPolicy:  # a subclass's forward is the user's
+        step = RandomStep(env, policy, general)
+    else:
+        stages = _stages_of(policy)
         available = set(root_keys)
-        for _, in_keys, out_keys in stages:
+        for _, in_keys, out_keys in stages or ():
             if not set(in_keys) <= available:
-                stages = None
-                break
+                return general
             available |= set(out_keys)
-    if stages is not None:
-        return TensorModuleStep(stages, device)
-    action_keys = [unravel_key(k) for k in env.action_keys]
-    return TensorDictStep(policy, env.batch_size, device, action_keys)
+        if stages is None:
+            return general
+        step = TensorModuleStep(stages, device, bypassed, general)
+    general.out_keys = list(step.out_keys)  # a hook added later changes values, not the batch's layout
+    return step
 
 
 class WeakPolicyRef:

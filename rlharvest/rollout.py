@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -28,9 +27,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import set_interaction_type
 
 from ._batching import or_flag, owner_of, truncate_inside, value_meta
-from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key, user_stacklevel
+from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .batch_buffer import BatchBuffer, Layout
-from .config import CollectorConfig
 from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
 from .envs.checks import check_policy_actions, check_step_specs, first_step
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
@@ -121,37 +119,6 @@ class RolloutSettings:
     #: stack steps lazily (envs with dynamic specs, whose shapes change between steps)
     lazy_stack: bool = False
 
-    @classmethod
-    def of(cls, config: CollectorConfig, env: Any, devices: tuple) -> RolloutSettings:
-        """The settings of a collector's rollouts: its ``frames_per_batch`` as time steps of ``env`` (rounded
-        up to a multiple of the env batch, with a warning at the user's line when it was not one, or when
-        ``total_frames`` or ``init_random_frames`` are not multiples of it), its ``(storing, policy, env)``
-        ``devices``, buffers (preallocated unless a replay buffer is the storage or the env's specs are
-        dynamic)."""
-        storing, policy_device, env_device = devices
-        n_env = int(env.batch_size.numel()) if len(env.batch_size) else 1
-        frames = -(-config.frames_per_batch // n_env) * n_env
-        if frames != config.frames_per_batch:
-            warnings.warn(f"frames_per_batch={config.frames_per_batch} is not a multiple of the env batch size "
-                          f"({n_env}); collecting {frames} frames per batch.", stacklevel=user_stacklevel())
-        total, random_frames = config.total_frames, config.init_random_frames
-        if total > 0 and total % frames:
-            warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={frames}: the last batch "
-                          "will overshoot.", stacklevel=user_stacklevel())
-        if random_frames and random_frames % frames:
-            warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={frames}: "
-                          "random actions continue to the end of the batch that reaches it.",
-                          stacklevel=user_stacklevel())
-        dynamic = bool(env_attr(env, "_has_dynamic_specs", False))
-        use_buffers = config.use_buffers
-        if use_buffers is None:
-            use_buffers = config.replay_buffer is None and not dynamic
-        return cls(time_steps=frames // n_env, max_frames_per_traj=config.max_frames_per_traj,
-                   set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
-                   exploration_type=config.exploration_type, storing_device=storing, policy_device=policy_device,
-                   env_device=env_device, use_buffers=use_buffers, track_traj_ids=config.track_traj_ids,
-                   compact_obs=config.compact_obs, lazy_stack=dynamic)
-
 
 class Rollout:
     """Steps ``env`` with ``policy`` and assembles batches of ``settings.time_steps`` steps.
@@ -232,13 +199,14 @@ class Rollout:
         self._count = torch.where(mask, 0, self._count)
 
     def _renumber(self, traj, done):
+        """New ids for the sub-envs in ``done``: the next ones of the counter, in row-major order."""
         if not self.batch_size:
             return self.traj_counter.take(1)
-        count = int(done.sum())
-        first = self.traj_counter.take(count)
-        traj = traj.clone()
-        traj[done] = torch.arange(first, first + count, dtype=torch.int64)
-        return traj
+        rows = done.reshape(-1)
+        ranks = rows.cumsum(0)  # the last one is the count: one host sync for the counter
+        first = self.traj_counter.take(int(ranks[-1]))
+        # a new tensor (steps already taken keep theirs), without a mask's index (which syncs once more)
+        return torch.where(rows, ranks.add_(first - 1), traj.reshape(-1)).reshape(self.batch_size)
 
     def episode_state(self) -> dict[str, Any]:
         """The episodes in flight: the root the next step acts on, trajectory ids, step counts
@@ -278,8 +246,8 @@ class Rollout:
         adapter, limit, lock = self.adapter, self._limit, self._policy_lock
         # Every name the loop uses is local: each step pays only for the env, the policy and a few
         # references moved (docs/archive/performance-history.md, "Where each microsecond of a frame goes").
-        env_step, next_root_of, any_done = adapter.step, adapter.next_root, adapter.any_done
-        scalar = not self.batch_size  # one env: done is a Python bool
+        env_step, next_root_of = adapter.step, adapter.next_root
+        scalar = not self.batch_size  # one env: done is a Python bool (a batch: a bool tensor, see _restart)
         move = self._to_env_device if self._move_actions else None
         last_step = self.settings.time_steps - 1 if self.settings.set_truncated else -1
         root, traj, count = self._root, self._traj, self._count
@@ -312,7 +280,7 @@ class Rollout:
                 append((root, actions, nxt, traj, count, version))
                 if len(steps) == chunk:
                     chunk, written = self._write_chunk(steps, written, random)
-                if done if scalar else any_done(done):
+                if done if scalar else done.any():
                     root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
                 else:
                     root = next_root if next_root is not None else next_root_of(nxt, root)
@@ -333,6 +301,7 @@ class Rollout:
     def _truncate(self, nxt: dict, done, count, end_of_batch: bool):
         """Apply ``max_frames_per_traj`` and ``set_truncated`` to a step's next values: every
         truncated flag of the hit sub-envs is set, and their done flags with it."""
+        done = self.adapter.done_rows(done)
         hit = (count + 1 >= self._limit) if self._limit else False
         if end_of_batch:
             hit = True if not self.batch_size else torch.ones(self.batch_size, dtype=torch.bool)
@@ -352,18 +321,17 @@ class Rollout:
     def _restart(self, nxt, root, next_root, done, env_done, traj, count):
         """Root, trajectory ids and step counts after a step in which some sub-envs ended."""
         adapter = self.adapter
+        done, env_done = adapter.done_rows(done), adapter.done_rows(env_done)
         if next_root is not None:
             # The env already reset what it considered done; reset what we truncated on top of it.
             extra = (done and not env_done) if not self.batch_size else done & ~env_done
             root = adapter.reset_rows(next_root, extra) if adapter.any_done(extra) else next_root
         else:
             root = adapter.reset_rows(adapter.next_root(nxt, root), done)
-        traj = self._renumber(traj, done)
         if not self.batch_size:
-            count = 0
-        else:
-            count = torch.where(done, 0, count + 1)
-        return root, traj, count
+            return root, self._renumber(traj, done), 0
+        # step counts serve max_frames_per_traj only
+        return root, self._renumber(traj, done), torch.where(done, 0, count + 1) if self._limit else count
 
     # ------------------------------------------------------------------ batch assembly
     def _policy_outputs(self, root: dict) -> dict:
@@ -453,6 +421,10 @@ class Rollout:
         """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
         self.settings, self._probe = replace(self.settings, time_steps=int(time_steps)), 0
         self.batches.resize(time_steps)
+
+    def hand_out_batches(self) -> None:
+        """Each batch in a buffer of its own, which the caller keeps (``BatchBuffer.hand_out_batches``)."""
+        self.batches.hand_out_batches()
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""

@@ -596,3 +596,19 @@ class StampedPolicy(torch.nn.Module):
         tensordict.set("b", self.b.expand(shape).clone())
         tensordict.set("stamp", torch.full(shape, time.monotonic(), dtype=torch.float64))
         return tensordict
+
+
+class CallCounter:
+    """A forward hook, or forward pre-hook, that writes how many times it has run into the step's
+    TensorDict under ``key``; a forward hook given ``action`` also overwrites the policy's action with it.
+    A class rather than a closure, so that a policy carrying it reaches worker processes."""
+
+    def __init__(self, key: str, action: float | None = None) -> None:
+        self.key, self.action, self.calls = key, action, 0
+
+    def __call__(self, module, args, output=None):
+        self.calls += 1
+        td = args[0] if output is None else output
+        td.set(self.key, torch.full((*td.batch_size, 1), self.calls, dtype=torch.int64))
+        if self.action is not None:
+            td.set("action", torch.full_like(td.get("action"), self.action))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import secrets
 import subprocess
 import sys
 
@@ -64,7 +65,7 @@ def test_a_bad_argument_is_one_line_and_status_2(argv, says):
 
 def test_a_key_file_others_may_read_or_that_is_missing_is_status_2(tmp_path):
     key = tmp_path / "key"
-    key.write_text("ab" * 32)
+    key.write_text(secrets.token_hex(32))
     key.chmod(0o644)
     for path in (key, tmp_path / "missing"):
         done = run("node", "--join", f"127.0.0.1:{free_port()}", "--key-file", str(path))
@@ -74,7 +75,7 @@ def test_a_key_file_others_may_read_or_that_is_missing_is_status_2(tmp_path):
 
 def test_an_unreachable_collector_is_retried_then_one_line_and_status_4(tmp_path):
     key = tmp_path / "key"
-    key.write_text("ab" * 32)
+    key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     done = run("node", "--join", address, "--key-file", str(key), "--timeout", "2")
@@ -88,7 +89,7 @@ def test_an_unreachable_collector_is_retried_then_one_line_and_status_4(tmp_path
 
 def test_the_former_spellings_still_work_and_say_they_are_deprecated(tmp_path):
     key = tmp_path / "key"
-    key.write_text("ab" * 32)
+    key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
     port = free_port()
     done = run("node", "--join", f"127.0.0.1:{port}", "--authkey-file", str(key), "--timeout", "0.5")

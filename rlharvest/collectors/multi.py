@@ -209,7 +209,6 @@ class MultiSyncCollector(MultiCollector):
     """
 
 
-
 class MultiAsyncCollector(MultiCollector):
     """Workers collect continuously; each batch is the first one ready (off-policy training).
 
@@ -220,7 +219,6 @@ class MultiAsyncCollector(MultiCollector):
         [8, 8]
         >>> collector.shutdown()
     """
-
 
 
 class AsyncCollector(MultiAsyncCollector):

@@ -185,7 +185,7 @@ class SubEnvRunner:
 
     def _advance(self, outcome, root: dict) -> None:
         adapter = self.adapter
-        done = outcome.done
+        done = adapter.done_rows(outcome.done)
         if not adapter.any_done(done):
             self.root = outcome.next_root if outcome.next_root is not None else adapter.next_root(outcome.next, root)
             return

@@ -6,8 +6,9 @@
   ``EnvBase`` included, using ``step_and_maybe_reset`` when available.
 
 Both exchange *step dicts*: ``{nested_key: value}`` for the root of a step and for its ``"next"``
-entries. Done-ness per sub-env is a Python bool for unbatched envs and a bool tensor of shape
-``batch_size`` otherwise.
+entries. Done-ness per sub-env is a Python bool for unbatched envs and otherwise a bool tensor whose
+leading dims are ``batch_size``: a step's ``done`` may keep the env's trailing flag dim (``(*batch, 1)``:
+``any()`` needs no more), and :meth:`EnvAdapter.done_rows` gives the tensor of shape ``batch_size``.
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ class EnvAdapter:
     def any_done(self, done) -> bool:
         return _any(done)
 
+    def done_rows(self, done):
+        """A step's ``done`` as one flag per sub-env (shape ``batch_size``; a bool for one env)."""
+        return done
+
 
 class ArrayEnvAdapter(EnvAdapter):
     """Fast path for envs implementing ``_reset_arrays`` / ``_step_arrays``."""
@@ -148,6 +153,7 @@ class ArrayEnvAdapter(EnvAdapter):
         self.reward_key = env.reward_key
         self.reward_keys = [unravel_key(env.reward_key)]
         self._batched = len(self.batch_size) > 0
+        self._rows, self._flag_dims = self.batch_size.numel(), len(self.batch_size) + 1
         self._observation_keys = frozenset(unravel_key(k) for k in env.observation_spec.keys(True, True))
         self.observation_keys = self._observation_keys
         # the usual env observes one key: its next root is built without a loop (~0.4 us a step)
@@ -178,7 +184,16 @@ class ArrayEnvAdapter(EnvAdapter):
         else:
             done = terminated
         nxt["done"] = done
-        return StepOutcome(nxt, done.reshape(self.batch_size + (-1,)).any(-1), None)
+        # the flags as they are (the usual (*batch, 1)): the loop only asks any() of most steps, and the
+        # rows of those that ended (done_rows): ~2-3 us a step less than reducing every step's flags
+        return StepOutcome(nxt, done, None)
+
+    def done_rows(self, done):
+        if not self._batched or done.dim() == len(self.batch_size):
+            return done
+        if done.dim() == self._flag_dims and done.numel() == self._rows:
+            return done.squeeze(-1)  # one flag per row: a view
+        return done.reshape(self.batch_size + (-1,)).any(-1)
 
     def next_root(self, nxt: dict, root: dict) -> dict:
         key = self._one_key

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from .._utils import resolve_attr_path
 
@@ -50,9 +50,9 @@ class EnvOp:
             raise ValueError(f"name must be a non-empty attribute path (a str), got {self.path!r}.")
 
 
-@runtime_checkable
 class SubEnvsReconfigurable(Protocol):
-    """A batched env whose sub-envs each take the op where they run (``BatchedEnvBase``)."""
+    """A batched env whose sub-envs each take the op where they run (``BatchedEnvBase``): an env whose
+    class has ``reconfigure_sub_envs``."""
 
     def reconfigure_sub_envs(self, op: EnvOp) -> list[Any]:
         """The op applied to each sub-env; their results, in sub-env order."""
@@ -102,7 +102,7 @@ def reconfigure_env(env: Any, op: EnvOp) -> Any:
     Raises:
         AttributeError, TypeError, ValueError: see :func:`apply_env_op`.
     """
-    if not isinstance(env, SubEnvsReconfigurable):
+    if not callable(getattr(type(env), "reconfigure_sub_envs", None)):  # not a SubEnvsReconfigurable
         return apply_env_op(env, op)
     if op.kind is not EnvOpKind.SET:
         try:

@@ -259,7 +259,7 @@ class Backend(ABC):
         that has imported torch) prepares it while the first workers start, not at a failure."""
         self.replacements_expected = True
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         """Make room for ``count`` more workers, indices ``num_workers`` on, each then started with
         :meth:`start_one` (docs/backends.md, "Adding workers").
 

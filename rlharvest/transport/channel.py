@@ -1,17 +1,14 @@
 """Authenticated TCP channels between the main process and its nodes (see docs/security.md).
 
 The command channel of a node and the weight channel of the distributed weight-sync scheme are both
-made here. Opening one is a mutual challenge over a key both ends got out of band (or derived from
-one: :func:`derive_key`):
-
-1. the listener sends a random nonce; 2. the connecting peer answers with its own nonce, the *id* of
-the key it holds (0: the collector's key; a node's rank: that node's slot key, :func:`slot_key`) and
-an HMAC of all three under that key; 3. only if that is right does the listener send its own HMAC,
-which the peer checks. Nothing is decoded before both proofs were checked, and each side keeps to a
-short ``handshake_timeout``. Every message after that carries an HMAC-SHA256 tag of its sequence
-number and bytes under a per-direction session key derived from the key, its id and both nonces. A
-stranger who relays a handshake it cannot complete itself (a squatted port) therefore cannot
-inject, replay or reorder a single message: its bytes fail the tag and the channel closes.
+made here. Opening one is the handshake of :mod:`.handshake`: the listener proves first (the main
+process signs with the learner's identity on the command port), then the connecting peer proves it
+holds the key of the id it names (:mod:`.keys`). Nothing is decoded before both proofs were
+checked, and each side keeps to a short ``handshake_timeout``. Every message after that carries an
+HMAC-SHA256 tag of its sequence number and bytes under a per-direction session key that also
+depends on an X25519 secret of this channel alone. A peer who relays a handshake (a squatted port),
+even one holding the same key, therefore cannot inject, replay or reorder a single message: its
+bytes fail the tag and the channel closes.
 
 The first message a listener receives (the peer's *hello*) is decoded as a tuple of plain values
 (:mod:`.wire`), never unpickled; later messages from the connecting side (nodes) are in wire format
@@ -35,8 +32,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, NoReturn, Union
+from typing import Any, Callable, NoReturn
 
+from .handshake import AuthenticationFailed, Keys, NotProven, connector_side, listener_side
+from .keys import (AUTHKEY_ENV, LearnerIdentity, NodeCredential, as_credential, derive_key, new_authkey,
+                   parse_authkey, slot_key)
 from .ports import PortInUseError, not_this_host
 from .wire import (HELLO_MAX, NodeMessageError, decode_from_node, decode_hello, encode_from_node, encode_hello,
                    node_limit)
@@ -46,68 +46,13 @@ __all__ = ["AUTHKEY_ENV", "new_authkey", "parse_authkey", "derive_key", "slot_ke
            "shutdown_connection"]
 
 logger = logging.getLogger("rlharvest")
-
-#: environment variable holding the collector's key (hex) for nodes started by hand
-AUTHKEY_ENV = "RLHARVEST_AUTHKEY"
-_MIN_KEY_BYTES = 16
-_MAGIC = b"rlharvest-channel-2\0"
-_NONCE = 32
 _TAG = 32
-_KEY_ID = 8
-#: the keys a listener accepts: ``key id -> key``, or None for an id it does not know
-Keys = Union[bytes, Callable[[int], Union[bytes, None]]]
-
-
-class AuthenticationFailed(ConnectionError):
-    """A peer did not complete the handshake (wrong key, garbage, silence) or sent a forged message."""
 
 
 class RefusedMessage(ConnectionError):
     """A node sent a message the main process does not take (malformed, too long, of another wire
     format, a class not allowed, or not one the channel carries): the channel is closed, as if the
     node had gone."""
-
-
-class _NoGreeting(AuthenticationFailed):
-    """The listener closed the connection before greeting (it was busy, or is not a listener)."""
-
-
-def new_authkey() -> bytes:
-    """A fresh random key (32 bytes)."""
-    return os.urandom(32)
-
-
-def parse_authkey(value: bytes | str, name: str = "authkey") -> bytes:
-    """``value`` as key bytes: bytes, or their hex; at least 16 bytes.
-
-    Raises:
-        ValueError: naming ``name`` for anything shorter or not hex.
-        TypeError: naming ``name`` for other types.
-    """
-    if isinstance(value, str):
-        try:
-            value = bytes.fromhex(value.strip())
-        except ValueError:
-            raise ValueError(f"{name} must be hex digits (e.g. from `python -c 'import secrets; "
-                             f"print(secrets.token_hex(32))'`), got a string that is not hex.") from None
-    if not isinstance(value, (bytes, bytearray)):
-        raise TypeError(f"{name} must be bytes or a hex string, got {type(value).__name__}")
-    if len(value) < _MIN_KEY_BYTES:
-        raise ValueError(f"{name} must hold at least {_MIN_KEY_BYTES} bytes ({2 * _MIN_KEY_BYTES} hex digits), "
-                         f"got {len(value)}.")
-    return bytes(value)
-
-
-def derive_key(key: bytes, label: str, *parts: bytes) -> bytes:
-    """A key for one purpose (``label``), derived from ``key`` and ``parts`` (e.g. a salt that
-    travels): HMAC-SHA256. Whoever holds ``key`` can derive it; from it, nobody can learn ``key``."""
-    return hmac.digest(key, b"rlharvest-" + label.encode() + b"\0" + b"\0".join(parts), "sha256")
-
-
-def slot_key(authkey: bytes, rank: int) -> bytes:
-    """The key of the node of rank ``rank`` (of every generation of it), derived from the collector's key:
-    nodes the collector starts itself get only theirs (docs/security.md, "The key")."""
-    return derive_key(authkey, "slot", rank.to_bytes(8, "big"))
 
 
 def _describe(message: Any) -> str:
@@ -121,16 +66,6 @@ def _pickle(obj: Any) -> bytes:
     return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
-def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.digest(key, label + b"\0" + b"".join(parts), "sha256")
-
-
-def _key_for(keys: Keys, key_id: int) -> bytes | None:
-    if isinstance(keys, (bytes, bytearray)):
-        return bytes(keys) if key_id == 0 else None
-    return keys(key_id)
-
-
 class Channel:
     """An authenticated, ordered message channel (the handshake made it; see the module docstring).
 
@@ -140,14 +75,16 @@ class Channel:
 
     def __init__(self, conn: mpc.Connection, send_key: bytes, recv_key: bytes, *, key_id: int = 0,
                  loads: Callable[[bytes], Any] = pickle.loads, dumps: Callable[[Any], bytes] = _pickle,
-                 max_message: Callable[[], int] | None = None) -> None:
+                 max_message: Callable[[], int] | None = None, exporter: bytes | None = None) -> None:
         self._conn = conn
         self._send_key, self._recv_key = send_key, recv_key
         self._send_seq = self._recv_seq = 0
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        #: which key the connecting peer proved it holds (0: the collector's; a rank: that slot's)
+        #: which key the connecting peer proved it holds (0: the join key; a rank: that slot's)
         self.key_id = key_id
+        #: a secret of this channel alone (both ends hold it, nobody else): wraps a key sent over it
+        self.exporter = exporter
         self._loads, self._dumps, self._max_message = loads, dumps, max_message
         self._expected: tuple[Callable[[Any], bool], str] | None = None
 
@@ -257,21 +194,41 @@ def _tune_socket(sock: socket.socket, user_timeout: float) -> None:
 
 
 class _Watchdog:
-    """Bounds a whole handshake: after ``seconds`` the socket is shut down, which wakes any blocked
-    read or write (a per-read timeout would let a peer dripping one byte at a time go on forever)."""
+    """Bounds a handshake: after ``seconds`` (or at :meth:`fire`) the socket is shut down, which wakes
+    any blocked read or write (a per-read timeout would let a peer dripping one byte at a time go on
+    forever)."""
 
     def __init__(self, conn: mpc.Connection, seconds: float) -> None:
-        self.conn, self.expired, self._done = conn, False, False
+        self.conn, self.seconds, self._done = conn, seconds, False
+        #: why the handshake was cut short (None while it was not)
+        self.reason: str | None = None
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self._timer = self._start(seconds)
 
-    def _expire(self) -> None:
+    @property
+    def expired(self) -> bool:
+        return self.reason is not None
+
+    def _start(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.fire, args=(f"no complete handshake within {seconds:g} s",))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def fire(self, reason: str) -> None:
+        """Cut the handshake short now (unless it ended): its socket is shut down."""
         with self._lock:
-            if not self._done:
-                self.expired = True
+            if not self._done and self.reason is None:
+                self.reason = reason
                 shutdown_connection(self.conn)
+
+    def restart(self, seconds: float) -> None:
+        """A new deadline, ``seconds`` from now (unless it was cut short already)."""
+        with self._lock:
+            if self.reason is not None:
+                return
+            self._timer.cancel()
+            self.seconds, self._timer = seconds, self._start(seconds)
 
     def stop(self) -> None:
         with self._lock:
@@ -285,69 +242,48 @@ def _connection(sock: socket.socket, user_timeout: float) -> mpc.Connection:
     return mpc.Connection(sock.detach())
 
 
-def _server_side(conn: mpc.Connection, keys: Keys) -> Channel:
-    """The listener checks the peer's proof before giving its own (it is no oracle for strangers)."""
-    server_nonce = os.urandom(_NONCE)
-    conn.send_bytes(_MAGIC + server_nonce)
-    reply = conn.recv_bytes(_NONCE + _KEY_ID + _TAG)
-    if len(reply) != _NONCE + _KEY_ID + _TAG:
-        raise AuthenticationFailed("malformed handshake")
-    client_nonce, key_id, proof = reply[:_NONCE], reply[_NONCE:_NONCE + _KEY_ID], reply[_NONCE + _KEY_ID:]
-    key = _key_for(keys, int.from_bytes(key_id, "big", signed=True))
-    if key is None:
-        raise AuthenticationFailed("a key this listener does not take")
-    if not hmac.compare_digest(proof, _mac(key, b"client", server_nonce, client_nonce, key_id)):
-        raise AuthenticationFailed("wrong key")
-    conn.send_bytes(_mac(key, b"server", server_nonce, client_nonce, key_id))
-    return Channel(conn, _mac(key, b"server->client", server_nonce, client_nonce, key_id),
-                   _mac(key, b"client->server", server_nonce, client_nonce, key_id),
-                   key_id=int.from_bytes(key_id, "big", signed=True), loads=decode_from_node, max_message=node_limit)
+def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listener: bool, hello: bool = False,
+                 key_id: int = 0, identity: LearnerIdentity | None = None, learner: bytes | None = None,
+                 hello_timeout: float | None = None,
+                 watchdog: _Watchdog | None = None) -> tuple[Channel, Any]:
+    """Run one side of the handshake of :mod:`.handshake` within ``timeout`` seconds (and, on the
+    listener's side with ``hello``, receive the peer's hello within ``hello_timeout`` more, decoded
+    as plain values). Returns ``(channel, hello or None)``.
 
-
-def _client_side(conn: mpc.Connection, authkey: bytes, key_id: int) -> Channel:
-    """The connecting peer proves, then requires the listener's proof before it reads anything else."""
-    try:
-        greeting = conn.recv_bytes(len(_MAGIC) + _NONCE)
-    except EOFError as err:
-        raise _NoGreeting("the listener closed the connection before its greeting") from err
-    if len(greeting) != len(_MAGIC) + _NONCE or not greeting.startswith(_MAGIC):
-        raise AuthenticationFailed("the listener does not speak the rlharvest channel protocol")
-    server_nonce, client_nonce = greeting[len(_MAGIC):], os.urandom(_NONCE)
-    ident = key_id.to_bytes(_KEY_ID, "big", signed=True)
-    conn.send_bytes(client_nonce + ident + _mac(authkey, b"client", server_nonce, client_nonce, ident))
-    proof = conn.recv_bytes(_TAG)
-    if not hmac.compare_digest(proof, _mac(authkey, b"server", server_nonce, client_nonce, ident)):
-        raise AuthenticationFailed("the listener did not prove it holds the key")
-    return Channel(conn, _mac(authkey, b"client->server", server_nonce, client_nonce, ident),
-                   _mac(authkey, b"server->client", server_nonce, client_nonce, ident), key_id=key_id,
-                   dumps=encode_from_node)
-
-
-def authenticate(conn: mpc.Connection, authkey: Keys, timeout: float, *, listener: bool,
-                 hello: bool = False, key_id: int = 0) -> tuple[Channel, Any]:
-    """Run one side of the handshake within ``timeout`` seconds (and, on the listener's side with
-    ``hello``, receive the peer's hello too, decoded as plain values). Returns ``(channel, hello or None)``.
-
-    ``authkey``: the key (and ``key_id`` its id) a connecting peer proves it holds; for a listener,
-    the keys it takes (bytes: the key of id 0; or a function of the id).
+    ``authkey``: for a connecting peer, the key it proves it holds (``key_id`` its id; ``learner``:
+    the learner's public key, whose signature the listener must show); for a listener, the keys it
+    takes (bytes: the key of id 0; or a function of the id), ``identity`` the learner's signing key
+    it proves with (else an HMAC).
+    ``watchdog``: the one bounding this handshake, if the caller made it (to cut it short itself).
 
     Raises:
+        NotProven: (connecting side) the listener closed the connection before its proof.
         AuthenticationFailed: wrong key, garbage, silence or a closed connection; ``conn`` is closed.
     """
-    watchdog = _Watchdog(conn, timeout)
+    watchdog = watchdog or _Watchdog(conn, timeout)
     try:
-        channel = _server_side(conn, authkey) if listener else _client_side(conn, authkey, key_id)
-        first = decode_hello(channel.recv_bytes(HELLO_MAX)) if hello else None  # the peer proved it holds the key
+        if listener:
+            session = listener_side(conn, authkey, identity)
+            channel = Channel(conn, session.send_key, session.recv_key, key_id=session.key_id,
+                              exporter=session.exporter, loads=decode_from_node, max_message=node_limit)
+        else:
+            session = connector_side(conn, authkey, key_id, learner)
+            channel = Channel(conn, session.send_key, session.recv_key, key_id=session.key_id,
+                              exporter=session.exporter, dumps=encode_from_node)
+        if hello:  # the peer proved it holds the key
+            watchdog.restart(hello_timeout if hello_timeout is not None else timeout)
+            first = decode_hello(channel.recv_bytes(HELLO_MAX))
+        else:
+            first = None
     except Exception as err:
         watchdog.stop()
         conn.close()
-        if watchdog.expired:
-            raise AuthenticationFailed(f"no complete handshake within {timeout:g} s") from err
+        if watchdog.reason is not None:
+            raise AuthenticationFailed(watchdog.reason) from err
         if isinstance(err, AuthenticationFailed):
             raise
-        if isinstance(err, EOFError):
-            why = "" if listener else " (it holds another key, or is not a collector's listener)"
-            raise AuthenticationFailed(f"the peer closed the connection during the handshake{why}") from err
+        if isinstance(err, (EOFError, ConnectionResetError)):
+            raise AuthenticationFailed("the peer closed the connection during the handshake") from err
         raise AuthenticationFailed(f"malformed handshake ({type(err).__name__}: {err})") from err
     watchdog.stop()
     return channel, first
@@ -385,23 +321,30 @@ def accept_channel(server: socket.socket, authkey: Keys, timeout: float, user_ti
     return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=True)[0]
 
 
-def open_channel(host: str, port: int, authkey: bytes, timeout: float, user_timeout: float,
+def open_channel(host: str, port: int, authkey: bytes | NodeCredential, timeout: float, user_timeout: float,
                  handshake_timeout: float = 5.0, key_id: int = 0,
                  on_retry: Callable[[BaseException], None] | None = None) -> Channel:
-    """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate with
-    ``authkey``, whose id is ``key_id``; ``on_retry(error)`` is called before each retry.
+    """Connect to a :class:`~.listener.ChannelListener` (retrying until ``timeout``) and authenticate
+    with ``authkey``: a node's credential (its key, its id, and the learner's public key, whose
+    signature the listener must show; or its encoded bytes), or a key of id ``key_id`` (the listener then proves with an
+    HMAC under it: the weight and relay ports); ``on_retry(error)`` is called before each retry.
 
     Raises:
-        AuthenticationFailed: the listener is not one holding ``authkey``; it is refused before
-            anything it sent was unpickled.
+        AuthenticationFailed: the listener did not prove itself; it is refused before anything it
+            sent was unpickled, and before this side sent anything that depends on its key.
     """
+    credential = as_credential(authkey)  # also a node key's bytes (a key file's hex, decoded)
+    if credential is not None:
+        key, key_id, learner = credential.key, credential.key_id, credential.learner
+    else:
+        key, learner = authkey, None
     deadline = time.monotonic() + timeout
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            return authenticate(_connection(sock, user_timeout), authkey, handshake_timeout, listener=False,
-                                key_id=key_id)[0]
-        except _NoGreeting as err:  # a listener busy with strangers closes newcomers at once: try again
+            return authenticate(_connection(sock, user_timeout), key, handshake_timeout, listener=False,
+                                key_id=key_id, learner=learner)[0]
+        except NotProven as err:  # this handshake was evicted for a newer one: nothing keyed was sent
             if time.monotonic() > deadline:
                 raise AuthenticationFailed(f"refused the listener at {host}:{port}: {err}") from err
         except AuthenticationFailed as err:

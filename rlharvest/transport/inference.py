@@ -200,13 +200,13 @@ def _as_tensor(value: Any) -> torch.Tensor:
 class _TensorDictCall:
     """A policy called on a TensorDict of any leading batch size; out keys found on the first call."""
 
-    def __init__(self, policy: Callable, action_keys: list) -> None:
-        self.policy, self.action_keys = policy, action_keys
+    def __init__(self, policy: Callable, action_keys: list, device: torch.device | None = None) -> None:
+        self.policy, self.action_keys, self.device = policy, action_keys, device
         self.out_keys: list | None = None
 
     def __call__(self, values: dict) -> dict:
         batch = next(iter(values.values())).shape[:1]
-        td = TensorDict(dict(values), batch_size=batch)
+        td = TensorDict(dict(values), batch_size=batch, device=self.device)
         before = {k: td.get(k) for k in td.keys(True, True)} if self.out_keys is None else None
         result = self.policy(td)
         result = td if result is None else result
@@ -293,8 +293,11 @@ class InferenceServer:
         self.frames_per_request = int(np.prod(self.env_batch)) if self.env_batch else 1
         wrapped = wrap_policy(self.policy, env, self.trust_policy)
         step = make_policy_step(wrapped, env, set(hello.root), self.device)
-        if not isinstance(step, TensorModuleStep):
-            step = _TensorDictCall(wrapped, [k for k in env.action_keys])
+        general = _TensorDictCall(wrapped, [k for k in env.action_keys], self.device)
+        if isinstance(step, TensorModuleStep):  # its general step for the requests' batch of any size
+            general.out_keys, step.general = list(step.out_keys), general
+        else:
+            step = general
         in_keys = _input_keys(step, list(hello.root))
         missing = [k for k in in_keys if k not in hello.root]
         if missing:

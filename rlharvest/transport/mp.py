@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -267,7 +267,7 @@ class MPBackend(Backend):
 
     growable = True
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         """Room for ``count`` more worker processes; ``options``: the policy device of each (default:
         worker 0's)."""
         first = self.num_workers

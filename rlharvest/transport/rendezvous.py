@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from .channel import Channel, listen, slot_key
+from .keys import MAX_RANK, LearnerIdentity, join_key
 from .listener import ChannelListener
 from .pairing import (PairingFailed, distributed_state_exists, form_pair, make_process_group,
                       mark_distributed_state)
@@ -56,16 +57,17 @@ BATCH_TAG, WEIGHTS_TAG = 11, 12
 PAIR_BACKENDS = ("gloo", "nccl")
 #: mpi and ucc: where the store names the command port
 CONTROL_KEY = "rlharvest/control_port"
-#: the largest rank a slot key is derived for (a key id beyond is refused before any HMAC)
-_MAX_RANK = 1 << 20
 
 
 def command_keys(authkey: bytes) -> Callable[[int], bytes | None]:
-    """The keys the command listener takes: the collector's (id 0) and every slot's (id = rank)."""
+    """The keys the command listener takes from the collector's secret ``authkey``: the join key (id
+    0, nodes that join or are started by hand) and every slot's (id = rank)."""
+    joining = join_key(authkey)
+
     def keys(key_id: int) -> bytes | None:
         if key_id == 0:
-            return authkey
-        return slot_key(authkey, key_id) if 0 < key_id <= _MAX_RANK else None
+            return joining
+        return slot_key(authkey, key_id) if 0 < key_id <= MAX_RANK else None
     return keys
 
 
@@ -164,7 +166,8 @@ class Rendezvous:
         bind_host: local address of every listening socket ("127.0.0.1" for local nodes).
         port: the collector's ``tcp_port``.
         world_size: nodes + 1.
-        authkey: the collector's key: nodes prove they hold it, or their slot's key derived from it.
+        authkey: the collector's secret: nodes prove they hold a key derived from it (their slot's, or
+            the join key), and the listener proves first with the learner's identity derived from it.
         backend: the process-group backend.
         timeout: seconds the nodes have to join.
         user_timeout: TCP user timeout of the command channels.
@@ -182,6 +185,8 @@ class Rendezvous:
         self.bind_host, self.port, self.world_size, self.authkey = bind_host, port, world_size, authkey
         self.backend, self.timeout, self.device_host = backend, timeout, device_host
         self.user_timeout, self.handshake_timeout = user_timeout, handshake_timeout
+        #: the learner's signing key: the command listener proves with it before any node does
+        self.identity = LearnerIdentity(authkey)
         self.pair = backend in PAIR_BACKENDS
         self.store = None if self.pair else store_server(bind_host, port, world_size, timeout)
         self.listener: ChannelListener | None = None
@@ -216,7 +221,7 @@ class Rendezvous:
         if sock is None:
             sock = listen(self.bind_host, 0, attempts=1) if self.pair else listen(self.bind_host, self.port + 1)
         self.listener = ChannelListener(sock, command_keys(self.authkey), "command", self.handshake_timeout,
-                                        self.user_timeout)
+                                        self.user_timeout, identity=self.identity)
         if self.store is not None:
             self.store.set(CONTROL_KEY, str(self.listener.port))
         return self.listener.port
@@ -224,8 +229,8 @@ class Rendezvous:
     def connect_nodes(self, ranks: list[int], op_timeout: float, alive: Callable[[], None]) -> dict[int, Paired]:
         """The nodes of ``ranks``, each connected and in its group; then the command port closes.
 
-        A peer is taken only once it proved it holds the collector's key or its rank's slot key,
-        and only for a rank that is expected and not yet connected; with a pair backend its group
+        A peer is taken only once it proved it holds its rank's slot key, and only for a rank that
+        is expected and not yet connected; with a pair backend its group
         must then form over its channel and pass the pairing proof (:mod:`.pairing`). Any other is
         dropped (and logged), never fatal.
 
@@ -307,7 +312,7 @@ class Rendezvous:
                 continue
             channel, hello, peer = item
             rank = _hello_rank(hello)
-            if rank is None or rank not in ranks or taken(rank) or channel.key_id not in (0, rank):
+            if rank is None or rank not in ranks or taken(rank) or channel.key_id != rank:
                 channel.close()
                 self.listener.drop(peer, f"unexpected or duplicate hello {hello!r:.80}")
                 continue

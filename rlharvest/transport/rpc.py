@@ -310,7 +310,7 @@ class RPCBackend(Backend):
     #: nodes can be added to a running collector: each joins the dynamic group with a fresh rank
     growable = True
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         super().grow(count, options)
         self.launched.extend([None] * count)
 

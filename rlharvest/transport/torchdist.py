@@ -10,8 +10,9 @@ worker processes' pipes, plus heartbeats from the node (:mod:`.torchdist_endpoin
 replaces another is launched like the first ones, told a command port of its own: it forms a group
 of its own with the main process, the other nodes keep theirs.
 
-Keys (docs/security.md, "The key"): nodes the collector starts itself get only their slot's key
-(:func:`~rlharvest.transport.channel.slot_key`), never the collector's.
+Keys (docs/security.md, "The key"): nodes the collector starts itself get only their slot's
+credential (:class:`~rlharvest.transport.keys.NodeCredential`: its slot key and the learner's
+public key), never the collector's secret: no node can act as the learner to another.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from ..errors import WorkerError
 from ..protocol import WorkerSpec
 from .base import Backend
-from .channel import AUTHKEY_ENV, open_channel, parse_authkey, slot_key
+from .channel import open_channel
+from .keys import AUTHKEY_ENV, NodeCredential, parse_node_key
 from .launchers import LaunchedNode, NodeTarget, launch_nodes
 from .pairing import form_pair, make_process_group
 from .rendezvous import CONTROL_KEY, PAIR_BACKENDS, Paired, Rendezvous
@@ -36,58 +38,67 @@ from .torchdist_endpoints import DistWorkerEndpoint, DistWorkerHandle, is_node_m
 from .torchdist_join import JoinService, JoinWatcher
 from .torchdist_weights import NodeWeightLinks
 
-__all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_authkey"]
+__all__ = ["TorchDistBackend", "DistWorkerHandle", "DistWorkerEndpoint", "join_as_node", "node_credential"]
 
 
-def node_authkey(authkey: bytes | str | None) -> bytes:
-    """The key a node proves it holds: ``authkey`` if given, else ``$RLHARVEST_AUTHKEY`` (hex).
+def node_credential(rank: int, key: NodeCredential | str | bytes | None) -> NodeCredential:
+    """What node ``rank`` proves it holds: ``key`` if it is a credential (or its text, as in the
+    start arguments the collector gives), else its slot's credential derived from the collector's
+    secret ``key`` (bytes: what :func:`~.keys.parse_node_key` returns for the collector's key;
+    None: ``$RLHARVEST_AUTHKEY``).
 
     Raises:
-        ValueError: when neither is set, or the key is malformed.
+        ValueError: no key, a malformed one, or the credential of another rank.
     """
-    if authkey is None:
-        authkey = os.environ.get(AUTHKEY_ENV)
-        if not authkey:
+    if key is None:
+        text = os.environ.get(AUTHKEY_ENV)
+        if not text:
             raise ValueError(f"this node has no key to authenticate with the main process: set {AUTHKEY_ENV} to "
                              "the collector's key (hex), see docs/security.md.")
-        return parse_authkey(authkey, AUTHKEY_ENV)
-    return parse_authkey(authkey)
+        key = parse_node_key(text, AUTHKEY_ENV)
+    elif isinstance(key, str):
+        key = parse_node_key(key, "the node's key")
+    if isinstance(key, (bytes, bytearray)):
+        return NodeCredential.for_slot(bytes(key), rank)
+    if key.key_id != rank:
+        raise ValueError(f"the node's key is the one of rank {key.key_id} (0: nodes that join a collector of "
+                         f"launcher='external', with --join), not of rank {rank}")
+    return key
 
 
 def join_as_node(rank: int, world_size: int, host: str, port: int, backend: str = "gloo", *,
-                 authkey: bytes | str | None = None, key_id: int = 0, command_port: int | None = None,
+                 credential: NodeCredential | str | bytes | None = None, command_port: int | None = None,
                  timeout: float = 120.0, op_timeout: float = 1800.0, user_timeout: float = 10.0,
                  heartbeat_interval: float = 1.0, handshake_timeout: float = 5.0,
                  device_host: str | None = None) -> tuple[DistWorkerEndpoint, bytes]:
     """A node's side of start-up: connect its command channel, form its group, receive its spec.
 
-    ``authkey`` is the collector's key (``key_id`` 0) or the node's slot key (``key_id`` = its rank);
-    ``command_port``: where a replacement's listener is (else the collector's ``port``). Returns the
-    endpoint the worker loop serves and the (pickled) spec. The node uses the channel only once the
-    main process proved it holds the key, and its group only once the main process proved it is
-    the group's other end (:mod:`.pairing`).
+    ``credential``: see :func:`node_credential`; ``command_port``: where a replacement's listener is
+    (else the collector's ``port``). Returns the endpoint the worker loop serves and the (pickled)
+    spec. The node sends nothing that depends on its key before the main process proved it is the
+    learner (a signature no node can make), and uses its group only once the main process proved
+    it is the group's other end (:mod:`.pairing`).
 
     Raises:
-        AuthenticationFailed: the command listener did not prove it holds the key.
+        AuthenticationFailed: the command listener did not prove it is the learner.
         PairingFailed: the group did not form, or its peer is not the main process.
     """
-    key = node_authkey(authkey)
-    own = key if key_id == rank else slot_key(key, rank)
+    mine = node_credential(rank, credential)
     hello = ("hello", rank, os.getpid(), socket.gethostname())
     if backend in PAIR_BACKENDS:
-        conn = open_channel(host, int(command_port or port), key, timeout, user_timeout, handshake_timeout, key_id)
+        conn = open_channel(host, int(command_port or port), mine, timeout, user_timeout, handshake_timeout)
         conn.send_hello(hello)
-        group, store = form_pair(conn, own, 1, backend, timeout=timeout, op_timeout=op_timeout,
+        group, store = form_pair(conn, mine.key, 1, backend, timeout=timeout, op_timeout=op_timeout,
                                  device_host=device_host)
     else:  # mpi, ucc: one group of every rank, through torch's store at ``port``
         import datetime
 
         store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout))
         group = make_process_group(backend, store, rank, world_size, op_timeout, device_host)
-        conn = open_channel(host, int(store.get(CONTROL_KEY)), key, timeout, user_timeout, handshake_timeout, key_id)
+        conn = open_channel(host, int(store.get(CONTROL_KEY)), mine, timeout, user_timeout, handshake_timeout)
         conn.send_hello(hello)
     payload = conn.recv_bytes()
-    return DistWorkerEndpoint(conn, group, rank - 1, heartbeat_interval, store, own), payload
+    return DistWorkerEndpoint(conn, group, rank - 1, heartbeat_interval, store, mine.key), payload
 
 
 class TorchDistBackend(Backend):
@@ -134,7 +145,7 @@ class TorchDistBackend(Backend):
         the slots it opened, docs/elastic.md "Autoscaling")."""
         return self.backend in PAIR_BACKENDS and self.launcher != "submitit_delayed"
 
-    def grow(self, count: int, options: Sequence[Any] | None = None) -> None:
+    def grow(self, count: int, options: Sequence[dict] | None = None) -> None:
         super().grow(count, options)
         self.launched.extend([None] * count)
 
@@ -143,13 +154,13 @@ class TorchDistBackend(Backend):
         del self.launched[num_workers:]
 
     def _launch(self, indices: list[int], command_port: int | None = None) -> None:
-        """Start the nodes of ``indices``, each given its slot's key only (and, for a replacement, the
-        port of its own command listener)."""
+        """Start the nodes of ``indices``, each given its slot's credential only (and, for a
+        replacement, the port of its own command listener)."""
         net = self.net
         for index in indices:
             kwargs = {**net.node_kwargs(), "command_port": command_port}
-            if net.authkey is not None and self.backend in PAIR_BACKENDS:
-                kwargs.update(authkey=slot_key(net.authkey, index + 1).hex(), key_id=index + 1)
+            if net.authkey is not None:
+                kwargs.update(credential=NodeCredential.for_slot(net.authkey, index + 1).encode())
             self.launched[index], = launch_nodes(
                 self.launcher, [index + 1], self.num_workers + 1, net.advertised_host, net.tcp_port, self.backend,
                 target=self.target, slurm_kwargs=self.slurm_kwargs, start_method=self.start_method,

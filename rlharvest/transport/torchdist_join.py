@@ -3,17 +3,21 @@
 The collector starts no node: its slots (one per env constructor) are filled by nodes that join.
 Its command port (``tcp_port``) stays open for its whole life; nothing else of it is reachable
 before a node joined. A joining node (``python -m rlharvest node --join HOST:PORT --key-file PATH``)
-opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: each side proves
-it holds the key before anything is decoded) and says ``("join", pid, hostname, wire format)`` (plain
-values, never unpickled; the format of the messages it sends, :data:`~.wire.WIRE_FORMAT`). On that same
-channel the main process answers
+opens the authenticated command channel there (:mod:`rlharvest.transport.channel`: the collector
+proves first that it is the learner, then the node that it holds the join key, before anything is
+decoded) and says ``("join", pid, hostname, wire format)`` (plain values, never unpickled; the format
+of the messages it sends, :data:`~.wire.WIRE_FORMAT`). On that same channel the main process answers
 
 * ``("refused", reason)`` when no slot is empty, nor empties within :attr:`JoinService.SLOT_GRACE`
   seconds, or the node sends messages in another format (an older rlharvest's say no format: they are
   pickles), logged at WARNING, the channel closed; or
-* ``("slot", rank, generation, backend, kwargs)``: both sides then form the slot's group over the
+* ``("slot", rank, generation, backend, kwargs, wrapped)``: ``wrapped`` is the slot's key,
+  encrypted under a secret of this channel alone; both sides then form the slot's group over the
   channel and prove it is theirs (:mod:`rlharvest.transport.pairing`), then the node receives its
   spec (env constructor, policy, weight channel) once the collector takes the slot.
+
+Whatever a joining node sends that fails (a store key that does not decode, a group that does not
+form, a wrong proof) drops that node and gives its slot back to the next one.
 
 Groups are formed on at most :attr:`JoinService.MAX_FORMING` threads at once, each within the
 rendezvous timeout, so a node joins while the collector collects; the collector takes the joined
@@ -38,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from ..errors import CollectorUnreachable, JoinRefused, WorkerTimeoutError
-from .channel import Channel, open_channel, slot_key
+from .channel import Channel, open_channel
+from .keys import NodeCredential, as_credential, slot_key, unwrap_key, wrap_key
 from .launchers import LaunchedNode
-from .pairing import PairingFailed, form_pair
+from .pairing import form_pair
 from .rendezvous import Rendezvous
 from .wire import WIRE_FORMAT
 
@@ -273,23 +278,19 @@ class JoinService:
 
     def _join(self, channel: Channel, peer, who: str, node: JoinedNode) -> None:
         """Give the node a slot and form its group with it (on a thread of its own)."""
-        slot = self._slot(who)
-        if slot is None:
-            self._forming.release()
-            self._refuse(channel, peer, who, "every slot is taken")
-            return
-        index, generation = slot
         try:
-            rank = index + 1
-            channel.send(("slot", rank, generation, self.backend, self.node_kwargs))
-            group, store = form_pair(channel, slot_key(self.rendezvous.authkey, rank), 0, self.backend,
-                                     timeout=self.timeout, op_timeout=self.op_timeout,
-                                     device_host=_local_address(channel))
-        except (PairingFailed, OSError, EOFError) as err:  # a node that fails to join is dropped; its slot stays empty
-            channel.close()
-            self.rendezvous.listener.drop(peer, f"{who} failed to join slot {index}: {err}")
-            self.want(index)
-            return
+            slot = self._slot(who)
+            if slot is None:
+                self._refuse(channel, peer, who, "every slot is taken")
+                return
+            index, generation = slot
+            try:
+                group, store = self._seat(channel, index, generation)
+            except Exception as err:  # whatever the node sent or did, a decode error too: dropped, its slot given back
+                channel.close()
+                self.rendezvous.listener.drop(peer, f"{who} failed to join slot {index}: {type(err).__name__}: {err}")
+                self.want(index)
+                return
         finally:
             self._forming.release()
         with self._cond:
@@ -301,6 +302,15 @@ class JoinService:
         logger.info("rlharvest: a node joined slot %d from %s (%s)", index, node.hostname, node.address)
         if self.watcher is not None:
             self.watcher.joined(index, node.hostname, node.address)
+
+    def _seat(self, channel: Channel, index: int, generation: int) -> tuple[Any, Any]:
+        """Tell the node its slot (and the slot's key, wrapped under this channel's own secret), form
+        their group; returns it and its store."""
+        rank = index + 1
+        key = slot_key(self.rendezvous.authkey, rank)
+        channel.send(("slot", rank, generation, self.backend, self.node_kwargs, wrap_key(key, channel.exporter)))
+        return form_pair(channel, key, 0, self.backend, timeout=self.timeout, op_timeout=self.op_timeout,
+                         device_host=_local_address(channel))
 
 
 @dataclass
@@ -319,26 +329,30 @@ class Seat:
     """The collector's slots (None from a collector that does not say)."""
 
 
-def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120.0,
+def join_collector(host: str, port: int, authkey: NodeCredential | bytes, *, timeout: float = 120.0,
                    handshake_timeout: float = 5.0, user_timeout: float = 10.0, op_timeout: float = 1800.0,
                    on_retry: Callable[[BaseException], None] | None = None) -> Seat:
     """A joining node's side: join at the command port, form the slot's group, receive the spec.
 
-    ``timeout`` bounds everything up to the collector's answer (reaching its store, its command port,
-    the handshake), as one deadline; ``on_retry(error)`` is called each time nothing answered yet.
+    ``authkey``: the node's credential (what ``join_command()``'s key file holds, or that hex
+    decoded), or the collector's secret (:func:`~.keys.parse_node_key` of the collector's key),
+    whose join key it then proves.
+    ``timeout`` bounds everything up to the collector's answer (reaching its command port, the
+    handshake), as one deadline; ``on_retry(error)`` is called each time nothing answered yet.
 
     Raises:
         CollectorUnreachable: no collector answered at ``host:port`` within ``timeout``.
         JoinRefused: when every slot is taken.
-        AuthenticationFailed: when the collector did not prove it holds the key.
+        AuthenticationFailed: when the collector did not prove it is the learner of that key.
         PairingFailed: when the slot's group did not form, or its peer is not the collector.
     """
+    credential = as_credential(authkey) or NodeCredential.for_joining(authkey)
     deadline = time.monotonic() + timeout
     try:
         # open_channel retries while nothing listens (a collector may start after its nodes); no bare
         # probe first: the collector would log each as a dropped connection, and its log of drops is
         # rate-limited, so probes could hide a real refusal or stranger
-        conn = open_channel(host, int(port), authkey, max(0.1, deadline - time.monotonic()), user_timeout,
+        conn = open_channel(host, int(port), credential, max(0.1, deadline - time.monotonic()), user_timeout,
                             handshake_timeout, on_retry=on_retry)
     except OSError as err:
         if isinstance(err, ConnectionError) and not isinstance(err, ConnectionRefusedError):
@@ -347,15 +361,20 @@ def join_collector(host: str, port: int, authkey: bytes, *, timeout: float = 120
                                    f"({_why(err)}).") from None
     conn.send_hello(("join", os.getpid(), socket.gethostname(), WIRE_FORMAT))
     try:
-        reply = conn.recv()
+        reply = conn.recv()  # the collector proved it is the learner: its messages are trusted
     except EOFError:  # a collector that does not know this hello (an older rlharvest) closes at once
         raise EOFError(f"without answering the join at {host}:{port}: it may run another rlharvest version, this "
                        f"node sends wire format {WIRE_FORMAT}") from None
-    if reply[0] == "refused":
+    if isinstance(reply, tuple) and reply[:1] == ("refused",):
         conn.close()
         raise JoinRefused(f"the collector at {host}:{port} refused this node: {reply[1]}.")
-    _, rank, generation, backend, kwargs = reply
-    key = slot_key(authkey, rank)
+    try:
+        _, rank, generation, backend, kwargs, wrapped = reply
+        key = unwrap_key(wrapped, conn.exporter)
+    except (TypeError, ValueError) as err:
+        conn.close()
+        raise ConnectionError(f"the collector at {host}:{port} answered in a way this node does not understand "
+                              f"(another rlharvest version?): {reply!r:.80}") from err
     group, store = form_pair(conn, key, 1, backend, timeout=timeout, op_timeout=op_timeout,
                              device_host=_local_address(conn))
     payload = conn.recv_bytes()

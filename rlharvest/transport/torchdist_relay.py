@@ -56,6 +56,7 @@ import blake3
 
 from .._utils import cpu_count
 from .channel import AuthenticationFailed, derive_key, listen, open_channel
+from .keys import unwrap_key, wrap_key
 from .listener import ChannelListener
 
 __all__ = ["MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "Stream", "chunk_bytes", "chunk_digests", "relay_port_key",
@@ -86,24 +87,6 @@ def weight_key(slot: bytes, salt: bytes) -> bytes:
 def relay_port_key(weights: bytes) -> bytes:
     """The key of a carrier's relay port, derived from its weight channel's key."""
     return derive_key(weights, "relay-port")
-
-
-def wrap_key(key: bytes, kek: bytes) -> bytes:
-    """``key`` (32 bytes) encrypted for the holder of ``kek``: a fresh 16-byte nonce, then ``key``
-    XOR HMAC-SHA256(``kek``, nonce). Sent over an authenticated channel, so it is not altered either."""
-    nonce = os.urandom(16)
-    return nonce + bytes(a ^ b for a, b in zip(key, derive_key(kek, "wrap", nonce)))
-
-
-def unwrap_key(wrapped: bytes, kek: bytes) -> bytes:
-    """The key :func:`wrap_key` wrapped under ``kek``.
-
-    Raises:
-        ValueError: for anything but 48 bytes.
-    """
-    if not isinstance(wrapped, bytes) or len(wrapped) != 48:
-        raise ValueError("a wrapped key takes 48 bytes")
-    return bytes(a ^ b for a, b in zip(wrapped[16:], derive_key(kek, "wrap", wrapped[:16])))
 
 
 @dataclass(frozen=True)

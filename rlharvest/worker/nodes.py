@@ -21,6 +21,7 @@ import torch
 from .._utils import use_worker_scheduling
 from ..errors import RemoteFailure
 from ..protocol import READY, Reply
+from ..transport.keys import NodeCredential
 from ..transport.rpc_node import RPCNodeCalls, RPCNodeEndpoint, serve_rpc_node
 from ..transport.torchdist import DistWorkerEndpoint, join_as_node
 from ..transport.torchdist_join import join_collector
@@ -68,7 +69,8 @@ def node_main(rank: int, world_size: int, host: str, port: int, backend: str = "
     _serve(endpoint, payload, rank - 1, say)
 
 
-def join_main(host: str, port: int, authkey: bytes, report: Report | None = None, **kwargs: Any) -> None:
+def join_main(host: str, port: int, authkey: NodeCredential | bytes, report: Report | None = None,
+              **kwargs: Any) -> None:
     """The entry point of a node that joins a running collector (``launcher="external"``): it is given
     an empty slot (or refused: :class:`~rlharvest.transport.torchdist_join.JoinRefused`), then serves
     it like any node (``python -m rlharvest node --join HOST:PORT --key-file PATH``); ``report`` is

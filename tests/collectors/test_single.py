@@ -353,6 +353,28 @@ def test_interruptor_stops_after_first_step():
     collector.shutdown()
 
 
+def test_steps_an_interrupted_batch_did_not_collect_are_zeros_and_id_minus_one():
+    """Each batch has a buffer of its own: the steps a cut-short batch did not collect hold zeros (never the
+    values of an earlier batch, nor whatever the memory held), and trajectory id -1."""
+    class StopInSecondBatch:
+        calls = 0
+
+        def collection_stopped(self):
+            self.calls += 1
+            return self.calls > 10  # the first batch's 10 steps, then one step of the second
+
+    collector = Collector(CountingEnv(max_steps=100), CountingPolicy(), frames_per_batch=10, total_frames=30,
+                          interruptor=StopInSecondBatch())
+    first, second = collector.next(), collector.next()
+    assert first["observation"].squeeze(-1).tolist() == list(range(10))
+    assert second["observation"].squeeze(-1).tolist() == [10] + [0] * 9
+    assert second["next", "observation"].squeeze(-1).tolist() == [11] + [0] * 9
+    assert second["action"].squeeze(-1).tolist() == [1] + [0] * 9
+    assert second["collector", "traj_ids"].tolist() == [0] + [-1] * 9
+    assert first["observation"].squeeze(-1).tolist() == list(range(10))  # the first batch kept its values
+    collector.shutdown()
+
+
 def test_init_random_frames_switches_at_batch_boundary():
     with pytest.warns(UserWarning, match="init_random_frames"):
         collector = Collector(ContinuousMockEnv(), bias_policy(5.0), frames_per_batch=10, total_frames=30,

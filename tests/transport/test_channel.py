@@ -12,16 +12,20 @@ import logging
 import multiprocessing.connection as mpc
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
 import time
 
 import pytest
+from attackers import Squatter
 from mocks import wait_until
 
 from rlharvest.transport.channel import (AuthenticationFailed, RefusedMessage, listen, new_authkey, open_channel,
                                          parse_authkey, slot_key)
+from rlharvest.transport.handshake import MAGIC
+from rlharvest.transport.keys import LearnerIdentity, NodeCredential, as_credential, parse_node_key, stretch_authkey
 from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.rendezvous import command_keys
 from rlharvest.transport.wire import encode_from_node
@@ -137,10 +141,11 @@ def test_a_flood_of_silent_peers_only_delays_a_real_one(listener):
 
 def test_wrong_key_is_refused_on_both_sides(listener, caplog, tmp_path):
     caplog.set_level(logging.WARNING, logger="rlharvest")
-    with pytest.raises(AuthenticationFailed, match="refused the listener"):
+    # a node with another key refuses the listener: it proves first, under a key the node does not hold
+    with pytest.raises(AuthenticationFailed, match="refused the listener.*another key"):
         connect(listener, key=new_authkey())
     assert listener.next(1.5) is None
-    assert any("wrong key" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: "closed the connection during the handshake" in caplog.text, 5.0, "the dropped peer")
     # a listener with another key (a stranger on the port a node expects) is refused by the node
     fake = ChannelListener(listen("127.0.0.1", 0), new_authkey(), "fake", 1.0, 5.0)
     try:
@@ -148,6 +153,24 @@ def test_wrong_key_is_refused_on_both_sides(listener, caplog, tmp_path):
             open_channel("127.0.0.1", fake.port, listener.key, 5.0, 5.0, 2.0)
     finally:
         fake.close()
+
+
+def test_a_listener_with_the_learner_identity_refuses_a_wrong_key(caplog):
+    """The command port's listener signs first; a peer that checks the signature, then proves a key
+    the listener does not hold for its id, is dropped ("wrong key") before anything is decoded."""
+    caplog.set_level(logging.WARNING, logger="rlharvest")
+    secret = new_authkey()
+    server = ChannelListener(listen("127.0.0.1", 0), command_keys(secret), "command", 1.0, 5.0,
+                             identity=LearnerIdentity(secret))
+    try:
+        forged = NodeCredential(3, new_authkey(), LearnerIdentity(secret).public)
+        peer = open_channel("127.0.0.1", server.port, forged, 5.0, 5.0, 2.0)
+        peer.send_hello(("hello", 3, 1, "h"))
+        assert server.next(1.0) is None
+        wait_until(lambda: "wrong key" in caplog.text, 5.0, "the dropped peer")
+        peer.close()
+    finally:
+        server.close()
 
 
 def test_a_fake_listener_cannot_get_a_pickle_unpickled(listener, tmp_path):
@@ -158,9 +181,8 @@ def test_a_fake_listener_cannot_get_a_pickle_unpickled(listener, tmp_path):
     def attacker() -> None:
         sock, _ = server.accept()
         conn = mpc.Connection(sock.detach())
-        conn.send_bytes(b"rlharvest-channel-2\0" + os.urandom(32))  # looks like ours
-        conn.recv_bytes()  # the node's proof
-        conn.send_bytes(pickle.dumps(Boom(str(marker))))
+        conn.recv_bytes()  # the node's first message (nothing that depends on its key)
+        conn.send_bytes(MAGIC + os.urandom(64) + pickle.dumps(Boom(str(marker))))  # a pickle for its proof
         conn.send_bytes(pickle.dumps(Boom(str(marker))))
         time.sleep(0.5)
         conn.close()
@@ -187,9 +209,9 @@ def test_a_relay_cannot_inject_messages(listener, tmp_path):
         server_side = raw(listener.port)
         server_side.settimeout(None)
         node, server = mpc.Connection(node_side.detach()), mpc.Connection(server_side.detach())
-        node.send_bytes(server.recv_bytes())  # greeting ->
-        server.send_bytes(node.recv_bytes())  # <- proof
-        node.send_bytes(server.recv_bytes())  # listener's proof ->
+        server.send_bytes(node.recv_bytes())  # <- nonce, key id, X25519 value
+        node.send_bytes(server.recv_bytes())  # listener's nonce, X25519 value and proof ->
+        server.send_bytes(node.recv_bytes())  # <- the node's proof
         hello = node.recv_bytes()
         server.send_bytes(hello)  # the genuine hello passes
         node.send_bytes(b"\0" * 32 + pickle.dumps(Boom(str(marker))))  # forged message to the node
@@ -260,17 +282,18 @@ def test_a_slot_key_opens_a_channel_for_its_own_rank_only():
         server.close()
 
 
-def test_one_address_holds_a_few_handshakes_and_its_drops_are_logged_sparingly(caplog):
-    """A flood from one address holds at most MAX_PER_SOURCE handshakes; the warnings about it stay
-    a handful plus a count, not one line per connection."""
+def test_one_network_holds_a_few_handshakes_and_its_drops_are_logged_sparingly(caplog):
+    """A flood from one network holds at most MAX_PER_NETWORK handshakes: each newcomer evicts the
+    oldest; the warnings about it stay a handful plus a count, not one line per connection."""
     caplog.set_level(logging.WARNING, logger="rlharvest")
     server = ChannelListener(listen("127.0.0.1", 0), new_authkey(), "test", 2.0, 5.0)
-    flood = [raw(server.port) for _ in range(3 * ChannelListener.MAX_PER_SOURCE)]
+    flood = [raw(server.port) for _ in range(3 * ChannelListener.MAX_PER_NETWORK)]
     try:
-        wait_until(lambda: sum(closed_by_peer(sock, 0.01) for sock in flood) >= 2 * ChannelListener.MAX_PER_SOURCE,
-                   5.0, "the connections beyond the cap closing")
+        wait_until(lambda: sum(closed_by_peer(sock, 0.01) for sock in flood) >= 2 * ChannelListener.MAX_PER_NETWORK,
+                   5.0, "the oldest connections closing")
         lines = [r.getMessage() for r in caplog.records if "dropped a connection" in r.getMessage()]
-        assert 1 <= len(lines) <= 5 and "handshakes from 127.0.0.1 already in progress" in lines[0]
+        assert 1 <= len(lines) <= 5
+        assert "evicted for a newer connection (8 handshakes from 127.0.0.0/8 in progress)" in lines[0]
     finally:
         for sock in flood:
             sock.close()
@@ -293,3 +316,82 @@ def test_parse_authkey():
         parse_authkey("not a key")
     with pytest.raises(TypeError, match="authkey"):
         parse_authkey(1234)
+
+
+def test_a_squatter_on_several_loopback_addresses_cannot_keep_a_real_peer_out():
+    """36 idle connections from 127.0.0.2-5, each retaken as soon as it is closed: they count as one
+    network (127.0.0.0/8), a newcomer evicts the oldest idle one, and a real peer from 127.0.0.1 gets
+    in at once (before: 8 per address and 32 in all kept every slot taken until the handshakes timed
+    out, here after the peer gave up, and the squatter retook most of them first)."""
+    key = new_authkey()
+    server = ChannelListener(listen("127.0.0.1", 0), key, "test", handshake_timeout=5.0, user_timeout=5.0)
+    squatter = Squatter(server.port, [f"127.0.0.{n}" for n in range(2, 6)], 36)
+    try:
+        wait_until(lambda: squatter.retaken >= 36, 10.0, "the squatter to retake its slots")
+        peer = open_channel("127.0.0.1", server.port, key, timeout=3.0, user_timeout=5.0, handshake_timeout=2.0)
+        peer.send_hello(("hello", 1))
+        channel, hello, _ = server.next(5.0)
+        assert hello == ("hello", 1)
+        peer.close()
+        channel.close()
+    finally:
+        squatter.close()
+        server.close()
+
+
+def test_a_node_sends_nothing_that_depends_on_its_key_before_the_listener_proves(listener, monkeypatch):
+    """A squatter on the port a node connects to acts as the real listener does up to its proof, and
+    keeps what the node sends meanwhile: the same bytes whatever key the node holds, so there is
+    nothing to test guesses of a weak key against offline."""
+    with raw(listener.port) as probe:  # the real listener's greeting, if it sends one first, replayed
+        probe.settimeout(None)
+        # within 0.5 s, less than the listener gives a silent peer: it greets first, or waits for the peer
+        speaks = select.select([probe], [], [], 0.5)[0]
+        greeting = mpc.Connection(os.dup(probe.fileno())).recv_bytes() if speaks else None
+    keys = [new_authkey(), new_authkey()]
+
+    def first_message(key: bytes) -> bytes:
+        squatter, seen = listen("127.0.0.1", 0), []
+
+        def squat() -> None:
+            sock, _ = squatter.accept()
+            squatter.close()  # the node's retries find nothing
+            conn = mpc.Connection(sock.detach())
+            if greeting is not None:
+                conn.send_bytes(greeting)
+            seen.append(conn.recv_bytes())
+            conn.close()
+
+        thread = threading.Thread(target=squat, daemon=True)
+        thread.start()
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "urandom", lambda size: b"\x07" * size)  # the same nonces for both nodes
+            with pytest.raises((AuthenticationFailed, OSError)):
+                open_channel("127.0.0.1", squatter.getsockname()[1], key, timeout=1.0, user_timeout=5.0,
+                             handshake_timeout=2.0)
+        thread.join(5.0)
+        return seen[0]
+
+    assert first_message(keys[0]) == first_message(keys[1])
+
+
+def test_a_key_too_repetitive_to_be_random_is_refused():
+    """parse_authkey checked only the length: a key of 16 equal bytes passed."""
+    for weak in ("00" * 16, "ab" * 32, "deadbeef" * 8):
+        with pytest.raises(ValueError, match="not a random key"):
+            parse_authkey(weak)
+    parse_authkey(new_authkey().hex())
+
+
+def test_a_node_key_is_one_line_of_hex_and_its_bytes_are_the_same_key():
+    """join_command()'s key file holds hex, as a collector's key did: read as text, or as the bytes
+    that hex holds (what a script reading a key file does), it is the same node key, never taken for
+    a collector's key; a collector's key is still one."""
+    secret = new_authkey()
+    credential = NodeCredential.for_joining(secret)
+    text = credential.encode()
+    assert parse_node_key(text, "--key-file") == credential == as_credential(bytes.fromhex(text))
+    assert secret.hex() not in text and credential.key.hex() in text
+    assert parse_node_key(secret.hex(), "--key-file") == stretch_authkey(secret)
+    with pytest.raises(ValueError, match="--key-file is not a node key"):
+        NodeCredential.decode(secret.hex(), "--key-file")

@@ -1,19 +1,23 @@
 """A node's group with the main process, formed over their authenticated channel (transport/pairing.py),
 over loopback: the pair forms and carries tensors; a stranger who takes the main process's side of
 the group (here: its gloo address handed to the main process, as a hijacked rendezvous would) fails
-the proof on both sides; a peer that writes too much is dropped.
+the proof on both sides; a peer that writes too much, or a key that does not decode, is dropped; a
+flood on gloo's port while the pair forms gets nothing open.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from attackers import PortFlooder, listening
 
 from rlharvest.transport import pairing
 from rlharvest.transport.channel import listen, new_authkey, open_channel
@@ -21,6 +25,9 @@ from rlharvest.transport.listener import ChannelListener
 from rlharvest.transport.pairing import PAIR_TAG, ChannelStore, PairingFailed, form_pair
 
 pytestmark = pytest.mark.timeout(90)
+
+#: connections a stranger opens to gloo's port while the pair waits for its node
+FLOOD = 600
 
 
 @pytest.fixture
@@ -35,6 +42,11 @@ def channels():
     for channel in (main, node):
         channel.close()
     listener.close()
+
+
+def listening_here() -> set:
+    """The addresses this process listens on (TCP, IPv4 and IPv6)."""
+    return {c.laddr for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
 
 
 def _both(main_side, node_side) -> tuple[list, list]:
@@ -59,7 +71,7 @@ def _both(main_side, node_side) -> tuple[list, list]:
 def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(channels):
     """Once connected, neither side's gloo port takes connections (gloo would keep each one forever)."""
     main, node, key = channels
-    before = set(pairing._listening_sockets().values())
+    before = listening_here()
     (main_pair,), (node_pair,) = _both(
         lambda: form_pair(main, key, 0, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"),
         lambda: form_pair(node, key, 1, "gloo", timeout=20.0, op_timeout=60.0, device_host="127.0.0.1"))
@@ -69,7 +81,7 @@ def test_a_pair_forms_over_its_channel_and_carries_tensors_and_closes_its_ports(
     for work in works:
         work.wait(datetime.timedelta(seconds=10))
     assert torch.equal(sent, got)
-    assert set(pairing._listening_sockets().values()) <= before
+    assert listening_here() <= before
     main.send(("after", 1))  # the channel holds nothing of the pairing any more
     assert node.recv() == ("after", 1)
 
@@ -127,12 +139,14 @@ def test_a_stranger_who_takes_the_main_process_side_of_the_group_fails_the_proof
     # the stranger's group holds (20 s), so it is given a fifth of the deadline (pairing.GLOO_CONNECT_FACTOR)
     assert time.monotonic() - started < 10.0, (main_result, node_result)
     attacker.join(30.0)
-    assert formed.is_set(), "the stranger's group never formed: the hijack was not reproduced"
-    if isinstance(main_result[0], PairingFailed):  # the stranger took the main process's group
+    assert not (formed.is_set() and not isinstance(main_result[0], PairingFailed)), "the stranger's group was taken"
+    # formed or not: when the main process's gloo listens (its address compares lower), its gate lets in
+    # no connection but the one the node reports, so the stranger's group cannot form at all
+    if isinstance(main_result[0], PairingFailed):  # the stranger took the main process's group, or held it
         assert isinstance(node_result[0], PairingFailed), node_result
         return
-    # gloo let the node's connection win the race for the main process's listener: the pair is the
-    # node's, as the proofs say; it must carry the main process's bytes to the node, not the stranger
+    # the node's connection reached the main process's listener: the pair is the node's, as the proofs
+    # say; it must carry the main process's bytes to the node, not the stranger
     (main_group, _), (node_group, _) = main_result[0], node_result[0]
     sent, got = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
     send, recv = main_group.send([sent], 1, 7), node_group.recv([got], 0, 7)
@@ -147,3 +161,57 @@ def test_a_peer_that_writes_too_much_into_the_pair_store_is_dropped(channels):
         node.send_bytes(b"S" + len(b"k%d" % index).to_bytes(2, "big") + b"k%d" % index + b"x")
     with pytest.raises(PairingFailed, match="more than a pair's store holds"):
         form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1")
+
+
+def test_a_peer_that_writes_a_key_that_is_not_utf8_fails_the_pair_and_nothing_else(channels):
+    """A store key that does not decode is the peer's failure (PairingFailed: the caller drops that
+    node and gives its slot back), never an error escaping the pairing."""
+    main, node, key = channels
+    node.send_bytes(b"S" + (2).to_bytes(2, "big") + b"\xff\xfe" + b"value")
+    with pytest.raises(PairingFailed, match="not UTF-8"):
+        form_pair(main, key, 0, "gloo", timeout=10.0, op_timeout=60.0, device_host="127.0.0.1")
+
+
+def open_on(port: int) -> list[int]:
+    """The ports of this process's connections whose local end is ``port`` (accepted on it)."""
+    return [c.raddr.port for c in psutil.Process().net_connections("inet")
+            if c.laddr and c.laddr.port == port and c.status != "LISTEN"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_flood_on_gloo_port_while_a_pair_forms_leaves_nothing_open(channels, host):
+    """A stranger who floods the main process's gloo port while its pair waits for the node gets no
+    connection completed (transport/gloo_gate.py: gloo would keep each one for the group's life, and
+    abort once no descriptor is left): the descriptors stay where they were, and once the pair formed
+    nothing but its own connection is open on that port, which no longer listens, IPv4 or IPv6."""
+    main, node, key = channels
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    me = psutil.Process()
+    fds = me.num_fds()
+    stranger = PortFlooder(os.getpid(), host, FLOOD)  # the main process's gloo port, the first to open
+    results: dict[int, object] = {}
+
+    def side(rank: int, channel) -> None:
+        try:
+            results[rank] = form_pair(channel, key, rank, "gloo", timeout=30.0, op_timeout=60.0, device_host=host)
+        except Exception as err:  # reported below
+            results[rank] = err
+
+    learner = threading.Thread(target=side, args=(0, main), daemon=True)
+    learner.start()
+    try:
+        assert stranger.done.wait(60.0), "the stranger never found gloo's port"
+        side(1, node)  # the node comes once the stranger flooded the main process's port
+        learner.join(60.0)
+        assert all(isinstance(results[rank], tuple) for rank in (0, 1)), results
+        (main_group, _), (node_group, _) = results[0], results[1]
+        sent, got = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+        for work in (node_group.send([sent], 0, 11), main_group.recv([got], 1, 11)):
+            work.wait(datetime.timedelta(seconds=10))
+        assert torch.equal(sent, got)
+        assert stranger.port not in listening(os.getpid(), family)  # gloo's port closed once the pair formed
+        assert len(open_on(stranger.port)) <= 1, open_on(stranger.port)  # the pair's own connection at most
+        # this process's descriptors: the stranger's sockets, the two groups' own, nothing of the flood
+        assert me.num_fds() - len(stranger.sockets) - fds <= 24, (me.num_fds(), len(stranger.sockets), fds)
+    finally:
+        stranger.close()

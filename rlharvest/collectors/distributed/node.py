@@ -6,11 +6,12 @@
 :func:`submitit_delayed_launcher`, by this command on another machine, ...); ``P`` is the collector's
 ``tcp_port``: its command port (with mpi and ucc, its store).
 
-A :class:`~rlharvest.collectors.distributed.DistributedCollector` node proves to the main process
-that it holds the collector's key, and requires the same proof back, before it trusts anything it
-receives (docs/security.md). Give it the key (hex) in a file only you can read or replace (``--key-file``) or,
-with ``--rank``, in the ``RLHARVEST_AUTHKEY`` environment variable. There is deliberately no option
-taking the key itself: a command line is visible to every user of the machine.
+A :class:`~rlharvest.collectors.distributed.DistributedCollector` node requires the main process to
+prove it is the learner (a signature no node can make) before it proves anything itself or trusts
+anything it receives (docs/security.md). Give it its key in a file only you can read or replace
+(``--key-file``: the node key ``join_command()``'s file holds, or the collector's key in hex) or,
+with ``--rank``, the collector's key in the ``RLHARVEST_AUTHKEY`` environment variable. There is
+deliberately no option taking a key itself: a command line is visible to every user of the machine.
 
 ``python -m rlharvest.collectors.distributed.node --rank ...`` (with ``--authkey-file``) is the
 deprecated spelling of ``rlharvest node --rank ...``; it still works, and says so.
@@ -23,10 +24,10 @@ import sys
 from typing import Callable
 
 from ..._node_cli import NodeArgs, add_node_arguments, parse_node_args
-from ...transport.channel import parse_authkey
-from ...transport.torchdist import node_authkey
-from ...worker.nodes import join_main, node_main
 from ...transport.join_keys import read_key_file
+from ...transport.keys import NodeCredential, parse_node_key
+from ...transport.torchdist import node_credential
+from ...worker.nodes import join_main, node_main
 
 
 def read_authkey_file(path: str, flag: str = "--authkey-file") -> str:
@@ -39,23 +40,28 @@ def read_authkey_file(path: str, flag: str = "--authkey-file") -> str:
     return read_key_file(path, flag)
 
 
-def read_key(args: NodeArgs) -> bytes | None:
-    """The key the node proves it holds: from ``--key-file``, else (``--rank`` form of a
-    DistributedCollector) from ``$RLHARVEST_AUTHKEY``; None for an RPC node (torch RPC has no key).
+def read_key(args: NodeArgs) -> NodeCredential | bytes | None:
+    """What the node proves with: from ``--key-file`` (a node key, or the collector's key, returned
+    as the collector's secret), else (``--rank`` form of a DistributedCollector) its slot's key
+    derived from ``$RLHARVEST_AUTHKEY``; None for an RPC node (torch RPC has no key).
 
     Raises:
-        OSError: the key file cannot be read; PermissionError: other users may read it.
-        ValueError: no key, or not hex.
+        OSError: the key file cannot be read; PermissionError: other users may read or replace it.
+        ValueError: no key, a malformed one, or (``--rank``) the key of another rank.
     """
     if args.key_file:
         flag = "--authkey-file" if args.deprecated_flag else "--key-file"
-        return parse_authkey(read_authkey_file(args.key_file, flag), flag)
+        key = parse_node_key(read_authkey_file(args.key_file, flag), flag)
+        if args.join is None and args.framework == "distributed":
+            return node_credential(args.rank, key)
+        return key
     if args.join is None and args.framework == "distributed":
-        return node_authkey(None)
+        return node_credential(args.rank, None)
     return None
 
 
-def start_node(args: NodeArgs, key: bytes | None, report: Callable[[str], None] | None = None) -> None:
+def start_node(args: NodeArgs, key: NodeCredential | bytes | None,
+               report: Callable[[str], None] | None = None) -> None:
     """Run the node ``args`` describe, proving it holds ``key`` (:func:`read_key`), until the
     collector lets it go; ``report`` is told of each change of its state (``rlharvest node`` prints
     them on stderr).
@@ -63,7 +69,7 @@ def start_node(args: NodeArgs, key: bytes | None, report: Callable[[str], None] 
     Raises:
         JoinRefused: every slot of the collector is taken.
         CollectorUnreachable: no collector answered at ``--join`` within ``args.timeout``.
-        AuthenticationFailed: the collector did not prove it holds the key.
+        AuthenticationFailed: the collector did not prove it is the learner of that key.
         ConnectionError, EOFError: the collector closed the connection before it took the node.
     """
     if args.join is not None:
@@ -72,7 +78,7 @@ def start_node(args: NodeArgs, key: bytes | None, report: Callable[[str], None] 
         return
     kwargs = {}
     if args.framework == "distributed":
-        kwargs.update(authkey=key, handshake_timeout=args.handshake_timeout, timeout=args.timeout)
+        kwargs.update(credential=key, handshake_timeout=args.handshake_timeout, timeout=args.timeout)
     node_main(args.rank, args.world_size, args.host, args.port, args.backend, args.framework, report, **kwargs)
 
 

@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from ...transport.channel import AUTHKEY_ENV, new_authkey
+from ...transport.keys import AUTHKEY_ENV, NodeCredential, new_authkey, parse_authkey, stretch_authkey
 from ...transport.launchers import (_ALIVE_STATES, DEFAULT_SLURM_CONF, LAUNCHERS, TCP_PORT, SlurmNode, main_host_ip,
                                    submit_jobs)
 from ...worker.nodes import node_main
@@ -38,7 +38,8 @@ def submitit_delayed_launcher(
     process group on ``tcpport``. Returns the main job's result.
 
     The collector's key (see docs/security.md) is ``$RLHARVEST_AUTHKEY`` if set, else a fresh one:
-    it reaches the node jobs inside their pickles and the main job as ``RLHARVEST_AUTHKEY``.
+    it reaches the main job as ``RLHARVEST_AUTHKEY``; each node job gets, inside its pickle, only its
+    rank's node key derived from it (no node can act as the learner to another).
 
     Args:
         num_jobs: number of nodes (one per ``create_env_fn`` entry of the collector).
@@ -63,11 +64,12 @@ def submitit_delayed_launcher(
         @functools.wraps(main_func)
         def submit_all(*args, **kwargs) -> Any:
             authkey = os.environ.get(AUTHKEY_ENV) or new_authkey().hex()
+            secret = stretch_authkey(parse_authkey(authkey, AUTHKEY_ENV))
             main_job, = submit_jobs(submitit_main_conf, _with_authkey, [(authkey, main_func, *args)], kwargs)
             host = _job_host(main_job)
-            node_jobs = submit_jobs(submitit_collection_conf, node_main,
-                                    [(rank, num_jobs + 1, host, int(tcpport), backend, framework)
-                                     for rank in range(1, num_jobs + 1)], {"authkey": authkey})
+            node_jobs = [submit_jobs(submitit_collection_conf, node_main,
+                                     [(rank, num_jobs + 1, host, int(tcpport), backend, framework)],
+                                     _node_key(framework, secret, rank))[0] for rank in range(1, num_jobs + 1)]
             try:
                 return main_job.result()
             finally:
@@ -77,6 +79,11 @@ def submitit_delayed_launcher(
         return submit_all
 
     return decorator
+
+
+def _node_key(framework: str, secret: bytes, rank: int) -> dict:
+    """The start arguments that carry node ``rank``'s key (an RPC node has none: torch RPC has no key)."""
+    return {"credential": NodeCredential.for_slot(secret, rank).encode()} if framework == "distributed" else {}
 
 
 def _with_authkey(authkey: str, main_func: Callable, *args, **kwargs) -> Any:

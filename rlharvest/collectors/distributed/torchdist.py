@@ -66,9 +66,11 @@ class DistributedCollector(BaseCollector):
         bind_address: local address the collector's sockets listen on. Default: 127.0.0.1 with
             ``"mp"``, else the address this host's name resolves to (the one nodes are told);
             ``"0.0.0.0"`` listens on every interface. See docs/security.md.
-        authkey: the key nodes must prove they hold (bytes or hex, 16+ bytes). Default:
-            ``$RLHARVEST_AUTHKEY``, else a fresh one; ``"submitit_delayed"`` needs one of the two.
-        handshake_timeout: seconds a connecting peer has to authenticate (strangers are dropped).
+        authkey: the collector's key (bytes or hex, 16+ bytes of 8+ distinct values), every node
+            key derives from it. Default: ``$RLHARVEST_AUTHKEY``, else a fresh one;
+            ``"submitit_delayed"`` needs one of the two.
+        handshake_timeout: seconds a connecting peer has to authenticate and send its hello (it
+            must prove its key within 2 s of them; strangers are dropped).
         autoscale: an :class:`~rlharvest.collectors.Autoscale`: the fleet sizes itself while collecting
             (docs/elastic.md, "Autoscaling"; with ``"external"``, through ``Autoscale(on_scale=...)``).
 

@@ -274,7 +274,7 @@ class Fleet:
         self.replacement.left(worker)
         return worker
 
-    def grow(self, specs: Sequence[WorkerSpec], options: Sequence[Any] | None = None) -> None:
+    def grow(self, specs: Sequence[WorkerSpec], options: Sequence[dict] | None = None) -> None:
         """Start more workers after the others, each running the current weights before it collects.
 
         All are started at once, then connected to every weight scheme, then awaited (READY). When

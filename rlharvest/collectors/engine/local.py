@@ -33,7 +33,7 @@ from .running import LocalRun, ThreadRun
 from .state import BatchSizes, Lifecycle, Tally
 from .stats import LocalStats
 
-__all__ = ["LocalEngine", "check_env_options", "compile_policy"]
+__all__ = ["LocalEngine", "rollout_settings", "check_env_options", "compile_policy"]
 
 
 class LocalEngine:
@@ -62,12 +62,14 @@ class LocalEngine:
         served = options.served_by  # the policy runs in the parent, which serves whichever envs are ready
         self._setup_policy(served if served is not None else options.policy, options.policy_factory)
         check_env_options(config, self.env)
-        settings = RolloutSettings.of(config, self.env, self.devices())
+        settings = rollout_settings(config, self.env, self.devices())
         counter = options.trajectory_counter or LocalTrajectoryCounter()
         self.rollout = Rollout(self.env, self.policy, settings, counter)
         if served is not None:
             served.connect(self.env, self.rollout.root)
-        self.output = BatchOutput(config, private_copy=self.rollout.settings.use_buffers and not config.return_same_td)
+        if self.rollout.settings.use_buffers and not config.return_same_td:
+            self.rollout.hand_out_batches()  # each batch a buffer of its own: nothing to copy before handing it out
+        self.output = BatchOutput(config)
         compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
         policy = self._current_policy
@@ -336,6 +338,38 @@ class LocalEngine:
         total = "endless" if self.config.endless else self.config.total_frames
         return (f"{self.name}(frames_per_batch={self.frames_per_batch}, total_frames={total}, "
                 f"frames={self.tally.frames})")
+
+
+def rollout_settings(config: CollectorConfig, env: Any, devices: tuple) -> RolloutSettings:
+    """The settings of a collector's rollouts: its ``frames_per_batch`` as time steps of ``env`` (rounded up
+    to a multiple of the env batch, with a warning at the user's line when it was not one, or when
+    ``total_frames`` or ``init_random_frames`` are not multiples of it), its ``(storing, policy, env)``
+    ``devices``, buffers (preallocated unless a replay buffer is the storage or the env's specs are
+    dynamic)."""
+    storing, policy_device, env_device = devices
+    n_env = int(env.batch_size.numel()) if len(env.batch_size) else 1
+    frames = -(-config.frames_per_batch // n_env) * n_env
+    if frames != config.frames_per_batch:
+        warnings.warn(f"frames_per_batch={config.frames_per_batch} is not a multiple of the env batch size "
+                      f"({n_env}); collecting {frames} frames per batch.", stacklevel=user_stacklevel())
+    total, random_frames = config.total_frames, config.init_random_frames
+    if total > 0 and total % frames:
+        warnings.warn(f"total_frames={total} is not a multiple of frames_per_batch={frames}: the last batch "
+                      "will overshoot.", stacklevel=user_stacklevel())
+    if random_frames and random_frames % frames:
+        warnings.warn(f"init_random_frames={random_frames} is not a multiple of frames_per_batch={frames}: "
+                      "random actions continue to the end of the batch that reaches it.",
+                      stacklevel=user_stacklevel())
+    dynamic = bool(env_attr(env, "_has_dynamic_specs", False))
+    use_buffers = config.use_buffers
+    if use_buffers is None:
+        use_buffers = config.replay_buffer is None and not dynamic
+    return RolloutSettings(
+        time_steps=frames // n_env, max_frames_per_traj=config.max_frames_per_traj,
+        set_truncated=config.set_truncated, track_policy_version=bool(config.track_policy_version),
+        exploration_type=config.exploration_type, storing_device=storing, policy_device=policy_device,
+        env_device=env_device, use_buffers=use_buffers, track_traj_ids=config.track_traj_ids,
+        compact_obs=config.compact_obs, lazy_stack=dynamic)
 
 
 def check_env_options(config: CollectorConfig, env: Any) -> None:

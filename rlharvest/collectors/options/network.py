@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import positive_seconds
-from ...transport.channel import AUTHKEY_ENV, new_authkey, parse_authkey
+from ...transport.keys import AUTHKEY_ENV, new_authkey, parse_authkey, stretch_authkey
 from ...transport.ports import check_local_address, free_port_block
 from ...transport.launchers import TCP_PORT, main_host_ip
 
@@ -50,10 +50,12 @@ def parse_tcp_port(value: Any, launcher: str) -> int:
 
 
 def _authkey(value: Any, launcher: str) -> bytes:
+    """The collector's secret: stretched from the key the user gave (the nodes holding that key compute
+    the same), else a fresh random one."""
     if value is not None:
-        return parse_authkey(value)
+        return stretch_authkey(parse_authkey(value))
     if os.environ.get(AUTHKEY_ENV):
-        return parse_authkey(os.environ[AUTHKEY_ENV], AUTHKEY_ENV)
+        return stretch_authkey(parse_authkey(os.environ[AUTHKEY_ENV], AUTHKEY_ENV))
     if launcher == "submitit_delayed":
         raise ValueError(f"launcher='submitit_delayed' needs the key the nodes were given: pass authkey=... or set "
                          f"{AUTHKEY_ENV} (hex) here and for every node (submitit_delayed_launcher does it for its "
@@ -74,8 +76,8 @@ class NetworkConfig:
     bind_host: str
     """The local address every listening socket binds to ("" = every interface)."""
     authkey: bytes | None = field(repr=False)
-    """The key nodes prove they hold on the command port (None for RPC: torch RPC has no such port);
-    never in the repr."""
+    """The collector's secret, every key of its channels derives from it (None for RPC: torch RPC
+    has no such channel); stretched from the key the user gave, if any; never in the repr."""
     worker_timeout: float
     heartbeat_timeout: float
     handshake_timeout: float
@@ -127,6 +129,7 @@ class NetworkConfig:
         if self.authkey is None:
             return {"user_timeout": self.user_timeout}
         # Heartbeats well within heartbeat_timeout: at an equal period, jitter alone declares nodes dead.
-        return {"user_timeout": self.user_timeout, "authkey": self.authkey.hex(),
+        # No key here: each node gets its own slot's credential (TorchDistBackend._launch).
+        return {"user_timeout": self.user_timeout,
                 "handshake_timeout": self.handshake_timeout, "device_host": self.device_host,
                 "heartbeat_interval": min(1.0, self.heartbeat_timeout / 4)}

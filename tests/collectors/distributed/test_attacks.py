@@ -213,6 +213,7 @@ def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
 EVIL_NODE = """
 import os, pickle, sys
 from rlharvest.protocol import READY, Reply
+from rlharvest.transport.keys import parse_node_key
 from rlharvest.transport.torchdist_join import join_collector
 
 class Boom:
@@ -221,7 +222,7 @@ class Boom:
 
 host, port = sys.argv[1].rsplit(":", 1)
 with open(sys.argv[2]) as key:
-    seat = join_collector(host, int(port), bytes.fromhex(key.read().strip()), timeout=60.0)
+    seat = join_collector(host, int(port), parse_node_key(key.read(), "the key file"), timeout=60.0)
 seat.conn.send_bytes(pickle.dumps(Reply(READY, seat.index, value=Boom())))  # its "ready": a pickle that runs a command
 seat.conn.recv_bytes()  # until the learner closes the channel
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import stat
 import subprocess
@@ -106,7 +107,7 @@ def test_nodes_join_collect_and_a_node_too_many_or_without_the_key_is_refused(tm
         assert handle.read().strip() not in " ".join(argv)  # the key never is on a command line
     nodes = [start_node(argv) for _ in range(2)]
     wrong = tmp_path / "wrong"
-    wrong.write_text("ab" * 32)
+    wrong.write_text(secrets.token_hex(32))  # another collector's key
     wrong.chmod(0o600)
     batches, refused = [], []
     with caplog.at_level(logging.WARNING, logger="rlharvest"):
@@ -117,7 +118,7 @@ def test_nodes_join_collect_and_a_node_too_many_or_without_the_key_is_refused(tm
                            start_node(argv[:-1] + [str(wrong)], stderr=subprocess.PIPE, text=True)]
                 codes = ended(refused, 120.0)
                 assert codes[0] == 3 and "refused this node" in refused[0].stderr.read()
-                assert codes[1] != 0
+                assert codes[1] == 5  # it refuses the collector: not the learner of its key
         stats = collector.stats()
     collector.shutdown()
     assert [tuple(b.shape) for b in batches] == [(2, 4)] * 4
