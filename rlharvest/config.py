@@ -234,9 +234,8 @@ class CollectorConfig:
     """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call (None: all
     that are ready)."""
     replay_write_mode: str | None = _arg(worker=_parent)
-    """What goes to the replay buffer: ``"rollout"`` (every batch, whole), ``"trajectory"`` (complete
-    trajectories only, ``trajs_per_write`` per ``extend``), or None: ``"trajectory"`` with
-    ``trajs_per_batch``, else ``"rollout"`` (TorchRL's next release; docs/trajectories.md)."""
+    """What goes to the replay buffer: ``"rollout"`` (whole batches), ``"trajectory"`` (complete
+    trajectories), None: as ``trajs_per_batch`` says (docs/trajectories.md)."""
     traj_format: str | None = _arg(worker=_parent)
     """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time); None means
     ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
@@ -307,11 +306,9 @@ class CollectorConfig:
                                  "('collector', 'traj_ids').")
         self._check_replay_write_mode()
         if self.trajs_per_write is not None:
-            if self.replay_buffer is None or not (self.trajs_per_batch is not None
-                                                  or self.replay_write_mode == "trajectory"):
-                raise ValueError("trajs_per_write needs a replay_buffer written with complete trajectories "
-                                 "(trajs_per_batch, or replay_write_mode='trajectory'), got "
-                                 f"trajs_per_write={self.trajs_per_write!r}.")
+            if self.replay_buffer is None or not self.assembles_trajectories:
+                raise ValueError(f"trajs_per_write={self.trajs_per_write!r} needs a replay_buffer written with "
+                                 "complete trajectories (trajs_per_batch, or replay_write_mode='trajectory').")
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
         if self.traj_format is None:
             if self.trajs_per_batch is not None and self.replay_buffer is None:
@@ -324,23 +321,19 @@ class CollectorConfig:
                              "trajectories have a layout to choose.")
 
     def _check_replay_write_mode(self) -> None:
-        """Raises: ValueError for another ``replay_write_mode``, one without a replay buffer or beside
-        ``trajs_per_batch`` (which already says what is written)."""
+        """Raises: ValueError for another mode, one without a replay buffer or beside ``trajs_per_batch``."""
         mode = self.replay_write_mode
-        if mode is None:
-            return
-        if mode not in ("rollout", "trajectory"):
+        if mode not in (None, "rollout", "trajectory"):
             raise ValueError(f"replay_write_mode must be 'rollout', 'trajectory' or None, got {mode!r}.")
-        if self.replay_buffer is None:
+        if mode is not None and self.replay_buffer is None:
             raise ValueError(f"replay_write_mode={mode!r} needs a replay_buffer.")
-        if self.trajs_per_batch is not None:
+        if mode is not None and self.trajs_per_batch is not None:
             raise ValueError(f"replay_write_mode={mode!r} with trajs_per_batch={self.trajs_per_batch}: "
                              "trajs_per_batch already writes complete trajectories; give one of them.")
 
     @property
     def assembles_trajectories(self) -> bool:
-        """Whether complete trajectories are assembled: batches of them (``trajs_per_batch``), or the
-        replay buffer written with them (``replay_write_mode="trajectory"``)."""
+        """Whether complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``)."""
         return self.trajs_per_batch is not None or self.replay_write_mode == "trajectory"
 
     def _check_buffer_options(self) -> None:

@@ -224,10 +224,6 @@ class BaseCollector(IterableDataset):
         Raises:
             RuntimeError: after iteration started.
             ValueError: when ``num_rollouts <= warmup_rollouts`` or ``warmup_rollouts < 0``.
-
-        Example:
-            >>> collector.enable_profile(num_rollouts=3, warmup_rollouts=1,   # doctest: +SKIP
-            ...                          save_path="traces/trace_{worker_idx}.json")
         """
         engine = self._open("enable_profile()")
         if engine.life.started:
@@ -258,9 +254,6 @@ class BaseCollector(IterableDataset):
         Raises:
             AttributeError: naming a missing segment.
             ValueError: when arguments are given for a non-callable target.
-
-        Example:
-            >>> collector.cascade_execute("_receiver_schemes['policy'].connect")  # doctest: +SKIP
         """
         head = attr_path.partition(".")[0]
         if head == "workers" or head.startswith("workers["):
@@ -274,11 +267,7 @@ class BaseCollector(IterableDataset):
 
     def get_distant_attr(self, attr: str) -> Any:
         """The attribute at ``attr`` (the path syntax of :meth:`cascade_execute`), never called; in every
-        worker's collector (a list, in worker order) for a collector with workers.
-
-        Example:
-            >>> collector.get_distant_attr("worker_idx")            # doctest: +SKIP
-        """
+        worker's collector (a list, in worker order) for a collector with workers."""
         return self._engine.calls.get_attr(attr)
 
     def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
@@ -326,25 +315,14 @@ class BaseCollector(IterableDataset):
         """A cheap snapshot of progress, plain scalars in flat keys (JSON-serialisable, safe while running;
         docs/restarts.md, "Watching a run").
 
-        Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
-        ``requested_frames_per_batch``, ``policy_version`` when versions are tracked (and every worker
-        acknowledged it); ``stepped_frames``, ``trajectory_completed_frames``,
-        ``trajectory_pending_frames`` (now), ``replay_written_frames``, ``completed_trajectories``
-        (trajectories count where they are assembled, ``trajs_per_batch``); once a batch was
-        yielded ``frames_per_s``, ``frames_per_s_recent`` and ``policy_lag`` (when tracked);
-        ``time_env_s``, ``time_policy_s``, ``time_transport_s``, ``time_waiting_s``; after a weight
-        update ``weight_sync_s_last`` and ``weight_sync_s_median``. Collectors with workers add
-        ``workers``, ``workers_alive``, ``restarts``, ``workers_removed`` and per worker
-        ``worker_<i>/restarts``, ``worker_<i>/restart_causes``; ``workers="per_worker"`` or ``"both"``
-        asks every worker for its own snapshot (``worker_<i>/<key>``), waiting at most ``timeout``
-        seconds (``RayCollector`` asks at every call and adds ``worker_frames``).
+        Keys: ``frames``, ``batches``, ``total_frames``, ``completed``, ``policy_version``, throughput,
+        lag and where the time goes, the workers' restarts, and the progress keys of TorchRL's next
+        release (``stepped_frames``, ``replay_written_frames``...; docs/trajectories.md).
+        ``workers="per_worker"`` or ``"both"`` asks every worker for its own snapshot
+        (``worker_<i>/<key>``), waiting at most ``timeout`` seconds (``RayCollector`` asks at every call).
 
         Raises:
             ValueError: for another ``workers`` value, or a negative ``timeout``.
-
-        Example:
-            >>> collector.stats()["frames"]                          # doctest: +SKIP
-            0
         """
         return self._open("stats()").stats.snapshot(workers, timeout).as_dict(workers)
 
@@ -400,50 +378,25 @@ class BaseCollector(IterableDataset):
         return self._engine.calls.getattr_policy(name)
 
     def getattr_env(self, name: str) -> Any:
-        """An attribute of the env (the first worker's, for collectors with workers); ``name`` may be a
-        dotted path into the env (``"env.unwrapped.gravity"`` through a ``GymEnv``). A batched env
-        that does not have it gives its sub-envs' values, a list (docs/collection.md,
-        "Reconfiguring running envs")."""
+        """An attribute of the env (the first worker's), at a dotted path (``"env.unwrapped.gravity"``);
+        a batched env without it gives its sub-envs' (docs/collection.md, "Reconfiguring running envs")."""
         return self._engine.env_calls.getattr(name)
 
     def setattr_env(self, name: str, value: Any, *, worker_ids: int | list[int] | None = None) -> None:
-        """Set the attribute at ``name`` (a dotted path into the env, ``"env.unwrapped.gravity"``) to
-        ``value`` in the env of every targeted worker, in each sub-env of a batched env; returns once
-        each has it, and every frame collected after it comes from envs that have it (in-flight
-        rollouts are dropped). It lasts: a replaced worker, and with ``worker_ids=None`` an added or
-        joined one, is built with it before its first step, and ``state_dict()`` carries it
+        """Set the attribute at ``name`` (a dotted path; it must exist) to ``value`` in the env of each
+        targeted worker (None: all), in every sub-env of a batched env. Every frame collected after it
+        returns has it, and it lasts through replaced, added and joined workers and checkpoints
         (docs/collection.md, "Reconfiguring running envs").
-
-        Args:
-            name: the attribute's path; the attribute must exist (a misspelt name is not added).
-            value: its new value (sent to every worker: picklable).
-            worker_ids: a worker index or a list of them (None: every worker; a ``Collector`` has none).
 
         Raises:
             ValueError: for ``worker_ids`` naming no current worker, or an empty ``name``.
             WorkerError: naming the worker where it failed, its error's type kept (``AttributeError``).
-
-        Example:
-            >>> from rlharvest.collectors import MultiSyncCollector
-            >>> from rlharvest.envs import CountingEnv
-            >>> collector = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=-1)
-            >>> collector.setattr_env("max_steps", 2)
-            >>> collector.call_env("__getattribute__", "max_steps")
-            [2, 2]
-            >>> collector.shutdown()
         """
         self._open("setattr_env()").env_calls.setattr(name, value, worker_ids)
 
     def call_env(self, name: str, *args: Any, worker_ids: int | list[int] | None = None, **kwargs: Any) -> list[Any]:
-        """Call the method at ``name`` (a dotted path into the env) once in each targeted worker's env,
-        with ``args`` and ``kwargs``; returns the results in worker order (one entry for a
-        ``Collector``; a batched env without that method calls it in each sub-env: a list). Nothing
-        of it lasts: a replaced worker does not repeat it.
-
-        Raises:
-            ValueError: for ``worker_ids`` naming no current worker, or an empty ``name``.
-            WorkerError: naming the worker where the call failed, its error's type kept.
-        """
+        """Call the method at ``name`` once in each targeted worker's env; the results in worker order.
+        Nothing of it lasts. Raises as :meth:`setattr_env` does."""
         return self._open("call_env()").env_calls.call(name, args, kwargs, worker_ids)
 
     def getattr_rb(self, name: str) -> Any:
@@ -466,10 +419,8 @@ class BaseCollector(IterableDataset):
 
     @property
     def policy_version(self) -> int | str | None:
-        """The policy version every worker acknowledged, or None when versions are not tracked; None
-        too after an update to some workers (``worker_ids=``) or one not waited for (a scheme with
-        ``sync=False``), until :meth:`increment_version` or a checkpoint's load: each worker's own is
-        then in ``worker_policy_versions()`` (docs/weights.md, "Versions")."""
+        """The version every worker acknowledged (None: untracked, or not every worker has it yet;
+        docs/weights.md, "Versions")."""
         return self._engine.weights.acknowledged_version
 
     def get_policy_version(self) -> int | str | None:
@@ -503,9 +454,6 @@ class BaseCollector(IterableDataset):
         Raises:
             ValueError: for conflicting arguments or an unknown worker.
             KeyError: for a model id without a registered scheme.
-
-        Example:
-            >>> collector.update_policy_weights_()                       # doctest: +SKIP
         """
         engine = self._open("update_policy_weights_()")
         value = merge_weight_arguments(policy_or_weights, weights, policy, kwargs)
