@@ -164,3 +164,19 @@ def test_evaluator_collector_kwargs_reach_its_collector():
         assert result["eval/num_episodes"] == 2 and result["eval/episode_length"] == 8
     finally:
         evaluator.shutdown()
+
+
+def test_a_policy_module_without_in_keys_is_collected_as_it_is():
+    """TorchRL's own mocks (``HeterogeneousCountingEnvPolicy``) subclass ``TensorDictModuleBase`` with a
+    ``__call__`` of their own and no ``in_keys``: looking for the transforms a policy needs must not read
+    ``in_keys`` it does not have (both libraries collect; neither appends anything)."""
+    from torchrl.testing.mocking_classes import HeterogeneousCountingEnv, HeterogeneousCountingEnvPolicy
+
+    env = HeterogeneousCountingEnv()
+    policy = HeterogeneousCountingEnvPolicy(env.input_spec["full_action_spec"])
+    collector = collectors.Collector(env, policy, frames_per_batch=4, total_frames=8)
+    try:
+        shapes = [tuple(batch.shape) for batch in collector]
+    finally:
+        collector.shutdown()
+    assert shapes == [(4,), (4,)]

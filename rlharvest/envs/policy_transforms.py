@@ -47,9 +47,11 @@ _ONE_LINE = ("env = env.append_transform(get_env_transforms_from_module(policy))
 
 
 def _reads_init_flag(policy: torch.nn.Module) -> bool:
-    """Whether a TensorDict module inside ``policy`` lists ``is_init`` among its inputs."""
+    """Whether a TensorDict module inside ``policy`` lists ``is_init`` among its inputs (a module that
+    declares no ``in_keys``, such as a ``TensorDictModuleBase`` with its own ``__call__``, reads none we
+    can know of)."""
     return any(as_tuple_key(key)[-1] == INIT_KEY for module in policy.modules()
-               if isinstance(module, TensorDictModuleBase) for key in module.in_keys)
+               if isinstance(module, TensorDictModuleBase) for key in getattr(module, "in_keys", ()))
 
 
 def _primers(policy: torch.nn.Module, transforms: Any) -> list:

@@ -425,14 +425,16 @@ def test_add_collectors_submits_a_new_node_job(in_tmp):
 @pytest.mark.timeout(180)
 def test_autoscale_submits_a_node_job_while_the_learner_starves(in_tmp):
     """autoscale= with "submitit": the node the autoscaler adds is a new SLURM job, and the sync batch
-    is re-split between the two nodes from the next batch on (docs/elastic.md, "Autoscaling")."""
+    is re-split between the two nodes from the next batch on (docs/elastic.md, "Autoscaling"). Never
+    shrinking (shrink_below=0.0): a loaded machine slows the learner enough that removing the node again
+    would be a right decision, and this test is about the job that adds one."""
     from mocks import SlowCountingEnv, check_trajectories, weight_policy
 
     from rlharvest.collectors import Autoscale
 
     collector = make([lambda: SlowCountingEnv(max_steps=7, delay=0.01)], policy=weight_policy(1.0),
                      frames_per_batch=12, total_frames=12 * 12,
-                     sync=True, autoscale=Autoscale(1, 2, window=4, cooldown=4, grow_above=0.5, shrink_below=0.3))
+                     sync=True, autoscale=Autoscale(1, 2, window=4, cooldown=4, grow_above=0.5, shrink_below=0.0))
     try:
         batches = [batch.clone() for batch in collector]
         decisions = collector.stats()["autoscale/decisions"]
