@@ -36,7 +36,7 @@ class Command(enum.Enum):
     GETATTR_ENV = "getattr_env"          # payload: attribute name
     CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
     ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
-    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage
+    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage -> Written (of the batch it kept)
     RESIZE = "resize"                    # payload: frames per rollout from the next one -> the frames it collects
     CLOSE = "close"
 
