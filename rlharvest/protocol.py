@@ -14,8 +14,8 @@ from typing import Any, Callable, Protocol
 
 from .errors import RemoteFailure
 
-__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "EnvSettings", "Written", "FREE_BATCH", "LEAVING",
-           "READY", "UnknownCommandError"]
+__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "EnvSettings", "Written", "FREE_BATCH",
+           "LEAVING", "READY", "UnknownCommandError"]
 
 #: what ``setattr_env`` set in a worker's env, ``((attribute path, value), ...)`` in the order set
 EnvSettings = tuple
