@@ -233,6 +233,9 @@ class CollectorConfig:
     trajs_per_write: int | None = _arg(worker=_parent)
     """With a replay buffer and ``trajs_per_batch``: complete trajectories per ``extend`` call (None: all
     that are ready)."""
+    replay_write_mode: str | None = _arg(worker=_parent)
+    """What goes to the replay buffer: ``"rollout"`` (whole batches), ``"trajectory"`` (complete
+    trajectories), None: as ``trajs_per_batch`` says (docs/trajectories.md)."""
     traj_format: str | None = _arg(worker=_parent)
     """``"padded"`` ``(trajs, max_len)`` with a mask, or ``"cat"`` (concatenated along time); None means
     ``"padded"`` (with a ``FutureWarning`` when batches are yielded)."""
@@ -301,9 +304,11 @@ class CollectorConfig:
             if not self.track_traj_ids:
                 raise ValueError("trajs_per_batch needs track_traj_ids=True: trajectories are cut along their "
                                  "('collector', 'traj_ids').")
+        self._check_replay_write_mode()
         if self.trajs_per_write is not None:
-            if self.trajs_per_batch is None or self.replay_buffer is None:
-                raise ValueError("trajs_per_write needs trajs_per_batch and a replay_buffer.")
+            if self.replay_buffer is None or not self.assembles_trajectories:
+                raise ValueError(f"trajs_per_write={self.trajs_per_write!r} needs a replay_buffer written with "
+                                 "complete trajectories (trajs_per_batch, or replay_write_mode='trajectory').")
             set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
         if self.traj_format is None:
             if self.trajs_per_batch is not None and self.replay_buffer is None:
@@ -314,6 +319,22 @@ class CollectorConfig:
         elif self.traj_format != "padded" and self.trajs_per_batch is None:
             raise ValueError(f"traj_format={self.traj_format!r} needs trajs_per_batch: only batches of complete "
                              "trajectories have a layout to choose.")
+
+    def _check_replay_write_mode(self) -> None:
+        """Raises: ValueError for another mode, one without a replay buffer or beside ``trajs_per_batch``."""
+        mode = self.replay_write_mode
+        if mode not in (None, "rollout", "trajectory"):
+            raise ValueError(f"replay_write_mode must be 'rollout', 'trajectory' or None, got {mode!r}.")
+        if mode is not None and self.replay_buffer is None:
+            raise ValueError(f"replay_write_mode={mode!r} needs a replay_buffer.")
+        if mode is not None and self.trajs_per_batch is not None:
+            raise ValueError(f"replay_write_mode={mode!r} with trajs_per_batch={self.trajs_per_batch}: "
+                             "trajs_per_batch already writes complete trajectories; give one of them.")
+
+    @property
+    def assembles_trajectories(self) -> bool:
+        """Whether complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``)."""
+        return self.trajs_per_batch is not None or self.replay_write_mode == "trajectory"
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:

@@ -14,7 +14,11 @@ from typing import Any, Callable, Protocol
 
 from .errors import RemoteFailure
 
-__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "FREE_BATCH", "LEAVING", "READY", "UnknownCommandError"]
+__all__ = ["Command", "Message", "Reply", "WorkerOptions", "WorkerSpec", "EnvSettings", "Written", "FREE_BATCH",
+           "LEAVING", "READY", "UnknownCommandError"]
+
+#: what ``setattr_env`` set in a worker's env, ``((attribute path, value), ...)`` in the order set
+EnvSettings = tuple
 
 
 class Command(enum.Enum):
@@ -32,7 +36,7 @@ class Command(enum.Enum):
     GETATTR_ENV = "getattr_env"          # payload: attribute name
     CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
     ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
-    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage
+    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage -> Written (of the batch it kept)
     RESIZE = "resize"                    # payload: frames per rollout from the next one -> the frames it collects
     CLOSE = "close"
 
@@ -58,6 +62,32 @@ class Message:
     payload: Any = None
 
 
+@dataclass(frozen=True)
+class Written:
+    """What a collector wrote to its replay buffer, for ``stats()``'s progress keys (TorchRL's next
+    release): a worker writing the buffer itself sends what it wrote since its last report with its
+    next batch, and its parent counts it."""
+
+    frames: int = 0
+    """Steps written."""
+    trajectory_frames: int = 0
+    """Steps of the trajectories that ended (complete trajectories assembled)."""
+    trajectories: int = 0
+    """Trajectories that ended."""
+    pending_frames: int = 0
+    """Steps of the trajectories that have not ended yet: a gauge, as of the report."""
+
+    def __add__(self, later: Written) -> Written:
+        """This report followed by ``later`` (the pending steps are ``later``'s)."""
+        return Written(self.frames + later.frames, self.trajectory_frames + later.trajectory_frames,
+                       self.trajectories + later.trajectories, later.pending_frames)
+
+    def __sub__(self, earlier: Written) -> Written:
+        """What was written since ``earlier`` (the pending steps are this report's)."""
+        return Written(self.frames - earlier.frames, self.trajectory_frames - earlier.trajectory_frames,
+                       self.trajectories - earlier.trajectories, self.pending_frames)
+
+
 @dataclass
 class Reply:
     """A worker's answer to one :class:`Message` (or its READY reply, or a batch pushed while free)."""
@@ -66,7 +96,8 @@ class Reply:
     worker_idx: int
     value: Any = None
     failure: RemoteFailure | None = None
-    #: for BATCH replies: valid frames, and whether the batch went to the replay buffer
+    #: for BATCH replies: valid frames, and whether the batch went to the replay buffer (its ``value`` is
+    #: then a :class:`Written`: what the worker wrote since its last report)
     frames: int = 0
     written: bool = False
     #: for BATCH replies: seconds the worker's env and policy took for it (``stats()``), or None
@@ -133,6 +164,10 @@ class WorkerSpec:
     preemption_grace: float | None = None
     """Seconds a worker that receives SIGTERM has to finish its rollout before it hands it back and
     leaves (None: SIGTERM is not handled, the process ends at once). docs/elastic.md."""
+    env_settings: EnvSettings = ()
+    """What ``setattr_env`` set in this worker's env, ``((attribute path, value), ...)`` in order: the
+    worker sets them once its collector is built, before its first step (a replacement, an added
+    worker: docs/collection.md, "Reconfiguring running envs")."""
     restart: int = 0
     """How many failed workers this one replaces at its index (0: the first); a restarted worker's env
     is seeded from its worker's seed and this number (:meth:`start_seed`)."""

@@ -394,6 +394,17 @@ class StructuredEnv:
         self.is_closed = True
 
 
+class TaskEnv(ConstantObsEnv):
+    """Observes its ``value`` at every step, whatever the episode (an attribute ``setattr_env`` changes:
+    every frame shows which value its env had); ``task(scale)`` returns ``value * scale``, ``fail()`` raises."""
+
+    def task(self, scale: int = 1) -> int:
+        return self.value * scale
+
+    def fail(self) -> None:
+        raise KeyError(f"no task {self.value}")
+
+
 class Offset(torch.nn.Module):
     """A module inside an env (like a TorchRL ModuleTransform): adds ``offset`` to observations."""
 

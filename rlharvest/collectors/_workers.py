@@ -12,7 +12,7 @@ from .base import BaseCollector
 from .engine.engine import CollectionEngine
 
 __all__ = ["worker_pids", "num_workers", "active_workers", "restart_causes", "remove_collectors",
-           "add_collectors"]
+           "add_collectors", "worker_policy_versions"]
 
 
 def _fleet_engine(collector: BaseCollector, action: str | None = None) -> CollectionEngine:
@@ -121,3 +121,21 @@ def add_collectors(self: BaseCollector, create_env_fn: Callable | Sequence[Calla
         >>> collector.shutdown()
     """
     _fleet_engine(self, "add_collectors()").add_workers(create_env_fn, num_envs, policy, collector_kwargs)
+
+
+def worker_policy_versions(self: BaseCollector) -> dict[int, int | str | None]:
+    """The policy version each current worker reports, ``{worker index: version}`` (None entries when
+    versions are not tracked): asked of every worker, after their rollouts in flight answered. Unlike
+    :attr:`policy_version`, it shows workers apart after an update to some of them (docs/weights.md,
+    "Versions").
+
+    Example:
+        >>> from rlharvest.collectors import MultiSyncCollector
+        >>> from rlharvest.envs import CountingEnv
+        >>> collector = MultiSyncCollector([CountingEnv] * 2, frames_per_batch=8, total_frames=-1,
+        ...                                track_policy_version=True)
+        >>> collector.worker_policy_versions()
+        {0: 0, 1: 0}
+        >>> collector.shutdown()
+    """
+    return _fleet_engine(self, "worker_policy_versions()").calls.policy_versions()

@@ -224,10 +224,6 @@ class BaseCollector(IterableDataset):
         Raises:
             RuntimeError: after iteration started.
             ValueError: when ``num_rollouts <= warmup_rollouts`` or ``warmup_rollouts < 0``.
-
-        Example:
-            >>> collector.enable_profile(num_rollouts=3, warmup_rollouts=1,   # doctest: +SKIP
-            ...                          save_path="traces/trace_{worker_idx}.json")
         """
         engine = self._open("enable_profile()")
         if engine.life.started:
@@ -258,9 +254,6 @@ class BaseCollector(IterableDataset):
         Raises:
             AttributeError: naming a missing segment.
             ValueError: when arguments are given for a non-callable target.
-
-        Example:
-            >>> collector.cascade_execute("_receiver_schemes['policy'].connect")  # doctest: +SKIP
         """
         head = attr_path.partition(".")[0]
         if head == "workers" or head.startswith("workers["):
@@ -274,11 +267,7 @@ class BaseCollector(IterableDataset):
 
     def get_distant_attr(self, attr: str) -> Any:
         """The attribute at ``attr`` (the path syntax of :meth:`cascade_execute`), never called; in every
-        worker's collector (a list, in worker order) for a collector with workers.
-
-        Example:
-            >>> collector.get_distant_attr("worker_idx")            # doctest: +SKIP
-        """
+        worker's collector (a list, in worker order) for a collector with workers."""
         return self._engine.calls.get_attr(attr)
 
     def map_fn(self, method_name: str, list_of_args: list[tuple] | None = None,
@@ -326,22 +315,14 @@ class BaseCollector(IterableDataset):
         """A cheap snapshot of progress, plain scalars in flat keys (JSON-serialisable, safe while running;
         docs/restarts.md, "Watching a run").
 
-        Keys: ``frames``, ``batches``, ``total_frames`` (absent when endless), ``completed``,
-        ``requested_frames_per_batch``, ``policy_version`` when versions are tracked; once a batch was
-        yielded ``frames_per_s``, ``frames_per_s_recent`` and ``policy_lag`` (when tracked);
-        ``time_env_s``, ``time_policy_s``, ``time_transport_s``, ``time_waiting_s``; after a weight
-        update ``weight_sync_s_last`` and ``weight_sync_s_median``. Collectors with workers add
-        ``workers``, ``workers_alive``, ``restarts``, ``workers_removed`` and per worker
-        ``worker_<i>/restarts``, ``worker_<i>/restart_causes``; ``workers="per_worker"`` or ``"both"``
-        asks every worker for its own snapshot (``worker_<i>/<key>``), waiting at most ``timeout``
-        seconds (``RayCollector`` asks at every call and adds ``worker_frames``).
+        Keys: ``frames``, ``batches``, ``total_frames``, ``completed``, ``policy_version``, throughput,
+        lag and where the time goes, the workers' restarts, and the progress keys of TorchRL's next
+        release (``stepped_frames``, ``replay_written_frames``...; docs/trajectories.md).
+        ``workers="per_worker"`` or ``"both"`` asks every worker for its own snapshot
+        (``worker_<i>/<key>``), waiting at most ``timeout`` seconds (``RayCollector`` asks at every call).
 
         Raises:
             ValueError: for another ``workers`` value, or a negative ``timeout``.
-
-        Example:
-            >>> collector.stats()["frames"]                          # doctest: +SKIP
-            0
         """
         return self._open("stats()").stats.snapshot(workers, timeout).as_dict(workers)
 
@@ -397,8 +378,26 @@ class BaseCollector(IterableDataset):
         return self._engine.calls.getattr_policy(name)
 
     def getattr_env(self, name: str) -> Any:
-        """An attribute of the env (the first worker's, for collectors with workers)."""
-        return self._engine.calls.getattr_env(name)
+        """An attribute of the env (the first worker's), at a dotted path (``"env.unwrapped.gravity"``);
+        a batched env without it gives its sub-envs' (docs/collection.md, "Reconfiguring running envs")."""
+        return self._engine.env_calls.getattr(name)
+
+    def setattr_env(self, name: str, value: Any, *, worker_ids: int | list[int] | None = None) -> None:
+        """Set the attribute at ``name`` (a dotted path; it must exist) to ``value`` in the env of each
+        targeted worker (None: all), in every sub-env of a batched env. Every frame collected after it
+        returns has it, and it lasts through replaced, added and joined workers and checkpoints
+        (docs/collection.md, "Reconfiguring running envs").
+
+        Raises:
+            ValueError: for ``worker_ids`` naming no current worker, or an empty ``name``.
+            WorkerError: naming the worker where it failed, its error's type kept (``AttributeError``).
+        """
+        self._open("setattr_env()").env_calls.setattr(name, value, worker_ids)
+
+    def call_env(self, name: str, *args: Any, worker_ids: int | list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call the method at ``name`` once in each targeted worker's env; the results in worker order.
+        Nothing of it lasts. Raises as :meth:`setattr_env` does."""
+        return self._open("call_env()").env_calls.call(name, args, kwargs, worker_ids)
 
     def getattr_rb(self, name: str) -> Any:
         """An attribute of the replay buffer."""
@@ -420,8 +419,9 @@ class BaseCollector(IterableDataset):
 
     @property
     def policy_version(self) -> int | str | None:
-        """The current policy version, or None when versions are not tracked."""
-        return self._engine.weights.policy_version
+        """The version every worker acknowledged (None: untracked, or not every worker has it yet;
+        docs/weights.md, "Versions")."""
+        return self._engine.weights.acknowledged_version
 
     def get_policy_version(self) -> int | str | None:
         return self.policy_version
@@ -454,9 +454,6 @@ class BaseCollector(IterableDataset):
         Raises:
             ValueError: for conflicting arguments or an unknown worker.
             KeyError: for a model id without a registered scheme.
-
-        Example:
-            >>> collector.update_policy_weights_()                       # doctest: +SKIP
         """
         engine = self._open("update_policy_weights_()")
         value = merge_weight_arguments(policy_or_weights, weights, policy, kwargs)

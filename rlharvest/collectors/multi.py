@@ -102,6 +102,7 @@ class MultiCollector(BaseCollector):
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
         trajs_per_batch: int | None = None,
         trajs_per_write: int | None = None,
+        replay_write_mode: str | None = None,
         traj_format: str | None = None,
         track_traj_ids: bool = True,
         compact_obs: bool = False,
@@ -129,6 +130,7 @@ class MultiCollector(BaseCollector):
             restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
             pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook,
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
+            replay_write_mode=replay_write_mode,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
             auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
 
@@ -143,6 +145,7 @@ class MultiCollector(BaseCollector):
     restart_causes = _workers.restart_causes
     remove_collectors = _workers.remove_collectors
     add_collectors = _workers.add_collectors
+    worker_policy_versions = _workers.worker_policy_versions
 
     # ------------------------------------------------------------------ what the options hold
     @property
@@ -283,6 +286,7 @@ class AsyncCollector(MultiAsyncCollector):
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
         trajs_per_batch: int | None = None,
         trajs_per_write: int | None = None,
+        replay_write_mode: str | None = None,
         traj_format: str | None = None,
         track_traj_ids: bool = True,
         compact_obs: bool = False,
@@ -317,5 +321,6 @@ class AsyncCollector(MultiAsyncCollector):
             restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
             pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook,
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
+            replay_write_mode=replay_write_mode,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
             auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))

@@ -63,6 +63,8 @@ class Collector(BaseCollector):
             running are held back; ``frames_per_batch`` is how often the env is polled). With a replay
             buffer, complete trajectories are written to it as flat steps instead (docs/trajectories.md).
         trajs_per_write: with ``trajs_per_batch`` and a replay buffer, trajectories per ``extend``.
+        replay_write_mode: ``"rollout"``, ``"trajectory"`` (complete trajectories only) or None, what
+            goes to the replay buffer (docs/trajectories.md).
         traj_format: ``"padded"`` (``(trajs_per_batch, max_len)``, ``("collector", "mask")``) or
             ``"cat"`` (concatenated along time); None = ``"padded"`` with a ``FutureWarning``.
         track_traj_ids: keep ``("collector", "traj_ids")`` (False: no id bookkeeping).
@@ -126,6 +128,7 @@ class Collector(BaseCollector):
         worker_idx: int | None = None,
         trajs_per_batch: int | None = None,
         trajs_per_write: int | None = None,
+        replay_write_mode: str | None = None,
         traj_format: str | None = None,
         auto_register_policy_transforms: bool | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
@@ -148,6 +151,7 @@ class Collector(BaseCollector):
             trust_policy=trust_policy, compile_policy=compile_policy, cudagraph_policy=cudagraph_policy,
             no_cuda_sync=no_cuda_sync, track_policy_version=track_policy_version, worker_idx=worker_idx,
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
+            replay_write_mode=replay_write_mode,
             auto_register_policy_transforms=auto_register_policy_transforms, pre_collect_hook=pre_collect_hook,
             post_collect_hook=post_collect_hook, compact_obs=compact_obs))
 

@@ -57,11 +57,16 @@ class TrajectoryAssembler:
         self.discard_in_flight = discard_in_flight
         self._in_flight: dict[int, list[TensorDictBase]] = {}
         self._complete: list[TensorDictBase] = []
+        #: trajectories that ended so far, and their frames (``stats()``)
+        self.completed_trajectories = 0
+        self.completed_frames = 0
+        #: frames of complete trajectories written to a replay buffer so far
+        self.written_frames = 0
 
     @classmethod
     def from_config(cls, config: Any) -> TrajectoryAssembler:
         """The assembler a collector's :class:`~rlharvest.config.CollectorConfig` asks for."""
-        return cls(config.trajs_per_batch, config.traj_format, config.trajs_per_write,
+        return cls(config.trajs_per_batch or 1, config.traj_format, config.trajs_per_write,
                    discard_in_flight=config.reset_at_each_iter)
 
     # ------------------------------------------------------------------ state
@@ -69,6 +74,11 @@ class TrajectoryAssembler:
     def ready(self) -> int:
         """Complete trajectories not handed out yet."""
         return len(self._complete)
+
+    @property
+    def pending_frames(self) -> int:
+        """Frames of the trajectories that started but have not ended yet."""
+        return sum(piece.numel() for pieces in self._in_flight.values() for piece in pieces)
 
     def in_flight_ids(self) -> list[int]:
         """Ids of the trajectories that started but have not ended yet."""
@@ -128,7 +138,10 @@ class TrajectoryAssembler:
         if not ended:
             self._in_flight[traj_id] = pieces if pieces is not None else [steps]
             return
-        self._complete.append(torch.cat(pieces, 0) if pieces is not None else steps)
+        trajectory = torch.cat(pieces, 0) if pieces is not None else steps
+        self._complete.append(trajectory)
+        self.completed_trajectories += 1
+        self.completed_frames += trajectory.numel()
 
     # ------------------------------------------------------------------ output
     def batches(self, batch: TensorDictBase) -> Iterator[TensorDictBase]:
@@ -155,7 +168,9 @@ class TrajectoryAssembler:
         while self._complete:
             group = self._complete[:per_write]
             del self._complete[:per_write]
-            buffer.extend(_with_leaf_device(torch.cat(group, 0) if len(group) > 1 else group[0]))
+            steps = torch.cat(group, 0) if len(group) > 1 else group[0]
+            buffer.extend(_with_leaf_device(steps))
+            self.written_frames += steps.numel()
         return written
 
 

@@ -36,10 +36,12 @@ class SubEnvCommand(enum.IntEnum):
     CLOSE = 6
     CAPTURE = 7     # -> the sub-env's state, pickled (or why it cannot be captured)
     RESTORE = 8     # payload: what CAPTURE returned -> None, or why it cannot be restored
+    RECONFIGURE = 9  # payload: an EnvOp (envs/reconfigure.py) -> what it returned
 
 
 #: commands followed by a pickled payload on the command connection
-PAYLOAD_COMMANDS = frozenset({SubEnvCommand.SEED, SubEnvCommand.ATTACH, SubEnvCommand.RESTORE})
+PAYLOAD_COMMANDS = frozenset({SubEnvCommand.SEED, SubEnvCommand.ATTACH, SubEnvCommand.RESTORE,
+                              SubEnvCommand.RECONFIGURE})
 
 
 class Status(enum.IntEnum):

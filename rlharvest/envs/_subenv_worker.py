@@ -32,6 +32,7 @@ from ._subenv_protocol import (FLAGS, PAYLOAD_COMMANDS, Buffers, FirstStep, Repl
                                SubEnvDescription, Unavailable, as_tensor, bool_array, slots_of, value_meta)
 from .adapters import ArrayEnvAdapter, env_attr, is_env, make_env_adapter
 from .capture import capture_env_state, restore_env_state
+from .reconfigure import reconfigure_env
 from .state import (EnvStateUnavailable, process_generators,
                     restore_process_generators)
 
@@ -95,6 +96,7 @@ class SubEnvRunner:
             SubEnvCommand.CLOSE: lambda _: self.close(),
             SubEnvCommand.CAPTURE: lambda _: self.capture(),
             SubEnvCommand.RESTORE: self.restore,
+            SubEnvCommand.RECONFIGURE: lambda op: reconfigure_env(self.env, op),
         }
 
     # ------------------------------------------------------------------ setup

@@ -25,6 +25,7 @@ from .._utils import NestedKey
 from ._subenv_protocol import Buffers, FirstStep, SubEnvCommand, SubEnvDescription, Unavailable
 from ._subenv_worker import SubEnvRunner, build_env
 from .base import EnvBase
+from .reconfigure import EnvOp
 from .specs import Composite, SpecLike, TensorSpec, Unbounded
 from .state import EnvStateUnavailable
 
@@ -373,6 +374,19 @@ class BatchedEnvBase(EnvBase):
             seed = self._pool.run(SubEnvCommand.SEED, [worker], (seed, bool(static_seed)))[worker]
         self._pending_rows[...] = False  # the next reset must be a real one, with the new seeds
         return seed
+
+    def reconfigure_sub_envs(self, op: EnvOp) -> list[Any]:
+        """``op`` (an attribute read or set, a method called: ``envs/reconfigure.py``) applied to each
+        sub-env where it runs; what each returned, in sub-env order (docs/collection.md,
+        "Reconfiguring running envs").
+
+        Raises:
+            WorkerError: naming the sub-env where it failed (``ParallelEnv``; ``SerialEnv`` raises the
+                sub-env's own error).
+        """
+        self._check_open()
+        answers = self._pool.run(SubEnvCommand.RECONFIGURE, self._everyone, op)
+        return [answers.get(worker) for worker in self._everyone]
 
     # ------------------------------------------------------------------ state (docs/checkpoints.md)
     def capture_state(self) -> dict[str, Any]:

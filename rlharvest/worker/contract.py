@@ -12,6 +12,8 @@ from typing import Any, Callable, Protocol
 
 from tensordict import TensorDictBase
 
+from ..protocol import Written
+
 __all__ = ["ParentDuties", "WorkerCollector", "WorkerWeights"]
 
 
@@ -40,12 +42,14 @@ class ParentDuties(Protocol):
     def collect_for_parent(self, random: bool) -> TensorDictBase:
         """One raw batch (random actions if ``random``), the unit of work of a worker."""
 
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
-        """Write a batch into the replay buffer workers share with their parent."""
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> Written:
+        """Write a batch into the replay buffer workers share with their parent; returns what was
+        written (its parent's ``stats()`` counts it)."""
 
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> Written:
         """``batch`` goes to the parent, which allocates the shared buffer's storage from it (a collector
-        assembling trajectories keeps what it needs to write them later)."""
+        assembling trajectories keeps what it needs to write them later); returns the trajectories that
+        ended in it (its parent's ``stats()`` counts them)."""
 
     def add_step_check(self, check: Callable[[], bool]) -> None:
         """Call ``check`` between env steps; True ends the rollout early."""
@@ -76,5 +80,6 @@ class WorkerCollector(Protocol):
     def state_dict(self, *, env_state: bool = True) -> dict: ...
     def load_state_dict(self, state_dict: dict) -> None: ...
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any: ...
+    def getattr_env(self, name: str) -> Any: ...
     def time_split(self) -> dict[str, float]: ...
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None: ...

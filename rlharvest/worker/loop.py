@@ -33,7 +33,7 @@ from tensordict import TensorDictBase
 from .._utils import TRAJ_IDS, unwrap
 from ..checkpoint import CHECKPOINT_KEY
 from ..errors import RemoteFailure
-from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec
+from ..protocol import FREE_BATCH, LEAVING, READY, Command, Message, Reply, UnknownCommandError, WorkerSpec, Written
 from ..transport.base import WorkerEndpoint
 from .contract import ParentDuties, WorkerCollector
 
@@ -56,6 +56,23 @@ class WorkerEnd(str, enum.Enum):
 def _is_stateless(policy: Any) -> bool:
     return isinstance(policy, torch.nn.Module) and any(
         t.is_meta for t in itertools.chain(policy.parameters(), policy.buffers()))
+
+
+def _apply_env_settings(collector: WorkerCollector, spec: WorkerSpec) -> None:
+    """Set in the worker's env what ``setattr_env`` set before it was built (it lasts: docs/collection.md,
+    "Reconfiguring running envs").
+
+    Raises:
+        TypeError: for settings and a collector class of the user's own without ``setattr_env``.
+    """
+    if not spec.env_settings:
+        return
+    setattr_env = getattr(collector, "setattr_env", None)
+    if setattr_env is None:
+        raise TypeError(f"{type(collector).__name__} has no setattr_env: it cannot take the env settings "
+                        f"{[name for name, _ in spec.env_settings]} its worker was given.")
+    for name, value in spec.env_settings:
+        setattr_env(name, value)
 
 
 def _build_collector(spec: WorkerSpec, policy: Any) -> WorkerCollector:
@@ -104,6 +121,7 @@ class Worker:
         self._free_ids = itertools.count()
         self._free_frames = 0
         self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
+        self._unreported = Written()  # what it wrote into the replay buffer since its last BATCH reply
         self._host: str | None = socket.gethostname()  # said once, in the first BATCH reply
         #: when SIGTERM arrived (monotonic seconds), or None: the worker is being preempted
         self.preempted_at: float | None = None
@@ -121,7 +139,7 @@ class Worker:
             Command.STATE_DICT: self._state_dict,
             Command.LOAD_STATE_DICT: self._load_state_dict,
             Command.GETATTR_POLICY: lambda name: getattr(self.collector.policy, name),
-            Command.GETATTR_ENV: lambda name: getattr(self.collector.env, name),
+            Command.GETATTR_ENV: lambda name: self.collector.getattr_env(name),
             Command.CASCADE: lambda call: self.collector.cascade_execute(call[0], *call[1], **call[2]),
             Command.ENABLE_PROFILE: self._enable_profile,
             Command.ATTACH_BUFFER: self._attach_buffer,
@@ -155,6 +173,7 @@ class Worker:
         seed = spec.start_seed()
         if seed is not None:
             _seed_worker(collector, seed, spec.static_seed)
+        _apply_env_settings(collector, spec)
         return collector
 
     # ------------------------------------------------------------------ dispatch
@@ -283,7 +302,12 @@ class Worker:
         if frames < batch.numel():
             batch = batch[batch.get(TRAJ_IDS) != -1]
         if batch.numel():
-            self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
+            self._unreported += self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
+
+    def _new_written(self) -> Written:
+        """What it wrote into the replay buffer since it last said (running free too)."""
+        written, self._unreported = self._unreported, Written(pending_frames=self._unreported.pending_frames)
+        return written
 
     def _publish(self, batch: TensorDictBase) -> Any:
         """Hand the batch to the transport; let the rollout write straight into what it publishes from."""
@@ -302,10 +326,10 @@ class Worker:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
-            return Reply(0, self.worker_idx, frames=frames, written=True, times=self._new_times(),
-                         host=self._said_host())
+            return Reply(0, self.worker_idx, value=self._new_written(), frames=frames, written=True,
+                         times=self._new_times(), host=self._said_host())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
-            self.duties.keep_for_replay_buffer(batch)
+            self._unreported += self.duties.keep_for_replay_buffer(batch)
         value = batch if self.endpoint is None else self._publish(batch)
         return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times(), host=self._said_host())
 
@@ -384,9 +408,10 @@ class Worker:
         self.duties.enable_profile(config)
         return "profiling"
 
-    def _attach_buffer(self, storage: TensorDictBase) -> str:
+    def _attach_buffer(self, storage: TensorDictBase) -> Written:
+        """Write into ``storage`` from now on; returns the trajectories that ended in the batch it kept."""
         self.spec.replay_buffer.attach_storage(storage)
-        return "attached"
+        return self._new_written()
 
     def _resize(self, frames: int) -> int:
         """Rollouts of ``frames`` frames from the next one on (a sync parent re-split its batch among a

@@ -106,7 +106,7 @@ def test_default_format_warns_and_explicit_or_buffer_does_not():
     ({"traj_format": "cat"}, "needs trajs_per_batch"),
     ({"trajs_per_batch": 0, "traj_format": "cat"}, "trajs_per_batch must be a positive int"),
     ({"trajs_per_batch": True, "traj_format": "cat"}, "trajs_per_batch must be a positive int"),
-    ({"trajs_per_batch": 2, "trajs_per_write": 2, "traj_format": "cat"}, "trajs_per_write needs"),
+    ({"trajs_per_batch": 2, "trajs_per_write": 2, "traj_format": "cat"}, "trajs_per_write=2 needs a replay_buffer"),
     ({"trajs_per_batch": 2, "trajs_per_write": 0, "replay_buffer": RecordingBuffer()}, "trajs_per_write must be"),
     ({"trajs_per_batch": 2, "traj_format": "cat", "track_traj_ids": False}, "track_traj_ids=True"),
 ])

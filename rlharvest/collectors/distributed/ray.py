@@ -41,6 +41,11 @@ class RayCollector(BaseCollector):
         trust_policy, no_cuda_sync, trajs_per_batch, traj_format, pre_collect_hook, post_collect_hook:
             forwarded to every actor's collector (``traj_format`` is rlharvest's addition, as
             RPCCollector's: without it ``trajs_per_batch`` warns that its default will change).
+        replay_write_mode, trajs_per_write: what goes to ``replay_buffer``: ``"trajectory"`` complete
+            trajectories only (``trajs_per_write`` per ``extend``), ``"rollout"`` every batch whole;
+            None: ``"trajectory"`` with ``trajs_per_batch``, else ``"rollout"`` (TorchRL's next
+            release; docs/trajectories.md). Trajectories are assembled on this process from the
+            actors' batches.
         use_env_creator: accepted for compatibility (env constructors travel through Ray as they are).
 
     Batches: ``sync=True`` stacks one rollout of every actor, in actor order; ``sync=False`` yields
@@ -97,6 +102,8 @@ class RayCollector(BaseCollector):
         use_env_creator: bool = False,
         no_cuda_sync: bool | None = None,
         trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        replay_write_mode: str | None = None,
         traj_format: str | None = None,
         pre_collect_hook=None,
         post_collect_hook=None,
@@ -119,8 +126,8 @@ class RayCollector(BaseCollector):
             worker_timeout=worker_timeout, heartbeat_timeout=heartbeat_timeout,
             max_worker_restarts=max_worker_restarts, restart_delay=restart_delay,
             preemption_grace=preemption_grace, trust_policy=trust_policy, use_env_creator=use_env_creator,
-            no_cuda_sync=no_cuda_sync, trajs_per_batch=trajs_per_batch, traj_format=traj_format,
-            pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook, autoscale=autoscale
+            no_cuda_sync=no_cuda_sync, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
+            replay_write_mode=replay_write_mode, traj_format=traj_format, pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook, autoscale=autoscale
         ))
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)

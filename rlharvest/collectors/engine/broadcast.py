@@ -153,8 +153,10 @@ class WorkerBroadcast:
             return getattr(self.policy_here, name)
         return self._requests.request(self._all()[0], Command.GETATTR_POLICY, name)
 
-    def getattr_env(self, name: str) -> Any:
-        return self._requests.request(self._all()[0], Command.GETATTR_ENV, name)
+    def policy_versions(self) -> dict[int, Any]:
+        """``{worker: the policy version it reports}`` for every current worker."""
+        workers = self._all()
+        return dict(zip(workers, self.call_each("get_policy_version", [((), {})] * len(workers))))
 
     def worker_stats(self) -> list[dict]:
         """Each worker's own ``stats()``."""
@@ -207,14 +209,12 @@ class LocalCalls:
 
     Args:
         resolve: the object at an attribute path of the collector.
-        env: the collector's env.
         policy: the policy it runs now.
         name: how messages name the collector.
     """
 
-    def __init__(self, resolve: Callable[[str], Any], env: Any, policy: Callable[[], Any], name: str) -> None:
+    def __init__(self, resolve: Callable[[str], Any], policy: Callable[[], Any], name: str) -> None:
         self.resolve = resolve
-        self.env = env
         self.policy = policy
         self.name = name
 
@@ -232,8 +232,6 @@ class LocalCalls:
     def getattr_policy(self, name: str) -> Any:
         return getattr(self.policy(), name)
 
-    def getattr_env(self, name: str) -> Any:
-        return getattr(self.env, name)
 
 def _raised_warnings(raised: Any, worker: int) -> list[tuple[type[Warning], str]]:
     """The ``(category, message)`` pairs a worker says its ``load_state_dict`` raised.

@@ -29,6 +29,7 @@ from ...envs.capture import capture_env_state, restore_env_state
 from ...envs.state import EnvStateUnavailable, type_name
 from ...rollout import Rollout
 from .broadcast import WorkerBroadcast
+from .env_calls import LocalEnvCalls
 from .fleet import Fleet
 from .loops import BatchLoop
 from .output import BatchOutput
@@ -108,10 +109,13 @@ class LocalCheckpoint:
         config: the collector's arguments (its replay buffer).
         frames_per_batch: the frames of its batches now (a parent may resize them).
         where: how warnings name this collector (``"Collector"``, ``"worker 2"``).
+        env_calls: what ``setattr_env`` set (a checkpoint carries it, and sets it again on load).
     """
 
     def __init__(self, env: Any, rollout: Rollout, policy: Callable[[], Any], tally: Tally, weights: WeightPublisher,
-                 output: BatchOutput, config: CollectorConfig, frames_per_batch: Callable[[], int], where: str) -> None:
+                 output: BatchOutput, config: CollectorConfig, frames_per_batch: Callable[[], int], where: str,
+                 env_calls: LocalEnvCalls) -> None:
+        self.env_calls = env_calls
         self.env = env
         self.rollout = rollout
         self.policy = policy
@@ -152,6 +156,7 @@ class LocalCheckpoint:
             **_head(self.layout(), self.tally, self.weights.version),
             "traj_counter": int(rollout.traj_counter.peek()),
             "seed_chain": list(self.seed_chain) if self.seed_chain is not None else None,
+            "env_settings": list(self.env_calls.settings),
             "rng": capture_global_rng(),
             "env_name": repr(self.env),
             # a worker's buffer is its parent's (shared): the parent's checkpoint holds it once
@@ -165,6 +170,7 @@ class LocalCheckpoint:
                 section["episode"] = pack(rollout.episode_state())
             except EnvStateUnavailable as err:
                 section["env_unavailable"] = str(err)
+        section.update(self.output.state())
         assembler = self.output.assembler
         if assembler is not None:
             section["trajectories"] = pack({"in_flight": assembler._in_flight, "complete": assembler._complete})
@@ -199,6 +205,8 @@ class LocalCheckpoint:
         self.seed_chain = tuple(section["seed_chain"]) if section["seed_chain"] is not None else None
         restore_buffer(self.config.replay_buffer, section.get("replay_buffer"))
         continued = self._restore_episodes(section)
+        self.env_calls.restore(section.get("env_settings", ()))
+        self.output.restore(section)
         trajectories = self.output.trajectories
         if section.get("trajectories") is not None and trajectories is not None:
             held = unpack(section["trajectories"])
@@ -342,7 +350,7 @@ class FleetCheckpoint:
         self.tally.frames = state_dict["frames"]
         self.tally.iter = state_dict["iter"]
         if "policy_version" in state_dict or section is not None:
-            self.weights.version = int(state_dict["policy_version"] if section is None else section["policy_version"])
+            self.weights.acknowledge(state_dict["policy_version"] if section is None else section["policy_version"])
         counter = self.ids.counter
         if counter is not None and "traj_pool" in state_dict:
             counter.advance_to(int(state_dict["traj_pool"]["traj_id"]))

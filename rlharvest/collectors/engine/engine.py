@@ -32,9 +32,10 @@ from ..._utils import resolve_attr_path
 from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
-from ...protocol import Command
+from ...protocol import Command, Written
 from .broadcast import WorkerBroadcast
 from .checkpoint import FleetCheckpoint
+from .env_calls import EnvCalls
 from .contract import EngineOptions, WorkerSetup
 from .events import EventKind, FleetEvents
 from .extras import EngineExtra, ExternalJoins
@@ -158,14 +159,16 @@ class CollectionEngine:
                                      self.life, noun)
         self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
-                                     self.scaler, noun)
+                                     self.scaler, noun, env_settings=lambda: self.env_calls.for_new_worker())
+        #: ``setattr_env``, ``call_env``, ``getattr_env``: the workers' envs reconfigured while they run
+        self.env_calls = EnvCalls(fleet, self.loop.drop, self.background.thread_run.at_batch_boundary, noun)
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
-                                          config, self.sizes.frames_per_batch, self.ids, [self.schedule],
-                                          self.server)
+                                          config, self.sizes.frames_per_batch, self.ids,
+                                          [self.schedule, self.env_calls, self.output], self.server)
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],
-                                steps_only=self.server is not None)
+                                steps_only=self.server is not None, output=self.output)
 
     def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:
@@ -265,11 +268,13 @@ class CollectionEngine:
 
     # the rest of ``ParentDuties`` (worker/contract.py; this engine's collector runs inside a node): its own workers
     # write a shared buffer themselves, and its rollouts are interrupted through its workers
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> Written:
         buffer.extend(batch)
+        return Written(batch.numel())
 
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> Written:
         """Nothing is kept: trajectories are assembled where the batches are yielded."""
+        return Written()
 
     def write_batches_into(self, buffer: TensorDictBase, batch: TensorDictBase) -> None:
         """Batches are assembled here from the workers': nothing to redirect."""

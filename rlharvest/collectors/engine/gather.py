@@ -297,14 +297,19 @@ class FirstReady(BatchLoop):
                 self.fleet.recover(err)
 
     def drop(self) -> None:
-        """Wait for the requests in flight and discard their replies: the workers are idle, and the
-        next batches are collected from scratch."""
+        """Wait for the requests in flight and discard their batches: the workers are idle, and the
+        next batches are collected from scratch. Each batch is still fetched: a transport may carry
+        something in it that later batches need (a worker process shares its buffer in its first)."""
+        requests = self.fleet.requests
         for worker, request_id in list(self.requests_in_flight.items()):
             del self.requests_in_flight[worker]
             try:
-                self.fleet.requests.wait_for(worker, request_id)
+                reply = requests.wait_for(worker, request_id)
             except WorkerError as err:
                 self.fleet.recover(err)
+                continue
+            if not reply.written and self.fetched_early.pop((worker, request_id), None) is None:
+                requests.handles[worker].fetch_batch(reply)
         super().drop()
 
 

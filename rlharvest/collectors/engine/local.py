@@ -19,10 +19,12 @@ from ...envs.factory import close_env, env_keys, make_env
 from ...envs.policy_transforms import env_for_policy
 from ...policies import WeakPolicyRef, policy_device_copy, wrap_policy
 from ...profiling import ProfileConfig, RolloutProfiler
+from ...protocol import Written
 from ...rollout import LocalTrajectoryCounter, Rollout, RolloutSettings
 from ..options.local import LocalOptions
 from .broadcast import LocalCalls
 from .checkpoint import LocalCheckpoint
+from .env_calls import LocalEnvCalls
 from .events import FleetEvents
 from .local_weights import LocalWeights
 from .output import BatchOutput
@@ -75,14 +77,17 @@ class LocalEngine:
                                     served is not None, self.env, config, self.policy_device, resolve, self.progress,
                                     self.name)
         self.weights = self.updates.weights
-        self.calls = LocalCalls(resolve, self.env, policy, self.name)
+        self.calls = LocalCalls(resolve, policy, self.name)
+        self.env_calls = LocalEnvCalls(self.env, self.name)
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
         self.background = LocalRun(self.thread_run, config, self.life)
         self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
         self.stats = LocalStats(self.tally, self.progress, self.weights,
-                                lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy))
+                                lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy),
+                                self.output)
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
-                                          self.output, config, lambda: self.frames_per_batch, self.where())
+                                          self.output, config, lambda: self.frames_per_batch, self.where(),
+                                          self.env_calls)
         self.life.closed = False
         if options.weight_updater is not None:
             self.weights.set_updater(options.weight_updater, face)
@@ -211,14 +216,19 @@ class LocalEngine:
             return
         self.output.write(buffer, batch, hook)
 
-    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> None:
-        """A worker writes the buffer its parent shares (the post-collect hook saw the batch already)."""
+    def write_to_replay_buffer(self, buffer: Any, batch: TensorDictBase) -> Written:
+        """A worker writes the buffer its parent shares (the post-collect hook saw the batch already);
+        returns what it wrote (whole, or the trajectories that ended), with its steps pending now."""
+        before = self.output.wrote()
         self._write_buffer(buffer, batch)
+        return self.output.wrote() - before
 
-    def keep_for_replay_buffer(self, batch: TensorDictBase) -> None:
+    def keep_for_replay_buffer(self, batch: TensorDictBase) -> Written:
+        before = self.output.wrote()
         trajectories = self.output.trajectories
         if trajectories is not None:
             trajectories.ingest(self.output.postprocess(batch))
+        return self.output.wrote() - before
 
     def resize_batches(self, frames: int) -> int:
         """Rollouts of ``frames`` frames (rounded up to the env batch) from the next one on, for a parent

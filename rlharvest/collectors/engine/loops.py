@@ -192,6 +192,7 @@ class BatchLoop:
         episodes held back for complete-trajectory batches (they will never end)."""
         self.fetched_early = {key: batch for key, batch in self.fetched_early.items() if key[0] != worker}
         running = self.running_trajs.pop(worker, None)
+        self.parts.output.forget_worker(worker)
         trajectories = self.parts.output.trajectories
         if running and trajectories is not None:
             trajectories.drop_in_flight(running)
@@ -217,8 +218,9 @@ class BatchLoop:
     def take(self, worker: int, reply: Reply) -> TensorDictBase | None:
         """The worker's batch as a private copy with collector-wide ids, or None if it went to the buffer."""
         self.parts.figures.taken(worker, reply)
-        if reply.written:
+        if reply.written:  # its value says what the worker wrote
             self.record_times(reply)
+            self.parts.output.count_worker(worker, reply.value)
             return None
         batch = self.parts.ids.remap(self.fetch(worker, reply), worker)
         if self.parts.output.trajectories is not None:
@@ -282,7 +284,7 @@ class BatchLoop:
         batch = valid_part(batch)
         buffer = config.replay_buffer
         writers = self.parts.workers_write_buffer
-        if writers and config.trajs_per_batch is not None:
+        if writers and config.assembles_trajectories:
             # The worker that sent this batch keeps its trajectories and writes them once the storage
             # is attached: here the batch only gives the storage its layout.
             if batch.numel():
@@ -292,7 +294,9 @@ class BatchLoop:
         if writers and buffer.storage is not None and not self.buffer_attached:
             self.buffer_attached = True
             self.drain()
-            self.fleet.requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)
+            active = self.fleet.requests.active()
+            for worker, written in zip(active, self.fleet.requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)):
+                output.count_worker(worker, written)
 
     def write_pushed(self, worker: int, reply: Reply) -> None:
         """A batch a worker pushed while running free (``start()``): into the replay buffer, its frames

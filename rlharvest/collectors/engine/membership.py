@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable, Protocol, Sequence
 
 from ..._utils import user_stacklevel, wrap_callable
-from ...protocol import Command, WorkerSpec
+from ...protocol import Command, EnvSettings, WorkerSpec
 from .broadcast import WorkerBroadcast
 from .extras import EngineExtra
 from .fleet import Fleet
@@ -57,13 +57,15 @@ class Membership:
         is_running: whether the collector runs free (``start()``): workers cannot join or leave then.
         scaler: the autoscaler's part (re-splits sync batches), or None.
         noun: how messages name a worker.
+        env_settings: what new workers' envs start with (``setattr_env`` on every worker so far).
     """
 
     def __init__(self, fleet: Fleet, loop: BatchLoop, broadcast: WorkerBroadcast, weights: WeightPublisher,
                  schedule: WeightSchedule, ids: TrajectoryIds, sizes: BatchSizes, extras: Sequence[EngineExtra],
                  hooks: dict, life: Lifecycle, is_running: Callable[[], bool], scaler: Resplit | None = None,
-                 noun: str = "worker") -> None:
+                 noun: str = "worker", env_settings: Callable[[], EnvSettings] = tuple) -> None:
         self.fleet = fleet
+        self.env_settings = env_settings
         self.loop = loop
         self.broadcast = broadcast
         self.weights = weights
@@ -150,7 +152,7 @@ class Membership:
 
     def _start(self, specs: list[WorkerSpec], backend_options: list | None) -> None:
         """Start ``specs`` as workers after the others (:meth:`Fleet.grow`): on the current weights and
-        policy version, with the hooks set since construction, seeded by continuing the chain of the
+        policy version, with the hooks set since construction and the env settings given to every worker, seeded by continuing the chain of the
         last ``set_seed`` (docs/backends.md, "Adding workers").
 
         Raises:
@@ -158,7 +160,9 @@ class Membership:
                 on as it was).
         """
         hooks = {name: wrap_callable(hook) for name, hook in self.hooks.items() if hook is not None}
-        specs = [spec.with_hooks(hooks).replacement(policy_version=self.weights.version) for spec in specs]
+        settings = self.env_settings()
+        specs = [spec.with_hooks(hooks).replacement(policy_version=self.weights.version, env_settings=settings)
+                 for spec in specs]
         fleet = self.fleet
         first = len(fleet)
         fleet.grow(specs, backend_options)  # the others' rollouts in flight go on meanwhile

@@ -10,6 +10,7 @@ from tensordict import TensorDictBase
 
 from ..._utils import is_private_key
 from ...config import CollectorConfig
+from ...protocol import Written
 from ..trajectories import TrajectoryAssembler
 from ..utils import split_trajectories
 
@@ -45,11 +46,17 @@ class BatchOutput:
         #: drop keys with a path part starting with ``_`` from the batches (TorchRL's switch of that name)
         self.exclude_private_keys = True
         self._assembler: TrajectoryAssembler | None = None
+        #: frames written to a replay buffer whole by this collector
+        self.written_frames = 0
+        #: what workers writing the replay buffer themselves reported, summed; each one's steps pending
+        self.workers_wrote = Written()
+        self.workers_pending: dict[int, int] = {}
 
     @property
     def trajectories(self) -> TrajectoryAssembler | None:
-        """Where complete trajectories are assembled (``trajs_per_batch``), made on first use."""
-        if self._assembler is None and self.config.trajs_per_batch is not None and self.assembles:
+        """Where complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``),
+        made on first use."""
+        if self._assembler is None and self.config.assembles_trajectories and self.assembles:
             self._assembler = TrajectoryAssembler.from_config(self.config)
         return self._assembler
 
@@ -80,13 +87,68 @@ class BatchOutput:
         trajectories = self.trajectories
         if trajectories is None:
             buffer.extend(batch)
+            self.written_frames += batch.numel()
         else:
             trajectories.write(buffer, batch)
+
+    def wrote(self) -> Written:
+        """What this collector wrote to its replay buffer and assembled so far (its workers' not included)."""
+        assembler = self._assembler
+        if assembler is None:
+            return Written(self.written_frames)
+        return Written(self.written_frames + assembler.written_frames, assembler.completed_frames,
+                       assembler.completed_trajectories, assembler.pending_frames)
+
+    def count_worker(self, worker: int, written: Written) -> None:
+        """``worker``, which writes the replay buffer itself, reported ``written`` (since its last report)."""
+        self.workers_wrote = self.workers_wrote + written
+        self.workers_pending[worker] = written.pending_frames
+
+    def forget_worker(self, worker: int) -> None:
+        """``worker`` is replaced or leaves: its episodes in flight will never end."""
+        self.workers_pending.pop(worker, None)
+
+    def progress(self, stepped_frames: int) -> dict[str, int]:
+        """``stats()``'s progress figures (TorchRL's next release): ``stepped_frames`` (given: the
+        frames collected), and the complete trajectories' and the replay buffer's, where they are
+        assembled and written: here, or in the workers, which report them (docs/restarts.md, "Watching
+        a run")."""
+        own, workers = self.wrote(), self.workers_wrote
+        return {"stepped_frames": int(stepped_frames),
+                "trajectory_completed_frames": own.trajectory_frames + workers.trajectory_frames,
+                "trajectory_pending_frames": own.pending_frames + sum(self.workers_pending.values()),
+                "replay_written_frames": own.frames + workers.frames,
+                "completed_trajectories": own.trajectories + workers.trajectories}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict:
+        """The counters behind :meth:`progress`, for a checkpoint (the steps pending are counted from the
+        episodes in flight, which a checkpoint keeps or restarts)."""
+        assembler, workers = self._assembler, self.workers_wrote
+        assembled = [assembler.written_frames, assembler.completed_frames, assembler.completed_trajectories] \
+            if assembler is not None else [0, 0, 0]
+        return {"written": {"frames": self.written_frames, "assembled": assembled,
+                            "workers": [workers.frames, workers.trajectory_frames, workers.trajectories],
+                            "workers_pending": [[w, p] for w, p in self.workers_pending.items()]}}
+
+    def restore(self, section: dict) -> None:
+        """Continue counting from a checkpoint's :meth:`state` (one without it: the counters stay)."""
+        state = section.get("written")
+        if state is None:
+            return
+        self.written_frames = int(state["frames"])
+        assembler = self.trajectories
+        if assembler is not None:
+            assembler.written_frames, assembler.completed_frames, assembler.completed_trajectories = \
+                (int(value) for value in state["assembled"])
+        self.workers_wrote = Written(*(int(value) for value in state["workers"]))
+        self.workers_pending = {int(w): int(p) for w, p in state["workers_pending"]}
 
     def write_steps(self, buffer: Any, batch: TensorDictBase, time_dim: int) -> None:
         """``extend_buffer=False``: one ``add`` per time step (deprecated by TorchRL, kept working)."""
         for t in range(batch.shape[time_dim]):
             buffer.add(drop_private_keys(batch[(slice(None),) * time_dim + (t,)].clone()))
+        self.written_frames += batch.numel()
 
     def deliver(self, batch: TensorDictBase, hook: Callable | None = None) -> Iterator[TensorDictBase]:
         """The batches the caller gets for ``batch``: itself post-processed, or zero or more batches of

@@ -17,6 +17,7 @@ from .broadcast import WorkerBroadcast
 from .fleet import Fleet
 from .progress import LatencyHistogram, ProgressMeter
 from .state import Lifecycle, Tally
+from .output import BatchOutput
 from .weights import WeightPublisher
 from .worker_figures import WorkerFigures
 
@@ -55,6 +56,9 @@ class StatsSnapshot:
     """Collectors with workers: ``workers``, ``workers_alive``, restarts, ``workers_removed``..."""
     per_worker: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Each worker's own snapshot, by index (asked of the workers)."""
+    collected: dict[str, int] = field(default_factory=dict)
+    """Frames stepped, of complete and pending trajectories, written to the replay buffer; complete
+    trajectories (``BatchOutput.progress``: TorchRL's next release)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Figures of optional parts (the autoscaler's ``autoscale/...``)."""
     weight_version: int = 0
@@ -76,6 +80,7 @@ class StatsSnapshot:
                 stats["total_frames"] = int(self.total_frames)
             stats["completed"] = bool(self.completed)
             stats["requested_frames_per_batch"] = int(self.requested_frames_per_batch)
+            stats.update(self.collected)
             if isinstance(self.policy_version, int):
                 stats["policy_version"] = self.policy_version
             stats.update(self.progress)
@@ -172,12 +177,15 @@ class FleetStats:
         sources: the parts that add figures (a backend's extras, the autoscaler).
         steps_only: the workers send steps, not batches (env workers of a policy server): they are
             collecting from their start.
+        output: the batches' way out (complete trajectories, replay-buffer writes), or None.
     """
 
     def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
                  frames_per_batch: Callable[[], int], fleet: Fleet, figures: WorkerFigures,
                  broadcast: WorkerBroadcast, life: Lifecycle, census: WorkerCensus = ASKED_WHEN_VIEWED,
-                 sources: Sequence[StatsSource] = (), steps_only: bool = False) -> None:
+                 sources: Sequence[StatsSource] = (), steps_only: bool = False,
+                 output: BatchOutput | None = None) -> None:
+        self.output = output
         self.tally = tally
         self.progress = progress
         self.weights = weights
@@ -198,8 +206,9 @@ class FleetStats:
         snapshot = StatsSnapshot(
             frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
-            policy_version=self.weights.policy_version, progress=progress.stats(), times=dict(progress.seconds),
-            weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram())
+            policy_version=self.weights.acknowledged_version, progress=progress.stats(), times=dict(progress.seconds),
+            weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram(),
+            collected=self.output.progress(tally.frames) if self.output is not None else {})
         active = fleet.active
         open_ = not self.life.closed
         answers = self.census.answers(self.broadcast, active, workers, timeout) if open_ else {}
@@ -232,10 +241,13 @@ class LocalStats:
         weights: the policy version (tracked or not).
         frames_per_batch: the frames of its batches.
         rollout_seconds: the seconds its rollouts spent in the env and in the policy.
+        output: the batches' way out (complete trajectories, replay-buffer writes).
     """
 
     def __init__(self, tally: Tally, progress: ProgressMeter, weights: WeightPublisher,
-                 frames_per_batch: Callable[[], int], rollout_seconds: Callable[[], tuple[float, float]]) -> None:
+                 frames_per_batch: Callable[[], int], rollout_seconds: Callable[[], tuple[float, float]],
+                 output: BatchOutput) -> None:
+        self.output = output
         self.tally = tally
         self.progress = progress
         self.weights = weights
@@ -250,7 +262,8 @@ class LocalStats:
             frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
             policy_version=self.weights.policy_version, progress=self.progress.stats(), times=self.time_split(),
-            weight_version=self.weights.version, weight_syncs=self.progress.weight_sync_histogram())
+            weight_version=self.weights.version, weight_syncs=self.progress.weight_sync_histogram(),
+            collected=self.output.progress(tally.frames))
 
     def time_split(self) -> dict[str, float]:
         split = dict(self.progress.seconds)

@@ -82,10 +82,44 @@ class WeightUpdates:
         """
         if self.refused is not None:
             raise NotImplementedError(self.refused)
-        self.updating(lambda: self.weights.update(value, policy_or_weights, worker_ids, model_id, weights_dict))
+        weights = self.weights
+        acknowledged, before = weights.acknowledged, weights.version
+        weights.acknowledged = False  # until every worker has it
+        try:
+            self.updating(lambda: weights.update(value, policy_or_weights, worker_ids, model_id, weights_dict))
+        except BaseException:  # some workers may have it: no version describes them all
+            weights.unacknowledged += weights.version - before
+            raise
+        if acknowledged and self._everyone_waited_for(value, worker_ids, model_id, weights_dict):
+            weights.acknowledged = True
+        else:
+            weights.unacknowledged += weights.version - before
         targets = self.fleet.active if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int)
                                                                  else worker_ids)
         self.schedule.updated(list(targets))
+
+    def _everyone_waited_for(self, value: Any, worker_ids: Any, model_id: str | None,
+                             weights_dict: dict | None) -> bool:
+        """Whether an update reached every current worker and was acknowledged by each (every model's
+        scheme waits for acknowledgements): one version then describes them all."""
+        everyone = set(self.fleet.active)
+
+        def all_workers(ids: Any) -> bool:
+            return ids is None or (isinstance(ids, int) and not isinstance(ids, bool) and {ids} == everyone) or (
+                isinstance(ids, (list, tuple)) and all(type(i) is int for i in ids) and set(ids) == everyone)
+
+        def per_worker(weights: Any) -> bool:
+            return isinstance(weights, dict) and bool(weights) and all(type(k) is int for k in weights)
+
+        entries = dict(weights_dict) if weights_dict is not None else {model_id or "policy": value}
+        if not all_workers(worker_ids) or any(per_worker(w) and set(w) != everyone for w in entries.values()):
+            return False
+        if self.weights.updater is not None:  # a legacy updater says nothing of acknowledgements
+            return False
+        schemes = self.weights.sync_schemes
+        if not schemes:  # the policy runs here (a policy server): nothing to acknowledge
+            return True
+        return all(mid in schemes and getattr(schemes[mid], "sync", True) for mid in entries)
 
     def updating(self, update: Callable[[], Any], counted: bool = True) -> None:
         """Run a weight update; a worker it finds failed is replaced.
@@ -109,9 +143,10 @@ class WeightUpdates:
                     self.weights.increment()
 
     def increment_version(self) -> None:
-        """``increment_version()`` asked by the user: here and in every worker."""
+        """``increment_version()`` asked by the user: here and in every worker, which acknowledge it."""
         self.weights.increment()
         self.broadcast.increment_version()
+        self.weights.acknowledge()
 
     def register_receivers(self, schemes: dict, synchronize: bool = True) -> None:
         """Schemes through which this collector (inside a node) receives weights from its parent."""

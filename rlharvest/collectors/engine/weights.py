@@ -109,8 +109,30 @@ class WeightPublisher:
         #: with a legacy updater, whose transport is ``sender_schemes``)
         self.sync_schemes: dict[str, WeightSyncScheme] | None = None
         self.receiver_schemes: dict[str, WeightSyncScheme] | None = None
+        #: whether every worker acknowledged the current version: an update to some workers, or one
+        #: not waited for, leaves them apart until ``increment_version()`` or a checkpoint's load
+        self.acknowledged = True
+        #: the versions counted by updates that not every worker acknowledged: the aggregate version
+        #: leaves them out (TorchRL's next release counts only acknowledged updates there)
+        self.unacknowledged = 0
 
     # ------------------------------------------------------------------ versions
+    @property
+    def acknowledged_version(self) -> int | str | None:
+        """``policy_version`` as every worker acknowledged it: None after a partial or asynchronous
+        update, until ``increment_version()`` or a checkpoint's load, and then without the versions
+        such updates counted (TorchRL's next release; docs/weights.md, "Versions")."""
+        if not self.acknowledged:
+            return None
+        version = self.policy_version
+        return version - self.unacknowledged if self.version_tracker is True else version
+
+    def acknowledge(self, version: int | None = None) -> None:
+        """Every worker has the current version (``increment_version()``), or ``version`` (a load)."""
+        if version is not None:
+            self.version, self.unacknowledged = int(version), 0
+        self.acknowledged = True
+
     @property
     def policy_version(self) -> int | str | None:
         """The current policy version, or None when versions are not tracked."""

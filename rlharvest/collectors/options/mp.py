@@ -261,6 +261,8 @@ class WorkerProcessOptions:
             written = dict(postproc=config.postproc, split_trajs=config.split_trajs, replay_buffer=config.replay_buffer)
             if config.trajs_per_batch is not None:  # each worker writes its own trajectories
                 written.update(trajs_per_batch=config.trajs_per_batch, trajs_per_write=config.trajs_per_write)
+            if config.replay_write_mode is not None:
+                written.update(replay_write_mode=config.replay_write_mode, trajs_per_write=config.trajs_per_write)
         factories = self.policy_factories
         return [WorkerSpec(
             worker_idx=worker,

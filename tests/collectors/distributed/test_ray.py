@@ -246,6 +246,21 @@ def test_actors_running_free_wait_for_a_slower_replay_buffer():
     assert set(buffer.sample(len(buffer))["observation"].unique().tolist()) <= {0, 1, 2}
 
 
+def test_replay_write_mode_writes_the_actors_complete_trajectories():
+    buffer = ReplayBuffer(capacity=1000)
+    collector = make(sync=True, replay_buffer=buffer, replay_write_mode="trajectory", trajs_per_write=1)
+    try:
+        iterator = iter(collector)
+        next(iterator), next(iterator)  # each actor stepped 8 times: two episodes of 3 ended, 2 steps pending
+        steps = buffer[:len(buffer)]
+        assert len(buffer) == 12 and int(steps["next", "done"].sum()) == 4  # whole episodes only
+        stats = collector.stats()
+        assert (stats["replay_written_frames"], stats["completed_trajectories"]) == (12, 4)
+        assert (stats["trajectory_completed_frames"], stats["trajectory_pending_frames"]) == (12, 4)
+    finally:
+        collector.shutdown()
+
+
 def test_a_killed_actor_raises_worker_error_naming_it(ray_cluster):
     # worker_timeout far beyond the test's own timeout: only noticing the death ends the wait in time
     collector = make(sync=True, worker_timeout=600.0)
@@ -282,6 +297,11 @@ def test_arguments_are_checked():
         RayCollector([counting()] * 2, frames_per_batch=8, remote_configs=[{}])
     with pytest.raises(TypeError, match="launcher"):
         RayCollector([counting()], frames_per_batch=8, launcher="mp")
+    with pytest.raises(ValueError, match="trajs_per_write"):  # whole rollouts have no trajectories to count
+        RayCollector([counting()], frames_per_batch=8, replay_buffer=ReplayBuffer(capacity=8),
+                     replay_write_mode="rollout", trajs_per_write=2)
+    with pytest.raises(ValueError, match="replay_write_mode"):
+        RayCollector([counting()], frames_per_batch=8, replay_write_mode="trajectory")
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
