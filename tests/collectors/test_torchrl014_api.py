@@ -69,7 +69,10 @@ def test_stats_of_a_collector_are_plain_scalars():
     collector = Collector(CountingEnv(), CountingPolicy(), frames_per_batch=4, total_frames=8, track_policy_version=True)
     assert collector.stats() == {"frames": 0, "batches": 0, "total_frames": 8, "completed": False,
                                  "requested_frames_per_batch": 4, "policy_version": 0, "time_env_s": 0.0,
-                                 "time_policy_s": 0.0, "time_transport_s": 0.0, "time_waiting_s": 0.0}
+                                 "time_policy_s": 0.0, "time_transport_s": 0.0, "time_waiting_s": 0.0,
+                                 # TorchRL's next release's progress keys (docs/torchrl-compatibility.md)
+                                 "stepped_frames": 0, "trajectory_completed_frames": 0, "trajectory_pending_frames": 0,
+                                 "replay_written_frames": 0, "completed_trajectories": 0}
     seen = [collector.stats()["frames"] for _ in collector]
     assert seen == [4, 8] and collector.stats()["completed"] and collector.stats()["batches"] == 2
     assert json.loads(json.dumps(collector.stats())) == collector.stats()
