@@ -18,10 +18,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._utils import CloudpickleWrapper, user_stacklevel
+from .config_views import FrameBudget, OutputRules
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices",
-           "validate_exploration_type"]
+__all__ = ["CollectorConfig", "FrameBudget", "OutputRules", "check_restart_arguments", "parse_total_frames",
+           "positive_seconds", "resolve_devices", "validate_exploration_type"]
 
 _TRAJ_FORMAT_DEFAULT = (
     "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
@@ -334,7 +335,13 @@ class CollectorConfig:
     @property
     def assembles_trajectories(self) -> bool:
         """Whether complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``)."""
-        return self.trajs_per_batch is not None or self.replay_write_mode == "trajectory"
+        return self.output_rules.assembles_trajectories
+
+    @property
+    def output_rules(self) -> OutputRules:
+        """What the part that post-processes and writes batches reads (no batch size)."""
+        return OutputRules(self.split_trajs, self.postproc, self.trajs_per_batch, self.trajs_per_write,
+                           self.traj_format, self.replay_write_mode, self.reset_at_each_iter)
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:
@@ -350,6 +357,11 @@ class CollectorConfig:
 
     # ------------------------------------------------------------------ frames
     @property
+    def budget(self) -> FrameBudget:
+        """What the collector's counters read (no batch size)."""
+        return FrameBudget(self.total_frames, self.total_frames_given, self.init_random_frames, self.replay_buffer)
+
+    @property
     def endless(self) -> bool:
         return self.total_frames < 0
 
@@ -359,23 +371,9 @@ class CollectorConfig:
         value = self.frames_per_batch
         return sum(value) if isinstance(value, tuple) else value
 
-    def in_random_phase(self, frames: int) -> bool:
-        """Whether the next batch takes random actions (``init_random_frames``): counted in the replay
-        buffer's writes when it counts them, else in ``frames``, the collector's."""
-        target = self.init_random_frames
-        if not target:
-            return False
-        buffer = self.replay_buffer
-        if buffer is not None and hasattr(buffer, "write_count"):
-            return buffer.write_count < target
-        return frames < target
-
     def num_batches(self, frames_per_batch: int) -> int:
-        """``len(collector)``."""
-        if self.endless:
-            raise RuntimeError(f"total_frames={self.total_frames_given!r} makes an endless collector (any negative "
-                               "value, or None, means endless): len() is undefined.")
-        return math.ceil(self.total_frames / frames_per_batch)
+        """``len(collector)`` (:meth:`FrameBudget.num_batches`)."""
+        return self.budget.num_batches(frames_per_batch)
 
     def split_frames(self, num_workers: int, mode: str) -> list[int]:
         """Frames each worker collects per batch.

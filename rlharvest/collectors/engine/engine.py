@@ -98,7 +98,7 @@ class CollectionEngine:
         #: how the workers' batches come back (and whether they stand still between batches)
         self.gathering = gathering = options.gathering
         self.life = Lifecycle(type(face).__name__)
-        self.tally = Tally(config)
+        self.tally = Tally(config.budget)
         self.hooks: dict[str, Any] = {"pre_collect_hook": config.pre_collect_hook,
                                       "post_collect_hook": config.post_collect_hook}
         self.profile_config: ProfileConfig | None = None
@@ -116,8 +116,8 @@ class CollectionEngine:
         #: each worker's figures, kept from its replies (``stats()``)
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.ids = options.trajectory_ids()
-        self.output = BatchOutput(config, assembles=options.assembles_trajectories)
-        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy.of(config, noun, self.events),
+        self.output = BatchOutput(config.output_rules, assembles=options.assembles_trajectories)
+        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy(config.max_worker_restarts, config.restart_delay, noun, self.events),
                            Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                        _weakly(self._after_replacement), _weakly(self._after_leave)),
                            on_collect=self.figures.sent, events=self.events)
@@ -138,7 +138,8 @@ class CollectionEngine:
         self.scaler = self._scaler(options, gathering.sync)
         self._compose_batches(options, gathering)
         #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
-        self.legacy = LegacyStaging(self.weights, self.updates.get_model, config, self.fleet)
+        self.legacy = LegacyStaging(self.weights, self.updates.get_model,
+                                    lambda worker: self.options.config.policy_device_of(worker), self.fleet)
         #: what the workers' specs were built with (``add_collectors`` builds more)
         self.setup: WorkerSetup | None = None
 
@@ -151,11 +152,11 @@ class CollectionEngine:
                                 active=lambda: fleet.active)
         self.loop = gathering.loop(LoopParts(
             fleet=fleet, tally=self.tally, progress=self.progress, figures=self.figures, ids=self.ids,
-            output=self.output, config=config, sizes=self.sizes, pacing=self.updates,
+            output=self.output, replay_buffer=config.replay_buffer, sizes=self.sizes, pacing=self.updates,
             between_batches=_weakly(self._between_batches), hooks=self.hooks,
             policy_error=self.server.policy_error if self.server is not None else lambda: None,
             workers_write_buffer=options.workers_write_buffer))
-        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config, self.iterate,
+        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config.replay_buffer, self.iterate,
                                      self.life, noun)
         self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
@@ -163,7 +164,7 @@ class CollectionEngine:
         #: ``setattr_env``, ``call_env``, ``getattr_env``: the workers' envs reconfigured while they run
         self.env_calls = EnvCalls(fleet, self.loop.drop, self.background.thread_run.at_batch_boundary, noun)
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
-                                          config, self.sizes.frames_per_batch, self.ids,
+                                          config.replay_buffer, self.sizes.frames_per_batch, self.ids,
                                           [self.schedule, self.env_calls, self.output], self.server)
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,

@@ -9,7 +9,6 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDictBase
 
-from ...config import CollectorConfig
 from ...weight_update.strategy import weights_of
 from .fleet import Fleet
 from .weights import WeightPublisher
@@ -23,15 +22,15 @@ class LegacyStaging:
     Args:
         weights: the publisher (its sender schemes).
         source: the main-side weight source of a model (``get_model``).
-        config: the collector's arguments (each worker's policy device).
+        device_of: the device worker ``index`` runs its policy on (``device_of(index)``).
         fleet: the workers (how many slots there are).
     """
 
-    def __init__(self, weights: WeightPublisher, source: Callable[[str], Any], config: CollectorConfig,
+    def __init__(self, weights: WeightPublisher, source: Callable[[str], Any], device_of: Callable[[int], torch.device],
                  fleet: Fleet) -> None:
         self.weights = weights
         self.source = source
-        self.config = config
+        self.device_of = device_of
         self.fleet = fleet
         #: ``{device: weights}``, made on first use
         self.staging: dict | None = None
@@ -44,13 +43,13 @@ class LegacyStaging:
             if source is None:
                 return {}
             weights = weights_of(source)
-            devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(len(self.fleet)))
+            devices = dict.fromkeys(self.device_of(w) for w in range(len(self.fleet)))
             self.staging = {device: weights.detach().to(device).clone() for device in devices}
         return self.staging
 
     def push_staged(self, written: dict, device: torch.device) -> None:
         """A legacy updater wrote ``written[device]``: push it to the workers on that device."""
-        workers = [w for w in range(len(self.fleet)) if self.config.policy_device_of(w) == torch.device(device)]
+        workers = [w for w in range(len(self.fleet)) if self.device_of(w) == torch.device(device)]
         self.weights.sender_schemes["policy"].send(weights=written[device], worker_ids=workers)
 
     def cached_weights(self, model_id: str) -> TensorDictBase | None:
@@ -60,4 +59,4 @@ class LegacyStaging:
         buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
         if not buffers:
             return None
-        return buffers.get(self.config.policy_device_of(0), next(iter(buffers.values())))
+        return buffers.get(self.device_of(0), next(iter(buffers.values())))

@@ -190,10 +190,10 @@ class Membership:
         if scaler is not None:  # batches keep their size: nothing to warn about
             return
         tally = sizes.tally
-        config = tally.config
-        remaining = config.total_frames - tally.frames
+        budget = tally.budget
+        remaining = budget.total_frames - tally.frames
         per_batch = sizes.frames_per_batch()
-        if not config.endless and remaining > 0 and remaining % per_batch:
-            warnings.warn(f"{remaining} frames remain to total_frames={config.total_frames}, not a multiple of the "
+        if not budget.endless and remaining > 0 and remaining % per_batch:
+            warnings.warn(f"{remaining} frames remain to total_frames={budget.total_frames}, not a multiple of the "
                           f"{per_batch} of a batch of {len(self.fleet.active)} {self.noun}s: the last "
                           "batch collects the excess.", stacklevel=user_stacklevel())
