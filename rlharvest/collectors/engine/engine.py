@@ -327,8 +327,10 @@ class CollectionEngine:
 
     def _grow(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
               backend_options: Any) -> None:
-        grown, specs, extra = self.membership.prepare(self.options, self.setup, create_env_fn, num_envs, policy,
-                                                      collector_kwargs, backend_options)
+        self.membership.check_grow()
+        grown, specs, extra = self.options.added(len(self.fleet), create_env_fn, num_envs, policy, collector_kwargs,
+                                                 backend_options, self.setup)
+        self.fleet.check_growable()  # nothing started yet
         previous, self.options = self.options, grown
         try:
             self.membership.start_added(specs, extra)
