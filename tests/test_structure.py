@@ -74,7 +74,8 @@ def _options_types() -> set[str]:
     and every options class of collectors/options/."""
     options = _trees(PACKAGE / "collectors" / "options", "*.py").values()
     return {"CollectorConfig", "EngineOptions"} | {
-        n.name for tree in options for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Options")}
+        n.name for tree in options for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name.endswith("Options")}
 
 
 def parts_given_options() -> list[str]:

@@ -117,7 +117,8 @@ class CollectionEngine:
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.ids = options.trajectory_ids()
         self.output = BatchOutput(config.output_rules, assembles=options.assembles_trajectories)
-        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy(config.max_worker_restarts, config.restart_delay, noun, self.events),
+        restarts = RestartPolicy(config.max_worker_restarts, config.restart_delay, noun, self.events)
+        self.fleet = Fleet(self.backend, {}, options.worker_timeout, restarts,
                            Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                        _weakly(self._after_replacement), _weakly(self._after_leave)),
                            on_collect=self.figures.sent, events=self.events)
@@ -139,7 +140,7 @@ class CollectionEngine:
         self._compose_batches(options, gathering)
         #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
         self.legacy = LegacyStaging(self.weights, self.updates.get_model,
-                                    lambda worker: self.options.config.policy_device_of(worker), self.fleet)
+                                    [config.policy_device_of(worker) for worker in range(options.num_workers)])
         #: what the workers' specs were built with (``add_collectors`` builds more)
         self.setup: WorkerSetup | None = None
 
@@ -156,8 +157,8 @@ class CollectionEngine:
             between_batches=_weakly(self._between_batches), hooks=self.hooks,
             policy_error=self.server.policy_error if self.server is not None else lambda: None,
             workers_write_buffer=options.workers_write_buffer))
-        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config.replay_buffer, self.iterate,
-                                     self.life, noun)
+        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config.replay_buffer,
+                                     self.iterate, self.life, noun)
         self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
                                      self.scaler, noun, env_settings=lambda: self.env_calls.for_new_worker())

@@ -75,7 +75,8 @@ class LocalEngine:
         policy = self._current_policy
         self.updates = LocalWeights(self.rollout, policy, self._weight_source_ref, self.policy_is_copy,
                                     served is not None, self.env, config.track_policy_version, config.worker_idx,
-                                    bool(config.max_frames_per_traj), self.policy_device, resolve, self.progress, self.name)
+                                    bool(config.max_frames_per_traj), self.policy_device, resolve, self.progress,
+                                    self.name)
         self.weights = self.updates.weights
         self.calls = LocalCalls(resolve, policy, self.name)
         self.env_calls = LocalEnvCalls(self.env, self.name)
@@ -86,8 +87,8 @@ class LocalEngine:
                                 lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy),
                                 self.output)
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
-                                          self.output, config.replay_buffer, config.worker_idx, lambda: self.frames_per_batch,
-                                          self.where(),
+                                          self.output, config.replay_buffer, config.worker_idx,
+                                          lambda: self.frames_per_batch, self.where(),
                                           self.env_calls)
         self.life.closed = False
         if options.weight_updater is not None:
