@@ -242,7 +242,8 @@ class BufferPool:
     def take(self) -> tuple[TensorDictBase, dict[NestedKey, torch.Tensor]] | None:
         """A buffer nothing outside this pool refers to (a new TensorDict around its leaves) and its leaves
         by key, or None."""
-        for index, (owner, leaves, batch_size, names) in enumerate(self._kept):
+        for index in range(len(self._kept) - 1, -1, -1):  # the last handed out first: its memory is the warmest
+            owner, leaves, batch_size, names = self._kept[index]
             if owner() is None and _unreferenced(leaves):
                 del self._kept[index]
                 buffer = TensorDict(leaves, batch_size=batch_size)
