@@ -119,7 +119,7 @@ class AsyncBatchedCollector(BaseCollector):
             mp_start_method=mp_start_method, worker_collector=Collector, torchrl_options=torchrl_options))
 
     def _build(self, options: AsyncBatchedOptions) -> None:
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine = CollectionEngine(options, options.batch_shares, self)  # the face holds it while the workers start
         self._engine.start()
 
 

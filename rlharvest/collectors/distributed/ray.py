@@ -150,7 +150,7 @@ class RayCollector(BaseCollector):
 
     def _build(self, options: RayOptions) -> None:
         ensure_ray(options.ray_init_config)
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine = CollectionEngine(options, options.batch_shares, self)  # the face holds it while the workers start
         self._engine.start()
 
     # ------------------------------------------------------------------ TorchRL's Ray API

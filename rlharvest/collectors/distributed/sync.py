@@ -95,7 +95,7 @@ class DistributedSyncCollector(BaseCollector):
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
     def _build(self, options: TorchDistOptions) -> None:
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine = CollectionEngine(options, options.batch_shares, self)  # the face holds it while the workers start
         self._engine.start()
 
     worker_pids = _workers.worker_pids

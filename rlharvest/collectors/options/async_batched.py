@@ -10,6 +10,7 @@ import torch
 
 from ..._utils import NestedKey, wrap_callable
 from ...config import CollectorConfig, positive_seconds
+from ...config_views import BatchShares
 from ...envs import SerialEnv
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
@@ -273,11 +274,9 @@ class AsyncBatchedOptions:
         return len(self.env_fns)
 
     @property
-    def requested_frames(self) -> int:
-        return self.config.frames_per_batch
-
-    def frames_share(self, worker: int) -> int:
-        return self.batched.chunk_steps * self.batched.envs_per_worker
+    def batch_shares(self) -> BatchShares:
+        """The frames of a batch, and what each worker collects per rollout: a chunk of every env."""
+        return BatchShares(self.config.frames_per_batch, (self.batched.chunk_steps * self.batched.envs_per_worker,))
 
     def build_backend(self) -> Backend:
         if self.batched.env_backend == "threading":
@@ -288,11 +287,11 @@ class AsyncBatchedOptions:
         """No weight scheme (the policy runs here); one trajectory counter for every worker."""
         return WorkerSetup(policy=None, schemes={}, trajectory_counter=backend.trajectory_counter())
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
         """Each worker runs a ``Collector`` of its env(s) whose policy is a client of the served one,
-        collecting chunks of ``transition_chunk_size`` steps."""
+        collecting chunks of ``transition_chunk_size`` steps (its share of ``shares``)."""
         batched = self.batched
-        config = self.config.worker_config(0, frames_per_batch=batched.chunk_steps * batched.envs_per_worker,
+        config = self.config.worker_config(0, frames_per_batch=shares.share(0),
                                            total_frames=-1, post_collect_hook=None)
         return [WorkerSpec(
             worker_idx=worker, collector_class=self.worker_collector, create_env_fn=wrap_callable(self.env_fns[worker]),

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from ..._utils import wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
+from ...config_views import BatchShares, FramesPerBatch
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
@@ -29,7 +30,7 @@ from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
 from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
-from .mp import WorkerProcessOptions
+from .mp import NodeProcesses, WorkerProcessOptions
 
 __all__ = ["NodeOptions", "resolve_collector_class", "replicated"]
 
@@ -161,7 +162,8 @@ class NodeOptions:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
         check_env_constructors(create_env_fn, cls.noun)
         count = len(create_env_fn)
-        config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames_per_batch, **config_arguments)
+        config = CollectorConfig.from_kwargs(owner, frames_per_batch=FramesPerBatch.parse(frames_per_batch).value,
+                                             **config_arguments)
         if isinstance(config.frames_per_batch, tuple):
             raise TypeError(f"frames_per_batch must be an int for {owner} (nodes collect equal shares), got a list.")
         if update_after_each_batch and max_weight_update_interval > -1:
@@ -269,11 +271,10 @@ class NodeOptions:
         return self.track_versions
 
     @property
-    def requested_frames(self) -> int:
-        return self.config.frames_per_batch
-
-    def frames_share(self, worker: int) -> int:
-        return self.frames_per_node
+    def batch_shares(self) -> BatchShares:
+        """The frames of a batch and each node's (equal) share, which the engine hands to the parts that
+        size batches (the nodes' own configs were given theirs at parse)."""
+        return BatchShares(self.config.frames_per_batch, (self.frames_per_node,))
 
     def default_scheme(self, backend: Backend) -> dict:
         """The scheme of this backend when the user gave none (none for a policy without weights)."""
@@ -294,7 +295,9 @@ class NodeOptions:
             schemes = self.default_scheme(backend)
         return WorkerSetup(policy=self.policy, schemes=dict(schemes or {}), legacy=legacy)
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
+        """One spec per node from index ``first`` on (its share is in its node config: ``shares`` is
+        :attr:`batch_shares`)."""
         return [self.node_spec(node, setup) for node in range(first, self.num_workers)]
 
     def node_spec(self, node: int, setup: WorkerSetup) -> WorkerSpec:
@@ -323,7 +326,8 @@ class NodeOptions:
                           preemption_grace=self.config.preemption_grace, **arguments)
 
     def added(self, first: int, create_env_fn: Any, num_envs: Any, policy: Any, collector_kwargs: Any,
-              backend_options: Any, setup: WorkerSetup) -> tuple[NodeOptions, list[WorkerSpec], Any]:
+              backend_options: Any, setup: WorkerSetup,
+              shares: BatchShares) -> tuple[NodeOptions, list[WorkerSpec], Any]:
         """``add_collectors``: these options grown by the new nodes, their specs, and what the backend
         needs of each (``backend_options``, checked by the backend's options).
 
@@ -357,7 +361,7 @@ class NodeOptions:
             node_configs=self.node_configs + configs, node_options=self.node_options + options,
             num_workers_per_collector=sub_workers if not self.runs_one_env else self.num_workers_per_collector,
             policy_factories=self.policy_factories + (factory,) * count if self.policy_factories else None)
-        return grown, grown.worker_specs(setup, first=first), extra
+        return grown, grown.worker_specs(setup, shares, first=first), extra
 
     def added_backend_options(self, backend_options: Any, count: int) -> Any:
         """What the backend needs of each new node (Ray: ``remote_configs``); None by default.
@@ -450,10 +454,10 @@ def _node_options(node_class: Any, named: Mapping[str, type], config: CollectorC
     ours = config.for_worker(0)  # the node's non-default collector arguments, this collector's first
     ours.pop("worker_idx", None)
     arguments = {**{k: v for k, v in user.items() if k != "frames_per_batch"}, **ours}
-    return WorkerProcessOptions.parse(
+    options = WorkerProcessOptions.parse(
         owner, sync=issubclass(node_class, named["sync"]), create_env_fn=[None] * sub_workers, num_workers=None,
-        policy=None, policy_factory=None, frames_per_batch=config.frames_per_batch,
-        default_collector=named["single"], **arguments)
+        policy=None, policy_factory=None, default_collector=named["single"], **arguments)
+    return NodeProcesses(options, FramesPerBatch.parse(config.frames_per_batch))
 
 
 def _is_module(policy: Any) -> bool:
