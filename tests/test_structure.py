@@ -112,6 +112,25 @@ def test_no_part_is_given_the_collectors_arguments_whole():
     assert parts_given_options() == [], "hand a part the fields it reads (docs/architecture.md)"
 
 
+def test_a_worker_process_collector_holds_its_batch_size_apart_from_its_options():
+    """``frames_per_batch`` is parsed apart (``FramesPerBatch``) and split into the ``BatchShares`` that
+    only the engine's ``BatchSizes``, its autoscaler and the workers' specs read: the options every
+    part is built from hold no batch size (docs/architecture.md, "One walk")."""
+    import dataclasses
+    import inspect
+
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors.options.mp import WorkerProcessOptions
+    from rlharvest.envs import CountingEnv
+
+    assert [f.name for f in dataclasses.fields(WorkerProcessOptions) if "frames" in f.name] == []
+    assert "frames_per_batch" not in inspect.signature(WorkerProcessOptions.parse).parameters
+    options = WorkerProcessOptions.parse("MultiSyncCollector", sync=True, create_env_fn=[CountingEnv] * 2,
+                                         num_workers=None, policy=None, policy_factory=None,
+                                         default_collector=Collector, total_frames=16)
+    assert options.config.frames_per_batch is None
+
+
 def _mentions_any(annotation: ast.expr | None) -> bool:
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         annotation = ast.parse(annotation.value, mode="eval").body
