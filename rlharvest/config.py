@@ -10,6 +10,7 @@ values. docs/collection.md describes what the arguments do.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import Field, dataclass, field, fields, replace
@@ -368,6 +369,13 @@ class CollectorConfig:
     def num_batches(self, frames_per_batch: int) -> int:
         """``len(collector)`` (:meth:`FrameBudget.num_batches`)."""
         return self.budget.num_batches(frames_per_batch)
+
+    def showing(self, frames: FramesPerBatch) -> CollectorConfig:
+        """This config with ``frames`` as its ``frames_per_batch``, checked already (a collector with
+        workers holds its batch size apart from its options; ``collector.config`` shows what was given)."""
+        shown = copy.copy(self)
+        object.__setattr__(shown, "frames_per_batch", frames.value)
+        return shown
 
     def split_frames(self, num_workers: int, mode: str) -> list[int]:
         """Frames each worker collects per batch (:meth:`FramesPerBatch.split`)."""

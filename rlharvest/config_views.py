@@ -26,29 +26,6 @@ def positive_int(name: str, value: Any) -> int:
 
 
 @dataclass(frozen=True)
-class BatchShares:
-    """The frames of one batch (``requested``) and what each worker collects per rollout (``shares``;
-    a worker added later collects the first worker's share).
-
-    Example:
-        >>> shares = BatchShares(requested=8, shares=(3, 5))
-        >>> shares.share(1), shares.share(4), shares.of_workers(3)
-        (5, 3, [3, 5, 3])
-    """
-
-    requested: int
-    shares: tuple[int, ...]
-
-    def share(self, worker: int) -> int:
-        """Frames ``worker`` collects per rollout (its part of a sync batch)."""
-        return self.shares[worker] if worker < len(self.shares) else self.shares[0]
-
-    def of_workers(self, count: int) -> list[int]:
-        """The shares of workers ``0 .. count - 1``."""
-        return [self.share(worker) for worker in range(count)]
-
-
-@dataclass(frozen=True)
 class FramesPerBatch:
     """``frames_per_batch`` as the user gave it, checked once: a positive int, or one per worker.
 
@@ -87,7 +64,7 @@ class FramesPerBatch:
 
     def shares(self, num_workers: int, mode: str) -> BatchShares:
         """The batch's frames and each worker's share (:meth:`split`)."""
-        return BatchShares(self.requested, tuple(self.split(num_workers, mode)))
+        return BatchShares(self, tuple(self.split(num_workers, mode)))
 
     def split(self, num_workers: int, mode: str) -> list[int]:
         """Frames each worker collects per batch.
@@ -123,6 +100,34 @@ class FramesPerBatch:
                       f"frames, so every batch holds {each * num_workers} frames, not {value} (a multiple of "
                       f"{num_workers}, {multiples}, gives batches of exactly that size).", stacklevel=user_stacklevel())
         return [each] * num_workers
+
+
+@dataclass(frozen=True)
+class BatchShares:
+    """``frames_per_batch`` as the user gave it, and what each worker collects per rollout (``shares``;
+    a worker added later collects the first worker's share).
+
+    Example:
+        >>> shares = BatchShares(FramesPerBatch((3, 5)), shares=(3, 5))
+        >>> shares.requested, shares.share(1), shares.share(4), shares.of_workers(3)
+        (8, 5, 3, [3, 5, 3])
+    """
+
+    frames: FramesPerBatch
+    shares: tuple[int, ...]
+
+    @property
+    def requested(self) -> int:
+        """The frames of a batch the user asked for."""
+        return self.frames.requested
+
+    def share(self, worker: int) -> int:
+        """Frames ``worker`` collects per rollout (its part of a sync batch)."""
+        return self.shares[worker] if worker < len(self.shares) else self.shares[0]
+
+    def of_workers(self, count: int) -> list[int]:
+        """The shares of workers ``0 .. count - 1``."""
+        return [self.share(worker) for worker in range(count)]
 
 
 @dataclass(frozen=True)

@@ -243,8 +243,10 @@ class CollectionEngine:
     # ------------------------------------------------------------------ what the faces read
     @property
     def config(self) -> CollectorConfig:
-        """The collector's arguments now (they grow with ``add_collectors``)."""
-        return self.options.config
+        """The collector's arguments now (they grow with ``add_collectors``), its ``frames_per_batch``
+        as it was given."""
+        config = self.options.config
+        return config if config.frames_per_batch is not None else config.showing(self.shares.frames)
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:

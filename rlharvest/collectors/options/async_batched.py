@@ -10,7 +10,7 @@ import torch
 
 from ..._utils import NestedKey, wrap_callable
 from ...config import CollectorConfig, positive_seconds
-from ...config_views import BatchShares
+from ...config_views import BatchShares, FramesPerBatch
 from ...envs import SerialEnv
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
@@ -276,7 +276,8 @@ class AsyncBatchedOptions:
     @property
     def batch_shares(self) -> BatchShares:
         """The frames of a batch, and what each worker collects per rollout: a chunk of every env."""
-        return BatchShares(self.config.frames_per_batch, (self.batched.chunk_steps * self.batched.envs_per_worker,))
+        return BatchShares(FramesPerBatch(self.config.frames_per_batch),
+                           (self.batched.chunk_steps * self.batched.envs_per_worker,))
 
     def build_backend(self) -> Backend:
         if self.batched.env_backend == "threading":

@@ -274,7 +274,7 @@ class NodeOptions:
     def batch_shares(self) -> BatchShares:
         """The frames of a batch and each node's (equal) share, which the engine hands to the parts that
         size batches (the nodes' own configs were given theirs at parse)."""
-        return BatchShares(self.config.frames_per_batch, (self.frames_per_node,))
+        return BatchShares(FramesPerBatch(self.config.frames_per_batch), (self.frames_per_node,))
 
     def default_scheme(self, backend: Backend) -> dict:
         """The scheme of this backend when the user gave none (none for a policy without weights)."""
