@@ -370,9 +370,10 @@ class CollectorConfig:
         """``len(collector)`` (:meth:`FrameBudget.num_batches`)."""
         return self.budget.num_batches(frames_per_batch)
 
-    def showing(self, frames: FramesPerBatch) -> CollectorConfig:
-        """This config with ``frames`` as its ``frames_per_batch``, checked already (a collector with
-        workers holds its batch size apart from its options; ``collector.config`` shows what was given)."""
+    def with_frames(self, frames: FramesPerBatch) -> CollectorConfig:
+        """This config with ``frames``, checked already, as its ``frames_per_batch`` (a collector with
+        workers holds its batch size apart from its options: ``collector.config`` shows what was given,
+        and each worker's config its share)."""
         shown = copy.copy(self)
         object.__setattr__(shown, "frames_per_batch", frames.value)
         return shown

@@ -246,7 +246,7 @@ class CollectionEngine:
         """The collector's arguments now (they grow with ``add_collectors``), its ``frames_per_batch``
         as it was given."""
         config = self.options.config
-        return config if config.frames_per_batch is not None else config.showing(self.shares.frames)
+        return config if config.frames_per_batch is not None else config.with_frames(self.shares.frames)
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
