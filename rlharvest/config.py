@@ -182,8 +182,9 @@ _DEVICE_FIELDS = ("device", "storing_device", "policy_device", "env_device")
 class CollectorConfig:
     """The TorchRL arguments every collector shares, validated (docs/collection.md)."""
 
-    frames_per_batch: int | tuple[int, ...] = _arg(worker=_parent)
-    """Frames per yielded batch (an int, or one int per worker for worker-process collectors)."""
+    frames_per_batch: int | tuple[int, ...] | None = _arg(worker=_parent)
+    """Frames per yielded batch of a ``Collector`` (checked by ``FramesPerBatch``); None in the options of
+    a collector with workers, which hold it apart (``with_frames`` shows it)."""
     total_frames: int = _arg(-1, worker=_parent)
     """Stop after this many frames; -1 = endless (workers always are)."""
     total_frames_given: Any = _arg(None, worker=_parent)
@@ -361,11 +362,6 @@ class CollectorConfig:
     def endless(self) -> bool:
         return self.total_frames < 0
 
-    @property
-    def requested_frames(self) -> int:
-        """Frames per batch the user asked for (the sum of a per-worker list)."""
-        return FramesPerBatch(self.frames_per_batch).requested
-
     def num_batches(self, frames_per_batch: int) -> int:
         """``len(collector)`` (:meth:`FrameBudget.num_batches`)."""
         return self.budget.num_batches(frames_per_batch)
@@ -377,10 +373,6 @@ class CollectorConfig:
         shown = copy.copy(self)
         object.__setattr__(shown, "frames_per_batch", frames.value)
         return shown
-
-    def split_frames(self, num_workers: int, mode: str) -> list[int]:
-        """Frames each worker collects per batch (:meth:`FramesPerBatch.split`)."""
-        return FramesPerBatch(self.frames_per_batch).split(num_workers, mode)
 
     # ------------------------------------------------------------------ workers
     def check_workers(self, num_workers: int) -> None:
