@@ -110,7 +110,8 @@ class AsyncBatchedCollector(BaseCollector):
     ) -> None:
         frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
         options = AsyncBatchedOptions.parse(
-            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory, total_frames=total_frames, max_batch_size=max_batch_size,
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory, total_frames=total_frames,
+            max_batch_size=max_batch_size,
             min_batch_size=min_batch_size, server_timeout=server_timeout, device=device, env_backend=env_backend,
             envs_per_worker=envs_per_worker, transition_chunk_size=transition_chunk_size, postproc=postproc,
             exploration_type=exploration_type, replay_buffer=replay_buffer, post_collect_hook=post_collect_hook,

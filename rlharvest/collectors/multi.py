@@ -316,7 +316,8 @@ class AsyncCollector(MultiAsyncCollector):
         options = WorkerProcessOptions.parse(
             type(self).__name__, sync=False, default_collector=Collector, create_env_fn=[create_env_fn],
             num_workers=None, create_env_kwargs=[create_env_kwargs or {}],
-            policy=policy, policy_factory=policy_factory, total_frames=total_frames, device=device, storing_device=storing_device, env_device=env_device,
+            policy=policy, policy_factory=policy_factory, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device,
             policy_device=policy_device, collector_class=collector_class,
             max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
             reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,

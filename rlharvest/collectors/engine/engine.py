@@ -138,9 +138,9 @@ class CollectionEngine:
         self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
         self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)
-        #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
         #: the frames of a batch and each worker's share (``BatchSizes`` follows the workers that join and leave)
         self.shares = shares
+        #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
         self.scaler = self._scaler(options, shares, gathering.sync)
         self._compose_batches(options, shares, gathering)
         #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)

@@ -106,7 +106,7 @@ class WorkerProcessOptions:
               autoscale: Any = None, **config_arguments: Any) -> WorkerProcessOptions:
         """Validate a worker-process collector's constructor arguments, once (a node running one is
         given them by its parent, parsed there: the defaults are the constructor's). ``frames_per_batch``
-        is not among them: the face parses it apart (``FramesPerBatch``) and :meth:`shares` splits it, so
+        is not among them: the face parses it apart (``FramesPerBatch``) and :meth:`worker_shares` splits it, so
         that only what sizes batches and the workers' specs hold it (docs/architecture.md).
 
         Raises:
@@ -356,6 +356,7 @@ class NodeProcesses:
         return replace(self, options=self.options.in_worker(**made_on_node))
 
     def worker_shares(self) -> BatchShares:
+        """The node's share split between its own workers (:meth:`WorkerProcessOptions.worker_shares`)."""
         return self.options.worker_shares(self.frames)
 
 
