@@ -5,10 +5,129 @@ part that does not size batches holds no batch size."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["FrameBudget", "OutputRules"]
+from ._utils import user_stacklevel
+
+__all__ = ["BatchShares", "FrameBudget", "FramesPerBatch", "OutputRules"]
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive int (a bool is not).
+
+    Raises:
+        ValueError: naming ``name`` and the value given.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FramesPerBatch:
+    """``frames_per_batch`` as the user gave it, checked once: a positive int, or one per worker.
+
+    Example:
+        >>> FramesPerBatch.parse([4, 6]).requested, FramesPerBatch.parse(8).split(2, "share")
+        (10, [4, 4])
+    """
+
+    value: int | tuple[int, ...]
+
+    @classmethod
+    def parse(cls, value: Any) -> FramesPerBatch:
+        """Raises: TypeError, ValueError: naming ``frames_per_batch`` and the value given."""
+        if value is None:
+            raise TypeError("frames_per_batch is required.")
+        if not isinstance(value, (list, tuple)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
+                                f"{type(value).__name__} {value!r}")
+            return cls(positive_int("frames_per_batch", value))
+        for entry in value:
+            if isinstance(entry, bool) or not isinstance(entry, int):
+                raise TypeError(f"each value of frames_per_batch must be a positive int, got {type(entry).__name__} "
+                                f"{entry!r}")
+        return cls(tuple(positive_int("each value of frames_per_batch", entry) for entry in value))
+
+    @property
+    def requested(self) -> int:
+        """Frames per batch the user asked for (the sum of a per-worker list)."""
+        value = self.value
+        return sum(value) if isinstance(value, tuple) else value
+
+    @property
+    def per_worker(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def shares(self, num_workers: int, mode: str) -> BatchShares:
+        """The batch's frames and each worker's share (:meth:`split`)."""
+        return BatchShares(self, tuple(self.split(num_workers, mode)))
+
+    def split(self, num_workers: int, mode: str) -> list[int]:
+        """Frames each worker collects per batch.
+
+        Args:
+            num_workers: how many workers share a batch.
+            mode: ``"share"``: a synchronous batch is split across workers (rounded up, with a
+                warning when uneven; a per-worker list is taken as given); ``"exact"``: the same,
+                but an uneven split raises (nodes); ``"whole"``: every worker collects whole
+                batches (asynchronous collection).
+
+        Raises:
+            ValueError: for a per-worker list of the wrong length.
+            RuntimeError: for an uneven split in ``"exact"`` mode.
+        """
+        value = self.value
+        if isinstance(value, tuple):
+            if len(value) != num_workers:
+                raise ValueError(
+                    f"frames_per_batch must have exactly one value per worker ({num_workers}), got {len(value)}.")
+            return list(value) if mode != "whole" else [sum(value)] * num_workers
+        if mode == "whole":
+            return [value] * num_workers
+        each = math.ceil(value / num_workers)
+        if each * num_workers == value:
+            return [each] * num_workers
+        multiples = " or ".join(str(m) for m in (value - value % num_workers, each * num_workers) if m)
+        if mode == "exact":
+            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: a synchronous batch is "
+                               f"split evenly between them; use a frames_per_batch divisible by {num_workers} "
+                               f"({multiples}).")
+        warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects {each} "
+                      f"frames, so every batch holds {each * num_workers} frames, not {value} (a multiple of "
+                      f"{num_workers}, {multiples}, gives batches of exactly that size).", stacklevel=user_stacklevel())
+        return [each] * num_workers
+
+
+@dataclass(frozen=True)
+class BatchShares:
+    """``frames_per_batch`` as the user gave it, and what each worker collects per rollout (``shares``;
+    a worker added later collects the first worker's share).
+
+    Example:
+        >>> shares = BatchShares(FramesPerBatch((3, 5)), shares=(3, 5))
+        >>> shares.requested, shares.share(1), shares.share(4), shares.of_workers(3)
+        (8, 5, 3, [3, 5, 3])
+    """
+
+    frames: FramesPerBatch
+    shares: tuple[int, ...]
+
+    @property
+    def requested(self) -> int:
+        """The frames of a batch the user asked for."""
+        return self.frames.requested
+
+    def share(self, worker: int) -> int:
+        """Frames ``worker`` collects per rollout (its part of a sync batch)."""
+        return self.shares[worker] if worker < len(self.shares) else self.shares[0]
+
+    def of_workers(self, count: int) -> list[int]:
+        """The shares of workers ``0 .. count - 1``."""
+        return [self.share(worker) for worker in range(count)]
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,34 @@ def test_no_part_is_given_the_collectors_arguments_whole():
     assert parts_given_options() == [], "hand a part the fields it reads (docs/architecture.md)"
 
 
+def test_the_options_of_a_collector_with_workers_hold_no_batch_size():
+    """``frames_per_batch`` is parsed apart (``FramesPerBatch``) and split into the ``BatchShares`` that
+    only the engine's ``BatchSizes``, its autoscaler and the workers' specs read: the options every
+    part is built from hold no batch size, for every backend (docs/architecture.md, "One walk")."""
+    import dataclasses
+    import inspect
+
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors.options.async_batched import AsyncBatchedConfig, AsyncBatchedOptions
+    from rlharvest.collectors.options.mp import WorkerProcessOptions
+    from rlharvest.collectors.options.nodes import NodeOptions
+    from rlharvest.collectors.options.ray import RayOptions
+    from rlharvest.collectors.options.rpc import RPCOptions
+    from rlharvest.collectors.options.torchdist import TorchDistOptions
+    from rlharvest.envs import CountingEnv
+
+    classes = [WorkerProcessOptions, NodeOptions, TorchDistOptions, RPCOptions, RayOptions, AsyncBatchedOptions,
+               AsyncBatchedConfig]
+    assert {cls.__name__: [f.name for f in dataclasses.fields(cls) if "frames" in f.name] for cls in classes} == {
+        cls.__name__: [] for cls in classes}
+    for parse in (WorkerProcessOptions.parse, NodeOptions.parse_common, AsyncBatchedOptions.parse):
+        assert "frames_per_batch" not in inspect.signature(parse).parameters, parse.__qualname__
+    options = WorkerProcessOptions.parse("MultiSyncCollector", sync=True, create_env_fn=[CountingEnv] * 2,
+                                         num_workers=None, policy=None, policy_factory=None,
+                                         default_collector=Collector, total_frames=16)
+    assert options.config.frames_per_batch is None
+
+
 def _mentions_any(annotation: ast.expr | None) -> bool:
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         annotation = ast.parse(annotation.value, mode="eval").body

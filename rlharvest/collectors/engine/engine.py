@@ -30,6 +30,7 @@ from tensordict import TensorDictBase
 
 from ..._utils import resolve_attr_path
 from ...config import CollectorConfig
+from ...config_views import BatchShares
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
 from ...protocol import Command, Written
@@ -86,10 +87,12 @@ class CollectionEngine:
     Args:
         options: the collector's typed options (``WorkerProcessOptions``, ``TorchDistOptions``,
             ``RPCOptions``, ``RayOptions``, ``AsyncBatchedOptions``): see :class:`~.contract.EngineOptions`.
+        shares: the frames of a batch and each worker's share of them, which only the
+            :class:`~.state.BatchSizes`, the autoscaler and the workers' specs read.
         face: the public collector (held weakly: dropping it stops the workers).
     """
 
-    def __init__(self, options: EngineOptions, face: object) -> None:
+    def __init__(self, options: EngineOptions, shares: BatchShares, face: object) -> None:
         face_ref = self._face = weakref.ref(face)
         #: the collector's options now (they grow with ``add_collectors``)
         self.options = options
@@ -135,21 +138,23 @@ class CollectionEngine:
         self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
         self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)
+        #: the frames of a batch and each worker's share (``BatchSizes`` follows the workers that join and leave)
+        self.shares = shares
         #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
-        self.scaler = self._scaler(options, gathering.sync)
-        self._compose_batches(options, gathering)
+        self.scaler = self._scaler(options, shares, gathering.sync)
+        self._compose_batches(options, shares, gathering)
         #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
         self.legacy = LegacyStaging(self.weights, self.updates.get_model,
                                     [config.policy_device_of(worker) for worker in range(options.num_workers)])
         #: what the workers' specs were built with (``add_collectors`` builds more)
         self.setup: WorkerSetup | None = None
 
-    def _compose_batches(self, options: EngineOptions, gathering: Gathering) -> None:
+    def _compose_batches(self, options: EngineOptions, shares: BatchShares, gathering: Gathering) -> None:
         """The parts around the batches: their sizes, the loop the options chose, running free, who
         collects, checkpoints and ``stats()``."""
         fleet, config, noun = self.fleet, options.config, options.noun
-        self.sizes = BatchSizes(self.tally, lambda: self.options.requested_frames, sync=gathering.sync,
-                                share=self.scaler.frames_of if self.scaler is not None else options.frames_share,
+        self.sizes = BatchSizes(self.tally, lambda: shares.requested, sync=gathering.sync,
+                                share=self.scaler.frames_of if self.scaler is not None else shares.share,
                                 active=lambda: fleet.active)
         self.loop = gathering.loop(LoopParts(
             fleet=fleet, tally=self.tally, progress=self.progress, figures=self.figures, ids=self.ids,
@@ -172,14 +177,14 @@ class CollectionEngine:
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],
                                 steps_only=self.server is not None, output=self.output)
 
-    def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
+    def _scaler(self, options: EngineOptions, shares: BatchShares, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:
             return None
         joins = next((extra for extra in self.extras if isinstance(extra, ExternalJoins)), None)
         return FleetScaler(options.autoscale, self.fleet, self.figures, self.tally, self.life,
                            add=_weakly(self._scaled_add), grow=_weakly(self._joined_grow),
-                           remove=_weakly(self._scaled_remove), requested=lambda: self.options.requested_frames,
-                           share=options.frames_share, backend_options=options.scaled_backend_options,
+                           remove=_weakly(self._scaled_remove), requested=lambda: shares.requested,
+                           share=shares.share, backend_options=options.scaled_backend_options,
                            env_fn=options.env_fns[0], joins=joins, events=self.events, sync=sync)
 
     # ------------------------------------------------------------------ construction
@@ -198,7 +203,7 @@ class CollectionEngine:
                 scheme.init_on_sender(model_id=model_id, context=self.updates, num_workers=options.num_workers)
             for extra in self.extras:
                 extra.before_start()
-            specs = options.worker_specs(setup)
+            specs = options.worker_specs(setup, self.shares)
             fleet.schemes = setup.schemes
             _LIVE.add(self)
             launched = True
@@ -238,8 +243,10 @@ class CollectionEngine:
     # ------------------------------------------------------------------ what the faces read
     @property
     def config(self) -> CollectorConfig:
-        """The collector's arguments now (they grow with ``add_collectors``)."""
-        return self.options.config
+        """The collector's arguments now (they grow with ``add_collectors``), its ``frames_per_batch``
+        as it was given."""
+        config = self.options.config
+        return config if config.frames_per_batch is not None else config.with_frames(self.shares.frames)
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
@@ -330,7 +337,7 @@ class CollectionEngine:
               backend_options: Any) -> None:
         self.membership.check_grow()
         grown, specs, extra = self.options.added(len(self.fleet), create_env_fn, num_envs, policy, collector_kwargs,
-                                                 backend_options, self.setup)
+                                                 backend_options, self.setup, self.shares)
         self.fleet.check_growable()  # nothing started yet
         previous, self.options = self.options, grown
         try:
