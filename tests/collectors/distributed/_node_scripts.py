@@ -251,10 +251,10 @@ def _veth_collector_class(target=None):
                                     backend=self.backend)
 
     class VethCollector(DistributedCollector):
-        def _build(self, options):
+        def _build(self, options, shares):
             network = VethNetwork(**{**vars(options.network), "advertised_host": options.network.bind_host})
             values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-            super()._build(VethOptions(**{**values, "network": network}))
+            super()._build(VethOptions(**{**values, "network": network}), shares)
 
     return VethCollector
 
