@@ -10,6 +10,8 @@ tensors (``use_buffers=False``, or values kept whole) and a lazy stack (dynamic 
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any
 
 import torch
@@ -55,9 +57,11 @@ class BatchBuffer:
         #: of the same storage follow.
         self._rows: dict[tuple, torch.Tensor] = {}
         self._written_keys: Any = ()  # the keys of the last chunk written
-        #: each batch in a buffer of its own (``torch.empty_like`` of the last): the batch is handed out as
-        #: it is, where a reused buffer must be copied (:meth:`hand_out_batches`)
+        #: each batch in a buffer of its own: the batch is handed out as it is, where a reused buffer must be
+        #: copied (:meth:`hand_out_batches`)
         self.fresh = False
+        #: the buffers handed out last, kept to be written again once the caller has let go of them
+        self._handed = BufferPool()
 
     def set_layout(self, layout: Layout) -> None:
         self.layout = layout
@@ -81,6 +85,7 @@ class BatchBuffer:
     def resize(self, time_steps: int) -> None:
         """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
         self.time_steps, self.buffer, self._targets, self._rows = int(time_steps), None, None, {}
+        self._handed = BufferPool()
 
     def hand_out_batches(self) -> None:
         """Write each batch into a new buffer, which the caller may keep: no copy of the batch is needed
@@ -90,7 +95,7 @@ class BatchBuffer:
 
     def set_buffer(self, buffer: TensorDictBase) -> None:
         """Write future batches into ``buffer`` (same layout), e.g. one living in shared memory."""
-        self.fresh = False
+        self.fresh, self._handed = False, BufferPool()
         if self.buffer is not None:
             expected = {k: (v.shape, v.dtype) for k, v in self.buffer.items(True, True)}
             given = {k: (v.shape, v.dtype) for k, v in buffer.items(True, True)}
@@ -104,7 +109,10 @@ class BatchBuffer:
         if self.buffer is None:
             self.buffer, self._targets, self._rows = self.allocate(), None, {}
         elif batch_start and self.fresh:  # the last batch is the caller's now
-            self.buffer, self._targets, self._rows = torch.empty_like(self.buffer), None, {}
+            self._handed.add(self.buffer, self._targets)
+            self._rows = {}  # views of the last batch's leaves: the pool counts them as held
+            recycled = self._handed.take()
+            self.buffer, self._targets = recycled if recycled is not None else (torch.empty_like(self.buffer), None)
         elif batch_start and self._targets is not None:
             pointers = self._pointers
             current = dict(self.buffer.items(True, True))  # one walk: a get() per key costs ~3x more
@@ -114,6 +122,7 @@ class BatchBuffer:
         if self._targets is None:
             self._targets = {key: self.buffer.get(key) for key, (_, dtype) in self.layout.items()
                              if dtype is not STRUCTURED}
+        if batch_start:
             self._pointers = {key: leaf.data_ptr() for key, leaf in self._targets.items()}
         return self._targets
 
@@ -178,6 +187,8 @@ class BatchBuffer:
         return stacked
 
     def _rows_of(self, targets: dict[NestedKey, torch.Tensor], key: NestedKey, offset: int, n: int) -> torch.Tensor:
+        if not offset and n == self.time_steps:  # the whole batch in one chunk: the leaf itself
+            return targets[key]
         rows = self._rows.get((key, offset, n))
         if rows is None:
             rows = self._rows[(key, offset, n)] = targets[key].narrow(self.time_dim, offset, n)
@@ -200,3 +211,59 @@ class BatchBuffer:
         out = LazyStackedTensorDict.lazy_stack(per_step, self.time_dim)
         out.refine_names(*([None] * self.time_dim), "time")
         return out
+
+
+class BufferPool:
+    """The last batches handed out, written again once nothing outside the collector holds them.
+
+    A batch of 1024 rows x 64 steps is ~2 MB: a new one each batch costs the kernel a page fault per
+    4 KB on first write (~7 us of a ~120 us step; docs/performance.md, "One env with a batch"), where
+    a batch the caller has dropped is warm memory. A buffer is taken back only if its TensorDict is
+    gone, and no tensor, view, numpy array or other TensorDict refers to any of its leaves (their
+    reference counts and their storages' use counts say so); a leaf moved to shared memory (sent to
+    another process) is never taken back. Anything else: a new buffer, as without the pool.
+    """
+
+    #: buffers kept: the one the caller's loop variable still holds while the next batch is collected,
+    #: and one it has let go of
+    SIZE = 2
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[weakref.ref, dict, tuple, tuple]] = []
+
+    def add(self, buffer: TensorDictBase, leaves: dict[NestedKey, torch.Tensor] | None) -> None:
+        """``buffer`` is the caller's now; keep ``leaves`` (its leaves by key, as the batch was written) to
+        write them again once it lets them go."""
+        if leaves is None or any(leaf.device.type != "cpu" for leaf in leaves.values()):
+            return
+        self._kept.append((weakref.ref(buffer), leaves, tuple(buffer.batch_size), tuple(buffer.names)))
+        del self._kept[:-self.SIZE]
+
+    def take(self) -> tuple[TensorDictBase, dict[NestedKey, torch.Tensor]] | None:
+        """A buffer nothing outside this pool refers to (a new TensorDict around its leaves) and its leaves
+        by key, or None."""
+        for index in range(len(self._kept) - 1, -1, -1):  # the last handed out first: its memory is the warmest
+            owner, leaves, batch_size, names = self._kept[index]
+            if owner() is None and _unreferenced(leaves):
+                del self._kept[index]
+                buffer = TensorDict(leaves, batch_size=batch_size)
+                buffer.refine_names(*names)
+                return buffer, leaves
+        return None
+
+
+#: a storage's uses when only its tensor holds it: the tensor and the storage object asked
+_ALONE = 2
+
+
+def _unreferenced(leaves: dict[NestedKey, torch.Tensor]) -> bool:
+    """Whether only ``leaves`` refers to its tensors and their memory (counted here, where nothing else of
+    this module holds one: ``leaves[key]`` is referred to by the dict and by getrefcount's argument)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # without it (another torch): never taken back
+    if use_count is None or any(sys.getrefcount(leaves[key]) > 2 for key in leaves):
+        return False
+    for leaf in leaves.values():
+        storage = leaf.untyped_storage()
+        if storage.is_shared() or use_count(storage._cdata) > _ALONE:
+            return False
+    return True

@@ -145,6 +145,33 @@ def _needs_torchrl_envs(name: str) -> bool:
     return name.startswith("batched_parallel_transformed_")
 
 
+def _interleaved_passes(pythons: dict[str, str | None], scripts: dict[str, Path], names: list[str], repeats: int,
+                        quick: bool, timeout: float, quiet_wait: float | None,
+                        noisy_retries: int | None) -> dict[str, list[list[dict]]]:
+    """Each workload on every side, one side after the other, before the next workload starts."""
+    passes: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
+    for _ in range(repeats):
+        for name in names:
+            for side in SIDES:
+                python = pythons[side]
+                if side == "rlharvest" and _needs_torchrl_envs(name):
+                    python = pythons["torchrl14"]
+                    if python is None:
+                        passes[side].append([{"workload": name, "error": "needs TorchRL env factories: give "
+                                              "--torchrl14-python (a Python with TorchRL 0.14 and gymnasium)"}])
+                        continue
+                if python is not None:
+                    passes[side].append(_run_side(python, scripts[side], [name], quick, timeout, quiet_wait,
+                                                  noisy_retries))
+    return passes
+
+
+def _only_rlharvest(pythons: dict[str, str | None], names: list[str]) -> bool:
+    """Whether rlharvest's side is the only one to run, all of it with this Python."""
+    return all(pythons[side] is None for side in SIDES if side != "rlharvest") and \
+        not any(_needs_torchrl_envs(name) for name in names)
+
+
 def run_bench(quick: bool = False, workloads: list[str] | None = None, repeats: int | None = None,
               output: str | None = None, torchrl_python: str | None = None, benchmarks: str | None = None,
               with_torchrl: bool = True, torchrl14_python: str | None = None, with_torchrl14: bool = True,
@@ -166,20 +193,14 @@ def run_bench(quick: bool = False, workloads: list[str] | None = None, repeats: 
     }
     scripts = {"rlharvest": folder / "rlharvest_side.py", "torchrl": folder / "torchrl_side.py",
                "torchrl14": folder / "torchrl_side.py"}
-    passes: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
-    for _ in range(repeats):
-        for name in names:
-            for side in SIDES:
-                python = pythons[side]
-                if side == "rlharvest" and _needs_torchrl_envs(name):
-                    python = pythons["torchrl14"]
-                    if python is None:
-                        passes[side].append([{"workload": name, "error": "needs TorchRL env factories: give "
-                                              "--torchrl14-python (a Python with TorchRL 0.14 and gymnasium)"}])
-                        continue
-                if python is not None:
-                    passes[side].append(_run_side(python, scripts[side], [name], quick, timeout, quiet_wait,
-                                                  noisy_retries))
+    if _only_rlharvest(pythons, names):
+        # no other side to alternate with: every workload in one pass of the script (each still in a
+        # fresh process), which saves the script's own start, importing torch, per workload
+        passes: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
+        passes["rlharvest"] = [_run_side(sys.executable, scripts["rlharvest"], names, quick, timeout, quiet_wait,
+                                         noisy_retries) for _ in range(repeats)]
+    else:
+        passes = _interleaved_passes(pythons, scripts, names, repeats, quick, timeout, quiet_wait, noisy_retries)
     report: dict[str, Any] = {"quick": quick, "repeats": repeats, "workloads": names, "started": started}
     for side in SIDES:
         report[f"{side}_python"] = pythons[side]

@@ -10,6 +10,7 @@ values. docs/collection.md describes what the arguments do.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import Field, dataclass, field, fields, replace
@@ -18,10 +19,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._utils import CloudpickleWrapper, user_stacklevel
+from .config_views import FrameBudget, FramesPerBatch, OutputRules, positive_int as _positive_int
 from .policies import ExplorationType
 
-__all__ = ["CollectorConfig", "check_restart_arguments", "parse_total_frames", "positive_seconds", "resolve_devices",
-           "validate_exploration_type"]
+__all__ = ["CollectorConfig", "FrameBudget", "OutputRules", "check_restart_arguments", "parse_total_frames",
+           "positive_seconds", "resolve_devices", "validate_exploration_type"]
 
 _TRAJ_FORMAT_DEFAULT = (
     "trajs_per_batch is set but traj_format is not: batches are 'padded' (trajs_per_batch, max_len) with a "
@@ -42,12 +44,6 @@ def parse_total_frames(total_frames: Any) -> int:
     if not isinstance(total_frames, int):
         raise TypeError(f"total_frames must be an int (-1 for endless), got {type(total_frames).__name__}")
     return -1 if total_frames < 0 else total_frames
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def positive_seconds(name: str, value: Any) -> float:
@@ -186,8 +182,9 @@ _DEVICE_FIELDS = ("device", "storing_device", "policy_device", "env_device")
 class CollectorConfig:
     """The TorchRL arguments every collector shares, validated (docs/collection.md)."""
 
-    frames_per_batch: int | tuple[int, ...] = _arg(worker=_parent)
-    """Frames per yielded batch (an int, or one int per worker for worker-process collectors)."""
+    frames_per_batch: int | tuple[int, ...] | None = _arg(worker=_parent)
+    """Frames per yielded batch of a ``Collector`` (checked by ``FramesPerBatch``); None in the options of
+    a collector with workers, which hold it apart (``with_frames`` shows it)."""
     total_frames: int = _arg(-1, worker=_parent)
     """Stop after this many frames; -1 = endless (workers always are)."""
     total_frames_given: Any = _arg(None, worker=_parent)
@@ -269,7 +266,8 @@ class CollectorConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "frames_per_batch", _check_frames_per_batch(self.frames_per_batch))
+        if self.frames_per_batch is not None:  # None: a collector with workers holds it apart (FramesPerBatch)
+            set_(self, "frames_per_batch", FramesPerBatch.parse(self.frames_per_batch).value)
         if self.total_frames_given is None:
             set_(self, "total_frames_given", self.total_frames)
         set_(self, "total_frames", parse_total_frames(self.total_frames))
@@ -334,7 +332,13 @@ class CollectorConfig:
     @property
     def assembles_trajectories(self) -> bool:
         """Whether complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``)."""
-        return self.trajs_per_batch is not None or self.replay_write_mode == "trajectory"
+        return self.output_rules.assembles_trajectories
+
+    @property
+    def output_rules(self) -> OutputRules:
+        """What the part that post-processes and writes batches reads (no batch size)."""
+        return OutputRules(self.split_trajs, self.postproc, self.trajs_per_batch, self.trajs_per_write,
+                           self.traj_format, self.replay_write_mode, self.reset_at_each_iter)
 
     def _check_buffer_options(self) -> None:
         if self.replay_buffer is None:
@@ -350,67 +354,25 @@ class CollectorConfig:
 
     # ------------------------------------------------------------------ frames
     @property
+    def budget(self) -> FrameBudget:
+        """What the collector's counters read (no batch size)."""
+        return FrameBudget(self.total_frames, self.total_frames_given, self.init_random_frames, self.replay_buffer)
+
+    @property
     def endless(self) -> bool:
         return self.total_frames < 0
 
-    @property
-    def requested_frames(self) -> int:
-        """Frames per batch the user asked for (the sum of a per-worker list)."""
-        value = self.frames_per_batch
-        return sum(value) if isinstance(value, tuple) else value
-
-    def in_random_phase(self, frames: int) -> bool:
-        """Whether the next batch takes random actions (``init_random_frames``): counted in the replay
-        buffer's writes when it counts them, else in ``frames``, the collector's."""
-        target = self.init_random_frames
-        if not target:
-            return False
-        buffer = self.replay_buffer
-        if buffer is not None and hasattr(buffer, "write_count"):
-            return buffer.write_count < target
-        return frames < target
-
     def num_batches(self, frames_per_batch: int) -> int:
-        """``len(collector)``."""
-        if self.endless:
-            raise RuntimeError(f"total_frames={self.total_frames_given!r} makes an endless collector (any negative "
-                               "value, or None, means endless): len() is undefined.")
-        return math.ceil(self.total_frames / frames_per_batch)
+        """``len(collector)`` (:meth:`FrameBudget.num_batches`)."""
+        return self.budget.num_batches(frames_per_batch)
 
-    def split_frames(self, num_workers: int, mode: str) -> list[int]:
-        """Frames each worker collects per batch.
-
-        Args:
-            num_workers: how many workers share a batch.
-            mode: ``"share"``: a synchronous batch is split across workers (rounded up, with a
-                warning when uneven; a per-worker list is taken as given); ``"exact"``: the same,
-                but an uneven split raises (nodes); ``"whole"``: every worker collects whole
-                batches (asynchronous collection).
-
-        Raises:
-            ValueError: for a per-worker list of the wrong length.
-            RuntimeError: for an uneven split in ``"exact"`` mode.
-        """
-        value = self.frames_per_batch
-        if isinstance(value, tuple):
-            if len(value) != num_workers:
-                raise ValueError(
-                    f"frames_per_batch must have exactly one value per worker ({num_workers}), got {len(value)}.")
-            return list(value) if mode != "whole" else [sum(value)] * num_workers
-        if mode == "whole":
-            return [value] * num_workers
-        each = math.ceil(value / num_workers)
-        if each * num_workers == value:
-            return [each] * num_workers
-        multiples = " or ".join(str(m) for m in (value - value % num_workers, each * num_workers) if m)
-        if mode == "exact":
-            raise RuntimeError(f"Cannot dispatch {value} frames across {num_workers} nodes: a synchronous batch is "
-                               f"split evenly between them; use a frames_per_batch divisible by {num_workers} "
-                               f"({multiples}).")
-        warnings.warn(f"frames_per_batch={value} is not divisible by the {num_workers} workers: each collects {each} "
-                      f"frames, so every batch holds {each * num_workers} frames, not {value} (a multiple of "
-                      f"{num_workers}, {multiples}, gives batches of exactly that size).", stacklevel=user_stacklevel())
-        return [each] * num_workers
+    def with_frames(self, frames: FramesPerBatch) -> CollectorConfig:
+        """This config with ``frames``, checked already, as its ``frames_per_batch`` (a collector with
+        workers holds its batch size apart from its options: ``collector.config`` shows what was given,
+        and each worker's config its share)."""
+        shown = copy.copy(self)
+        object.__setattr__(shown, "frames_per_batch", frames.value)
+        return shown
 
     # ------------------------------------------------------------------ workers
     def check_workers(self, num_workers: int) -> None:
@@ -473,21 +435,6 @@ class CollectorConfig:
     def policy_device_of(self, index: int) -> torch.device:
         """The device worker ``index`` runs its policy on (weights are staged there)."""
         return _each(self.policy_device, index) or _each(self.device, index) or torch.device("cpu")
-
-
-def _check_frames_per_batch(value: Any) -> int | tuple[int, ...]:
-    if value is None:
-        raise TypeError("frames_per_batch is required.")
-    if not isinstance(value, (list, tuple)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"frames_per_batch must be a positive int (or a list of one per worker), got "
-                            f"{type(value).__name__} {value!r}")
-        return _positive_int("frames_per_batch", value)
-    for entry in value:
-        if isinstance(entry, bool) or not isinstance(entry, int):
-            raise TypeError(f"each value of frames_per_batch must be a positive int, got {type(entry).__name__} "
-                            f"{entry!r}")
-    return tuple(_positive_int("each value of frames_per_batch", entry) for entry in value)
 
 
 def _is_default(spec: Field, value: Any) -> bool:

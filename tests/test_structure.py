@@ -65,6 +65,81 @@ def test_no_part_imports_an_engine():
     assert found == []
 
 
+#: the part that says what a backend's options hand the engine (the seam itself)
+OPTIONS_SEAM = "contract.py"
+
+
+def _options_types() -> set[str]:
+    """The collector's arguments and options as types: ``CollectorConfig``, the engine's ``EngineOptions``
+    and every options class of collectors/options/."""
+    options = _trees(PACKAGE / "collectors" / "options", "*.py").values()
+    return {"CollectorConfig", "EngineOptions"} | {
+        n.name for tree in options for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name.endswith("Options")}
+
+
+def parts_given_options() -> list[str]:
+    """Every parameter or field of a part under collectors/engine/ (the engines and their contract with
+    the options excepted) whose annotation names the collector's arguments or options, and every import
+    of them there: the engines hand each part the fields it reads (docs/architecture.md), so a part that
+    does not size batches holds no ``frames_per_batch``."""
+    kinds = _options_types()
+    found = []
+    for name, tree in _parts().items():
+        if pathlib.Path(name).name == OPTIONS_SEAM:
+            continue
+        for node in ast.walk(tree):
+            annotations = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                annotations = [(f"{node.name}({a.arg})", a.annotation) for a in
+                               [*args.posonlyargs, *args.args, *args.kwonlyargs] if a.annotation is not None]
+            elif isinstance(node, ast.AnnAssign):
+                annotations = [(ast.unparse(node.target), node.annotation)]
+            elif isinstance(node, ast.ImportFrom) and kinds & {a.name for a in node.names}:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+            for what, annotation in annotations:
+                if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+                    annotation = ast.parse(annotation.value, mode="eval").body
+                named = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+                named |= {n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)}
+                if named & kinds:
+                    found.append(f"{name}:{node.lineno} {what}")
+    return found
+
+
+def test_no_part_is_given_the_collectors_arguments_whole():
+    assert parts_given_options() == [], "hand a part the fields it reads (docs/architecture.md)"
+
+
+def test_the_options_of_a_collector_with_workers_hold_no_batch_size():
+    """``frames_per_batch`` is parsed apart (``FramesPerBatch``) and split into the ``BatchShares`` that
+    only the engine's ``BatchSizes``, its autoscaler and the workers' specs read: the options every
+    part is built from hold no batch size, for every backend (docs/architecture.md, "One walk")."""
+    import dataclasses
+    import inspect
+
+    from rlharvest.collectors import Collector
+    from rlharvest.collectors.options.async_batched import AsyncBatchedConfig, AsyncBatchedOptions
+    from rlharvest.collectors.options.mp import WorkerProcessOptions
+    from rlharvest.collectors.options.nodes import NodeOptions
+    from rlharvest.collectors.options.ray import RayOptions
+    from rlharvest.collectors.options.rpc import RPCOptions
+    from rlharvest.collectors.options.torchdist import TorchDistOptions
+    from rlharvest.envs import CountingEnv
+
+    classes = [WorkerProcessOptions, NodeOptions, TorchDistOptions, RPCOptions, RayOptions, AsyncBatchedOptions,
+               AsyncBatchedConfig]
+    assert {cls.__name__: [f.name for f in dataclasses.fields(cls) if "frames" in f.name] for cls in classes} == {
+        cls.__name__: [] for cls in classes}
+    for parse in (WorkerProcessOptions.parse, NodeOptions.parse_common, AsyncBatchedOptions.parse):
+        assert "frames_per_batch" not in inspect.signature(parse).parameters, parse.__qualname__
+    options = WorkerProcessOptions.parse("MultiSyncCollector", sync=True, create_env_fn=[CountingEnv] * 2,
+                                         num_workers=None, policy=None, policy_factory=None,
+                                         default_collector=Collector, total_frames=16)
+    assert options.config.frames_per_batch is None
+
+
 def _mentions_any(annotation: ast.expr | None) -> bool:
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         annotation = ast.parse(annotation.value, mode="eval").body

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from tensordict import TensorDictBase
 
+from ..config_views import BatchShares, FramesPerBatch
 from ..policies import ExplorationType
 from . import _workers
 from .base import BaseCollector
@@ -107,19 +108,21 @@ class AsyncBatchedCollector(BaseCollector):
         mp_start_method: str | None = None,
         **torchrl_options,
     ) -> None:
-        self._build(AsyncBatchedOptions.parse(
-            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
-            frames_per_batch=frames_per_batch, total_frames=total_frames, max_batch_size=max_batch_size,
+        frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
+        options = AsyncBatchedOptions.parse(
+            create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory, total_frames=total_frames,
+            max_batch_size=max_batch_size,
             min_batch_size=min_batch_size, server_timeout=server_timeout, device=device, env_backend=env_backend,
             envs_per_worker=envs_per_worker, transition_chunk_size=transition_chunk_size, postproc=postproc,
             exploration_type=exploration_type, replay_buffer=replay_buffer, post_collect_hook=post_collect_hook,
             yield_completed_trajectories=yield_completed_trajectories, create_env_kwargs=create_env_kwargs,
             policy_version=policy_version, policy_version_key=policy_version_key,
             max_frames_per_traj=max_frames_per_traj, trust_policy=trust_policy, worker_timeout=worker_timeout,
-            mp_start_method=mp_start_method, worker_collector=Collector, torchrl_options=torchrl_options))
+            mp_start_method=mp_start_method, worker_collector=Collector, torchrl_options=torchrl_options)
+        self._build(options, options.worker_shares(frames))
 
-    def _build(self, options: AsyncBatchedOptions) -> None:
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+    def _build(self, options: AsyncBatchedOptions, shares: BatchShares) -> None:
+        self._engine = CollectionEngine(options, shares, self)  # the face holds it while the workers start
         self._engine.start()
 
 

@@ -12,12 +12,13 @@ from typing import Any, Callable, Sequence
 
 from tensordict import TensorDictBase
 
+from ..config_views import BatchShares, FramesPerBatch
 from ..policies import ExplorationType
 from . import _workers
 from .base import BaseCollector
 from .engine.engine import CollectionEngine
 from .options.autoscale import Autoscale
-from .options.mp import DEFAULT_WORKER_TIMEOUT, WorkerProcessOptions
+from .options.mp import DEFAULT_WORKER_TIMEOUT, NodeProcesses, WorkerProcessOptions
 from .single import Collector
 
 __all__ = ["MultiSyncCollector", "MultiAsyncCollector", "AsyncCollector", "MultiCollector", "DEFAULT_WORKER_TIMEOUT"]
@@ -110,10 +111,11 @@ class MultiCollector(BaseCollector):
         auto_register_policy_transforms: bool | None = None,
         autoscale: Autoscale | None = None,
     ) -> None:
-        self._build(WorkerProcessOptions.parse(
+        frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
+        options = WorkerProcessOptions.parse(
             type(self).__name__, sync=isinstance(self, MultiSyncCollector), default_collector=Collector,
             create_env_fn=create_env_fn, policy=policy, num_workers=num_workers, policy_factory=policy_factory,
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            total_frames=total_frames, device=device,
             storing_device=storing_device, env_device=env_device, policy_device=policy_device,
             create_env_kwargs=create_env_kwargs, collector_class=collector_class,
             max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
@@ -132,11 +134,19 @@ class MultiCollector(BaseCollector):
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
             replay_write_mode=replay_write_mode,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
-            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
+            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale)
+        self._build(options, options.worker_shares(frames))
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
-    def _build(self, options: WorkerProcessOptions) -> None:
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+    @classmethod
+    def from_options(cls, options: NodeProcesses) -> MultiCollector:
+        """The collector a node runs, from the options and frames its parent parsed (nothing is parsed again)."""
+        collector = object.__new__(cls)
+        collector._build(options.options, options.worker_shares())
+        return collector
+
+    def _build(self, options: WorkerProcessOptions, shares: BatchShares) -> None:
+        self._engine = CollectionEngine(options, shares, self)  # the face holds it while the workers start
         self._engine.start()
 
     worker_pids = _workers.worker_pids
@@ -168,7 +178,8 @@ class MultiCollector(BaseCollector):
 
     @property
     def frames_per_batch_worker(self) -> list[int]:
-        return list(self._engine.options.frames_per_worker)
+        engine = self._engine
+        return engine.shares.of_workers(engine.options.num_workers)
 
     def fake_tensordict(self) -> TensorDictBase:
         """Not available for worker-process collectors (as in TorchRL): ask a Collector of the same env.
@@ -301,11 +312,12 @@ class AsyncCollector(MultiAsyncCollector):
         if autoscale is not None:
             raise ValueError("AsyncCollector runs exactly one worker, so autoscale must be None: use "
                              "MultiAsyncCollector(autoscale=...) for a fleet that sizes itself.")
-        self._build(WorkerProcessOptions.parse(
+        frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
+        options = WorkerProcessOptions.parse(
             type(self).__name__, sync=False, default_collector=Collector, create_env_fn=[create_env_fn],
             num_workers=None, create_env_kwargs=[create_env_kwargs or {}],
-            policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
-            total_frames=total_frames, device=device, storing_device=storing_device, env_device=env_device,
+            policy=policy, policy_factory=policy_factory, total_frames=total_frames, device=device,
+            storing_device=storing_device, env_device=env_device,
             policy_device=policy_device, collector_class=collector_class,
             max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
             reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
@@ -323,4 +335,5 @@ class AsyncCollector(MultiAsyncCollector):
             trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write, traj_format=traj_format,
             replay_write_mode=replay_write_mode,
             track_traj_ids=track_traj_ids, compact_obs=compact_obs, init_fn=init_fn,
-            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale))
+            auto_register_policy_transforms=auto_register_policy_transforms, autoscale=autoscale)
+        self._build(options, options.worker_shares(frames))

@@ -65,7 +65,7 @@ class TrajectoryAssembler:
 
     @classmethod
     def from_config(cls, config: Any) -> TrajectoryAssembler:
-        """The assembler a collector's :class:`~rlharvest.config.CollectorConfig` asks for."""
+        """The assembler a collector's :class:`~rlharvest.config_views.OutputRules` ask for."""
         return cls(config.trajs_per_batch or 1, config.traj_format, config.trajs_per_write,
                    discard_in_flight=config.reset_at_each_iter)
 

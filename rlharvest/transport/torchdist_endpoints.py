@@ -34,6 +34,7 @@ from ..data.flat import FlatLayout, is_dense
 from ..errors import RemoteFailure, WorkerError
 from ..protocol import Reply
 from .base import WorkerEndpoint, WorkerHandle
+from .channel import shutdown_connection
 from .launchers import LaunchedNode
 from .rendezvous import BATCH_TAG
 from .torchdist_receiver import NodeGroupLinks
@@ -375,11 +376,14 @@ class DistWorkerEndpoint(WorkerEndpoint):
 
     def close(self) -> None:
         self._stop.set()
+        # wakes the reader, which may be polling the channel until its next heartbeat is due (up to
+        # heartbeat_interval: every node's exit waited that long); the socket is closed once it left
+        shutdown_connection(self.conn)
+        self._thread.join(2.0)
         try:
             self.conn.close()
         except OSError:
             pass
-        self._thread.join(2.0)
         # Once (run_worker and node_main both close): a second close would close whatever reused the numbers.
         fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
         for fd in fds:

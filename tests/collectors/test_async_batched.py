@@ -295,6 +295,15 @@ def test_unsupported_arguments_are_refused_by_name(kwargs, error, match):
         AsyncBatchedCollector([CountingEnv] * 3, policy=CountingPolicy(), frames_per_batch=30, **kwargs)
 
 
+@pytest.mark.parametrize("frames_per_batch, error, match", [
+    ([10, 10, 10], TypeError, r"frames_per_batch must be an int for AsyncBatchedCollector, got \[10, 10, 10\]"),
+    (None, TypeError, "frames_per_batch is required"),
+])
+def test_frames_per_batch_is_one_int_named_in_the_error(frames_per_batch, error, match):
+    with pytest.raises(error, match=match):
+        AsyncBatchedCollector([CountingEnv] * 3, policy=CountingPolicy(), frames_per_batch=frames_per_batch)
+
+
 def test_policy_and_policy_factory_are_exclusive():
     with pytest.raises(TypeError, match="mutually exclusive"):
         AsyncBatchedCollector([CountingEnv], policy=CountingPolicy(), policy_factory=CountingPolicy,

@@ -19,6 +19,7 @@ from scrape import scrape, value
 from rlharvest.collectors.distributed import DistributedCollector
 from rlharvest.collectors.engine.events import EventKind
 from rlharvest.monitor import Monitor
+from rlharvest.transport.torchdist_join import JoinService
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,7 +32,7 @@ def said(stderr: str) -> list[str]:
     return [line[len("rlharvest node: "):] for line in stderr.splitlines() if line.startswith("rlharvest node: ")]
 
 
-def test_joining_nodes_say_what_they_do_and_the_monitor_counts_joins_leaves_and_refusals():
+def test_joining_nodes_say_what_they_do_and_the_monitor_counts_joins_leaves_and_refusals(monkeypatch):
     # one slot: node a joins, leaves on SIGTERM, node b takes the slot back, node c finds it taken
     collector = DistributedCollector([counting_env_7], weight_policy(1.0), launcher="external", tcp_port=0,
                                      bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True,
@@ -50,6 +51,9 @@ def test_joining_nodes_say_what_they_do_and_the_monitor_counts_joins_leaves_and_
                        "node b taking the slot back")
             for _ in range(2):
                 next(batches)
+            # node c waits that long for a slot to empty before it is refused (5 s; node b kept the default:
+            # node a may still hold the slot when b says hello)
+            monkeypatch.setattr(JoinService, "SLOT_GRACE", 1.0)
             nodes.append(subprocess.Popen(argv, env=ENV, stderr=subprocess.PIPE, text=True))
             nodes[2].wait(120)  # refused once the slot stayed taken for JoinService.SLOT_GRACE seconds
             samples = scrape(monitor)

@@ -1,13 +1,17 @@
 """Ends with a wake-up pipe close it once: a handle terminated twice (by ``remove_collectors``, again
 at shutdown) or an endpoint closed twice (by the worker loop, again by the node's entry point) must
-not close the descriptors that reused the numbers in between."""
+not close the descriptors that reused the numbers in between. And a node's endpoint, closed, leaves no
+reader thread behind."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
 
 import pytest
+from mocks import wait_until
 
 from rlharvest.transport.pipes import Doorbell
 from rlharvest.transport.rpc import RPCWorkerHandle
@@ -65,3 +69,20 @@ def test_closing_twice_leaves_a_descriptor_opened_in_between_intact(make):
         for fds in pipes:
             for fd in fds:
                 os.close(fd)
+
+
+def test_a_closed_node_endpoint_leaves_no_reader_polling_until_its_next_heartbeat():
+    """The reader polls the channel until its next heartbeat is due: close() wakes it (before, every
+    node's exit waited up to ``heartbeat_interval``, and a longer interval outlived close())."""
+    parent, child = multiprocessing.Pipe()
+    endpoint = DistWorkerEndpoint(child, group=None, worker_idx=0, heartbeat_interval=60.0)
+    try:
+        assert parent.recv() == ("hb", 0)  # the reader runs, and polls for up to 60 s once in select()
+        reader = next(t for t in threading.enumerate() if t.name == "rlharvest-node-reader")
+        wait_until(lambda: sys._current_frames()[reader.ident].f_code.co_name == "select", 10.0,
+                   "the reader polling the channel")
+        endpoint.close()
+        readers = [t for t in threading.enumerate() if t.name == "rlharvest-node-reader" and t.is_alive()]
+        assert readers == []
+    finally:
+        parent.close()

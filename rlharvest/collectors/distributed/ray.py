@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Sequence
 
+from ...config_views import BatchShares, FramesPerBatch
 from ...policies import ExplorationType
 from ...protocol import Command
 from ...transport.ray import ensure_ray, require_ray
@@ -109,10 +110,11 @@ class RayCollector(BaseCollector):
         post_collect_hook=None,
         autoscale: Autoscale | None = None,
     ) -> None:
-        self._build(RayOptions.parse(
+        frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
+        options = RayOptions.parse(
             type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
             create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            total_frames=total_frames, device=device,
             storing_device=storing_device, env_device=env_device, policy_device=policy_device,
             max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
             reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
@@ -128,7 +130,8 @@ class RayCollector(BaseCollector):
             preemption_grace=preemption_grace, trust_policy=trust_policy, use_env_creator=use_env_creator,
             no_cuda_sync=no_cuda_sync, trajs_per_batch=trajs_per_batch, trajs_per_write=trajs_per_write,
             replay_write_mode=replay_write_mode, traj_format=traj_format, pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook, autoscale=autoscale
-        ))
+        )
+        self._build(options, options.worker_shares(frames))
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
     worker_pids = _workers.worker_pids
@@ -148,9 +151,9 @@ class RayCollector(BaseCollector):
     max_weight_update_interval = _node_api.max_weight_update_interval
     push_legacy_weights = _node_api.push_legacy_weights
 
-    def _build(self, options: RayOptions) -> None:
+    def _build(self, options: RayOptions, shares: BatchShares) -> None:
         ensure_ray(options.ray_init_config)
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+        self._engine = CollectionEngine(options, shares, self)  # the face holds it while the workers start
         self._engine.start()
 
     # ------------------------------------------------------------------ TorchRL's Ray API

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from ...config_views import BatchShares, FramesPerBatch
 from ...policies import ExplorationType
 from .. import _workers
 from ..base import BaseCollector
@@ -97,10 +98,11 @@ class RPCCollector(BaseCollector):
         bind_address: str | None = None,
         autoscale: Autoscale | None = None,
     ) -> None:
-        self._build(RPCOptions.parse(
+        frames = FramesPerBatch.parse(frames_per_batch)  # apart from the options: only what sizes batches reads it
+        options = RPCOptions.parse(
             type(self).__name__, collector_classes=_node_api.NODE_CLASSES,
             create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
-            frames_per_batch=frames_per_batch, total_frames=total_frames, device=device,
+            total_frames=total_frames, device=device,
             storing_device=storing_device, env_device=env_device, policy_device=policy_device,
             max_frames_per_traj=max_frames_per_traj, init_random_frames=init_random_frames,
             reset_at_each_iter=reset_at_each_iter, postproc=postproc, split_trajs=split_trajs,
@@ -117,11 +119,12 @@ class RPCCollector(BaseCollector):
             heartbeat_timeout=heartbeat_timeout, max_worker_restarts=max_worker_restarts,
             restart_delay=restart_delay, preemption_grace=preemption_grace, mp_start_method=mp_start_method,
             bind_address=bind_address, autoscale=autoscale
-        ))
+        )
+        self._build(options, options.worker_shares(frames))
 
     # ------------------------------------------------------------------ every collector with workers (``_workers.py``)
-    def _build(self, options: RPCOptions) -> None:
-        self._engine = CollectionEngine(options, self)  # the face holds it while the workers start
+    def _build(self, options: RPCOptions, shares: BatchShares) -> None:
+        self._engine = CollectionEngine(options, shares, self)  # the face holds it while the workers start
         self._engine.start()
 
     worker_pids = _workers.worker_pids

@@ -24,7 +24,6 @@ from ...checkpoint import (
     unpack,
     warn_restart,
 )
-from ...config import CollectorConfig
 from ...envs.capture import capture_env_state, restore_env_state
 from ...envs.state import EnvStateUnavailable, type_name
 from ...rollout import Rollout
@@ -106,15 +105,16 @@ class LocalCheckpoint:
         tally: frames and batches so far.
         weights: the policy versions.
         output: the complete trajectories held back.
-        config: the collector's arguments (its replay buffer).
+        replay_buffer: the collector's replay buffer, or None.
+        worker_idx: its index in a parent (whose checkpoint holds the shared buffer), or None.
         frames_per_batch: the frames of its batches now (a parent may resize them).
         where: how warnings name this collector (``"Collector"``, ``"worker 2"``).
         env_calls: what ``setattr_env`` set (a checkpoint carries it, and sets it again on load).
     """
 
     def __init__(self, env: Any, rollout: Rollout, policy: Callable[[], Any], tally: Tally, weights: WeightPublisher,
-                 output: BatchOutput, config: CollectorConfig, frames_per_batch: Callable[[], int], where: str,
-                 env_calls: LocalEnvCalls) -> None:
+                 output: BatchOutput, replay_buffer: Any, worker_idx: int | None, frames_per_batch: Callable[[], int],
+                 where: str, env_calls: LocalEnvCalls) -> None:
         self.env_calls = env_calls
         self.env = env
         self.rollout = rollout
@@ -122,7 +122,8 @@ class LocalCheckpoint:
         self.tally = tally
         self.weights = weights
         self.output = output
-        self.config = config
+        self.replay_buffer = replay_buffer
+        self.worker_idx = worker_idx
         self.frames_per_batch = frames_per_batch
         self.where = where
         #: ``(seed, static_seed, next seed)`` of the last ``set_seed``: a checkpoint keeps the seed chain
@@ -132,7 +133,7 @@ class LocalCheckpoint:
         """What a checkpoint must have been taken with to be continued exactly."""
         return {"collector": "Collector", "env_batch_size": list(self.env.batch_size),
                 "frames_per_batch": int(self.frames_per_batch()),
-                "replay_buffer": buffer_kind(self.config.replay_buffer)}
+                "replay_buffer": buffer_kind(self.replay_buffer)}
 
     def state(self, env_state: bool) -> dict:
         """A ``Collector``'s checkpoint of this moment."""
@@ -151,7 +152,7 @@ class LocalCheckpoint:
 
     def capture(self, env_state: bool = True) -> dict[str, Any]:
         """rlharvest's part of the checkpoint: a snapshot of this moment."""
-        config, rollout = self.config, self.rollout
+        rollout = self.rollout
         section: dict[str, Any] = {
             **_head(self.layout(), self.tally, self.weights.version),
             "traj_counter": int(rollout.traj_counter.peek()),
@@ -160,7 +161,7 @@ class LocalCheckpoint:
             "rng": capture_global_rng(),
             "env_name": repr(self.env),
             # a worker's buffer is its parent's (shared): the parent's checkpoint holds it once
-            "replay_buffer": capture_buffer(config.replay_buffer) if config.worker_idx is None else None,
+            "replay_buffer": capture_buffer(self.replay_buffer) if self.worker_idx is None else None,
         }
         if not env_state:
             section["env_skipped"] = SKIPPED
@@ -203,7 +204,7 @@ class LocalCheckpoint:
         rollout = self.rollout
         rollout.traj_counter.advance_to(section["traj_counter"])
         self.seed_chain = tuple(section["seed_chain"]) if section["seed_chain"] is not None else None
-        restore_buffer(self.config.replay_buffer, section.get("replay_buffer"))
+        restore_buffer(self.replay_buffer, section.get("replay_buffer"))
         continued = self._restore_episodes(section)
         self.env_calls.restore(section.get("env_settings", ()))
         self.output.restore(section)
@@ -253,7 +254,7 @@ class FleetCheckpoint:
         broadcast: asks each worker for its own checkpoint (and the seed chain).
         loop: the collector's batches (those in flight, those restored).
         weights: the policy version.
-        config: the collector's arguments (its replay buffer).
+        replay_buffer: the collector's replay buffer, or None.
         frames_per_batch: the frames of the next batch.
         ids: the workers' trajectory ids (the counter they share, or the map of each one's).
         sources: the other parts whose state the section keeps (the weight pushes' counters, ...).
@@ -261,7 +262,7 @@ class FleetCheckpoint:
     """
 
     def __init__(self, name: str, tally: Tally, fleet: Fleet, broadcast: WorkerBroadcast, loop: BatchLoop,
-                 weights: WeightPublisher, config: CollectorConfig, frames_per_batch: Callable[[], int],
+                 weights: WeightPublisher, replay_buffer: Any, frames_per_batch: Callable[[], int],
                  ids: TrajectoryIds, sources: Sequence[CheckpointSource] = (),
                  server: PolicyServer | None = None) -> None:
         self.name = name
@@ -271,7 +272,7 @@ class FleetCheckpoint:
         self.broadcast = broadcast
         self.loop = loop
         self.weights = weights
-        self.config = config
+        self.replay_buffer = replay_buffer
         self.frames_per_batch = frames_per_batch
         self.sources = list(sources)
         self.server = server
@@ -279,7 +280,7 @@ class FleetCheckpoint:
     def layout(self) -> dict[str, Any]:
         return {"collector": self.name, "num_workers": len(self.fleet),
                 "frames_per_batch": int(self.frames_per_batch()),
-                "replay_buffer": buffer_kind(self.config.replay_buffer)}
+                "replay_buffer": buffer_kind(self.replay_buffer)}
 
     def state(self, env_state: bool) -> dict:
         """The checkpoint of this moment (the loop's in-flight rollouts answered first)."""
@@ -328,7 +329,7 @@ class FleetCheckpoint:
             "worker_specs": [{"seed": spec.seed, "static_seed": spec.static_seed, "restart": spec.restart,
                               "traj_offset": spec.traj_offset} if spec is not None else None
                              for spec in fleet.specs],
-            "replay_buffer": capture_buffer(self.config.replay_buffer),
+            "replay_buffer": capture_buffer(self.replay_buffer),
             # the restart budget spent: max_worker_restarts counts over the run, across loads
             "restart_causes": [dataclasses.asdict(cause) for cause in fleet.restarts.causes],
             "leaves": [dataclasses.asdict(cause) for cause in fleet.restarts.leaves],
@@ -361,7 +362,7 @@ class FleetCheckpoint:
         self._restore(section)
 
     def _restore(self, section: dict) -> None:
-        restore_buffer(self.config.replay_buffer, section.get("replay_buffer"))
+        restore_buffer(self.replay_buffer, section.get("replay_buffer"))
         fleet = self.fleet
         fleet.restarts.causes = [RestartCause(**cause) for cause in section.get("restart_causes", ())]
         fleet.restarts.leaves = [RestartCause(**cause) for cause in section.get("leaves", ())]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ...config import CollectorConfig
+from ...config_views import BatchShares
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ..options.autoscale import Autoscale
@@ -73,13 +74,6 @@ class EngineOptions(Protocol):
 
     @property
     def num_workers(self) -> int: ...
-
-    @property
-    def requested_frames(self) -> int:
-        """The ``frames_per_batch`` the user asked for."""
-
-    def frames_share(self, worker: int) -> int:
-        """Frames ``worker`` collects per rollout (its part of a sync batch)."""
 
     @property
     def worker_timeout(self) -> float: ...
@@ -164,10 +158,11 @@ class EngineOptions(Protocol):
     def prepare(self, backend: Backend) -> WorkerSetup:
         """The weight schemes and what the workers are given, once the backend exists."""
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]: ...
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
+        """One spec per worker from index ``first`` on, each with its share of ``shares``."""
 
     def added(self, first: int, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-              backend_options: Any, setup: WorkerSetup) -> tuple[Any, list[WorkerSpec], Any]:
+              backend_options: Any, setup: WorkerSetup, shares: BatchShares) -> tuple[Any, list[WorkerSpec], Any]:
         """``add_collectors``: these options grown, the new workers' specs, what the backend needs."""
 
     def scaled_backend_options(self, count: int) -> Any:

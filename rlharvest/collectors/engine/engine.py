@@ -30,6 +30,7 @@ from tensordict import TensorDictBase
 
 from ..._utils import resolve_attr_path
 from ...config import CollectorConfig
+from ...config_views import BatchShares
 from ...errors import WorkerError
 from ...profiling import ProfileConfig
 from ...protocol import Command, Written
@@ -86,10 +87,12 @@ class CollectionEngine:
     Args:
         options: the collector's typed options (``WorkerProcessOptions``, ``TorchDistOptions``,
             ``RPCOptions``, ``RayOptions``, ``AsyncBatchedOptions``): see :class:`~.contract.EngineOptions`.
+        shares: the frames of a batch and each worker's share of them, which only the
+            :class:`~.state.BatchSizes`, the autoscaler and the workers' specs read.
         face: the public collector (held weakly: dropping it stops the workers).
     """
 
-    def __init__(self, options: EngineOptions, face: object) -> None:
+    def __init__(self, options: EngineOptions, shares: BatchShares, face: object) -> None:
         face_ref = self._face = weakref.ref(face)
         #: the collector's options now (they grow with ``add_collectors``)
         self.options = options
@@ -98,7 +101,7 @@ class CollectionEngine:
         #: how the workers' batches come back (and whether they stand still between batches)
         self.gathering = gathering = options.gathering
         self.life = Lifecycle(type(face).__name__)
-        self.tally = Tally(config)
+        self.tally = Tally(config.budget)
         self.hooks: dict[str, Any] = {"pre_collect_hook": config.pre_collect_hook,
                                       "post_collect_hook": config.post_collect_hook}
         self.profile_config: ProfileConfig | None = None
@@ -116,8 +119,9 @@ class CollectionEngine:
         #: each worker's figures, kept from its replies (``stats()``)
         self.figures = WorkerFigures(_weakly(self._policy_version, 0))
         self.ids = options.trajectory_ids()
-        self.output = BatchOutput(config, assembles=options.assembles_trajectories)
-        self.fleet = Fleet(self.backend, {}, options.worker_timeout, RestartPolicy.of(config, noun, self.events),
+        self.output = BatchOutput(config.output_rules, assembles=options.assembles_trajectories)
+        restarts = RestartPolicy(config.max_worker_restarts, config.restart_delay, noun, self.events)
+        self.fleet = Fleet(self.backend, {}, options.worker_timeout, restarts,
                            Replacement(_weakly(self._before_replacement), _weakly(self._replacement_changes, {}),
                                        _weakly(self._after_replacement), _weakly(self._after_leave)),
                            on_collect=self.figures.sent, events=self.events)
@@ -134,50 +138,53 @@ class CollectionEngine:
         self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
         self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)
+        #: the frames of a batch and each worker's share (``BatchSizes`` follows the workers that join and leave)
+        self.shares = shares
         #: the autoscaler's part (``autoscale=``, docs/elastic.md "Autoscaling"), or None
-        self.scaler = self._scaler(options, gathering.sync)
-        self._compose_batches(options, gathering)
+        self.scaler = self._scaler(options, shares, gathering.sync)
+        self._compose_batches(options, shares, gathering)
         #: the legacy updaters' staging copies (``MultiProcessedWeightUpdater``)
-        self.legacy = LegacyStaging(self.weights, self.updates.get_model, config, self.fleet)
+        self.legacy = LegacyStaging(self.weights, self.updates.get_model,
+                                    [config.policy_device_of(worker) for worker in range(options.num_workers)])
         #: what the workers' specs were built with (``add_collectors`` builds more)
         self.setup: WorkerSetup | None = None
 
-    def _compose_batches(self, options: EngineOptions, gathering: Gathering) -> None:
+    def _compose_batches(self, options: EngineOptions, shares: BatchShares, gathering: Gathering) -> None:
         """The parts around the batches: their sizes, the loop the options chose, running free, who
         collects, checkpoints and ``stats()``."""
         fleet, config, noun = self.fleet, options.config, options.noun
-        self.sizes = BatchSizes(self.tally, lambda: self.options.requested_frames, sync=gathering.sync,
-                                share=self.scaler.frames_of if self.scaler is not None else options.frames_share,
+        self.sizes = BatchSizes(self.tally, lambda: shares.requested, sync=gathering.sync,
+                                share=self.scaler.frames_of if self.scaler is not None else shares.share,
                                 active=lambda: fleet.active)
         self.loop = gathering.loop(LoopParts(
             fleet=fleet, tally=self.tally, progress=self.progress, figures=self.figures, ids=self.ids,
-            output=self.output, config=config, sizes=self.sizes, pacing=self.updates,
+            output=self.output, replay_buffer=config.replay_buffer, sizes=self.sizes, pacing=self.updates,
             between_batches=_weakly(self._between_batches), hooks=self.hooks,
             policy_error=self.server.policy_error if self.server is not None else lambda: None,
             workers_write_buffer=options.workers_write_buffer))
-        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config, self.iterate,
-                                     self.life, noun)
+        self.background = Background(options.free_run, self.loop, fleet, self.receiving, config.replay_buffer,
+                                     self.iterate, self.life, noun)
         self.membership = Membership(fleet, self.loop, self.calls, self.weights, self.schedule, self.ids,
                                      self.sizes, self.extras, self.hooks, self.life, self.background.is_running,
                                      self.scaler, noun, env_settings=lambda: self.env_calls.for_new_worker())
         #: ``setattr_env``, ``call_env``, ``getattr_env``: the workers' envs reconfigured while they run
         self.env_calls = EnvCalls(fleet, self.loop.drop, self.background.thread_run.at_batch_boundary, noun)
         self.checkpoint = FleetCheckpoint(self.life.name, self.tally, fleet, self.calls, self.loop, self.weights,
-                                          config, self.sizes.frames_per_batch, self.ids,
+                                          config.replay_buffer, self.sizes.frames_per_batch, self.ids,
                                           [self.schedule, self.env_calls, self.output], self.server)
         self.stats = FleetStats(self.tally, self.progress, self.weights, self.sizes.frames_per_batch, fleet,
                                 self.figures, self.calls, self.life, options.census,
                                 [*self.extras, *([self.scaler] if self.scaler is not None else [])],
                                 steps_only=self.server is not None, output=self.output)
 
-    def _scaler(self, options: EngineOptions, sync: bool) -> FleetScaler | None:
+    def _scaler(self, options: EngineOptions, shares: BatchShares, sync: bool) -> FleetScaler | None:
         if options.autoscale is None:
             return None
         joins = next((extra for extra in self.extras if isinstance(extra, ExternalJoins)), None)
         return FleetScaler(options.autoscale, self.fleet, self.figures, self.tally, self.life,
                            add=_weakly(self._scaled_add), grow=_weakly(self._joined_grow),
-                           remove=_weakly(self._scaled_remove), requested=lambda: self.options.requested_frames,
-                           share=options.frames_share, backend_options=options.scaled_backend_options,
+                           remove=_weakly(self._scaled_remove), requested=lambda: shares.requested,
+                           share=shares.share, backend_options=options.scaled_backend_options,
                            env_fn=options.env_fns[0], joins=joins, events=self.events, sync=sync)
 
     # ------------------------------------------------------------------ construction
@@ -196,7 +203,7 @@ class CollectionEngine:
                 scheme.init_on_sender(model_id=model_id, context=self.updates, num_workers=options.num_workers)
             for extra in self.extras:
                 extra.before_start()
-            specs = options.worker_specs(setup)
+            specs = options.worker_specs(setup, self.shares)
             fleet.schemes = setup.schemes
             _LIVE.add(self)
             launched = True
@@ -236,8 +243,10 @@ class CollectionEngine:
     # ------------------------------------------------------------------ what the faces read
     @property
     def config(self) -> CollectorConfig:
-        """The collector's arguments now (they grow with ``add_collectors``)."""
-        return self.options.config
+        """The collector's arguments now (they grow with ``add_collectors``), its ``frames_per_batch``
+        as it was given."""
+        config = self.options.config
+        return config if config.frames_per_batch is not None else config.with_frames(self.shares.frames)
 
     # ------------------------------------------------------------------ iteration
     def iterate(self) -> Iterator[TensorDictBase | None]:
@@ -326,8 +335,10 @@ class CollectionEngine:
 
     def _grow(self, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
               backend_options: Any) -> None:
-        grown, specs, extra = self.membership.prepare(self.options, self.setup, create_env_fn, num_envs, policy,
-                                                      collector_kwargs, backend_options)
+        self.membership.check_grow()
+        grown, specs, extra = self.options.added(len(self.fleet), create_env_fn, num_envs, policy, collector_kwargs,
+                                                 backend_options, self.setup, self.shares)
+        self.fleet.check_growable()  # nothing started yet
         previous, self.options = self.options, grown
         try:
             self.membership.start_added(specs, extra)

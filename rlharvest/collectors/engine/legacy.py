@@ -4,14 +4,12 @@ of that device when written; and the shared-memory weights the workers run on (d
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
 
-from ...config import CollectorConfig
 from ...weight_update.strategy import weights_of
-from .fleet import Fleet
 from .weights import WeightPublisher
 
 __all__ = ["LegacyStaging"]
@@ -23,16 +21,15 @@ class LegacyStaging:
     Args:
         weights: the publisher (its sender schemes).
         source: the main-side weight source of a model (``get_model``).
-        config: the collector's arguments (each worker's policy device).
-        fleet: the workers (how many slots there are).
+        devices: the device each worker it started with runs its policy on (a collector with a legacy
+            updater does not grow; workers added to another share these devices).
     """
 
-    def __init__(self, weights: WeightPublisher, source: Callable[[str], Any], config: CollectorConfig,
-                 fleet: Fleet) -> None:
+    def __init__(self, weights: WeightPublisher, source: Callable[[str], Any],
+                 devices: Sequence[torch.device]) -> None:
         self.weights = weights
         self.source = source
-        self.config = config
-        self.fleet = fleet
+        self.devices = tuple(devices)
         #: ``{device: weights}``, made on first use
         self.staging: dict | None = None
 
@@ -44,13 +41,13 @@ class LegacyStaging:
             if source is None:
                 return {}
             weights = weights_of(source)
-            devices = dict.fromkeys(self.config.policy_device_of(w) for w in range(len(self.fleet)))
+            devices = dict.fromkeys(self.devices)
             self.staging = {device: weights.detach().to(device).clone() for device in devices}
         return self.staging
 
     def push_staged(self, written: dict, device: torch.device) -> None:
         """A legacy updater wrote ``written[device]``: push it to the workers on that device."""
-        workers = [w for w in range(len(self.fleet)) if self.config.policy_device_of(w) == torch.device(device)]
+        workers = [w for w, on in enumerate(self.devices) if on == torch.device(device)]
         self.weights.sender_schemes["policy"].send(weights=written[device], worker_ids=workers)
 
     def cached_weights(self, model_id: str) -> TensorDictBase | None:
@@ -60,4 +57,4 @@ class LegacyStaging:
         buffers = getattr(scheme.sender_transports, "shared", None) if scheme is not None else None
         if not buffers:
             return None
-        return buffers.get(self.config.policy_device_of(0), next(iter(buffers.values())))
+        return buffers.get(self.devices[0], next(iter(buffers.values())))

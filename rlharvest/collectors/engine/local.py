@@ -51,7 +51,7 @@ class LocalEngine:
         resolve: Callable[[str], Any] = lambda path: resolve_attr_path(face_ref(), path)  # noqa: E731
         self.options = options
         self.config = config = options.config
-        self.tally = Tally(config)
+        self.tally = Tally(config.budget)
         self.profile_config: ProfileConfig | None = None
         self.extra_checks: tuple = ()
         self.hooks: dict[str, Any] = {"pre_collect_hook": unwrap(config.pre_collect_hook),
@@ -69,24 +69,26 @@ class LocalEngine:
             served.connect(self.env, self.rollout.root)
         if self.rollout.settings.use_buffers and not config.return_same_td:
             self.rollout.hand_out_batches()  # each batch a buffer of its own: nothing to copy before handing it out
-        self.output = BatchOutput(config)
+        self.output = BatchOutput(config.output_rules)
         compile_policy(config, self.rollout)
         self.profiler: RolloutProfiler | None = None
         policy = self._current_policy
         self.updates = LocalWeights(self.rollout, policy, self._weight_source_ref, self.policy_is_copy,
-                                    served is not None, self.env, config, self.policy_device, resolve, self.progress,
+                                    served is not None, self.env, config.track_policy_version, config.worker_idx,
+                                    bool(config.max_frames_per_traj), self.policy_device, resolve, self.progress,
                                     self.name)
         self.weights = self.updates.weights
         self.calls = LocalCalls(resolve, policy, self.name)
         self.env_calls = LocalEnvCalls(self.env, self.name)
         self.thread_run = ThreadRun(lambda: self.iterate(), name=f"{self.name}-run")
-        self.background = LocalRun(self.thread_run, config, self.life)
+        self.background = LocalRun(self.thread_run, config.replay_buffer, self.life)
         self.sizes = BatchSizes(self.tally, lambda: self.frames_per_batch)
         self.stats = LocalStats(self.tally, self.progress, self.weights,
                                 lambda: self.frames_per_batch, lambda: (self.rollout.times.env, self.rollout.times.policy),
                                 self.output)
         self.checkpoint = LocalCheckpoint(self.env, self.rollout, policy, self.tally, self.weights,
-                                          self.output, config, lambda: self.frames_per_batch, self.where(),
+                                          self.output, config.replay_buffer, config.worker_idx,
+                                          lambda: self.frames_per_batch, self.where(),
                                           self.env_calls)
         self.life.closed = False
         if options.weight_updater is not None:

@@ -10,7 +10,6 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDictBase
 
-from ...config import CollectorConfig
 from ...envs.policy_transforms import appended_by_collector
 from ...policies import WeakPolicyRef
 from ...rollout import Rollout
@@ -32,7 +31,9 @@ class LocalWeights:
         policy_is_copy: whether the policy run is a copy of the source (on another device).
         served: whether the policy is served by a parent (an inference client here).
         env: the env (its transforms are models too, when ``max_frames_per_traj`` adds a step counter).
-        config: the collector's arguments (its version tracker, its index in a parent).
+        version_tracker: ``track_policy_version`` (False, True, or the user's tracker).
+        worker_idx: the collector's index in a parent, or None.
+        step_counter: whether the env has a step counter (``max_frames_per_traj``): ids index its transforms.
         policy_device: where the policy runs.
         resolve: the object at an attribute path of the collector.
         progress: where update latencies are recorded.
@@ -40,7 +41,8 @@ class LocalWeights:
     """
 
     def __init__(self, rollout: Rollout, policy: Callable[[], Any], source: WeakPolicyRef, policy_is_copy: bool,
-                 served: bool, env: Any, config: CollectorConfig, policy_device: torch.device | None,
+                 served: bool, env: Any, version_tracker: Any, worker_idx: int | None, step_counter: bool,
+                 policy_device: torch.device | None,
                  resolve: Callable[[str], Any], progress: ProgressMeter, name: str) -> None:
         self.rollout = rollout
         self.policy = policy
@@ -48,15 +50,12 @@ class LocalWeights:
         self.policy_is_copy = policy_is_copy
         self.served = served
         self.env = env
-        self.config = config
+        self.worker_idx = worker_idx
+        self.step_counter = step_counter
         self.policy_device = policy_device
         self.resolve = resolve
         self.name = name
-        self.weights = WeightPublisher(self, progress, config.track_policy_version, resolve, self.get_model)
-
-    @property
-    def worker_idx(self) -> int | None:
-        return self.config.worker_idx
+        self.weights = WeightPublisher(self, progress, version_tracker, resolve, self.get_model)
 
     @property
     def policy_lock(self):
@@ -123,7 +122,7 @@ class LocalWeights:
         if model_id == "policy":
             source = self.source()
             return source if source is not None else self.policy()
-        step_counter = bool(self.config.max_frames_per_traj)  # TorchRL's env would have one: ids index its transforms
+        step_counter = self.step_counter  # TorchRL's env would have one: ids index its transforms
         if step_counter or appended_by_collector(self.env):
             found, model = resolve_env_transform_path(self.env, model_id, step_counter)
             if found:

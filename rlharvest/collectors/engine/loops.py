@@ -18,7 +18,6 @@ import torch
 from tensordict import TensorDictBase
 
 from ..._utils import MASK, TRAJ_IDS
-from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...protocol import Command, Reply
 from .fleet import Fleet
@@ -114,8 +113,8 @@ class LoopParts:
     """How the workers' trajectory ids become collector-wide ones."""
     output: BatchOutput
     """Post-processing, the replay buffer, complete trajectories."""
-    config: CollectorConfig
-    """The replay buffer and ``trajs_per_batch``."""
+    replay_buffer: Any
+    """Where batches are written instead of yielded (None: they are yielded)."""
     sizes: BatchSizes
     """Frames a batch counts with a replay buffer."""
     pacing: Pacing
@@ -250,7 +249,7 @@ class BatchLoop:
     def count_frames(self, replies: list[Reply]) -> int:
         """Frames ``replies`` add: with a replay buffer, what each worker was asked for (its batch may have
         gone to the buffer); else what each collected."""
-        if self.parts.config.replay_buffer is not None:
+        if self.parts.replay_buffer is not None:
             sizes = self.parts.sizes
             if sizes.sync:  # every batch holds one rollout of every worker: its size
                 return sizes.frames_per_batch()
@@ -265,7 +264,7 @@ class BatchLoop:
         if not counted:
             self.tally.frames += self.count_frames(replies)
         output = self.parts.output
-        if self.parts.config.replay_buffer is not None:
+        if self.parts.replay_buffer is not None:
             # Each worker's batch is written as that worker's own collector would write it, so a
             # buffer that counts items along the first dim (TorchRL's) gets the frames, not W rows.
             for batch in batches:
@@ -283,11 +282,11 @@ class BatchLoop:
     def write(self, batch: TensorDictBase) -> None:
         """One worker's batch into the replay buffer (its collected steps); the first time workers can
         write the buffer themselves, they are given its storage."""
-        config, output = self.parts.config, self.parts.output
+        output = self.parts.output
         batch = valid_part(batch)
-        buffer = config.replay_buffer
+        buffer = self.parts.replay_buffer
         writers = self.parts.workers_write_buffer
-        if writers and config.assembles_trajectories:
+        if writers and output.rules.assembles_trajectories:
             # The worker that sent this batch keeps its trajectories and writes them once the storage
             # is attached: here the batch only gives the storage its layout.
             if batch.numel():
@@ -302,7 +301,7 @@ class BatchLoop:
         self.buffer_attached = True
         self.drain()
         requests = self.fleet.requests
-        storage = self.parts.config.replay_buffer.storage
+        storage = self.parts.replay_buffer.storage
         for worker, totals in zip(requests.active(), requests.broadcast(Command.ATTACH_BUFFER, storage)):
             self.parts.output.count_worker(worker, totals)
 
@@ -318,7 +317,7 @@ class BatchLoop:
     def prepare_workers_writing(self) -> None:
         """Before workers run free writing the buffer: its storage exists (allocated from a first batch, or
         loaded from a checkpoint) and the workers have it."""
-        if self.parts.config.replay_buffer.storage is None:
+        if self.parts.replay_buffer.storage is None:
             reply = self.fleet.requests.wait_for(0, request_batch(self.fleet, 0, self.tally.random_phase()))
             self.tally.frames += reply.frames  # collected and written: stepped, as the workers' next frames
             self.write(self.take(0, reply))

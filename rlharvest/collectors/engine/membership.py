@@ -22,15 +22,7 @@ from .schedule import WeightSchedule
 from .traj_ids import TrajectoryIds
 from .weights import WeightPublisher
 
-__all__ = ["Membership", "Growable"]
-
-
-class Growable(Protocol):
-    """What a collector's options do when workers are added (``add_collectors``)."""
-
-    def added(self, first: int, create_env_fn: Any, num_envs: int | None, policy: Any, collector_kwargs: Any,
-              backend_options: Any, setup: Any) -> tuple[Any, list[WorkerSpec], Any]:
-        """These options grown by the new workers, their specs, and what the backend needs of each."""
+__all__ = ["Membership"]
 
 
 class Resplit(Protocol):
@@ -106,24 +98,17 @@ class Membership:
         self.resized()
 
     # ------------------------------------------------------------------ joining
-    def prepare(self, options: Growable, setup: Any, create_env_fn: Any, num_envs: int | None, policy: Any,
-                collector_kwargs: Any, backend_options: Any = None) -> tuple[Any, list[WorkerSpec], Any]:
-        """``add_collectors`` once its arguments are accepted (the autoscaler also grows a
-        ``launcher="external"`` collector by the nodes that joined the slots it opened): the options
-        grown by the new workers, their specs, and what the backend needs of each; nothing starts yet.
+    def check_grow(self) -> None:
+        """Before the options are grown by new workers (``add_collectors``; the autoscaler also grows a
+        ``launcher="external"`` collector by the nodes that joined the slots it opened).
 
         Raises:
-            ValueError: for an argument that does not fit. NotImplementedError: when the backend or a
-                weight sender cannot grow. RuntimeError: see :meth:`check_resizable`.
+            ValueError: with a legacy weight updater. RuntimeError: see :meth:`check_resizable`.
         """
         self.check_resizable("add")
         if self.weights.updater is not None:
             raise ValueError(f"add_collectors needs weight sync schemes: this collector was built with a legacy "
                              f"weight_updater, which serves the {self.noun}s it started with only.")
-        grown, specs, extra_options = options.added(len(self.fleet), create_env_fn, num_envs, policy,
-                                                    collector_kwargs, backend_options, setup)
-        self.fleet.check_growable()
-        return grown, specs, extra_options
 
     def check_add(self) -> None:
         """Raises: NotImplementedError when a part of the backend refuses ``add_collectors`` (slots that
@@ -190,10 +175,10 @@ class Membership:
         if scaler is not None:  # batches keep their size: nothing to warn about
             return
         tally = sizes.tally
-        config = tally.config
-        remaining = config.total_frames - tally.frames
+        budget = tally.budget
+        remaining = budget.total_frames - tally.frames
         per_batch = sizes.frames_per_batch()
-        if not config.endless and remaining > 0 and remaining % per_batch:
-            warnings.warn(f"{remaining} frames remain to total_frames={config.total_frames}, not a multiple of the "
+        if not budget.endless and remaining > 0 and remaining % per_batch:
+            warnings.warn(f"{remaining} frames remain to total_frames={budget.total_frames}, not a multiple of the "
                           f"{per_batch} of a batch of {len(self.fleet.active)} {self.noun}s: the last "
                           "batch collects the excess.", stacklevel=user_stacklevel())

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator
 from tensordict import TensorDictBase
 
 from ..._utils import is_private_key
-from ...config import CollectorConfig
+from ...config_views import OutputRules
 from ...protocol import Written
 from ..trajectories import TrajectoryAssembler
 from ..utils import split_trajectories
@@ -32,16 +32,15 @@ class BatchOutput:
     """Post-processing and writing of one collector's batches.
 
     Args:
-        config: the collector's arguments (``split_trajs``, ``postproc``, ``replay_buffer``,
-            ``trajs_per_batch``...).
+        rules: what is done to each batch (``split_trajs``, ``postproc``, ``trajs_per_batch``...).
         assembles: whether this collector assembles complete trajectories itself (False when its
             workers write their own to the replay buffer).
         private_copy: whether a batch must be cloned before it is handed over (the rollout reuses its
             buffer); ``split_trajs`` copies anyway.
     """
 
-    def __init__(self, config: CollectorConfig, assembles: bool = True, private_copy: bool = False) -> None:
-        self.config = config
+    def __init__(self, rules: OutputRules, assembles: bool = True, private_copy: bool = False) -> None:
+        self.rules = rules
         self.assembles = assembles
         self.private_copy = private_copy
         #: drop keys with a path part starting with ``_`` from the batches (TorchRL's switch of that name)
@@ -61,8 +60,8 @@ class BatchOutput:
     def trajectories(self) -> TrajectoryAssembler | None:
         """Where complete trajectories are assembled (``trajs_per_batch``, ``replay_write_mode="trajectory"``),
         made on first use."""
-        if self._assembler is None and self.config.assembles_trajectories and self.assembles:
-            self._assembler = TrajectoryAssembler.from_config(self.config)
+        if self._assembler is None and self.rules.assembles_trajectories and self.assembles:
+            self._assembler = TrajectoryAssembler.from_config(self.rules)
         return self._assembler
 
     @property
@@ -72,13 +71,13 @@ class BatchOutput:
 
     def postprocess(self, batch: TensorDictBase) -> TensorDictBase:
         """``split_trajs`` (or a private copy), then ``postproc``, then private keys dropped."""
-        config = self.config
-        if config.split_trajs and config.trajs_per_batch is None:  # trajectory batches are split already
+        rules = self.rules
+        if rules.split_trajs and rules.trajs_per_batch is None:  # trajectory batches are split already
             batch = split_trajectories(batch)
         elif self.private_copy:
             batch = batch.clone()
-        if config.postproc is not None:
-            batch = config.postproc(batch)
+        if rules.postproc is not None:
+            batch = rules.postproc(batch)
         return drop_private_keys(batch) if self.exclude_private_keys else batch
 
     def write(self, buffer: Any, batch: TensorDictBase, hook: Callable | None = None) -> None:

@@ -24,7 +24,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ...config import CollectorConfig
 from ...errors import RestartLimitError, WorkerError, WorkerTimeoutError
 from .events import EventKind, FleetEvents
 
@@ -81,7 +80,7 @@ class RestartPolicy:
 
     Args:
         max_restarts: replacements allowed over the collector's life (0: none, failures raise);
-            a count validated by :class:`~rlharvest.config.CollectorConfig` (see :meth:`of`).
+            a count validated by :func:`~rlharvest.config.check_restart_arguments`.
         delay: seconds to wait before each replacement starts.
         noun: how messages name a worker ("worker", "node").
         events: where restarts and preemptions are published (and logged); a log of its own by default.
@@ -102,11 +101,6 @@ class RestartPolicy:
         self.causes: list[RestartCause] = []
         #: workers that were preempted (kind ``"preempted"``): leaves, not counted as failures
         self.leaves: list[RestartCause] = []
-
-    @classmethod
-    def of(cls, config: CollectorConfig, noun: str, events: FleetEvents | None = None) -> RestartPolicy:
-        """The policy of a collector's ``max_worker_restarts`` and ``restart_delay`` (validated there)."""
-        return cls(config.max_worker_restarts, config.restart_delay, noun, events)
 
     @property
     def enabled(self) -> bool:

@@ -10,7 +10,6 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Protocol
 
-from ...config import CollectorConfig
 from ...errors import WorkerError
 from ...protocol import Command
 from .fleet import Fleet
@@ -253,20 +252,20 @@ class Background:
             are written through it).
         fleet: the workers.
         receiving: who replaces a failed worker while workers push to a receiver here.
-        config: the collector's arguments (its replay buffer).
+        replay_buffer: where running free writes (None: ``start()`` is refused).
         iterate: makes the collector's iterator, which a thread here runs into the buffer.
         life: the collector's name and whether it is open.
         noun: how errors name a worker.
     """
 
     def __init__(self, mode: FreeRun | None, loop: BatchLoop, fleet: Fleet, receiving: Receiving,
-                 config: CollectorConfig, iterate: Callable[[], Iterator[Any]], life: Lifecycle,
+                 replay_buffer: Any, iterate: Callable[[], Iterator[Any]], life: Lifecycle,
                  noun: str = "worker") -> None:
         self.mode = mode
         self.loop = loop
         self.fleet = fleet
         self.receiving = receiving
-        self.config = config
+        self.replay_buffer = replay_buffer
         self.life = life
         self.noun = noun
         self.thread_run = ThreadRun(iterate, fleet.interrupt, name=f"{life.name}-run")
@@ -288,7 +287,7 @@ class Background:
         """
         if self.mode is None:
             raise NotImplementedError(f"Collector start() is not implemented for {self.life.name}.")
-        if self.config.replay_buffer is None:
+        if self.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")
@@ -338,13 +337,13 @@ class LocalRun:
 
     Args:
         thread_run: the thread.
-        config: the collector's arguments (its replay buffer).
+        replay_buffer: where the thread writes (None: ``start()`` is refused).
         life: the collector's name, and whether it started iterating.
     """
 
-    def __init__(self, thread_run: ThreadRun, config: CollectorConfig, life: Lifecycle) -> None:
+    def __init__(self, thread_run: ThreadRun, replay_buffer: Any, life: Lifecycle) -> None:
         self.thread_run = thread_run
-        self.config = config
+        self.replay_buffer = replay_buffer
         self.life = life
 
     def is_running(self) -> bool:
@@ -352,7 +351,7 @@ class LocalRun:
 
     def start(self) -> None:
         """Raises: RuntimeError without a replay buffer or when already running."""
-        if self.config.replay_buffer is None:
+        if self.replay_buffer is None:
             raise RuntimeError("start() requires a replay_buffer to write the collected data into.")
         if self.is_running():
             raise RuntimeError("The collector is already running.")

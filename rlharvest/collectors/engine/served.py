@@ -185,13 +185,13 @@ class ChunkLoop(FirstReady):
         if self.trajectories:
             yield from self._trajectories()
             return
-        tally, config, hooks = self.tally, self.parts.config, self.parts.hooks
-        total = config.total_frames
+        tally, sizes, hooks = self.tally, self.parts.sizes, self.parts.hooks
+        total = tally.budget.total_frames
         while not tally.reached_total():
             pre = hooks["pre_collect_hook"]
             if pre is not None:
                 pre()
-            wanted = config.frames_per_batch
+            wanted = sizes.frames_per_batch()
             if total >= 0:
                 wanted = min(wanted, total - tally.frames)
             batch = self._take_frames(wanted)
@@ -211,7 +211,7 @@ class ChunkLoop(FirstReady):
 
     def _deliver(self, batch: TensorDictBase) -> Iterator[TensorDictBase | None]:
         """Post-processed here, where the batch is assembled: ``postproc``, then the post-collect hook."""
-        buffer = self.parts.config.replay_buffer
+        buffer = self.parts.replay_buffer
         batch = self.parts.output.postprocess(batch)
         post = self.parts.hooks["post_collect_hook"]
         if post is not None:

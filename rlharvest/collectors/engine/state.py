@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ...config import CollectorConfig
+from ...config_views import FrameBudget
 
 __all__ = ["Tally", "Lifecycle", "BatchSizes"]
 
@@ -18,19 +18,19 @@ class Tally:
     """Frames collected and batches yielded so far, against ``total_frames``.
 
     Args:
-        config: the collector's arguments (``total_frames``, ``init_random_frames``, the replay buffer
-            whose writes count the random warm-up).
+        budget: ``total_frames`` and the random warm-up (``init_random_frames``, the replay buffer
+            whose writes count it).
 
     Example:
-        >>> from rlharvest.config import CollectorConfig
-        >>> tally = Tally(CollectorConfig(frames_per_batch=4, total_frames=8))
+        >>> from rlharvest.config_views import FrameBudget
+        >>> tally = Tally(FrameBudget(total_frames=8))
         >>> tally.frames += 8
         >>> tally.reached_total(), tally.batches
         (True, 0)
     """
 
-    def __init__(self, config: CollectorConfig) -> None:
-        self.config = config
+    def __init__(self, budget: FrameBudget) -> None:
+        self.budget = budget
         #: frames collected so far (TorchRL's ``_frames``)
         self.frames = 0
         #: index of the last batch (-1 before the first; TorchRL's ``_iter``)
@@ -43,16 +43,16 @@ class Tally:
 
     def reached_total(self) -> bool:
         """Whether ``total_frames`` were collected (never for an endless collector)."""
-        return not self.config.endless and self.frames >= self.config.total_frames
+        return not self.budget.endless and self.frames >= self.budget.total_frames
 
     def random_phase(self) -> bool:
         """Whether the next batch takes random actions (``init_random_frames``)."""
-        return self.config.in_random_phase(self.frames)
+        return self.budget.in_random_phase(self.frames)
 
     def frames_left(self) -> int:
         """Frames still to collect to ``total_frames`` (-1 when endless), for checkpoints."""
-        config = self.config
-        return -1 if config.endless else max(0, int(config.total_frames - self.frames))
+        budget = self.budget
+        return -1 if budget.endless else max(0, int(budget.total_frames - self.frames))
 
 
 class Lifecycle:
@@ -96,8 +96,8 @@ class BatchSizes:
         active: the indices of the workers collecting now.
 
     Example:
-        >>> from rlharvest.config import CollectorConfig
-        >>> tally = Tally(CollectorConfig(frames_per_batch=8, total_frames=32))
+        >>> from rlharvest.config_views import FrameBudget
+        >>> tally = Tally(FrameBudget(total_frames=32))
         >>> sizes = BatchSizes(tally, lambda: 8, sync=True, share=lambda worker: 4, active=lambda: [0, 1, 2])
         >>> sizes.frames_per_batch(), sizes.num_batches()
         (8, 4)
@@ -136,13 +136,13 @@ class BatchSizes:
         Raises:
             RuntimeError: for an endless collector.
         """
-        config = self.tally.config
-        if config.endless:
-            raise RuntimeError(f"Non-terminating collector (total_frames={config.total_frames}): len() is "
+        budget = self.tally.budget
+        if budget.endless:
+            raise RuntimeError(f"Non-terminating collector (total_frames={budget.total_frames}): len() is "
                                "undefined.")
         point = self.resize_point
         if point is None:
-            return config.num_batches(self.requested())
+            return budget.num_batches(self.requested())
         batches, frames = point
-        remaining = max(0, config.total_frames - frames)
+        remaining = max(0, budget.total_frames - frames)
         return batches + math.ceil(remaining / self.frames_per_batch())

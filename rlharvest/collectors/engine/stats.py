@@ -202,13 +202,13 @@ class FleetStats:
         """Raises: ValueError for another ``workers`` view or a negative ``timeout``."""
         check_view(workers)
         check_timeout(timeout)
-        tally, config, fleet, progress = self.tally, self.tally.config, self.fleet, self.progress
+        tally, budget, fleet, progress = self.tally, self.tally.budget, self.fleet, self.progress
         open_ = not self.life.closed
         requests = fleet.current_requests
         if self.output is not None and open_ and requests is not None:  # workers writing the replay buffer
             self.output.count_advertised((worker, requests.handles[worker]) for worker in requests.active())
         snapshot = StatsSnapshot(
-            frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
+            frames=tally.frames, batches=tally.batches, total_frames=None if budget.endless else budget.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
             policy_version=self.weights.acknowledged_version, progress=progress.stats(), times=dict(progress.seconds),
             weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram(),
@@ -260,9 +260,9 @@ class LocalStats:
     def snapshot(self, workers: str = "aggregate", timeout: float | None = None) -> StatsSnapshot:
         """Raises: ValueError for another ``workers`` view."""
         check_view(workers)
-        tally, config = self.tally, self.tally.config
+        tally, budget = self.tally, self.tally.budget
         return StatsSnapshot(
-            frames=tally.frames, batches=tally.batches, total_frames=None if config.endless else config.total_frames,
+            frames=tally.frames, batches=tally.batches, total_frames=None if budget.endless else budget.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
             policy_version=self.weights.policy_version, progress=self.progress.stats(), times=self.time_split(),
             weight_version=self.weights.version, weight_syncs=self.progress.weight_sync_histogram(),

@@ -10,6 +10,7 @@ import torch
 
 from ..._utils import NestedKey, wrap_callable
 from ...config import CollectorConfig, positive_seconds
+from ...config_views import BatchShares, FramesPerBatch
 from ...envs import SerialEnv
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
@@ -49,8 +50,8 @@ class AsyncBatchedConfig:
     """Envs stepped by one worker (a SerialEnv of them when more than one)."""
     env_backend: str
     """``"multiprocessing"`` (a process per worker) or ``"threading"`` (a thread per worker)."""
-    chunk_steps: int
-    """Env steps a worker collects per message to the collector (``transition_chunk_size``)."""
+    transition_chunk_size: int | None
+    """Env steps a worker collects per message to the collector (None: ``"auto"``, :meth:`chunk_steps`)."""
     max_batch_size: int
     """Most frames one policy call serves."""
     min_batch_size: int
@@ -64,6 +65,14 @@ class AsyncBatchedConfig:
     """Version of the initial weights."""
     device: torch.device | None = None
     """Where the policy runs (in the server; workers' envs stay where they are)."""
+
+    def chunk_steps(self, frames_per_batch: int) -> int:
+        """Env steps a worker collects per message: ``transition_chunk_size``, or with ``"auto"`` small
+        enough that one chunk per worker (what may already be collected when weights are updated) stays
+        below a batch, large enough to keep the per-message cost off the per-frame path."""
+        if self.transition_chunk_size is not None:
+            return self.transition_chunk_size
+        return max(1, min(AUTO_CHUNK_CAP, frames_per_batch // ((self.num_workers + 1) * self.envs_per_worker)))
 
     @property
     def num_workers(self) -> int:
@@ -110,7 +119,7 @@ def reject_unsupported(options: dict) -> None:
                              "envs step in rlharvest workers and the policy is served from a thread of this process.")
 
 
-def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch: int, max_batch_size, min_batch_size,
+def async_batched_config(*, create_env_fn: Sequence[Callable], max_batch_size, min_batch_size,
                          server_timeout, env_backend, envs_per_worker, transition_chunk_size,
                          yield_completed_trajectories: bool, policy_version_key, policy_version, device=None,
                          options: dict) -> AsyncBatchedConfig:
@@ -127,13 +136,7 @@ def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch:
     if num_envs % envs_per_worker:
         raise ValueError(f"AsyncBatchedCollector: envs_per_worker={envs_per_worker} does not divide the {num_envs} "
                          "envs (every worker must host as many envs, so that their requests stack).")
-    num_workers = num_envs // envs_per_worker
-    if transition_chunk_size == "auto":
-        # Small enough that one chunk per worker (what may already be collected when weights are updated)
-        # stays below a batch, large enough to keep the per-message cost off the per-frame path.
-        chunk = max(1, min(AUTO_CHUNK_CAP, frames_per_batch // ((num_workers + 1) * envs_per_worker)))
-    else:
-        chunk = _positive("transition_chunk_size", transition_chunk_size)
+    chunk = None if transition_chunk_size == "auto" else _positive("transition_chunk_size", transition_chunk_size)
     max_batch = _positive("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size)
     min_batch = _positive("min_batch_size", DEFAULT_MIN_BATCH_SIZE if min_batch_size is None else min_batch_size)
     timeout = DEFAULT_SERVER_TIMEOUT if server_timeout is None else server_timeout
@@ -142,7 +145,7 @@ def async_batched_config(*, create_env_fn: Sequence[Callable], frames_per_batch:
     if isinstance(policy_version, bool) or not isinstance(policy_version, int):
         raise TypeError(f"AsyncBatchedCollector: policy_version must be an int, got {policy_version!r}")
     return AsyncBatchedConfig(
-        num_envs=num_envs, envs_per_worker=envs_per_worker, env_backend=backend, chunk_steps=chunk,
+        num_envs=num_envs, envs_per_worker=envs_per_worker, env_backend=backend, transition_chunk_size=chunk,
         max_batch_size=max_batch, min_batch_size=min_batch, server_timeout=float(timeout),
         yield_completed_trajectories=bool(yield_completed_trajectories), policy_version_key=policy_version_key,
         policy_version=policy_version, device=torch.device(device) if device is not None else None,
@@ -206,7 +209,7 @@ class AsyncBatchedOptions:
     autoscale = None
 
     @classmethod
-    def parse(cls, *, create_env_fn: Sequence[Callable], policy: Any, policy_factory: Any, frames_per_batch: int,
+    def parse(cls, *, create_env_fn: Sequence[Callable], policy: Any, policy_factory: Any,
               total_frames: int, max_batch_size: Any, min_batch_size: Any, server_timeout: Any, device: Any,
               env_backend: Any, envs_per_worker: int, transition_chunk_size: Any, postproc: Any,
               exploration_type: Any, replay_buffer: Any, post_collect_hook: Any, yield_completed_trajectories: bool,
@@ -223,13 +226,13 @@ class AsyncBatchedOptions:
         if policy is None and policy_factory is None:
             raise TypeError("AsyncBatchedCollector: one of policy or policy_factory must be given.")
         batched = async_batched_config(
-            create_env_fn=create_env_fn, frames_per_batch=frames_per_batch, max_batch_size=max_batch_size,
+            create_env_fn=create_env_fn, max_batch_size=max_batch_size,
             min_batch_size=min_batch_size, server_timeout=server_timeout, env_backend=env_backend,
             envs_per_worker=envs_per_worker, transition_chunk_size=transition_chunk_size,
             yield_completed_trajectories=yield_completed_trajectories, policy_version_key=policy_version_key,
             policy_version=policy_version, device=device, options=torchrl_options)
         # The policy runs here, so ``device`` is the server's, never the workers'; hooks run here too.
-        config = CollectorConfig(frames_per_batch=frames_per_batch, total_frames=total_frames, postproc=postproc,
+        config = CollectorConfig(total_frames=total_frames, postproc=postproc,
                                  exploration_type=exploration_type, replay_buffer=replay_buffer,
                                  max_frames_per_traj=max_frames_per_traj, trust_policy=trust_policy,
                                  post_collect_hook=post_collect_hook)
@@ -272,12 +275,16 @@ class AsyncBatchedOptions:
     def num_workers(self) -> int:
         return len(self.env_fns)
 
-    @property
-    def requested_frames(self) -> int:
-        return self.config.frames_per_batch
+    def worker_shares(self, frames: FramesPerBatch) -> BatchShares:
+        """``frames`` per batch, and what each worker collects per rollout: a chunk of each of its envs.
 
-    def frames_share(self, worker: int) -> int:
-        return self.batched.chunk_steps * self.batched.envs_per_worker
+        Raises:
+            TypeError: for a per-worker list (batches are cut from whichever worker is ready).
+        """
+        if frames.per_worker:
+            raise TypeError(f"frames_per_batch must be an int for AsyncBatchedCollector, got {list(frames.value)}.")
+        batched = self.batched
+        return BatchShares(frames, (batched.chunk_steps(frames.value) * batched.envs_per_worker,))
 
     def build_backend(self) -> Backend:
         if self.batched.env_backend == "threading":
@@ -288,11 +295,11 @@ class AsyncBatchedOptions:
         """No weight scheme (the policy runs here); one trajectory counter for every worker."""
         return WorkerSetup(policy=None, schemes={}, trajectory_counter=backend.trajectory_counter())
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
         """Each worker runs a ``Collector`` of its env(s) whose policy is a client of the served one,
-        collecting chunks of ``transition_chunk_size`` steps."""
+        collecting chunks of ``transition_chunk_size`` steps (its share of ``shares``)."""
         batched = self.batched
-        config = self.config.worker_config(0, frames_per_batch=batched.chunk_steps * batched.envs_per_worker,
+        config = self.config.worker_config(0, frames_per_batch=shares.share(0),
                                            total_frames=-1, post_collect_hook=None)
         return [WorkerSpec(
             worker_idx=worker, collector_class=self.worker_collector, create_env_fn=wrap_callable(self.env_fns[worker]),

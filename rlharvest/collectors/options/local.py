@@ -14,6 +14,7 @@ from typing import Any
 
 from ..._utils import user_stacklevel
 from ...config import CollectorConfig
+from ...config_views import FramesPerBatch
 
 __all__ = ["LocalOptions"]
 
@@ -66,7 +67,8 @@ class LocalOptions:
                 where = f"backend={backend!r}" if backend is not None else owner
                 raise ValueError(f"{where} needs exactly one env constructor, got {len(create_env_fn)}.")
             create_env_fn = create_env_fn[0]
-        config = CollectorConfig.from_kwargs(owner, **config_arguments)
+        frames = FramesPerBatch.parse(config_arguments.pop("frames_per_batch", None))
+        config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames.value, **config_arguments)
         return cls(config=config, create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
                    weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,
                    weight_recv_schemes=weight_recv_schemes)

@@ -11,6 +11,7 @@ import torch
 
 from ..._utils import cpu_count, wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
+from ...config_views import BatchShares, FramesPerBatch
 from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
@@ -31,7 +32,7 @@ from .common import (check_env_constructors, check_policy_args, default_schemes,
                      stateless_copy, typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
 
-__all__ = ["WorkerProcessOptions"]
+__all__ = ["NodeProcesses", "WorkerProcessOptions"]
 
 #: seconds a worker may go without answering or making progress before TimeoutError
 DEFAULT_WORKER_TIMEOUT = 120.0
@@ -51,8 +52,6 @@ class WorkerProcessOptions:
     """The user's policy (the main-side source of weights), or None."""
     policy_factories: tuple[Callable | None, ...] | None
     """One policy factory per worker, or None."""
-    frames_per_worker: tuple[int, ...]
-    """Frames each worker collects per request."""
     collector_class: Any
     """The collector each worker runs (``Collector`` by default)."""
     num_sub_threads: int
@@ -98,7 +97,7 @@ class WorkerProcessOptions:
 
     @classmethod
     def parse(cls, owner: str, *, sync: bool, create_env_fn: Any, num_workers: int | None, policy: Any,
-              policy_factory: Any, frames_per_batch: Any, default_collector: Any, collector_class: Any = None,
+              policy_factory: Any, default_collector: Any, collector_class: Any = None,
               num_sub_threads: int = 1, num_threads: int | None = None, cat_results: Any = None,
               preemptive_threshold: Any = None, update_at_each_batch: bool = False,
               worker_timeout: Any = DEFAULT_WORKER_TIMEOUT, mp_start_method: str | None = None, init_fn: Any = None,
@@ -106,7 +105,9 @@ class WorkerProcessOptions:
               weight_recv_schemes: dict | None = None, reset_when_done: bool = True, local_init_rb: bool | None = None,
               autoscale: Any = None, **config_arguments: Any) -> WorkerProcessOptions:
         """Validate a worker-process collector's constructor arguments, once (a node running one is
-        given them by its parent, parsed there: the defaults are the constructor's).
+        given them by its parent, parsed there: the defaults are the constructor's). ``frames_per_batch``
+        is not among them: the face parses it apart (``FramesPerBatch``) and :meth:`worker_shares` splits it, so
+        that only what sizes batches and the workers' specs hold it (docs/architecture.md).
 
         Raises:
             TypeError, ValueError, RuntimeError: naming the argument that does not fit.
@@ -118,24 +119,20 @@ class WorkerProcessOptions:
         count = len(env_fns)
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
         check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
-        config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames_per_batch, **config_arguments)
+        config = CollectorConfig.from_kwargs(owner, **config_arguments)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is
             warnings.warn("local_init_rb=False is deprecated and ignored (buffers are always initialised by their "
                           "storage).", FutureWarning, stacklevel=user_stacklevel())
-        frames = tuple(config.split_frames(count, "share" if sync else "whole"))
         cat = validate_cat_results(cat_results, sync, config.use_buffers)
-        if sync and cat == "stack" and len(set(frames)) > 1:
-            raise ValueError(f"Per-worker frames {list(frames)} differ, so batches cannot be stacked: pass "
-                             "cat_results=-1 to concatenate them along time.")
         config.check_workers(count)
         typed = collector_class is None or typed_class(collector_class, [default_collector])
         scaling = parse_autoscale(autoscale, sync=bool(sync), typed_workers=typed,
                                   legacy_updater=weight_updater is not None,
                                   distinct_factories=factories is not None and len({id(f) for f in factories}) > 1)
         return cls(config=config, sync=bool(sync), env_fns=tuple(env_fns), policy=policy,
-                   policy_factories=tuple(factories) if factories is not None else None, frames_per_worker=frames,
+                   policy_factories=tuple(factories) if factories is not None else None,
                    collector_class=collector_class, num_sub_threads=num_sub_threads, num_threads=num_threads,
                    cat_results=cat, preemptive_threshold=validate_preemptive_threshold(preemptive_threshold),
                    update_at_each_batch=bool(update_at_each_batch),
@@ -207,14 +204,18 @@ class WorkerProcessOptions:
         """Workers writing the buffer assemble their trajectories themselves."""
         return not self.workers_write_buffer
 
-    @property
-    def requested_frames(self) -> int:
-        return self.config.requested_frames
+    def worker_shares(self, frames: FramesPerBatch) -> BatchShares:
+        """Each worker's part of ``frames``: a sync batch is split between them, an async batch is one
+        worker's whole.
 
-    def frames_share(self, worker: int) -> int:
-        """Frames ``worker`` adds to a sync batch (an added worker: the first worker's share)."""
-        shares = self.frames_per_worker
-        return shares[worker] if worker < len(shares) else shares[0]
+        Raises:
+            ValueError: a per-worker list of the wrong length, or shares that differ while batches are stacked.
+        """
+        shares = frames.shares(self.num_workers, "share" if self.sync else "whole")
+        if self.sync and self.cat_results == "stack" and len(set(shares.shares)) > 1:
+            raise ValueError(f"Per-worker frames {list(shares.shares)} differ, so batches cannot be stacked: pass "
+                             "cat_results=-1 to concatenate them along time.")
+        return shares
 
     @property
     def workers_write_buffer(self) -> bool:
@@ -251,10 +252,10 @@ class WorkerProcessOptions:
         counter = backend.trajectory_counter() if self.typed_workers else None
         return WorkerSetup(policy=worker_policy, schemes=schemes, legacy=legacy, trajectory_counter=counter)
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
         """One spec per worker from index ``first`` on: its env constructor, the policy it is given, its
         collector's typed options (``Collector``) or arguments (a class of the user's own) with its share
-        of frames."""
+        of frames (of ``shares``)."""
         config = self.config
         written: dict[str, Any] = {}
         if self.workers_write_buffer:  # workers that write the buffer post-process what they write
@@ -268,7 +269,7 @@ class WorkerProcessOptions:
             worker_idx=worker,
             collector_class=wrap_callable(self.collector_class or self.default_collector),
             create_env_fn=wrap_callable(self.env_fns[worker]),
-            **self._collector_arguments(worker, setup, written),
+            **self._collector_arguments(worker, setup, written, shares.share(worker)),
             policy=wrap_callable(setup.policy),
             policy_factory=wrap_callable(factories[worker] if factories else None),
             weight_recv_schemes=setup.schemes or None,
@@ -279,8 +280,7 @@ class WorkerProcessOptions:
             preemption_grace=config.preemption_grace,
         ) for worker in range(first, self.num_workers)]
 
-    def _collector_arguments(self, worker: int, setup: WorkerSetup, written: dict) -> dict:
-        frames = self.frames_per_worker[worker]
+    def _collector_arguments(self, worker: int, setup: WorkerSetup, written: dict, frames: int) -> dict:
         if self.typed_workers:
             options = LocalOptions(config=self.config.worker_config(worker, frames_per_batch=frames, **written),
                                    create_env_fn=None, trajectory_counter=setup.trajectory_counter)
@@ -288,7 +288,8 @@ class WorkerProcessOptions:
         return {"collector_kwargs": self.config.for_worker(worker, frames_per_batch=frames, **written)}
 
     def added(self, first: int, create_env_fn: Any, num_envs: Any, policy: Any, collector_kwargs: Any,
-              backend_options: Any, setup: WorkerSetup) -> tuple[WorkerProcessOptions, list[WorkerSpec], list]:
+              backend_options: Any, setup: WorkerSetup,
+              shares: BatchShares) -> tuple[WorkerProcessOptions, list[WorkerSpec], list]:
         """``add_collectors``: these options grown by the new workers, their specs, and their devices (what
         the backend needs of each).
 
@@ -311,7 +312,7 @@ class WorkerProcessOptions:
             raise ValueError("add_collectors cannot choose the new workers' policy_factory: this collector was built "
                              "with a different one per worker.")
         count = len(env_fns)
-        extra = _new_collector_kwargs(collector_kwargs, count, self.frames_per_worker[0])
+        extra = _new_collector_kwargs(collector_kwargs, count, shares.share(0))
         config = self.config.grown(count)
         try:
             config.check_workers(first + count)
@@ -319,17 +320,16 @@ class WorkerProcessOptions:
             raise ValueError(f"add_collectors: {err} The collector was built with one value per worker: it cannot "
                              "tell the new workers' values.") from None
         grown = self.grown(env_fns, next(iter(factories.values()), None), config)
-        specs = [_with_extra(spec, entry) for spec, entry in zip(grown.worker_specs(setup, first=first), extra)]
+        specs = [_with_extra(spec, entry) for spec, entry in zip(grown.worker_specs(setup, shares, first=first), extra)]
         return grown, specs, [config.policy_device_of(worker) for worker in range(first, first + count)]
 
     def grown(self, env_fns: list, factory: Callable | None, config: CollectorConfig) -> WorkerProcessOptions:
         """These options with workers added after the others (``add_collectors``): their env
-        constructors, the policy factory every worker shares (or None), the first worker's share
-        of frames for each, and ``config`` grown for them (docs/elastic.md)."""
+        constructors, the policy factory every worker shares (or None), and ``config`` grown for them
+        (docs/elastic.md)."""
         count = len(env_fns)
         factories = self.policy_factories + (factory,) * count if self.policy_factories else None
-        return replace(self, config=config, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories,
-                       frames_per_worker=self.frames_per_worker + (self.frames_per_worker[0],) * count)
+        return replace(self, config=config, env_fns=self.env_fns + tuple(env_fns), policy_factories=factories)
 
     def scaled_backend_options(self, count: int) -> None:
         """What the backend needs of ``count`` workers the autoscaler adds: their devices follow the
@@ -341,6 +341,23 @@ class WorkerProcessOptions:
         threads = self.num_threads if self.num_threads is not None else cpu_count() - self.num_workers
         return max(1, int(threads))
 
+
+
+@dataclass(frozen=True)
+class NodeProcesses:
+    """What a node running a worker-process collector builds it from: the collector's options and,
+    apart from them, its ``frames_per_batch`` (both parsed in the parent)."""
+
+    options: WorkerProcessOptions
+    frames: FramesPerBatch
+
+    def in_worker(self, **made_on_node: Any) -> NodeProcesses:
+        """:meth:`WorkerProcessOptions.in_worker`, the frames unchanged."""
+        return replace(self, options=self.options.in_worker(**made_on_node))
+
+    def worker_shares(self) -> BatchShares:
+        """The node's share split between its own workers (:meth:`WorkerProcessOptions.worker_shares`)."""
+        return self.options.worker_shares(self.frames)
 
 
 def _new_collector_kwargs(collector_kwargs: Any, count: int, share: int) -> list[dict]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from ..._utils import wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
+from ...config_views import BatchShares, FramesPerBatch
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
@@ -29,7 +30,7 @@ from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
 from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
-from .mp import WorkerProcessOptions
+from .mp import NodeProcesses, WorkerProcessOptions
 
 __all__ = ["NodeOptions", "resolve_collector_class", "replicated"]
 
@@ -88,8 +89,6 @@ class NodeOptions:
     """The user's policy: what nodes run, and the main-side source of their weights."""
     policy_factories: tuple[Callable | None, ...] | None
     """One policy factory per node, or None."""
-    frames_per_node: int
-    """Frames each node collects per rollout."""
     collector_class: type
     """The collector each node runs."""
     named_classes: dict
@@ -97,10 +96,12 @@ class NodeOptions:
     collector_kwargs: tuple[dict, ...]
     """Each node's collector arguments given by the user (validated into ``node_configs``)."""
     node_configs: tuple[CollectorConfig, ...]
-    """Each node's collector config, typed: this collector's arguments with the user's on top."""
+    """Each node's collector config, typed: this collector's arguments with the user's on top (its
+    share of frames is added to its spec)."""
     node_options: tuple[Any, ...]
     """Each node's collector options, typed, when the node runs one of rlharvest's collectors
-    (``LocalOptions`` or ``WorkerProcessOptions``); None for a class of the user's own."""
+    (``LocalOptions`` or ``WorkerProcessOptions``, without its share of frames); None for a class of
+    the user's own."""
     num_workers_per_collector: int
     """Env copies (sub-workers) of a node running a multi-process collector."""
     update_after_each_batch: bool
@@ -144,7 +145,7 @@ class NodeOptions:
 
     @classmethod
     def parse_common(cls, owner: str, *, sync: bool, create_env_fn: Any, policy: Any, policy_factory: Any,
-                     frames_per_batch: Any, collector_class: Any, collector_classes: Mapping[str, type],
+                     collector_class: Any, collector_classes: Mapping[str, type],
                      collector_kwargs: Any, num_workers_per_collector: int, update_after_each_batch: bool,
                      max_weight_update_interval: int, update_interval: int | None, worker_timeout: Any,
                      heartbeat_timeout: Any, weight_updater: Any, weight_sync_schemes: dict | None,
@@ -152,7 +153,8 @@ class NodeOptions:
                      group_backend: str | None = None, joins: bool = False,
                      **config_arguments: Any) -> NodeOptions:
         """The fields every node collector shares, validated, as a :class:`NodeOptions` (each backend's
-        ``parse`` widens it with its own fields, :meth:`widened`).
+        ``parse`` widens it with its own fields, :meth:`widened`). ``frames_per_batch`` is not among
+        them: the face parses it apart and :meth:`worker_shares` splits it (docs/architecture.md).
 
         Raises:
             TypeError, ValueError, RuntimeError: naming the argument that does not fit.
@@ -161,9 +163,7 @@ class NodeOptions:
             raise TypeError("create_env_fn must be a non-empty list of env constructors, one per node.")
         check_env_constructors(create_env_fn, cls.noun)
         count = len(create_env_fn)
-        config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames_per_batch, **config_arguments)
-        if isinstance(config.frames_per_batch, tuple):
-            raise TypeError(f"frames_per_batch must be an int for {owner} (nodes collect equal shares), got a list.")
+        config = CollectorConfig.from_kwargs(owner, **config_arguments)
         if update_after_each_batch and max_weight_update_interval > -1:
             raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
         if update_interval is not None and (isinstance(update_interval, bool) or not isinstance(update_interval, int)
@@ -171,7 +171,6 @@ class NodeOptions:
             raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
         if weight_updater is not None and weight_sync_schemes is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
-        frames_per_node = config.split_frames(count, "exact" if sync else "whole")[0]
         config.check_workers(count)
         node_class = resolve_collector_class(collector_class, collector_classes)
         single = collector_classes["single"]
@@ -192,14 +191,13 @@ class NodeOptions:
                                   legacy_updater=weight_updater is not None,
                                   distinct_factories=factories is not None and len({id(f) for f in factories}) > 1)
         tracker = config.track_policy_version or any(e.get("track_policy_version") for e in user_kwargs) or None
-        node_configs = tuple(_node_config(config, node, count, frames_per_node, entry, owner, typed_class(node_class,
-                                                                                                         [single]))
+        node_configs = tuple(_node_config(config, node, count, entry, owner, typed_class(node_class, [single]))
                              for node, entry in enumerate(user_kwargs))
         node_options = tuple(_node_options(node_class, collector_classes, node_config, entry, num_workers_per_collector,
                                            owner) for node_config, entry in zip(node_configs, user_kwargs))
         return NodeOptions(
             config=config, sync=bool(sync), env_fns=tuple(create_env_fn), policy=policy,
-            policy_factories=tuple(factories) if factories is not None else None, frames_per_node=frames_per_node,
+            policy_factories=tuple(factories) if factories is not None else None,
             collector_class=node_class, named_classes=dict(collector_classes), collector_kwargs=tuple(user_kwargs),
             node_configs=node_configs, node_options=node_options, num_workers_per_collector=int(num_workers_per_collector),
             update_after_each_batch=bool(update_after_each_batch),
@@ -268,12 +266,17 @@ class NodeOptions:
     def version_tracker(self) -> Any:
         return self.track_versions
 
-    @property
-    def requested_frames(self) -> int:
-        return self.config.frames_per_batch
+    def worker_shares(self, frames: FramesPerBatch) -> BatchShares:
+        """Each node's (equal) share of ``frames``: a sync batch is split evenly between them, an async
+        batch is one node's whole.
 
-    def frames_share(self, worker: int) -> int:
-        return self.frames_per_node
+        Raises:
+            TypeError: for a per-node list (nodes collect equal shares).
+            RuntimeError: for a sync batch that does not split evenly.
+        """
+        if frames.per_worker:
+            raise TypeError(f"frames_per_batch must be an int ({self.noun}s collect equal shares), got a list.")
+        return frames.shares(self.num_workers, "exact" if self.sync else "whole")
 
     def default_scheme(self, backend: Backend) -> dict:
         """The scheme of this backend when the user gave none (none for a policy without weights)."""
@@ -294,13 +297,14 @@ class NodeOptions:
             schemes = self.default_scheme(backend)
         return WorkerSetup(policy=self.policy, schemes=dict(schemes or {}), legacy=legacy)
 
-    def worker_specs(self, setup: WorkerSetup, first: int = 0) -> list[WorkerSpec]:
-        return [self.node_spec(node, setup) for node in range(first, self.num_workers)]
+    def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
+        """One spec per node from index ``first`` on, each with its share of ``shares``."""
+        return [self.node_spec(node, setup, shares.share(node)) for node in range(first, self.num_workers)]
 
-    def node_spec(self, node: int, setup: WorkerSetup) -> WorkerSpec:
+    def node_spec(self, node: int, setup: WorkerSetup, frames: int) -> WorkerSpec:
         """Node ``node``'s spec: its env constructor (repeated per sub-worker for multi-process node
-        classes), its collector's typed options or arguments, and its policy (a stateless copy when its
-        weights arrive through the schemes and ``stateless_nodes``)."""
+        classes), its collector's typed options or arguments with ``frames`` per batch, and its policy (a
+        stateless copy when its weights arrive through the schemes and ``stateless_nodes``)."""
         env_fn = self.env_fns[node]
         if not self.runs_one_env:
             env_fn = [env_fn] * self.num_workers_per_collector
@@ -311,11 +315,11 @@ class NodeOptions:
             policy = stateless_copy(self.policy) if schemes and self.stateless_nodes else self.policy
         options = self.node_options[node]
         if options is not None:
-            arguments: dict[str, Any] = {"options": options}
+            arguments: dict[str, Any] = {"options": _with_frames(options, frames)}
         else:  # a class of the user's own (or a multi-process one): the arguments the user gave, and ours
             share = self.config.init_random_frames // len(self.node_configs)
             arguments = {"collector_kwargs": {**self.collector_kwargs[node], **self.config.for_worker(
-                node, init_random_frames=share), "frames_per_batch": self.frames_per_node}}
+                node, init_random_frames=share), "frames_per_batch": frames}}
         return WorkerSpec(worker_idx=node, collector_class=self.collector_class, create_env_fn=env_fn,
                           policy=policy, policy_factory=factory, weight_recv_schemes=schemes or None, num_threads=1,
                           # a node running free decides alone: its share of the random warm-up
@@ -323,7 +327,8 @@ class NodeOptions:
                           preemption_grace=self.config.preemption_grace, **arguments)
 
     def added(self, first: int, create_env_fn: Any, num_envs: Any, policy: Any, collector_kwargs: Any,
-              backend_options: Any, setup: WorkerSetup) -> tuple[NodeOptions, list[WorkerSpec], Any]:
+              backend_options: Any, setup: WorkerSetup,
+              shares: BatchShares) -> tuple[NodeOptions, list[WorkerSpec], Any]:
         """``add_collectors``: these options grown by the new nodes, their specs, and what the backend
         needs of each (``backend_options``, checked by the backend's options).
 
@@ -338,7 +343,7 @@ class NodeOptions:
                              f"{noun}), got {create_env_fn!r}.")
         count = len(env_fns)
         sub_workers = self._new_num_envs(num_envs, noun)
-        kwargs = self._new_collector_kwargs(collector_kwargs, count, noun)
+        kwargs = self._new_collector_kwargs(collector_kwargs, count, noun, shares.share(0))
         extra = self.added_backend_options(backend_options, count)
         factory = self._new_policy(policy, count, noun)
         try:
@@ -348,8 +353,8 @@ class NodeOptions:
                              f"tell the new {noun}s' values.") from None
         share = self.config.init_random_frames // (first + count)
         single = self.typed_nodes
-        configs = tuple(_node_config(self.config, first + k, first + count, self.frames_per_node, entry, "collector_kwargs",
-                                     single, random_share=share) for k, entry in enumerate(kwargs))
+        configs = tuple(_node_config(self.config, first + k, first + count, entry, "collector_kwargs", single,
+                                     random_share=share) for k, entry in enumerate(kwargs))
         options = tuple(_node_options(self.collector_class, self.named_classes, node_config, entry, sub_workers,
                                       "collector_kwargs") for node_config, entry in zip(configs, kwargs))
         grown = dataclasses.replace(
@@ -357,7 +362,7 @@ class NodeOptions:
             node_configs=self.node_configs + configs, node_options=self.node_options + options,
             num_workers_per_collector=sub_workers if not self.runs_one_env else self.num_workers_per_collector,
             policy_factories=self.policy_factories + (factory,) * count if self.policy_factories else None)
-        return grown, grown.worker_specs(setup, first=first), extra
+        return grown, grown.worker_specs(setup, shares, first=first), extra
 
     def added_backend_options(self, backend_options: Any, count: int) -> Any:
         """What the backend needs of each new node (Ray: ``remote_configs``); None by default.
@@ -384,17 +389,17 @@ class NodeOptions:
                              f"the collector with collector_class='sync' or 'async' for several envs per {noun}.")
         return num_envs
 
-    def _new_collector_kwargs(self, collector_kwargs: Any, count: int, noun: str) -> list[dict]:
+    def _new_collector_kwargs(self, collector_kwargs: Any, count: int, noun: str, share: int) -> list[dict]:
         entries = replicated({} if collector_kwargs is None else collector_kwargs, "collector_kwargs", count,
                              f"new {noun} (one per entry of create_env_fn)")
         for index, entry in enumerate(entries):
             if not isinstance(entry, dict):
                 raise ValueError(f"collector_kwargs must be a dict or a list of dicts (one per new {noun}), got "
                                  f"{type(entry).__name__} at index {index}.")
-            frames = entry.get("frames_per_batch", self.frames_per_node)
-            if frames != self.frames_per_node:
+            frames = entry.get("frames_per_batch", share)
+            if frames != share:
                 raise ValueError(f"collector_kwargs[{index}]['frames_per_batch']={frames!r}: every {noun} "
-                                 f"collects {self.frames_per_node} frames per rollout (leave it out).")
+                                 f"collects {share} frames per rollout (leave it out).")
         return [dict(entry) for entry in entries]
 
     def _new_policy(self, policy: Any, count: int, noun: str) -> Callable | None:
@@ -414,7 +419,7 @@ class NodeOptions:
         raise NotImplementedError
 
 
-def _node_config(config: CollectorConfig, node: int, count: int, frames: int, user: dict, owner: str, typed: bool,
+def _node_config(config: CollectorConfig, node: int, count: int, user: dict, owner: str, typed: bool,
                  random_share: int | None = None) -> CollectorConfig:
     """Node ``node``'s collector config: this collector's fields for a worker, its share of the random
     warm-up (a node running free decides alone), the user's ``collector_kwargs`` on top (validated
@@ -424,7 +429,7 @@ def _node_config(config: CollectorConfig, node: int, count: int, frames: int, us
         TypeError: for a ``collector_kwargs`` entry no collector argument has.
     """
     share = config.init_random_frames // count if random_share is None else random_share
-    node_config = config.worker_config(node, frames_per_batch=frames, init_random_frames=share)
+    node_config = config.worker_config(node, init_random_frames=share)
     if not typed:
         return node_config
     known = {f.name for f in fields(CollectorConfig)}
@@ -452,8 +457,15 @@ def _node_options(node_class: Any, named: Mapping[str, type], config: CollectorC
     arguments = {**{k: v for k, v in user.items() if k != "frames_per_batch"}, **ours}
     return WorkerProcessOptions.parse(
         owner, sync=issubclass(node_class, named["sync"]), create_env_fn=[None] * sub_workers, num_workers=None,
-        policy=None, policy_factory=None, frames_per_batch=config.frames_per_batch,
-        default_collector=named["single"], **arguments)
+        policy=None, policy_factory=None, default_collector=named["single"], **arguments)
+
+
+def _with_frames(options: LocalOptions | WorkerProcessOptions, frames: int) -> LocalOptions | NodeProcesses:
+    """A node's typed options with its share of ``frames`` per batch: in its ``Collector``'s config, or
+    beside a worker-process collector's options (which hold none)."""
+    if isinstance(options, WorkerProcessOptions):
+        return NodeProcesses(options, FramesPerBatch(frames))
+    return dataclasses.replace(options, config=options.config.with_frames(FramesPerBatch(frames)))
 
 
 def _is_module(policy: Any) -> bool:

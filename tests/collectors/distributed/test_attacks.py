@@ -55,7 +55,9 @@ class Stranger:
         assert self.registered.wait(60.0), "the stranger neither registered nor gave up"
 
     def _store(self):
-        return dist.TCPStore("127.0.0.1", self.port, None, False, datetime.timedelta(seconds=5))
+        # A store on loopback answers in milliseconds; where there is none (the port speaks rlharvest's
+        # channel), torch's client retries until this timeout (5 s here cost 5 s per stranger).
+        return dist.TCPStore("127.0.0.1", self.port, None, False, datetime.timedelta(seconds=2))
 
     def _run(self) -> None:
         try:

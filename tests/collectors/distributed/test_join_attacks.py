@@ -109,11 +109,14 @@ def test_a_node_holding_the_key_file_cannot_act_as_the_learner(nodes, tmp_path):
         impostor = DistributedCollector([functools.partial(marking_env, str(marker), os.getpid())],
                                         weight_policy(1.0), launcher="external", tcp_port=0,
                                         bind_address="127.0.0.1", frames_per_batch=8, total_frames=8, sync=True,
-                                        worker_timeout=20.0, authkey=stolen_key(argv[7]))
+                                        worker_timeout=5.0, authkey=stolen_key(argv[7]))
         served = threading.Thread(target=_first_batch, args=(impostor,), daemon=True)
         served.start()  # the impostor sends its spec to whoever joins it
         node = start_node([*argv[:5], f"127.0.0.1:{impostor.tcp_port}", *argv[6:]], nodes)
         assert node.wait(120.0) == EXIT_HANDSHAKE, node.stderr.read()
+        # the node was refused while the impostor still waited for a node (a node forked from the
+        # zygote answers in a fraction of a second): its worker_timeout ends the wait, and the test
+        assert served.is_alive(), "the impostor stopped waiting before the node came"
         served.join(60.0)
     finally:
         real.shutdown()
