@@ -36,7 +36,7 @@ class Command(enum.Enum):
     GETATTR_ENV = "getattr_env"          # payload: attribute name
     CASCADE = "cascade_execute"          # payload: (attr_path, args, kwargs)
     ENABLE_PROFILE = "enable_profile"    # payload: ProfileConfig
-    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage -> Written (of the batch it kept)
+    ATTACH_BUFFER = "attach_buffer"      # payload: replay-buffer storage -> Written (its totals)
     RESIZE = "resize"                    # payload: frames per rollout from the next one -> the frames it collects
     CLOSE = "close"
 
@@ -65,8 +65,9 @@ class Message:
 @dataclass(frozen=True)
 class Written:
     """What a collector wrote to its replay buffer, for ``stats()``'s progress keys (TorchRL's next
-    release): a worker writing the buffer itself sends what it wrote since its last report with its
-    next batch, and its parent counts it."""
+    release). A worker writing the buffer itself keeps its totals since it was built: it sends them
+    with each batch and, where its transport has a shared row, advertises them after each write
+    (running free too); its parent counts what is new (docs/restarts.md, "Watching a run")."""
 
     frames: int = 0
     """Steps written."""
@@ -76,16 +77,22 @@ class Written:
     """Trajectories that ended."""
     pending_frames: int = 0
     """Steps of the trajectories that have not ended yet: a gauge, as of the report."""
+    free_frames: int = 0
+    """Steps collected running free (``start()``): no batch carried them to the parent."""
+    reports: int = 0
+    """A worker's totals: how many times they changed (of two reports, the later has more)."""
 
     def __add__(self, later: Written) -> Written:
         """This report followed by ``later`` (the pending steps are ``later``'s)."""
         return Written(self.frames + later.frames, self.trajectory_frames + later.trajectory_frames,
-                       self.trajectories + later.trajectories, later.pending_frames)
+                       self.trajectories + later.trajectories, later.pending_frames,
+                       self.free_frames + later.free_frames, self.reports + later.reports)
 
     def __sub__(self, earlier: Written) -> Written:
         """What was written since ``earlier`` (the pending steps are this report's)."""
         return Written(self.frames - earlier.frames, self.trajectory_frames - earlier.trajectory_frames,
-                       self.trajectories - earlier.trajectories, self.pending_frames)
+                       self.trajectories - earlier.trajectories, self.pending_frames,
+                       self.free_frames - earlier.free_frames, self.reports - earlier.reports)
 
 
 @dataclass
@@ -97,7 +104,7 @@ class Reply:
     value: Any = None
     failure: RemoteFailure | None = None
     #: for BATCH replies: valid frames, and whether the batch went to the replay buffer (its ``value`` is
-    #: then a :class:`Written`: what the worker wrote since its last report)
+    #: then a :class:`Written`: the worker's totals)
     frames: int = 0
     written: bool = False
     #: for BATCH replies: seconds the worker's env and policy took for it (``stats()``), or None

@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Sequence
 from tensordict import TensorDictBase
 
 from ..errors import WorkerError, WorkerTimeoutError
-from ..protocol import WorkerSpec
+from ..protocol import WorkerSpec, Written
 
 __all__ = ["Backend", "Liveness", "receive_from", "WeightLinks", "WeightSender", "WeightReceiver", "WorkerHandle", "WorkerEndpoint",
            "WorkerTarget"]
@@ -94,6 +94,11 @@ class WorkerHandle(ABC):
     def progress(self) -> int:
         """A counter the worker advances as it works (env steps); -1 when unknown."""
         return -1
+
+    def written(self) -> Written | None:
+        """The totals the worker last advertised of what it wrote to the replay buffer
+        (:meth:`WorkerEndpoint.report_written`), or None where the transport carries them only in replies."""
+        return None
 
     def interrupt(self) -> None:
         """Ask the worker to end its current rollout early (cheap, no reply)."""
@@ -208,6 +213,10 @@ class WorkerEndpoint(ABC):
 
     def report_progress(self, steps: int) -> None:
         """Advertise progress (cheap, called once per step)."""
+
+    def report_written(self, totals: Written) -> None:
+        """Advertise what this worker wrote to the replay buffer, its totals (cheap, called once per
+        write): the parent reads them without asking (:meth:`WorkerHandle.written`), running free too."""
 
     def announce_leaving(self, handed_back: bool) -> None:
         """Say, where the parent reads it whatever happens to the connection, that this worker leaves

@@ -5,10 +5,11 @@ shared memory.
 * A batch is never pickled per rollout: the first BATCH reply carries the worker's batch buffer
   after moving it to shared memory; later rollouts write into that same memory and their replies
   only say "ready".
-* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress, left]``. The
-  parent bumps ``interrupt`` to stop a rollout early (read by the worker between env steps, ~0.1 us);
-  the worker advances ``progress`` every step, which the parent reads to tell a slow worker from a
-  hung one.
+* Cheap signals live in a shared int64 array, one row per worker: ``[interrupt, progress, left]``, then
+  what it wrote to the replay buffer. The parent bumps ``interrupt`` to stop a rollout early (read by
+  the worker between env steps, ~0.1 us); the worker advances ``progress`` every step, which the parent
+  reads to tell a slow worker from a hung one, and updates its totals after each write to the replay
+  buffer, which ``stats()`` reads while the workers run free (``pipes.py``).
 * Workers exit by themselves when the parent dies: PR_SET_PDEATHSIG where possible, and a check of
   the parent pid whenever they are idle.
 """
@@ -36,7 +37,7 @@ from ..data.flat import is_dense
 from ..protocol import WorkerSpec
 from ..rollout import TrajectoryCounter
 from .base import Backend, WorkerTarget
-from .pipes import PipeEndpoint, PipeHandle
+from .pipes import LEFT, ROW_WIDTH, PipeEndpoint, PipeHandle
 from .shared_memory import SharedMemLinks
 
 # describe_exit, mp_context and set_parent_death_signal live in _processes.py (ParallelEnv's sub-env
@@ -112,7 +113,7 @@ class SharedTrajectoryCounter(TrajectoryCounter):
 
 
 class SignalBoard:
-    """The shared ``[interrupt, progress, left]`` rows of every worker of a collector.
+    """The shared ``[interrupt, progress, left, written...]`` rows of every worker of a collector.
 
     The workers a collector starts with share one table; each worker added later (``MPBackend.grow``)
     gets a table of its own, so the rows the running workers hold never move, and the table of an
@@ -120,7 +121,7 @@ class SignalBoard:
     """
 
     def __init__(self, num_workers: int) -> None:
-        self.table = torch.zeros((num_workers, 3), dtype=torch.int64).share_memory_()
+        self.table = torch.zeros((num_workers, ROW_WIDTH), dtype=torch.int64).share_memory_()
         #: added worker -> its own one-row table
         self._own: dict[int, torch.Tensor] = {}
 
@@ -132,7 +133,7 @@ class SignalBoard:
     def grow(self, first: int, count: int) -> None:
         """Rows for workers ``first`` .. ``first + count - 1``."""
         for worker in range(first, first + count):
-            self._own[worker] = torch.zeros((1, 3), dtype=torch.int64).share_memory_()
+            self._own[worker] = torch.zeros((1, ROW_WIDTH), dtype=torch.int64).share_memory_()
 
     def truncate(self, num_workers: int) -> None:
         """Forget the rows of workers from ``num_workers`` on (tables of added workers only)."""
@@ -146,7 +147,7 @@ class SignalBoard:
     def close(self) -> None:
         """Free every table (the collector is shut down; handles keep private copies of their rows)."""
         self._own.clear()
-        self.table = torch.zeros((0, 3), dtype=torch.int64)
+        self.table = torch.zeros((0, ROW_WIDTH), dtype=torch.int64)
 
 
 class MPWorkerEndpoint(PipeEndpoint):
@@ -318,7 +319,7 @@ class MPBackend(Backend):
         # shared tensors; user callables inside it are already wrapped for cloudpickle.
         parent_pid, death_signal = parent_watch(self.ctx)
         signals, row = self.signals.row(index)
-        signals[row, 2] = 0  # a replacement has not left (its predecessor may have: LEFT, pipes.py)
+        signals[row, LEFT:] = 0  # a replacement has not left nor written (its predecessor may have: pipes.py)
         process = self.ctx.Process(
             target=_process_main,
             args=(self.target, spec, child_conn, signals, row, index, parent_pid, death_signal),

@@ -1,5 +1,6 @@
 """The two ends of a worker reached through a duplex pipe on this machine, plus a row of cheap
-shared signals ``[interrupt, progress]`` (read between env steps, ~0.1 us).
+shared signals ``[interrupt, progress]`` (read between env steps, ~0.1 us), and where the row is wide
+enough, what the worker left and what it wrote to the replay buffer.
 
 The ``mp`` backend (processes) and the ``inprocess`` backend (threads) share these; each adds how
 its worker lives and dies and how batches are published.
@@ -14,13 +15,21 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..protocol import Written
 from .base import WorkerEndpoint, WorkerHandle
 
-__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "OfferedDescriptors", "INTERRUPT", "PROGRESS", "LEFT"]
+__all__ = ["PipeHandle", "PipeEndpoint", "Doorbell", "OfferedDescriptors", "INTERRUPT", "PROGRESS", "LEFT",
+           "WRITTEN", "ROW_WIDTH"]
 
 #: the columns of a worker's signal row (``LEFT``: 1 once a preempted worker finished its rollout and
-#: leaves, 2 once it handed it back; rows of two columns have none)
-INTERRUPT, PROGRESS, LEFT = 0, 1, 2
+#: leaves, 2 once it handed it back; rows of two columns have none). From ``WRITTEN`` on, the worker's
+#: :class:`~rlharvest.protocol.Written` totals: a sequence count (twice their ``reports``, odd while the
+#: worker writes them), then ``frames, trajectory_frames, trajectories, pending_frames, free_frames``.
+INTERRUPT, PROGRESS, LEFT, WRITTEN = 0, 1, 2, 3
+#: the columns of a full row (rows of two columns have neither ``LEFT`` nor the totals)
+ROW_WIDTH = WRITTEN + 6
+#: reads of the totals that found the worker writing them, before giving up until the next read
+_READ_TRIES = 100
 #: what a worker did with its rollout in flight, by the value of its ``LEFT`` column
 _LEFT_AS = {1: "finished", 2: "handed back"}
 
@@ -106,6 +115,19 @@ class PipeHandle(WorkerHandle):
     def left_as(self) -> str | None:
         return _LEFT_AS.get(int(self._signals[LEFT])) if len(self._signals) > LEFT else None
 
+    def written(self) -> Written | None:
+        row = self._signals
+        if len(row) < ROW_WIDTH:
+            return None
+        for _ in range(_READ_TRIES):  # a consistent copy: the sequence count even and unchanged across it
+            sequence = int(row[WRITTEN])
+            if not sequence:  # it wrote nothing (or writes no replay buffer)
+                return None
+            values = row[WRITTEN + 1:ROW_WIDTH].tolist()
+            if sequence % 2 == 0 and int(row[WRITTEN]) == sequence:
+                return Written(*values[:4], free_frames=values[4], reports=sequence // 2)
+        return None  # being written all along (a worker killed mid-way): its replies still tell
+
     def close_pipe(self) -> None:
         """Close the pipe, and what the worker was offered and never took (call once it is gone)."""
         try:
@@ -153,6 +175,15 @@ class PipeEndpoint(WorkerEndpoint):
 
     def report_progress(self, steps: int) -> None:
         self._signals[PROGRESS] = steps
+
+    def report_written(self, totals: Written) -> None:
+        row = self._signals
+        if len(row) < ROW_WIDTH or totals.reports < 1:
+            return
+        row[WRITTEN] = 2 * totals.reports - 1  # odd: the parent does not read a half-written copy
+        row[WRITTEN + 1:ROW_WIDTH] = (totals.frames, totals.trajectory_frames, totals.trajectories,
+                                      totals.pending_frames, totals.free_frames)
+        row[WRITTEN] = 2 * totals.reports
 
     def announce_leaving(self, handed_back: bool) -> None:
         if len(self._signals) > LEFT:

@@ -16,6 +16,7 @@ traceback, which the parent raises as :class:`~rlharvest.errors.WorkerError`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import itertools
 import multiprocessing.connection
@@ -121,7 +122,7 @@ class Worker:
         self._free_ids = itertools.count()
         self._free_frames = 0
         self._times_sent = (0.0, 0.0)  # the collector's env and policy seconds already reported
-        self._unreported = Written()  # what it wrote into the replay buffer since its last BATCH reply
+        self._written = Written()  # its totals: what it wrote into the replay buffer, and kept for it
         self._host: str | None = socket.gethostname()  # said once, in the first BATCH reply
         #: when SIGTERM arrived (monotonic seconds), or None: the worker is being preempted
         self.preempted_at: float | None = None
@@ -297,17 +298,20 @@ class Worker:
         (env, policy), self._times_sent = self._times_sent, (split["env"], split["policy"])
         return split["env"] - env, split["policy"] - policy
 
-    def _write(self, batch: TensorDictBase, frames: int) -> None:
-        """Write a batch into the shared replay buffer: only its collected steps, if it was cut short."""
+    def _write(self, batch: TensorDictBase, frames: int, free_frames: int = 0) -> None:
+        """Write a batch into the shared replay buffer: only its collected steps, if it was cut short;
+        ``free_frames``: the steps it holds that no batch reply carries (running free)."""
         if frames < batch.numel():
             batch = batch[batch.get(TRAJ_IDS) != -1]
         if batch.numel():
-            self._unreported += self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch)
+            self._count(self.duties.write_to_replay_buffer(self.spec.replay_buffer, batch), free_frames)
 
-    def _new_written(self) -> Written:
-        """What it wrote into the replay buffer since it last said (running free too)."""
-        written, self._unreported = self._unreported, Written(pending_frames=self._unreported.pending_frames)
-        return written
+    def _count(self, written: Written, free_frames: int = 0) -> None:
+        """Add ``written`` to this worker's totals and advertise them: the parent reads them where its
+        transport keeps them (running free: no reply carries them), else with the next batch reply."""
+        self._written += dataclasses.replace(written, free_frames=written.free_frames + free_frames, reports=1)
+        if self.endpoint is not None:
+            self.endpoint.report_written(self._written)
 
     def _publish(self, batch: TensorDictBase) -> Any:
         """Hand the batch to the transport; let the rollout write straight into what it publishes from."""
@@ -326,10 +330,10 @@ class Worker:
         buffer = self.spec.replay_buffer
         if buffer is not None and buffer.storage is not None:
             self._write(batch, frames)
-            return Reply(0, self.worker_idx, value=self._new_written(), frames=frames, written=True,
+            return Reply(0, self.worker_idx, value=self._written, frames=frames, written=True,
                          times=self._new_times(), host=self._said_host())
         if buffer is not None:  # the parent allocates the buffer's storage from this batch
-            self._unreported += self.duties.keep_for_replay_buffer(batch)
+            self._count(self.duties.keep_for_replay_buffer(batch))
         value = batch if self.endpoint is None else self._publish(batch)
         return Reply(0, self.worker_idx, value=value, frames=frames, times=self._new_times(), host=self._said_host())
 
@@ -362,7 +366,7 @@ class Worker:
                                      times=self._new_times()))
             return
         # pause()/shutdown may have interrupted the rollout: then only the collected steps are written
-        self._write(batch, frames if self.endpoint.interrupted() else batch.numel())
+        self._write(batch, frames if self.endpoint.interrupted() else batch.numel(), free_frames=frames)
 
     # ------------------------------------------------------------------ other handlers
     def _run_free(self, _) -> str:
@@ -409,9 +413,10 @@ class Worker:
         return "profiling"
 
     def _attach_buffer(self, storage: TensorDictBase) -> Written:
-        """Write into ``storage`` from now on; returns the trajectories that ended in the batch it kept."""
+        """Write into ``storage`` from now on; returns its totals (the trajectories that ended in the
+        batch it kept counted)."""
         self.spec.replay_buffer.attach_storage(storage)
-        return self._new_written()
+        return self._written
 
     def _resize(self, frames: int) -> int:
         """Rollouts of ``frames`` frames from the next one on (a sync parent re-split its batch among a

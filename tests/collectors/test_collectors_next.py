@@ -20,6 +20,7 @@ import gymnasium
 import numpy as np
 import pytest
 import torch
+from mocks import wait_until
 from tensordict.nn import TensorDictModule
 
 LIBRARY = os.environ.get("RLHARVEST_TEST_LIBRARY", "rlharvest")
@@ -243,6 +244,53 @@ def test_a_loaded_multi_process_collector_counts_on_what_its_workers_wrote(shutd
     next(iter(loaded))
     stats = loaded.stats()
     assert stats["stepped_frames"] == 24 and stats["completed_trajectories"] >= 6
+
+
+# ---------------------------------------------------------------------------------- progress while workers run free
+def counted_while_running(collector, buffer, at_least: int) -> tuple[dict, int]:
+    """Once ``stats()`` counts ``at_least`` frames written, the counts and the buffer's length at one
+    moment: paused, no write in flight."""
+    wait_until(lambda: collector.stats()["replay_written_frames"] >= at_least, timeout=60.0,
+               what=f"stats() counting {at_least} frames written while the workers run free")
+    with collector.pause():
+        return collector.stats(), len(buffer)
+
+
+@pytest.mark.parametrize("name, mode", [("MultiSyncCollector", "trajectory"), ("MultiAsyncCollector", "rollout"),
+                                        ("MultiAsyncCollector", None)])
+def test_workers_writing_in_the_background_are_counted_as_they_write(shutdown_after, name, mode):
+    buffer = replay_buffer(100_000)
+    collector = getattr(collectors, name)([step_env] * 2, weight_policy(), frames_per_batch=8, total_frames=-1,
+                                          replay_buffer=buffer, replay_write_mode=mode)
+    shutdown_after(collector)
+    collector.start()
+    stats, length = counted_while_running(collector, buffer, 60)
+    assert stats["replay_written_frames"] == length >= 60
+    if mode == "trajectory":  # whole episodes of 3 steps; at most 2 steps of one pending per worker
+        assert stats["trajectory_completed_frames"] == length == 3 * stats["completed_trajectories"]
+        assert 0 <= stats["trajectory_pending_frames"] <= 4
+        assert stats["stepped_frames"] == length + stats["trajectory_pending_frames"]
+    else:
+        assert stats["completed_trajectories"] == stats["trajectory_pending_frames"] == 0
+        assert stats["stepped_frames"] >= length
+    stats, length = counted_while_running(collector, buffer, length + 60)  # and on after the pause
+    assert stats["replay_written_frames"] == length
+
+
+def test_counting_in_the_background_goes_on_from_a_checkpoint(shutdown_after):
+    first = multi_sync(shutdown_after, replay_buffer=replay_buffer(100_000), replay_write_mode="trajectory")
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state, saved = first.state_dict(), cumulative(first.stats())
+    first.shutdown()
+    buffer = replay_buffer(100_000)
+    loaded = multi_sync(shutdown_after, replay_buffer=buffer, replay_write_mode="trajectory")
+    loaded.load_state_dict(state)
+    before = len(buffer)  # the checkpoint's steps, where the buffer is part of it
+    loaded.start()
+    stats, length = counted_while_running(loaded, buffer, saved["replay_written_frames"] + 60)
+    assert stats["replay_written_frames"] - saved["replay_written_frames"] == length - before >= 60
+    assert stats["completed_trajectories"] - saved["completed_trajectories"] == (length - before) // 3
 
 
 @pytest.mark.parametrize("arguments", [dict(replay_write_mode="episode"), dict(replay_write_mode="rollout"),

@@ -191,7 +191,10 @@ class BatchLoop:
         episodes held back for complete-trajectory batches (they will never end)."""
         self.fetched_early = {key: batch for key, batch in self.fetched_early.items() if key[0] != worker}
         running = self.running_trajs.pop(worker, None)
-        self.parts.output.forget_worker(worker)
+        output, requests = self.parts.output, self.fleet.current_requests
+        if requests is not None and worker < len(requests.handles):  # what it wrote is in the buffer
+            output.count_advertised([(worker, requests.handles[worker])])
+        output.forget_worker(worker)
         trajectories = self.parts.output.trajectories
         if running and trajectories is not None:
             trajectories.drop_in_flight(running)
@@ -291,11 +294,16 @@ class BatchLoop:
         else:
             output.write(buffer, batch)
         if writers and buffer.storage is not None and not self.buffer_attached:
-            self.buffer_attached = True
-            self.drain()
-            active = self.fleet.requests.active()
-            for worker, written in zip(active, self.fleet.requests.broadcast(Command.ATTACH_BUFFER, buffer.storage)):
-                output.count_worker(worker, written)
+            self._attach_storage()
+
+    def _attach_storage(self) -> None:
+        """Give the workers the replay buffer's storage to write into (each answers with its totals)."""
+        self.buffer_attached = True
+        self.drain()
+        requests = self.fleet.requests
+        storage = self.parts.replay_buffer.storage
+        for worker, totals in zip(requests.active(), requests.broadcast(Command.ATTACH_BUFFER, storage)):
+            self.parts.output.count_worker(worker, totals)
 
     def write_pushed(self, worker: int, reply: Reply) -> None:
         """A batch a worker pushed while running free (``start()``): into the replay buffer, its frames
@@ -307,7 +315,11 @@ class BatchLoop:
         self.tally.frames += reply.frames
 
     def prepare_workers_writing(self) -> None:
-        """Before workers run free writing the buffer: its storage exists (allocated from a first batch)."""
+        """Before workers run free writing the buffer: its storage exists (allocated from a first batch, or
+        loaded from a checkpoint) and the workers have it."""
         if self.parts.replay_buffer.storage is None:
             reply = self.fleet.requests.wait_for(0, request_batch(self.fleet, 0, self.tally.random_phase()))
+            self.tally.frames += reply.frames  # collected and written: stepped, as the workers' next frames
             self.write(self.take(0, reply))
+        elif not self.buffer_attached:
+            self._attach_storage()

@@ -4,7 +4,8 @@ engine."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import threading
+from typing import Any, Callable, Iterable, Iterator
 
 from tensordict import TensorDictBase
 
@@ -50,6 +51,10 @@ class BatchOutput:
         #: what workers writing the replay buffer themselves reported, summed; each one's steps pending
         self.workers_wrote = Written()
         self.workers_pending: dict[int, int] = {}
+        #: each such worker's totals as last counted (its reports come in replies and, read by
+        #: ``stats()``, from its transport: both at once may count)
+        self.workers_seen: dict[int, Written] = {}
+        self._counting = threading.Lock()
 
     @property
     def trajectories(self) -> TrajectoryAssembler | None:
@@ -98,22 +103,39 @@ class BatchOutput:
         return Written(self.written_frames + assembler.written_frames, assembler.completed_frames,
                        assembler.completed_trajectories, assembler.pending_frames)
 
-    def count_worker(self, worker: int, written: Written) -> None:
-        """``worker``, which writes the replay buffer itself, reported ``written`` (since its last report)."""
-        self.workers_wrote = self.workers_wrote + written
-        self.workers_pending[worker] = written.pending_frames
+    def count_worker(self, worker: int, totals: Written) -> None:
+        """``worker``, which writes the replay buffer itself, reported its ``totals``: what they add to
+        the last counted is counted (a report seen already, or older, adds nothing)."""
+        with self._counting:
+            seen = self.workers_seen.get(worker, Written())
+            if totals.reports <= seen.reports:
+                return
+            self.workers_wrote = self.workers_wrote + (totals - seen)
+            self.workers_pending[worker] = totals.pending_frames
+            self.workers_seen[worker] = totals
+
+    def count_advertised(self, handles: Iterable[tuple[int, Any]]) -> None:
+        """Count the totals each ``(worker, handle)`` advertised on its transport (``handle.written()``):
+        running free, no reply carries them."""
+        for worker, handle in handles:
+            totals = handle.written()
+            if totals is not None:
+                self.count_worker(worker, totals)
 
     def forget_worker(self, worker: int) -> None:
-        """``worker`` is replaced or leaves: its episodes in flight will never end."""
-        self.workers_pending.pop(worker, None)
+        """``worker`` is replaced or leaves: its episodes in flight will never end, and the totals of
+        the worker taking its place start afresh."""
+        with self._counting:
+            self.workers_pending.pop(worker, None)
+            self.workers_seen.pop(worker, None)
 
     def progress(self, stepped_frames: int) -> dict[str, int]:
         """``stats()``'s progress figures (TorchRL's next release): ``stepped_frames`` (given: the
-        frames collected), and the complete trajectories' and the replay buffer's, where they are
+        frames collected, plus those workers collected running free), and the complete trajectories' and the replay buffer's, where they are
         assembled and written: here, or in the workers, which report them (docs/restarts.md, "Watching
         a run")."""
         own, workers = self.wrote(), self.workers_wrote
-        return {"stepped_frames": int(stepped_frames),
+        return {"stepped_frames": int(stepped_frames) + workers.free_frames,
                 "trajectory_completed_frames": own.trajectory_frames + workers.trajectory_frames,
                 "trajectory_pending_frames": own.pending_frames + sum(self.workers_pending.values()),
                 "replay_written_frames": own.frames + workers.frames,
@@ -128,6 +150,7 @@ class BatchOutput:
             if assembler is not None else [0, 0, 0]
         return {"written": {"frames": self.written_frames, "assembled": assembled,
                             "workers": [workers.frames, workers.trajectory_frames, workers.trajectories],
+                            "workers_free": workers.free_frames,
                             "workers_pending": [[w, p] for w, p in self.workers_pending.items()]}}
 
     def restore(self, section: dict) -> None:
@@ -140,7 +163,8 @@ class BatchOutput:
         if assembler is not None:
             assembler.written_frames, assembler.completed_frames, assembler.completed_trajectories = \
                 (int(value) for value in state["assembled"])
-        self.workers_wrote = Written(*(int(value) for value in state["workers"]))
+        self.workers_wrote = Written(*(int(value) for value in state["workers"]),
+                                     free_frames=int(state.get("workers_free", 0)))
         self.workers_pending = {int(w): int(p) for w, p in state["workers_pending"]}
 
     def write_steps(self, buffer: Any, batch: TensorDictBase, time_dim: int) -> None:

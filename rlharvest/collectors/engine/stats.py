@@ -203,6 +203,10 @@ class FleetStats:
         check_view(workers)
         check_timeout(timeout)
         tally, budget, fleet, progress = self.tally, self.tally.budget, self.fleet, self.progress
+        open_ = not self.life.closed
+        requests = fleet.current_requests
+        if self.output is not None and open_ and requests is not None:  # workers writing the replay buffer
+            self.output.count_advertised((worker, requests.handles[worker]) for worker in requests.active())
         snapshot = StatsSnapshot(
             frames=tally.frames, batches=tally.batches, total_frames=None if budget.endless else budget.total_frames,
             completed=tally.reached_total(), requested_frames_per_batch=self.frames_per_batch(),
@@ -210,7 +214,6 @@ class FleetStats:
             weight_version=self.weights.version, weight_syncs=progress.weight_sync_histogram(),
             collected=self.output.progress(tally.frames) if self.output is not None else {})
         active = fleet.active
-        open_ = not self.life.closed
         answers = self.census.answers(self.broadcast, active, workers, timeout) if open_ else {}
         alive = self.census.alive(answers, fleet, active) if open_ else 0
         slots = len(fleet)
