@@ -155,7 +155,11 @@ def test_demo_monitor_serves_the_collectors_page_while_ppo_trains(tmp_path):
         wait_until(lambda: frames() > 0, 60, "frames on the monitor")
         assert b"<title>rlharvest monitor</title>" in urllib.request.urlopen(url, timeout=10).read()
         proc.send_signal(signal.SIGINT)  # the demo stops, writes what it has and closes the monitor
-        assert proc.wait(60) == 130
+        code = proc.wait(60)
+        reader.join(10)
+        while not lines.empty():
+            said.append(lines.get())
+        assert code == 130, f"exit code {code} after Ctrl-C; the demo said: {''.join(said)[-3000:]}"
     finally:
         if proc.poll() is None:
             proc.kill()
