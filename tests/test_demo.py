@@ -129,9 +129,13 @@ def test_demo_monitor_serves_the_collectors_page_while_ppo_trains(tmp_path):
 
     from mocks import wait_until
 
-    cmd = [sys.executable, "-m", "rlharvest", "demo", "--collector", "multisync", "--frames", "200000",
+    # a budget no run reaches before the Ctrl-C below (200,000 frames took 45 s: under the suite's load the
+    # demo could end on its own first), and Ctrl-C as a shell delivers it: a disposition this test process
+    # inherited or was left (an ignored SIGINT is inherited through exec) must not decide the outcome
+    cmd = [sys.executable, "-m", "rlharvest", "demo", "--collector", "multisync", "--frames", "2000000",
            "--no-early-stop", "--out", str(tmp_path / "demo"), "--no-progress", "--monitor"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
     reader.start()
