@@ -122,7 +122,7 @@ class BatchBuffer:
         if self._targets is None:
             self._targets = {key: self.buffer.get(key) for key, (_, dtype) in self.layout.items()
                              if dtype is not STRUCTURED}
-        if batch_start:
+        if batch_start and not self.fresh:  # a buffer handed out whole is never checked against them
             self._pointers = {key: leaf.data_ptr() for key, leaf in self._targets.items()}
         return self._targets
 
