@@ -72,15 +72,14 @@ class BatchBuffer:
         """Whether steps can be written into the buffer as they come (else: stacked at the batch's end)."""
         return self.reuse and not self.lazy and not self.structured
 
-    def allocate(self, layout: Layout | None = None) -> TensorDictBase:
-        """A zero batch of ``layout`` (this buffer's by default)."""
+    def allocate(self, layout: Layout | None = None, *, empty: bool = False) -> TensorDictBase:
+        """A zero batch of ``layout`` (this buffer's by default); ``empty``: its values left unset."""
         steps, dim = self.time_steps, self.time_dim
+        make = torch.empty if empty else torch.zeros
         leaves = {}
         for key, (shape, dtype) in (layout or self.layout).items():
-            leaves[key] = torch.zeros((*shape[:dim], steps, *shape[dim:]), dtype=dtype, device=self.device)
-        td = TensorDict(leaves, batch_size=(*self.batch_size, steps), device=self.device)
-        td.refine_names(*([None] * dim), "time")
-        return td
+            leaves[key] = make((*shape[:dim], steps, *shape[dim:]), dtype=dtype, device=self.device)
+        return batch_of(leaves, (*self.batch_size, steps), (*([None] * dim), "time"), self.device)
 
     def resize(self, time_steps: int) -> None:
         """Batches of ``time_steps`` steps from the next one on, in a buffer allocated at that size."""
@@ -111,8 +110,9 @@ class BatchBuffer:
         elif batch_start and self.fresh:  # the last batch is the caller's now
             self._handed.add(self.buffer, self._targets)
             self._rows = {}  # views of the last batch's leaves: the pool counts them as held
-            recycled = self._handed.take()
-            self.buffer, self._targets = recycled if recycled is not None else (torch.empty_like(self.buffer), None)
+            recycled = self._handed.take((*self.batch_size, self.time_steps), (*([None] * self.time_dim), "time"))
+            # a new one from the layout, not like the last batch: the caller may have reshaped or renamed it
+            self.buffer, self._targets = recycled if recycled is not None else (self.allocate(empty=True), None)
         elif batch_start and self._targets is not None:
             pointers = self._pointers
             current = dict(self.buffer.items(True, True))  # one walk: a get() per key costs ~3x more
@@ -213,6 +213,37 @@ class BatchBuffer:
         return out
 
 
+def batch_of(leaves: dict[NestedKey, torch.Tensor], batch_size: tuple, names: tuple,
+             device: torch.device | None = None) -> TensorDictBase:
+    """A TensorDict of ``batch_size`` (dims named ``names``) around ``leaves``, whose shapes start with it.
+
+    Built without the checks the public constructor makes on every leaf (the leaves are this module's
+    own, of the right shapes): ~4 us instead of ~20 us for a batch of 7 keys measured alone, and
+    several times more in a collector, where this code runs once per batch and cold.
+    """
+    new = getattr(TensorDict, "_new_unsafe", None)
+    if new is None:  # another tensordict: the public way
+        td = TensorDict(leaves, batch_size=batch_size, device=device)
+        td.refine_names(*names)
+        return td
+    size = torch.Size(batch_size)
+    tree: dict = {}
+    for key, leaf in leaves.items():
+        node = tree
+        if isinstance(key, tuple):
+            for part in key[:-1]:
+                node = node.setdefault(part, {})
+            key = key[-1]
+        node[key] = leaf
+    return _node(new, tree, size, names, device)
+
+
+def _node(new, tree: dict, size: torch.Size, names: tuple, device) -> TensorDictBase:
+    source = {key: _node(new, value, size, names, device) if isinstance(value, dict) else value
+              for key, value in tree.items()}
+    return new(source, batch_size=size, names=list(names), device=device)
+
+
 class BufferPool:
     """The last batches handed out, written again once nothing outside the collector holds them.
 
@@ -229,26 +260,25 @@ class BufferPool:
     SIZE = 2
 
     def __init__(self) -> None:
-        self._kept: list[tuple[weakref.ref, dict, tuple, tuple]] = []
+        self._kept: list[tuple[weakref.ref, dict]] = []
 
     def add(self, buffer: TensorDictBase, leaves: dict[NestedKey, torch.Tensor] | None) -> None:
         """``buffer`` is the caller's now; keep ``leaves`` (its leaves by key, as the batch was written) to
         write them again once it lets them go."""
         if leaves is None or any(leaf.device.type != "cpu" for leaf in leaves.values()):
             return
-        self._kept.append((weakref.ref(buffer), leaves, tuple(buffer.batch_size), tuple(buffer.names)))
+        self._kept.append((weakref.ref(buffer), leaves))
         del self._kept[:-self.SIZE]
 
-    def take(self) -> tuple[TensorDictBase, dict[NestedKey, torch.Tensor]] | None:
-        """A buffer nothing outside this pool refers to (a new TensorDict around its leaves) and its leaves
-        by key, or None."""
+    def take(self, batch_size: tuple, names: tuple) -> tuple[TensorDictBase, dict[NestedKey, torch.Tensor]] | None:
+        """A buffer nothing outside this pool refers to (a new TensorDict of ``batch_size`` and dim ``names``
+        around its leaves: the caller may have renamed or reshaped the last one) and its leaves by key,
+        or None."""
         for index in range(len(self._kept) - 1, -1, -1):  # the last handed out first: its memory is the warmest
-            owner, leaves, batch_size, names = self._kept[index]
+            owner, leaves = self._kept[index]
             if owner() is None and _unreferenced(leaves):
                 del self._kept[index]
-                buffer = TensorDict(leaves, batch_size=batch_size)
-                buffer.refine_names(*names)
-                return buffer, leaves
+                return batch_of(leaves, batch_size, names), leaves
         return None
 
 

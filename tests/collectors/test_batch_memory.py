@@ -110,3 +110,19 @@ def test_a_reused_batch_holds_the_same_values_as_a_new_one():
     for a, b in zip(recycled, kept):
         assert (a == b).all()
     assert not recycled[-1]["done"].any()
+
+
+def test_a_batch_renamed_or_reshaped_by_the_caller_does_not_shape_the_batches_written_into_its_memory():
+    """The caller may name a batch's dims or flatten its batch size in place before dropping it: the batches
+    later written into its memory still have the collector's shape and the time dim named "time"."""
+    shapes = []
+    with collector() as c:
+        for i, batch in enumerate(c):
+            shapes.append((tuple(batch.batch_size), tuple(batch.names), tuple(batch["next"].names)))
+            if i % 2:
+                batch.refine_names("env", "time")
+            else:
+                batch.names = [None, None]
+                batch.batch_size = (4,)
+            del batch
+    assert set(shapes) == {((4, 8), (None, "time"), (None, "time"))}, shapes
