@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -40,8 +41,10 @@ def as_tuple_key(key: NestedKey) -> tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_private_key(key: NestedKey) -> bool:
-    """True when any part of the key starts with ``_`` (such keys never leave a collector)."""
+    """True when any part of the key starts with ``_`` (such keys never leave a collector). Cached: every
+    batch asks it of each of its keys, which are the same from batch to batch."""
     return any(part.startswith("_") for part in as_tuple_key(key))
 
 

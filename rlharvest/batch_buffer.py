@@ -18,7 +18,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from ._batching import STRUCTURED, stack_into, stack_structured
-from ._utils import TRAJ_IDS, NestedKey
+from ._utils import TRAJ_IDS, NestedKey, is_private_key
 from .envs.base import to_tensor
 from .envs.checks import raise_if_changed
 
@@ -48,6 +48,7 @@ class BatchBuffer:
         self.reuse, self.lazy = reuse, lazy
         self.layout: Layout | None = None
         self.structured = False  # some values are kept whole: no buffer then
+        self.public = False
         self.buffer: TensorDictBase | None = None
         self._targets: dict[NestedKey, torch.Tensor] | None = None  # the buffer's leaves, by key
         self._pointers: dict[NestedKey, int] = {}  # each leaf's data pointer when the views were made
@@ -66,6 +67,8 @@ class BatchBuffer:
     def set_layout(self, layout: Layout) -> None:
         self.layout = layout
         self.structured = any(dtype is STRUCTURED for _, dtype in layout.values())
+        #: the batches' keys are the layout's, none of them private (values kept whole may hold any key)
+        self.public = not (self.structured or self.lazy or any(is_private_key(key) for key in layout))
 
     @property
     def writes_chunks(self) -> bool:

@@ -389,6 +389,11 @@ class Rollout:
         return self.batches.layout
 
     @property
+    def public(self) -> bool:
+        """Whether the batches are known to have no private key (``_``-prefixed), once the first batch ran."""
+        return self.batches.public
+
+    @property
     def buffer(self) -> TensorDictBase | None:
         """The buffer batches are written into (once the first batch ran; None without ``use_buffers``)."""
         return self.batches.buffer

@@ -272,6 +272,20 @@ def test_excluded_keys():
         assert "_out" not in batch.keys()
 
 
+def test_private_keys_a_postproc_adds_are_excluded_too():
+    """The rollout's own keys are all public here (its batches are not searched): the postproc's are."""
+    def postproc(batch):
+        batch["_note"] = batch["observation"].clone()
+        batch["next", "_note"] = batch["observation"].clone()
+        return batch
+
+    collector = Collector(CountingEnv(batch_size=(2,)), CountingPolicy(), frames_per_batch=4, total_frames=8,
+                          postproc=postproc)
+    for batch in collector:
+        keys = set(batch.keys(True, True))
+        assert "_note" not in keys and ("next", "_note") not in keys and "observation" in keys
+
+
 def test_collector_reloading():
     collector = Collector(CountingEnv(), frames_per_batch=10, total_frames=90)
     for i, _ in enumerate(collector):

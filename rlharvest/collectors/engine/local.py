@@ -158,7 +158,7 @@ class LocalEngine:
                 self._write_buffer(buffer, batch, hook=post)
                 yield None
             else:  # return_same_td hands the batch itself over, replay buffer or not (as TorchRL)
-                yield from output.deliver(batch, post)
+                yield from output.deliver(batch, post, public=self.rollout.public)
         close_env(self.env)
 
     def rollout_batch(self, random: bool | None = None) -> TensorDictBase:
@@ -207,10 +207,10 @@ class LocalEngine:
     def _batch_frames(self, batch: TensorDictBase) -> int:
         if self.config.replay_buffer is not None:
             return self.frames_per_batch
-        traj_ids = batch.get(TRAJ_IDS, None)
-        if self.config.interruptor is None or traj_ids is None:
+        if self.config.interruptor is None:  # every step was collected
             return batch.numel()
-        return int((traj_ids != -1).sum())
+        traj_ids = batch.get(TRAJ_IDS, None)
+        return batch.numel() if traj_ids is None else int((traj_ids != -1).sum())
 
     def _write_buffer(self, buffer: Any, batch: TensorDictBase, hook: Any = None) -> None:
         if not self.config.extend_buffer and self.output.trajectories is None:
