@@ -42,8 +42,8 @@ from ..errors import EvaluationPendingError, EvaluatorClosedError
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
 from ._evaluation import prefixed_result
-from ._eval_runs import (EvalConfig, check_choice, check_episode_sampling, check_sources,
-                         episodes_unsupported, run_builders)
+from ._eval_runs import (EvalConfig, check_choice, check_episode_sampling, check_sources, episodes_unsupported,
+                         run_builders)
 
 
 __all__ = ["Evaluator", "EvaluationPendingError", "EvaluatorClosedError"]

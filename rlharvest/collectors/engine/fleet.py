@@ -322,8 +322,8 @@ class Fleet:
 
         A rollout in flight is interrupted, taken off the transport and dropped whole (its frames are
         never counted; a worker writing the replay buffer itself writes the steps it collected, and
-        its totals are counted once it is gone); with ``running_free`` the workers are paused first, and the batches they
-        pushed meanwhile are dropped the same way. A worker that does not close in time, or fails
+        its totals are counted once it is gone); with ``running_free`` the workers are paused first,
+        and the batches they pushed meanwhile are dropped the same way. A worker that does not close in time, or fails
         while leaving, is terminated. Every weight scheme forgets it; its index stays an empty slot.
 
         Raises:
