@@ -1,9 +1,11 @@
-"""Small helpers shared across layers: nested keys, attribute paths, pickling wrappers, warnings."""
+"""Small helpers shared across layers: nested keys, attribute paths, pickling wrappers, warnings, argument
+checks."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import math
 import os
 import sys
 import re
@@ -26,6 +28,8 @@ __all__ = [
     "CloudpickleWrapper",
     "deprecated_alias",
     "cpu_count",
+    "positive_int",
+    "positive_seconds",
 ]
 
 
@@ -239,3 +243,50 @@ def to_device_list(value: Any, num_workers: int, name: str) -> list[torch.device
         return [torch.device(v) if v is not None else None for v in value]
     device = torch.device(value) if value is not None else None
     return [device] * num_workers
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = False, owner: str | None = None) -> Any:
+    """``value`` if it is a positive int (a bool is not), or None when ``allow_none``: the one check of
+    a count argument, at every layer.
+
+    Args:
+        name: the argument, as the error names it.
+        value: what was given.
+        allow_none: None is allowed too (and returned).
+        owner: who takes the argument, put before the message (``"AsyncBatchedCollector"``), or None.
+
+    Raises:
+        ValueError: naming ``name``, the value given and what is allowed.
+
+    Example:
+        >>> positive_int("num_workers", 2)
+        2
+        >>> positive_int("max_steps", 0, allow_none=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_steps must be a positive int or None, got 0
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{owner + ': ' if owner else ''}{name} must be {allowed}, got {value!r}")
+    return value
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """A timeout argument: a positive, finite number of seconds (every wait must end).
+
+    Raises:
+        TypeError: naming ``name`` for a non-number.
+        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
+
+    Example:
+        >>> positive_seconds("worker_timeout", 5)
+        5.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)

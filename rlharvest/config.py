@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ._utils import CloudpickleWrapper, user_stacklevel
-from .config_views import FrameBudget, FramesPerBatch, OutputRules, positive_int as _positive_int
+from ._utils import CloudpickleWrapper, positive_int, positive_seconds, user_stacklevel
+from .config_views import FrameBudget, FramesPerBatch, OutputRules
 from .policies import ExplorationType
 
 __all__ = ["CollectorConfig", "FrameBudget", "OutputRules", "check_restart_arguments", "parse_total_frames",
@@ -44,20 +44,6 @@ def parse_total_frames(total_frames: Any) -> int:
     if not isinstance(total_frames, int):
         raise TypeError(f"total_frames must be an int (-1 for endless), got {type(total_frames).__name__}")
     return -1 if total_frames < 0 else total_frames
-
-
-def positive_seconds(name: str, value: Any) -> float:
-    """A timeout argument: a positive, finite number of seconds (every wait must end).
-
-    Raises:
-        TypeError: naming ``name`` for a non-number.
-        ValueError: naming ``name`` for zero, negative, infinite or NaN values.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-    return float(value)
 
 
 def _optional_count(name: str, value: Any) -> int:
@@ -298,7 +284,7 @@ class CollectorConfig:
     def _check_trajectory_options(self) -> None:
         set_ = object.__setattr__
         if self.trajs_per_batch is not None:
-            set_(self, "trajs_per_batch", _positive_int("trajs_per_batch", self.trajs_per_batch))
+            set_(self, "trajs_per_batch", positive_int("trajs_per_batch", self.trajs_per_batch))
             if not self.track_traj_ids:
                 raise ValueError("trajs_per_batch needs track_traj_ids=True: trajectories are cut along their "
                                  "('collector', 'traj_ids').")
@@ -307,7 +293,7 @@ class CollectorConfig:
             if self.replay_buffer is None or not self.assembles_trajectories:
                 raise ValueError(f"trajs_per_write={self.trajs_per_write!r} needs a replay_buffer written with "
                                  "complete trajectories (trajs_per_batch, or replay_write_mode='trajectory').")
-            set_(self, "trajs_per_write", _positive_int("trajs_per_write", self.trajs_per_write))
+            set_(self, "trajs_per_write", positive_int("trajs_per_write", self.trajs_per_write))
         if self.traj_format is None:
             if self.trajs_per_batch is not None and self.replay_buffer is None:
                 warnings.warn(_TRAJ_FORMAT_DEFAULT, FutureWarning, stacklevel=user_stacklevel())

@@ -9,20 +9,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ._utils import user_stacklevel
+from ._utils import positive_int, user_stacklevel
 
 __all__ = ["BatchShares", "FrameBudget", "FramesPerBatch", "OutputRules"]
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` if it is a positive int (a bool is not).
-
-    Raises:
-        ValueError: naming ``name`` and the value given.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

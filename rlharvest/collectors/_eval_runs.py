@@ -24,7 +24,7 @@ from .distributed.ray_eval import RayEvalRun, RayEvalWorker
 from .multi import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
 from .single import Collector
 
-__all__ = ["EvalConfig", "RunBuilders", "run_builders", "check_choice", "check_positive", "check_sources",
+__all__ = ["EvalConfig", "RunBuilders", "run_builders", "check_choice", "check_sources",
            "check_episode_sampling", "episodes_unsupported"]
 
 #: the one collector argument per-env episodes take from ``collector_kwargs``
@@ -39,15 +39,6 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     """Raises: ValueError naming ``name``, ``value`` and the ``allowed`` ones."""
     if value not in allowed:
         raise ValueError(f"Unknown {name} {value!r}: choose one of {', '.join(map(repr, allowed))}.")
-    return value
-
-
-def check_positive(name: str, value: Any, allow_none: bool = False) -> int | None:
-    """Raises: ValueError naming ``name`` unless ``value`` is a positive int (or None, when allowed)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}.")
     return value
 
 

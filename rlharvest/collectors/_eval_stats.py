@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from tensordict import TensorDict
 
+from .._utils import positive_int
+
 __all__ = ["bootstrap_estimate", "paired_comparison", "STATISTICS"]
 
 
@@ -40,8 +42,7 @@ def _check_arguments(values: torch.Tensor, dim: int, statistic: str, confidence:
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1 \
             or math.isnan(confidence):
         raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}.")
-    if isinstance(num_resamples, bool) or not isinstance(num_resamples, int) or num_resamples < 1:
-        raise ValueError(f"num_resamples must be a positive int, got {num_resamples!r}.")
+    positive_int("num_resamples", num_resamples)
     if values.ndim == 0:
         raise ValueError("values has no dimension to hold samples (a 0-d tensor): pass at least one sample along "
                          "`dim`.")

@@ -37,12 +37,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from .._utils import positive_int
 from ..errors import EvaluationPendingError, EvaluatorClosedError
 from ..policies import ExplorationType
 from ..weight_update.strategy import weights_of
 from ._evaluation import prefixed_result
-from ._eval_runs import (EvalConfig, check_choice, check_episode_sampling, check_positive, check_sources,
-                         episodes_unsupported, run_builders)
+from ._eval_runs import (EvalConfig, check_choice, check_episode_sampling, check_sources, episodes_unsupported,
+                         run_builders)
 
 
 __all__ = ["Evaluator", "EvaluationPendingError", "EvaluatorClosedError"]
@@ -130,11 +131,11 @@ class Evaluator:
         check_choice("backend", backend, BACKENDS)
         check_choice("busy_policy", busy_policy, BUSY_POLICIES)
         check_sources(backend, env, policy, policy_factory, weight_sync_schemes)
-        max_steps = check_positive("max_steps", max_steps, allow_none=True)
+        max_steps = positive_int("max_steps", max_steps, allow_none=True)
         self.config = EvalConfig(
-            backend=backend, num_trajectories=check_positive("num_trajectories", num_trajectories),
+            backend=backend, num_trajectories=positive_int("num_trajectories", num_trajectories),
             max_steps=max_steps,
-            frames_per_batch=check_positive("frames_per_batch", frames_per_batch or max_steps or 1000),
+            frames_per_batch=positive_int("frames_per_batch", frames_per_batch or max_steps or 1000),
             collector_kwargs=dict(collector_kwargs or {}), log_prefix=str(log_prefix), reward_key=reward_keys,
             done_key=done_keys, device=torch.device(device) if device is not None else None,
             exploration_type=exploration_type, metrics_fn=metrics_fn, dump_video=bool(dump_video),

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .._utils import NestedKey
+from .._utils import NestedKey, positive_int, positive_seconds
 from ._subenv_protocol import Buffers, FirstStep, SubEnvCommand, SubEnvDescription, Unavailable
 from ._subenv_worker import SubEnvRunner, build_env
 from .base import EnvBase
@@ -70,12 +70,6 @@ _NEUTRAL_ONLY = {
 }
 
 
-def _check_positive(name: str, value: Any, kind=int):
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
-        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
-    return kind(value)
-
-
 def batched_env_config(owner: str, num_workers: int, create_env_fn, create_env_kwargs, *, device=None,
                        num_sub_threads: int = 1, mp_start_method: str | None = None, daemon: bool = False,
                        shutdown_timeout: float = 10.0, worker_timeout: float = DEFAULT_SUBENV_TIMEOUT,
@@ -85,7 +79,7 @@ def batched_env_config(owner: str, num_workers: int, create_env_fn, create_env_k
     Raises:
         ValueError: naming the argument, for a bad value or an unsupported TorchRL option.
     """
-    num_workers = _check_positive("num_workers", num_workers)
+    num_workers = positive_int("num_workers", num_workers)
     for name, value in torchrl_options.items():
         allowed, why = _NEUTRAL_ONLY[name]
         if not any(value is a or value == a for a in allowed):
@@ -106,9 +100,9 @@ def batched_env_config(owner: str, num_workers: int, create_env_fn, create_env_k
         kwargs = tuple(dict(k) for k in create_env_kwargs)
     return BatchedEnvConfig(
         num_workers=num_workers, create_env_fns=fns, create_env_kwargs=kwargs,
-        num_sub_threads=_check_positive("num_sub_threads", num_sub_threads), mp_start_method=mp_start_method,
-        daemon=bool(daemon), shutdown_timeout=_check_positive("shutdown_timeout", shutdown_timeout, float),
-        worker_timeout=_check_positive("worker_timeout", worker_timeout, float), env_id=next(_ENV_IDS),
+        num_sub_threads=positive_int("num_sub_threads", num_sub_threads), mp_start_method=mp_start_method,
+        daemon=bool(daemon), shutdown_timeout=positive_seconds("shutdown_timeout", shutdown_timeout),
+        worker_timeout=positive_seconds("worker_timeout", worker_timeout), env_id=next(_ENV_IDS),
     )
 
 
@@ -235,7 +229,7 @@ class BatchedEnvBase(EnvBase):
             allow_step_when_done=allow_step_when_done,
         )
         if num_threads is not None:
-            torch.set_num_threads(_check_positive("num_threads", num_threads))
+            torch.set_num_threads(positive_int("num_threads", num_threads))
         self.num_workers = self.config.num_workers
         self._pool = self._make_pool(self.config)
         try:

@@ -21,6 +21,7 @@ import json
 import threading
 from typing import Any
 
+from .._utils import positive_int
 from .node_codec import FORMAT, ClassNotAllowed, NodeMessageError, UnsendableValue, decode, encode, rebuildable
 
 __all__ = ["HELLO_MAX", "WIRE_FORMAT", "ClassNotAllowed", "NodeMessageError", "UnsendableValue", "allow_from_nodes",
@@ -126,9 +127,7 @@ def limit_from_nodes(max_bytes: int) -> None:
         8589934592
         >>> limit_from_nodes(4 << 30)
     """
-    if type(max_bytes) is not int or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-    _LIMIT[0] = max_bytes
+    _LIMIT[0] = positive_int("max_bytes", max_bytes)
 
 
 def node_limit() -> int:

@@ -36,6 +36,12 @@ def test_frames_per_batch_list_values(cls):
         cls([CountingEnv] * 2, frames_per_batch=[4, "4"])
 
 
+@pytest.mark.parametrize("value", [[4, 6], [4]])
+def test_a_collector_takes_one_frames_per_batch_not_a_list(value):
+    with pytest.raises(TypeError, match=r"frames_per_batch must be a positive int, got \[4.*one value per worker"):
+        Collector(CountingEnv, frames_per_batch=value)
+
+
 BAD_SECONDS = [(0, ValueError), (-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
                ("5", TypeError), (None, TypeError)]
 

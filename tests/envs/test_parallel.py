@@ -213,6 +213,8 @@ def test_serial_for_single_and_bad_arguments():
         ParallelEnv(2, CountingEnv, memmap=True)
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
         SerialEnv(0, CountingEnv)
+    with pytest.raises(ValueError, match="worker_timeout must be a positive, finite number of seconds, got inf"):
+        SerialEnv(2, CountingEnv, worker_timeout=float("inf"))  # every wait ends
     with pytest.raises(ValueError, match="create_env_fn has 3 entries for num_workers=2"):
         SerialEnv(2, [CountingEnv] * 3)
     with pytest.raises(TypeError, match="callable returning an env"):

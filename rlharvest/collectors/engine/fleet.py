@@ -59,7 +59,8 @@ class Replacement:
     """What a collector does around the replacement of one of its workers (all optional)."""
 
     before: Callable[[int], None] = _nothing
-    """Drop what the worker had in flight (its request, its unfinished trajectories)."""
+    """Drop what the worker had in flight (its request, its unfinished trajectories), and count the
+    totals it advertised last: called once it is gone (it writes no more), before its slot is released."""
     changes: Callable[[int], dict[str, Any]] = _no_changes
     """What the replacement starts with besides its spec (the current policy version, a fresh
     trajectory-id range)."""
@@ -219,6 +220,7 @@ class Fleet:
         """Replace worker ``index`` as the collector wants it (its :class:`Replacement` hooks around
         :meth:`replace`), with ``changes`` to its spec on top of the hooks' own."""
         hooks = self.replacement
+        self.backend.stop_one(index, time.monotonic())  # gone before ``before``: it writes no more
         hooks.before(index)
         handle = self.replace(index, **{**hooks.changes(index), **changes})
         hooks.after(index)
@@ -269,7 +271,6 @@ class Fleet:
                 pass
         if [w for w in self.active if w != worker] == []:
             raise err
-        self.replacement.before(worker)
         self._retire(worker, time.monotonic() + 1.0)
         self.replacement.left(worker)
         return worker
@@ -320,8 +321,9 @@ class Fleet:
         fleet's): each stops at a rollout boundary, closes, and is gone when this returns.
 
         A rollout in flight is interrupted, taken off the transport and dropped whole (its frames are
-        never counted); with ``running_free`` the workers are paused first, and the batches they
-        pushed meanwhile are dropped the same way. A worker that does not close in time, or fails
+        never counted; a worker writing the replay buffer itself writes the steps it collected, and
+        its totals are counted once it is gone); with ``running_free`` the workers are paused first,
+        and the batches they pushed meanwhile are dropped the same way. A worker that does not close in time, or fails
         while leaving, is terminated. Every weight scheme forgets it; its index stays an empty slot.
 
         Raises:
@@ -330,7 +332,6 @@ class Fleet:
         indices = self.check_removable(indices)
         deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
         for index in indices:
-            self.replacement.before(index)  # the collector drops what it had in flight
             self.requests.handles[index].interrupt()
         closed = {index for index in indices if self._settle(index, deadline, running_free)}
         for index in indices:
@@ -341,10 +342,13 @@ class Fleet:
             workers=tuple(indices), details={"terminated": len(forced)}, logger=_log)
 
     def _retire(self, index: int, deadline: float) -> None:
-        """Worker ``index`` leaves for good: make sure it is gone, and release everything kept for it
-        here (the backend's slot, the schemes' channels, the requests' bookkeeping): a departed
-        worker holds no descriptor and no shared memory in this process (docs/elastic.md)."""
+        """Worker ``index`` leaves for good: make sure it is gone, let the collector drop what it had in
+        flight and count what it advertised last (gone, it writes no more: the rollout it was cutting
+        short has been written), and release everything kept for it here (the backend's slot, the
+        schemes' channels, the requests' bookkeeping): a departed worker holds no descriptor and no
+        shared memory in this process (docs/elastic.md)."""
         self.backend.stop_one(index, deadline)
+        self.replacement.before(index)
         self.backend.retire(index)
         for scheme in self.schemes.values():
             scheme.forget(index)

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from ..._utils import NestedKey, wrap_callable
+from ..._utils import NestedKey, positive_int, wrap_callable
 from ...config import CollectorConfig, positive_seconds
 from ...config_views import BatchShares, FramesPerBatch
 from ...envs import SerialEnv
@@ -96,10 +96,8 @@ _NEUTRAL = {
 }
 
 
-def _positive(name: str, value: Any, kind=int):
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
-        raise ValueError(f"AsyncBatchedCollector: {name} must be a positive {kind.__name__}, got {value!r}")
-    return kind(value)
+#: the check of a count argument, naming this collector
+_positive = functools.partial(positive_int, owner="AsyncBatchedCollector")
 
 
 def reject_unsupported(options: dict) -> None:

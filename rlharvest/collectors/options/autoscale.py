@@ -12,16 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..._utils import positive_int
+
 __all__ = ["Autoscale", "ELASTIC_LAUNCHERS", "parse_autoscale"]
 
 #: launchers that can start a node while collecting (``"external"`` through ``Autoscale.on_scale``)
 ELASTIC_LAUNCHERS = ("mp", "submitit", "external")
-
-
-def _count(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"Autoscale: {name} must be an int >= {least}, got {value!r}")
-    return value
 
 
 def _fraction(name: str, value: Any, low: float, high: float) -> float:
@@ -105,13 +101,13 @@ class Autoscale:
     """``launcher="external"``: ``on_scale(wanted_nodes, join_command)`` starts nodes."""
 
     def __post_init__(self) -> None:
-        _count("min_collectors", self.min_collectors, 1)
+        positive_int("min_collectors", self.min_collectors, owner="Autoscale")
         if isinstance(self.max_collectors, bool) or not isinstance(self.max_collectors, int) \
                 or self.max_collectors < self.min_collectors:
             raise ValueError(f"Autoscale: max_collectors must be an int >= min_collectors ({self.min_collectors}), "
                              f"got {self.max_collectors!r}")
-        _count("window", self.window, 1)
-        _count("cooldown", self.cooldown, 1)
+        positive_int("window", self.window, owner="Autoscale")
+        positive_int("cooldown", self.cooldown, owner="Autoscale")
         _fraction("grow_above", self.grow_above, 0.0, 1.0)
         if self.grow_above == 0.0:
             raise ValueError("Autoscale: grow_above must be a fraction in (0, 1), got 0.0")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..._utils import unwrap, wrap_callable
+from ..._utils import positive_int, unwrap, wrap_callable
 from ...envs.factory import GYMNASIUM_ADVICE, gymnasium_instance
 from ...weight_update.schemes import WeightSyncScheme
 from ..engine.weights import has_weights
@@ -50,9 +50,7 @@ def env_functions(create_env_fn, num_workers: int | None) -> list:
         return list(create_env_fn)
     if num_workers is None:
         raise TypeError("Pass create_env_fn as a list of constructors (one per worker), or give num_workers.")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-    return [create_env_fn] * num_workers
+    return [create_env_fn] * positive_int("num_workers", num_workers)
 
 
 def check_env_constructors(env_fns: Sequence[Any], noun: str) -> None:

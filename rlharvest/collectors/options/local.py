@@ -68,6 +68,9 @@ class LocalOptions:
                 raise ValueError(f"{where} needs exactly one env constructor, got {len(create_env_fn)}.")
             create_env_fn = create_env_fn[0]
         frames = FramesPerBatch.parse(config_arguments.pop("frames_per_batch", None))
+        if frames.per_worker:
+            raise TypeError(f"{owner} collects batches of one size: frames_per_batch must be a positive int, got "
+                            f"{list(frames.value)} (a list gives one value per worker, to a collector with workers).")
         config = CollectorConfig.from_kwargs(owner, frames_per_batch=frames.value, **config_arguments)
         return cls(config=config, create_env_fn=create_env_fn, policy=policy, policy_factory=policy_factory,
                    weight_updater=weight_updater, weight_sync_schemes=weight_sync_schemes,

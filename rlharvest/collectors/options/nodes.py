@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Mapping
 
-from ..._utils import wrap_callable, user_stacklevel
+from ..._utils import positive_int, wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...config_views import BatchShares, FramesPerBatch
 from ...protocol import WorkerSpec
@@ -166,9 +166,7 @@ class NodeOptions:
         config = CollectorConfig.from_kwargs(owner, **config_arguments)
         if update_after_each_batch and max_weight_update_interval > -1:
             raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
-        if update_interval is not None and (isinstance(update_interval, bool) or not isinstance(update_interval, int)
-                                            or update_interval < 1):
-            raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
+        positive_int("update_interval", update_interval, allow_none=True)
         if weight_updater is not None and weight_sync_schemes is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         config.check_workers(count)
@@ -382,8 +380,7 @@ class NodeOptions:
     def _new_num_envs(self, num_envs: int | None, noun: str) -> int:
         if num_envs is None:
             return self.num_workers_per_collector
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+        positive_int("num_envs", num_envs)
         if self.runs_one_env and num_envs != 1:
             raise ValueError(f"num_envs must be 1 when the {noun}s run a single Collector, got {num_envs}: build "
                              f"the collector with collector_class='sync' or 'async' for several envs per {noun}.")

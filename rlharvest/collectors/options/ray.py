@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..._utils import positive_int
 from ...transport.base import Backend
 from ...transport.ray import DEFAULT_REMOTE_CONFIG, RayBackend, as_replay_buffer
 from ...worker import run_worker
@@ -60,8 +61,7 @@ class RayOptions(NodeOptions):
         count = num_collectors
         if count is None:
             count = len(create_env_fn) if isinstance(create_env_fn, (list, tuple)) else 1
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"num_collectors must be a positive int, got {count!r}")
+        positive_int("num_collectors", count)
         env_fns = replicated(create_env_fn, "create_env_fn", count)
         if not isinstance(collector_kwargs, (list, tuple)):
             collector_kwargs = [dict(collector_kwargs or {}) for _ in range(count)]
