@@ -12,6 +12,7 @@ import torch
 from ..._utils import cpu_count, wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...config_views import BatchShares, FramesPerBatch
+from ...weight_update.torchrl_schemes import own_schemes
 from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
@@ -118,6 +119,8 @@ class WorkerProcessOptions:
         check_env_constructors(env_fns, "worker process")
         count = len(env_fns)
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
+        weight_sync_schemes = own_schemes(weight_sync_schemes, "weight_sync_schemes")
+        weight_recv_schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
         check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
         config = CollectorConfig.from_kwargs(owner, **config_arguments)
         if init_fn is not None and not callable(init_fn):

@@ -16,6 +16,7 @@ from ...config_views import BatchShares, FramesPerBatch
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
+from ...weight_update.torchrl_schemes import own_schemes
 from ..engine.contract import Startup, WorkerSetup
 from ..engine.extras import EngineExtra
 from ..engine.fleet import Fleet
@@ -169,6 +170,8 @@ class NodeOptions:
         if update_interval is not None and (isinstance(update_interval, bool) or not isinstance(update_interval, int)
                                             or update_interval < 1):
             raise ValueError(f"update_interval must be an int >= 1 (or None), got {update_interval!r}")
+        weight_sync_schemes = own_schemes(weight_sync_schemes, "weight_sync_schemes")
+        weight_recv_schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
         if weight_updater is not None and weight_sync_schemes is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         config.check_workers(count)
