@@ -29,7 +29,7 @@ from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, SharedIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import (check_env_constructors, check_policy_args, default_schemes, env_functions, per_worker,
+from .common import (check_env_constructors, check_policy_args, default_schemes, env_functions, held_here, per_worker,
                      stateless_copy, typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
 
@@ -241,7 +241,8 @@ class WorkerProcessOptions:
         schemes = self.weight_sync_schemes
         if legacy or schemes is None:
             schemes = default_schemes(backend.default_scheme(), policy, factories)
-        schemes = dict(schemes or {})
+        schemes = held_here(dict(schemes or {}), buffer_here=self.config.replay_buffer is not None
+                                                      and not self.workers_write_buffer)
         if factories is not None:
             worker_policy = None
         elif "policy" in schemes and policy is not None:

@@ -29,7 +29,7 @@ from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
+from .common import check_env_constructors, has_weights, held_here, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import NodeProcesses, WorkerProcessOptions
 
@@ -298,7 +298,8 @@ class NodeOptions:
         schemes = self.weight_sync_schemes
         if legacy or schemes is None:
             schemes = self.default_scheme(backend)
-        return WorkerSetup(policy=self.policy, schemes=dict(schemes or {}), legacy=legacy)
+        schemes = held_here(dict(schemes or {}), buffer_here=self.config.replay_buffer is not None)
+        return WorkerSetup(policy=self.policy, schemes=schemes, legacy=legacy)
 
     def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
         """One spec per node from index ``first`` on, each with its share of ``shares``."""
