@@ -38,10 +38,7 @@ class InProcessWeightSyncScheme(WeightSyncScheme):
             RuntimeError: when not a connected sender.
             ValueError: when the model cannot be found in this process.
         """
-        if not self.initialized_on_sender:
-            raise RuntimeError("send() needs init_on_sender() first.")
-        if not self.synchronized_on_sender:
-            raise RuntimeError("send() needs connect() first.")
+        self._check_connected_sender()
         model = self.model
         if model is None:
             raise ValueError(f"{self._model_id!r} names nothing in this process: no model to write the weights into.")
