@@ -6,6 +6,7 @@ collector's process").
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from .schemes import WeightSyncScheme
@@ -15,7 +16,9 @@ __all__ = ["InProcessWeightSyncScheme"]
 
 class InProcessWeightSyncScheme(WeightSyncScheme):
     """``send`` writes the weights into the model this process holds (resolved on the collector by its
-    model id); the copies workers are given receive nothing.
+    model id), under the collector's ``writing_lock``: no batch is written through half-updated
+    weights, and every batch written after ``send`` returns goes through the new ones. The copies
+    workers are given receive nothing.
 
     ``worker_ids`` are accepted and change nothing: the one model serves every worker.
 
@@ -42,6 +45,9 @@ class InProcessWeightSyncScheme(WeightSyncScheme):
         model = self.model
         if model is None:
             raise ValueError(f"{self._model_id!r} names nothing in this process: no model to write the weights into.")
-        payload = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
-        self._strategy.apply_weights(model, payload)
+        context = self.context
+        payload = self.prepare_weights(weights, self._model_id, self._strategy, context)
+        lock = getattr(context, "writing_lock", None)  # a context of the user's own may have none
+        with lock if lock is not None else contextlib.nullcontext():  # no batch is written half-updated
+            self._strategy.apply_weights(model, payload)
         self._version += 1
