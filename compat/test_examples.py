@@ -1,6 +1,7 @@
 """Short scripts written the way TorchRL's examples are, run end to end with small budgets: DQN with a
 random warm-up, PPO over a ParallelEnv, off-policy training with a DistributedCollector whose nodes run
-TorchRL envs, and the float actions of a linear policy that two of TorchRL's collector examples use."""
+TorchRL envs, the float actions of a linear policy that two of TorchRL's collector examples use, and
+three models updated at once through TorchRL's own scheme objects."""
 
 from __future__ import annotations
 
@@ -50,3 +51,14 @@ def test_float_actions_of_a_linear_policy_as_in_torchrl_examples():
     assert summary["shared_memory_workers"]["frames"] >= 400 and summary["shared_memory_workers"]["updates"] >= 2
     assert "ActionReadWarning" in stderr and "OneHot(shape=(2,), dtype=torch.int64, n=2)" in stderr
     assert "value.long().argmax(-1)" in stderr
+
+
+def test_three_models_updated_through_torchrl_scheme_objects():
+    """TorchRL's examples/collectors/multi_weight_updates.py: TorchRL's MultiProcessWeightSyncScheme for
+    the policy, the env's module and the replay buffer's module; each model's marker weights show in
+    every frame written after the update, and in none before."""
+    summary = run("multi_model_weights.py", "--batches", "4")
+    assert summary["buffer_sizes"] == [100, 200, 300, 400]
+    assert summary["before_update"] == dict.fromkeys(summary["before_update"], False)
+    assert summary["after_update"] == {"policy": True, "env.transform[0].module": True,
+                                       "replay_buffer.transform[0].module": True}

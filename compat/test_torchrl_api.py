@@ -1,5 +1,6 @@
 """TorchRL-side API a user's code keeps after switching the collector imports: model ids written
-against the env TorchRL's collector builds, and TorchRL's ``service_backend`` context."""
+against the env TorchRL's collector builds, TorchRL's ``service_backend`` context, and a legacy
+updater written against TorchRL's worker pipes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torchrl.envs import Compose, GymEnv, RewardSum
 from torchrl.envs.transforms.module import ModuleTransform
 from torchrl_objects import recurrent_actor
 
-from rlharvest.collectors import Collector, MultiAsyncCollector
+from rlharvest.collectors import Collector, MultiAsyncCollector, WeightUpdaterBase
 from rlharvest.collectors.distributed import RPCCollector
 from rlharvest.weight_update import MultiProcessWeightSyncScheme
 
@@ -100,3 +101,48 @@ def test_torchrl_service_backend_context_is_honoured(free_port):
     with torchrl_service_backend("thread"):
         with pytest.raises(ValueError, match="torchrl.service_backend context"):
             Collector(pendulum_env, num_collectors=2, frames_per_batch=8)
+
+
+class PipeUpdater(WeightUpdaterBase):
+    """TorchRL's examples/collectors/mp_collector_mps.py: an updater that hands CPU copies of its
+    weights to each worker through ``collector.pipes`` and waits for the worker's reply."""
+
+    def __init__(self, weights: TensorDict, num_workers: int) -> None:
+        self.weights = weights
+        self.num_workers = num_workers
+        self.replies = []
+
+    def _get_server_weights(self) -> TensorDict:
+        return self.weights.cpu()
+
+    def _maybe_map_weights(self, server_weights: TensorDict) -> TensorDict:
+        return server_weights
+
+    def all_worker_ids(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    def _sync_weights_with_worker(self, worker_id: int, server_weights: TensorDict) -> TensorDict:
+        self.collector.pipes[worker_id].send((server_weights, "update"))
+        self.replies.append(self.collector.pipes[worker_id].recv())
+        return server_weights
+
+
+def test_legacy_updater_written_against_torchrl_worker_pipes():
+    weights = TensorDict.from_module(pendulum_policy()).data
+    updater = PipeUpdater(weights, 2)
+    with pytest.warns(DeprecationWarning, match="legacy weight-update API"):
+        collector = Collector(pendulum_env, num_collectors=2, sync=True, policy_factory=pendulum_policy,
+                              frames_per_batch=40, total_frames=200, weight_updater=updater)
+    try:
+        batches = iter(collector)
+        assert next(batches)["action"].abs().sum() > 0
+        weights.zero_()
+        collector.update_policy_weights_()
+        assert updater.replies == [(None, "updated")] * 2
+        assert next(batches)["action"].abs().sum() == 0  # both workers run the zeroed weights
+        with pytest.raises(NotImplementedError, match=r"pipes\[1\].send\(\) takes \(weights, 'update'\) only, got 'seed'"):
+            collector.pipes[1].send((0, "seed"))
+        with pytest.raises(RuntimeError, match=r"pipes\[0\].recv\(\): no reply is due"):
+            collector.pipes[0].recv()
+    finally:
+        collector.shutdown()

@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset
 from .._utils import resolve_attr_path
 from ..errors import CollectorShutdownError
 from ..profiling import ProfileConfig
+from ..weight_update.torchrl_schemes import own_schemes
 from ..worker import ParentDuties
 from .engine.contract import EngineOptions
 from .engine.engine import CollectionEngine
@@ -473,7 +474,8 @@ class BaseCollector(IterableDataset):
         Raises:
             RuntimeError: for a scheme already initialised as a sender.
         """
-        self._engine.updates.register_receivers(weight_recv_schemes, synchronize_weights)
+        schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
+        self._engine.updates.register_receivers(schemes, synchronize_weights)
 
     @property
     def _receiver_schemes(self) -> dict | None:

@@ -201,6 +201,13 @@ class MultiCollector(BaseCollector):
         """``{device: weights}`` staging area of legacy updaters (private copies; pushed on write)."""
         return self._engine.legacy.staged_weights()
 
+    @property
+    def pipes(self) -> list:
+        """One pipe per worker, for a legacy updater written against TorchRL's worker pipes: ``pipes[i].send(
+        (weights, "update"))`` delivers weights to worker ``i`` (waiting until it applied them), and
+        ``pipes[i].recv()`` gives ``(None, "updated")`` (docs/torchrl-compatibility.md)."""
+        return self._engine.legacy.pipes()
+
     def legacy_weights_written(self, device) -> None:
         """A legacy MultiProcessedWeightUpdater wrote ``device``'s weights: push them to those workers."""
         self._engine.legacy.push_staged(self.weight_updater.policy_weights, device)

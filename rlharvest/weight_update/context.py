@@ -17,6 +17,9 @@ __all__ = ["SenderContext", "ReceiverContext"]
 class SenderContext(Protocol):
     """What a sender scheme needs from the collector that owns the workers."""
 
+    writing_lock: Any
+    """Held while the collector writes its replay buffer (a model of the buffer is updated under it), or None."""
+
     def get_model(self, model_id: str) -> Any:
         """The main-side source of ``model_id``'s weights."""
 

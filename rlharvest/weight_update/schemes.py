@@ -319,6 +319,13 @@ class WeightSyncScheme:
             context.forward_initial_weights(self._model_id, weights)
 
     # ------------------------------------------------------------------ sending
+    def _check_connected_sender(self) -> None:
+        """Raises: RuntimeError unless this scheme is a sender and connected."""
+        if not self.initialized_on_sender:
+            raise RuntimeError("send() needs init_on_sender() first.")
+        if not self.synchronized_on_sender:
+            raise RuntimeError("send() needs connect() first.")
+
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *,
              wait: bool | None = None) -> None:
         """Send weights to all (or the listed) workers; waits for acknowledgements when ``wait``
@@ -328,10 +335,7 @@ class WeightSyncScheme:
             RuntimeError: when not a connected sender, or when the scheme has no transport.
             ValueError: for an unknown worker index or a per-worker payload this scheme rejects.
         """
-        if not self.initialized_on_sender:
-            raise RuntimeError("send() needs init_on_sender() first.")
-        if not self.synchronized_on_sender:
-            raise RuntimeError("send() needs connect() first.")
+        self._check_connected_sender()
         if self._sender is None:
             raise RuntimeError(f"{type(self).__name__} has no transport to send on.")
         payload = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
@@ -493,7 +497,4 @@ class NoWeightSyncScheme(WeightSyncScheme):
     """No transport: ``connect`` only sets its flag, ``send`` does nothing, ``receive`` returns None."""
 
     def send(self, weights: Any = None, worker_ids=None, *, wait: bool | None = None) -> None:
-        if not self.initialized_on_sender:
-            raise RuntimeError("send() needs init_on_sender() first.")
-        if not self.synchronized_on_sender:
-            raise RuntimeError("send() needs connect() first.")
+        self._check_connected_sender()

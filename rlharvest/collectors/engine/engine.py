@@ -135,6 +135,7 @@ class CollectionEngine:
             self.weights.resolve, policy=options.policy,
             fallback_factories=options.policy_factories if options.factory_fallback else None,
             worker_idx=config.worker_idx, refused=refused, num_workers=options.num_workers)
+        self.updates.writing_lock = self.output.writing
         self.schedule = self.updates.schedule
         #: parts a backend adds (``launcher="external"``'s joins, RPC references): ``extras.py``
         self.extras: list[EngineExtra] = options.extras(self.backend, self.fleet, self.life, self.events)

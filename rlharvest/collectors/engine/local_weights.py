@@ -40,6 +40,9 @@ class LocalWeights:
         name: how messages name the collector.
     """
 
+    #: no scheme of a Collector writes a model of its replay buffer (SenderContext.writing_lock)
+    writing_lock = None
+
     def __init__(self, rollout: Rollout, policy: Callable[[], Any], source: WeakPolicyRef, policy_is_copy: bool,
                  served: bool, env: Any, version_tracker: Any, worker_idx: int | None, step_counter: bool,
                  policy_device: torch.device | None,

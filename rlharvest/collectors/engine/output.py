@@ -55,6 +55,8 @@ class BatchOutput:
         #: ``stats()``, from its transport: both at once may count)
         self.workers_seen: dict[int, Written] = {}
         self._counting = threading.Lock()
+        #: held while a batch is written into the replay buffer: a model of the buffer is updated under it
+        self.writing = threading.Lock()
 
     @property
     def trajectories(self) -> TrajectoryAssembler | None:
@@ -90,11 +92,12 @@ class BatchOutput:
         if hook is not None:
             hook(batch)
         trajectories = self.trajectories
-        if trajectories is None:
-            buffer.extend(batch)
-            self.written_frames += batch.numel()
-        else:
-            trajectories.write(buffer, batch)
+        with self.writing:
+            if trajectories is None:
+                buffer.extend(batch)
+                self.written_frames += batch.numel()
+            else:
+                trajectories.write(buffer, batch)
 
     def wrote(self) -> Written:
         """What this collector wrote to its replay buffer and assembled so far (its workers' not included)."""

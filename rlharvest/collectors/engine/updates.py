@@ -48,6 +48,8 @@ class WeightUpdates:
     #: a receiver scheme in a node running this collector sees no policy lock or device here
     policy_device = None
     policy_lock = None
+    #: held while the collector writes its replay buffer (set by the engine), or None
+    writing_lock: Any = None
 
     def __init__(self, weights: WeightPublisher, fleet: Fleet, broadcast: WorkerBroadcast, pushes: WeightPushes,
                  receiving: Receiving, life: Lifecycle, links: Callable[[], WeightLinks],

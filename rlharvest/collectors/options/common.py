@@ -14,6 +14,7 @@ import torch
 
 from ..._utils import positive_int, unwrap, wrap_callable
 from ...envs.factory import GYMNASIUM_ADVICE, gymnasium_instance
+from ...weight_update.in_process import InProcessWeightSyncScheme
 from ...weight_update.schemes import WeightSyncScheme
 from ..engine.weights import has_weights
 
@@ -23,6 +24,7 @@ __all__ = [
     "env_functions",
     "stateless_copy",
     "default_schemes",
+    "held_here",
     "has_weights",
     "wrap_callable",
     "validate_cat_results",
@@ -124,6 +126,17 @@ def default_schemes(scheme_name: str, policy: Any, factories: list | None,
     if has_weights(policy):
         return {"policy": WeightSyncScheme.from_backend(scheme_name, **scheme_arguments)}
     return {}
+
+
+def held_here(schemes: dict[str, WeightSyncScheme], buffer_here: bool) -> dict[str, WeightSyncScheme]:
+    """``schemes`` where each one that would send a model of this process to the workers is replaced by an
+    :class:`InProcessWeightSyncScheme` of its strategy: the replay buffer's models, when the collector
+    writes the buffer itself (``buffer_here``) and workers have no copy (docs/weights.md)."""
+    if not buffer_here:
+        return schemes
+    return {model_id: InProcessWeightSyncScheme(strategy=scheme.strategy)
+            if scheme.needs_workers and model_id.split(".")[0].split("[")[0] == "replay_buffer" else scheme
+            for model_id, scheme in schemes.items()}
 
 
 def check_policy_args(policy, factories: Sequence | None, weight_updater, schemes) -> None:

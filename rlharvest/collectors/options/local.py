@@ -15,6 +15,7 @@ from typing import Any
 from ..._utils import user_stacklevel
 from ...config import CollectorConfig
 from ...config_views import FramesPerBatch
+from ...weight_update.torchrl_schemes import own_schemes
 
 __all__ = ["LocalOptions"]
 
@@ -57,6 +58,8 @@ class LocalOptions:
             raise ValueError("reset_when_done=False is not supported (collectors always reset finished envs).")
         if policy is not None and policy_factory is not None:
             raise TypeError("policy_factory cannot be used together with policy.")
+        weight_sync_schemes = own_schemes(weight_sync_schemes, "weight_sync_schemes")
+        weight_recv_schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
         if weight_updater is not None and weight_sync_schemes:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         if local_init_rb is False:  # the old per-collector initialisation; storage-level init is all there is

@@ -12,6 +12,7 @@ import torch
 from ..._utils import cpu_count, wrap_callable, user_stacklevel
 from ...config import CollectorConfig, positive_seconds
 from ...config_views import BatchShares, FramesPerBatch
+from ...weight_update.torchrl_schemes import own_schemes
 from ...data import ReplayBuffer
 from ...protocol import WorkerSpec
 from ...transport.mp import MPBackend, mp_context
@@ -28,7 +29,7 @@ from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, SharedIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import (check_env_constructors, check_policy_args, default_schemes, env_functions, per_worker,
+from .common import (check_env_constructors, check_policy_args, default_schemes, env_functions, held_here, per_worker,
                      stateless_copy, typed_class, validate_cat_results, validate_preemptive_threshold)
 from .local import LocalOptions
 
@@ -118,6 +119,8 @@ class WorkerProcessOptions:
         check_env_constructors(env_fns, "worker process")
         count = len(env_fns)
         factories = per_worker(policy_factory, count, "policy_factory") if policy_factory is not None else None
+        weight_sync_schemes = own_schemes(weight_sync_schemes, "weight_sync_schemes")
+        weight_recv_schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
         check_policy_args(policy, factories, weight_updater, weight_sync_schemes)
         config = CollectorConfig.from_kwargs(owner, **config_arguments)
         if init_fn is not None and not callable(init_fn):
@@ -238,7 +241,8 @@ class WorkerProcessOptions:
         schemes = self.weight_sync_schemes
         if legacy or schemes is None:
             schemes = default_schemes(backend.default_scheme(), policy, factories)
-        schemes = dict(schemes or {})
+        schemes = held_here(dict(schemes or {}), buffer_here=self.config.replay_buffer is not None
+                                                      and not self.workers_write_buffer)
         if factories is not None:
             worker_policy = None
         elif "policy" in schemes and policy is not None:

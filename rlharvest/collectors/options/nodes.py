@@ -16,6 +16,7 @@ from ...config_views import BatchShares, FramesPerBatch
 from ...protocol import WorkerSpec
 from ...transport.base import Backend
 from ...weight_update.schemes import WeightSyncScheme
+from ...weight_update.torchrl_schemes import own_schemes
 from ..engine.contract import Startup, WorkerSetup
 from ..engine.extras import EngineExtra
 from ..engine.fleet import Fleet
@@ -28,7 +29,7 @@ from ..engine.state import Lifecycle
 from ..engine.stats import ASKED_WHEN_VIEWED, WorkerCensus
 from ..engine.traj_ids import PerWorkerIds, TrajectoryIds
 from .autoscale import Autoscale, parse_autoscale
-from .common import check_env_constructors, has_weights, per_worker, stateless_copy, typed_class
+from .common import check_env_constructors, has_weights, held_here, per_worker, stateless_copy, typed_class
 from .local import LocalOptions
 from .mp import NodeProcesses, WorkerProcessOptions
 
@@ -167,6 +168,8 @@ class NodeOptions:
         if update_after_each_batch and max_weight_update_interval > -1:
             raise RuntimeError("update_after_each_batch and max_weight_update_interval are conflicting instructions.")
         positive_int("update_interval", update_interval, allow_none=True)
+        weight_sync_schemes = own_schemes(weight_sync_schemes, "weight_sync_schemes")
+        weight_recv_schemes = own_schemes(weight_recv_schemes, "weight_recv_schemes", receiving=True)
         if weight_updater is not None and weight_sync_schemes is not None:
             raise TypeError("Pass either weight_updater or weight_sync_schemes, not both.")
         config.check_workers(count)
@@ -293,7 +296,8 @@ class NodeOptions:
         schemes = self.weight_sync_schemes
         if legacy or schemes is None:
             schemes = self.default_scheme(backend)
-        return WorkerSetup(policy=self.policy, schemes=dict(schemes or {}), legacy=legacy)
+        schemes = held_here(dict(schemes or {}), buffer_here=self.config.replay_buffer is not None)
+        return WorkerSetup(policy=self.policy, schemes=schemes, legacy=legacy)
 
     def worker_specs(self, setup: WorkerSetup, shares: BatchShares, first: int = 0) -> list[WorkerSpec]:
         """One spec per node from index ``first`` on, each with its share of ``shares``."""
