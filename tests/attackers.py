@@ -7,7 +7,8 @@
 * :func:`marking_env`: an env constructor that leaves a file behind when another process runs it
   (proof that an impostor's spec ran in a node);
 * :func:`evil_ready_node`: a node holding the key file whose READY reply is a pickle that would run a
-  command in the learner (run in a process forked from the session's zygote: tests/fresh.py).
+  command in the learner; :func:`slow_join_node`: the join command on a busy host (both run in a
+  process forked from the session's zygote: tests/fresh.py).
 """
 
 from __future__ import annotations
@@ -165,3 +166,22 @@ def evil_ready_node() -> int:
     seat.conn.send_bytes(pickle.dumps(Reply(READY, seat.index, value=_Boom(sys.argv[3]))))
     seat.conn.recv_bytes()  # until the learner closes the channel
     return 0
+
+
+def slow_join_node() -> int:
+    """``sys.argv[1:]``: seconds, then the arguments of ``rlharvest`` (``node --join ...``). The node
+    command, whose forming of its pair with the learner starts that many seconds late (a node on a busy
+    host: the learner's side of the group waits meanwhile)."""
+    import time
+
+    import rlharvest.transport.torchdist_join as join
+    from rlharvest.cli import main
+
+    delay, pair = float(sys.argv[1]), join.form_pair
+
+    def slowly(*args, **kwargs):
+        time.sleep(delay)
+        return pair(*args, **kwargs)
+
+    join.form_pair = slowly
+    return main(sys.argv[2:])
