@@ -11,9 +11,9 @@ torch.set_num_threads(1)
 
 def pytest_configure(config):
     """Before any test (once, in the process that starts the pytest workers): the bytecode of rlharvest
-    and of the tests' modules, which every interpreter the tests start imports (Ray actors, SLURM node
-    jobs, nodes that join, the zygote, the CLI's runs: several hundred in a run of the suite). With
-    ``PYTHONDONTWRITEBYTECODE`` set, as on the CI machine, none is written otherwise, and each of them
+    and of the tests' modules, which every interpreter the tests start imports (Ray actors, ~125 in a run
+    of the suite; SLURM node jobs, nodes in network namespaces, the zygotes, the CLI's runs). With
+    ``PYTHONDONTWRITEBYTECODE`` set, as on this machine, none is written otherwise, and each of them
     compiled rlharvest again: ~0.6 s of CPU of its ~3.5 s of imports. Up to date, this costs milliseconds."""
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller did it
         return
