@@ -36,7 +36,7 @@ def compile_sources(*folders: Path) -> None:
     """Write the bytecode of the Python sources under ``folders``, as installing a package does.
 
     A source checkout run with ``PYTHONDONTWRITEBYTECODE`` (or from a read-only tree) has none: every
-    process of a run (each worker, each Ray actor) would compile rlharvest again, about 0.1 s of CPU
+    process of a run (each worker, each Ray actor) would compile rlharvest again, about 0.6 s of CPU
     each, while the TorchRL side imports installed packages that come compiled.
     """
     import compileall

@@ -5,7 +5,10 @@
 * :class:`PortFlooder`: waits for a process to listen on a new port (gloo's, while a pair forms)
   and opens many connections to it;
 * :func:`marking_env`: an env constructor that leaves a file behind when another process runs it
-  (proof that an impostor's spec ran in a node).
+  (proof that an impostor's spec ran in a node);
+* :func:`evil_ready_node`: a node holding the key file whose READY reply is a pickle that would run a
+  command in the learner; :func:`slow_join_node`: the join command on a busy host (both run in a
+  process forked from the session's zygote: tests/fresh.py).
 """
 
 from __future__ import annotations
@@ -135,3 +138,50 @@ def marking_env(path: str, owner_pid: int) -> CountingEnv:
         with open(path, "w"):
             pass
     return CountingEnv(max_steps=7)
+
+
+class _Boom:
+    """Unpickled, creates the file ``path`` (``touch``): what a pickle from a node could make the learner run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, ("touch " + self.path,))
+
+
+def evil_ready_node() -> int:
+    """``sys.argv[1:]``: the collector's address (``host:port``), its key file, the marker's path. Joins
+    with the key, sends as its READY reply a pickle that would create the marker, and waits until the
+    learner closes the channel."""
+    import pickle
+
+    from rlharvest.protocol import READY, Reply
+    from rlharvest.transport.keys import parse_node_key
+    from rlharvest.transport.torchdist_join import join_collector
+
+    host, port = sys.argv[1].rsplit(":", 1)
+    with open(sys.argv[2]) as key:
+        seat = join_collector(host, int(port), parse_node_key(key.read(), "the key file"), timeout=60.0)
+    seat.conn.send_bytes(pickle.dumps(Reply(READY, seat.index, value=_Boom(sys.argv[3]))))
+    seat.conn.recv_bytes()  # until the learner closes the channel
+    return 0
+
+
+def slow_join_node() -> int:
+    """``sys.argv[1:]``: seconds, then the arguments of ``rlharvest`` (``node --join ...``). The node
+    command, whose forming of its pair with the learner starts that many seconds late (a node on a busy
+    host: the learner's side of the group waits meanwhile)."""
+    import time
+
+    import rlharvest.transport.torchdist_join as join
+    from rlharvest.cli import main
+
+    delay, pair = float(sys.argv[1]), join.form_pair
+
+    def slowly(*args, **kwargs):
+        time.sleep(delay)
+        return pair(*args, **kwargs)
+
+    join.form_pair = slowly
+    return main(sys.argv[2:])

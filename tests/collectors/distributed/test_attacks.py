@@ -212,24 +212,6 @@ def test_a_flood_on_every_port_exhausts_neither_descriptors_nor_memory(nodes):
         collector.shutdown()
 
 
-EVIL_NODE = """
-import os, pickle, sys
-from rlharvest.protocol import READY, Reply
-from rlharvest.transport.keys import parse_node_key
-from rlharvest.transport.torchdist_join import join_collector
-
-class Boom:
-    def __reduce__(self):
-        return (os.system, ("touch " + sys.argv[3],))
-
-host, port = sys.argv[1].rsplit(":", 1)
-with open(sys.argv[2]) as key:
-    seat = join_collector(host, int(port), parse_node_key(key.read(), "the key file"), timeout=60.0)
-seat.conn.send_bytes(pickle.dumps(Reply(READY, seat.index, value=Boom())))  # its "ready": a pickle that runs a command
-seat.conn.recv_bytes()  # until the learner closes the channel
-"""
-
-
 def test_a_node_holding_the_key_gets_no_pickle_of_its_choosing_unpickled(nodes, tmp_path, caplog):
     """A node that joined with the key file (in place of a node that died) sends, as its READY
     reply, a pickle that would run a command in the learner: the learner refuses it, drops the node
@@ -240,16 +222,19 @@ def test_a_node_holding_the_key_gets_no_pickle_of_its_choosing_unpickled(nodes, 
                                      bind_address="127.0.0.1", frames_per_batch=8, total_frames=-1, sync=True,
                                      max_worker_restarts=2, heartbeat_timeout=4.0)
     argv = collector.join_command()
-    evil = [sys.executable, "-c", EVIL_NODE, argv[5], argv[7], str(marker)]
-    joiners = iter([evil, argv])  # after the first death the evil node joins, after the second a real one
+    quiet = dict(env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # after the first death the evil node joins (tests/attackers.py), after the second a real one; both
+    # forked from the session's zygote
+    evil = [argv[5], argv[7], str(marker)]  # the collector's address, its key file, the marker
+    joiners = iter([lambda: fresh.current().start("attackers:evil_ready_node", evil, **quiet),
+                    lambda: fresh.popen(argv, **quiet)])
 
     class Restarts(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if "restarting node" in record.getMessage():
-                command = next(joiners, None)
-                if command is not None:  # the evil node is a script, the real one the join command
-                    start = subprocess.Popen if command is evil else fresh.popen
-                    nodes.append(start(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                start = next(joiners, None)
+                if start is not None:
+                    nodes.append(start())
 
     handler = Restarts()
     logging.getLogger("rlharvest.restarts").addHandler(handler)

@@ -145,19 +145,6 @@ print(sum(1 for _ in collector), flush=True)
 collector.shutdown()
 """
 
-SLOW_NODE = """
-import sys, time
-import rlharvest.transport.torchdist_join as join
-pair = join.form_pair
-def slowly(*args, **kwargs):
-    time.sleep(float(sys.argv[1]))  # a node on a busy host: the learner's side of the group waits meanwhile
-    return pair(*args, **kwargs)
-join.form_pair = slowly
-from rlharvest.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def test_a_flood_on_gloo_port_while_a_node_pairs_neither_swells_nor_kills_the_learner(nodes):
     """The learner runs under ``ulimit -n 1024``; while a slow node forms its group, a stranger opens
     1,100 connections to the learner's gloo port: the kernel completes none, the learner's
@@ -171,8 +158,8 @@ def test_a_flood_on_gloo_port_while_a_node_pairs_neither_swells_nor_kills_the_le
     fds = psutil.Process(learner.pid).num_fds()
     flooder = PortFlooder(learner.pid, "127.0.0.1", 1100, ignore={command_port})
     try:
-        node = subprocess.Popen([sys.executable, "-c", SLOW_NODE, "4", *argv[3:]], env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        node = fresh.current().start("attackers:slow_join_node", ["4", *argv[3:]], env=ENV,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         nodes.append(node)
         assert flooder.done.wait(90.0), "the learner never opened gloo's port"
         assert psutil.Process(learner.pid).num_fds() - fds < 40, (psutil.Process(learner.pid).num_fds(), fds)
