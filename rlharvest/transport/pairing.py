@@ -162,8 +162,16 @@ class ChannelStore(dist.Store):
             self._read_one(min(remaining, 0.05))
 
     def _read_one(self, timeout: float) -> bool:
-        """Apply the peer's next frame if one comes within ``timeout`` seconds; whether one did."""
-        with self._reading:
+        """Apply the peer's next frame if one comes within ``timeout`` seconds; whether one did.
+
+        While another thread reads (:meth:`reading`'s, which takes the lock again microseconds after
+        letting it go), this one does not queue for the lock: it returns after ``timeout``, and its
+        caller looks again at what that thread applied. Queued, it could wait for the lock for as
+        long as gloo's connect lasted (seconds: a node's group waited 11 s for a key already read).
+        """
+        if not self._reading.acquire(timeout=timeout):
+            return False
+        try:
             if self.failure is not None:
                 raise self.failure
             if not self.channel.poll(timeout):
@@ -174,6 +182,8 @@ class ChannelStore(dist.Store):
                 self.failure = err
                 raise
             return True
+        finally:
+            self._reading.release()
 
     def _apply(self, frame: bytes) -> None:
         kind = frame[:1]

@@ -216,3 +216,41 @@ def test_a_flood_on_gloo_port_while_a_pair_forms_leaves_nothing_open(channels, h
         assert me.num_fds() - len(stranger.sockets) - fds <= 24, (me.num_fds(), len(stranger.sockets), fds)
     finally:
         stranger.close()
+
+
+def test_a_wait_for_a_key_returns_while_another_thread_holds_the_frames(channels):
+    """While gloo connects, a thread of the pairing reads the peer's frames (:meth:`ChannelStore.reading`)
+    and gloo's thread waits for a key. That thread takes the frames' lock back microseconds after each
+    read, so a wait queued for the lock could last as long as the connect (a node waited 11 s for a key
+    already read, its group 4-16 s late): a wait looks at what the reading thread applied instead. Here
+    the reading thread holds the lock all along, as it nearly does."""
+    main, node, key = channels
+    store = ChannelStore(node, time.monotonic() + 30.0)
+    holding, applied, release, done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def reading_thread() -> None:
+        with store._reading:  # noqa: SLF001 - the lock ChannelStore.reading's thread holds while it reads
+            holding.set()
+            while "0/0" not in store._data:  # noqa: SLF001
+                if store.channel.poll(0.05):
+                    store._apply(store.channel.recv_bytes())  # noqa: SLF001
+            applied.set()
+            release.wait(30.0)
+
+    def waiter() -> None:
+        store.wait(["0/0"])
+        done.set()
+
+    reader = threading.Thread(target=reading_thread, daemon=True)
+    reader.start()
+    assert holding.wait(10.0)
+    waiting = threading.Thread(target=waiter, daemon=True)
+    waiting.start()  # waits before the key comes, as gloo's thread does
+    ChannelStore(main, time.monotonic() + 30.0).set("0/0", b"address")
+    assert applied.wait(10.0)
+    finished = done.wait(10.0)
+    release.set()
+    for thread in (reader, waiting):
+        thread.join(30.0)
+    assert finished, "a wait for a key another thread had applied queued for the frames' lock"
+    assert store.get("0/0") == b"address"
