@@ -202,13 +202,6 @@ class Rollout:
         """New ids for the sub-envs in ``done``: the next ones of the counter, in row-major order."""
         if not self.batch_size:
             return self.traj_counter.take(1)
-        if done.device.type == "cpu" and traj.device.type == "cpu":
-            # numpy's calls on a step's few rows cost half of torch's (~7 us instead of ~14 us at 16 rows)
-            rows = done.numpy().reshape(-1)
-            ranks = rows.cumsum()
-            first = self.traj_counter.take(int(ranks[-1]))
-            fresh = np.where(rows, ranks + (first - 1), traj.numpy().reshape(-1))
-            return torch.from_numpy(fresh.astype(np.int64, copy=False)).reshape(self.batch_size)
         rows = done.reshape(-1)
         ranks = rows.cumsum(0)  # the last one is the count: one host sync for the counter
         first = self.traj_counter.take(int(ranks[-1]))
