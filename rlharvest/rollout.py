@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._batching import or_flag, owner_of, truncate_inside, value_meta
+from ._batching import or_flag, owner_of, trajectory_ids, truncate_inside, value_meta
 from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .batch_buffer import BatchBuffer, Layout
 from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
@@ -159,6 +159,7 @@ class Rollout:
         self._policy_lock = threading.RLock()
         self.times = RolloutTimes()
         self._probe = 0
+        self._start_batch([])
         self.reset()
         self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
         self.random_step = RandomStep(env)
@@ -178,8 +179,21 @@ class Rollout:
 
     @property
     def traj_ids(self):
-        """The trajectory each sub-env is in: a tensor of the env batch shape (an int for one env)."""
+        """The trajectory each sub-env is in after the last batch: a tensor of the env batch shape (an int
+        for one env). A batched env's new ids are handed out at the end of each chunk of steps."""
         return self._traj
+
+    def ended_rows(self):
+        """The sub-envs that ended an episode in the batch being collected (or the last one, between
+        batches): a bool tensor of the env batch shape (a bool for one env). For an ``interruptor``'s
+        ``between_steps`` check: it costs nothing to the steps of a batch nobody asks."""
+        if not self.batch_size:
+            return self._ended
+        for _, rows in self._unfolded + self._ends[self._ends_seen:]:
+            rows = rows.reshape(self.batch_size)
+            self._ended = rows if self._ended is None else self._ended | rows
+        self._unfolded, self._ends_seen = [], len(self._ends)
+        return self._ended if self._ended is not None else torch.zeros(self.batch_size, dtype=torch.bool)
 
     def reset(self, mask=None) -> None:
         """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
@@ -240,6 +254,10 @@ class Rollout:
         """
         steps: list[tuple[dict, dict, dict, Any, Any, int]] = []
         append = steps.append
+        # a batched env: (step in the chunk, rows) of each step in which some sub-envs ended; their new
+        # trajectory ids are handed out when the chunk is written (one env: renumbered as it ends)
+        ends: list[tuple[int, torch.Tensor]] = []
+        self._start_batch(ends)
         chunk = CHUNK_STEPS if self.batches.writes_chunks else 0
         written = 0  # steps already in the buffer
         act = self.random_step if random else self.policy_step
@@ -278,19 +296,20 @@ class Rollout:
                 if limit or t == last_step:
                     nxt, done = self._truncate(nxt, done, count, t == last_step)
                 append((root, actions, nxt, traj, count, version))
-                if len(steps) == chunk:
-                    chunk, written = self._write_chunk(steps, written, random)
                 if done if scalar else done.any():
-                    root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count)
+                    root, traj, count = self._restart(nxt, root, next_root, done, env_done, traj, count, ends,
+                                                      len(steps) - 1)
                 else:
                     root = next_root if next_root is not None else next_root_of(nxt, root)
                     if limit:
                         count = count + 1
+                if len(steps) == chunk:
+                    chunk, written, traj = self._write_chunk(steps, written, random, ends, traj)
                 if between_steps is not None and between_steps():
                     break
+        batch, traj = self._assemble(steps, random, written, ends, traj)
         self._root, self._traj, self._count = root, traj, count
         self.stepped_since_reset = True
-        batch = self._assemble(steps, random, written)
         self.times.add(time.perf_counter() - start, probe_acted - probe_start, probe_end - probe_start)
         return batch
 
@@ -318,8 +337,9 @@ class Rollout:
             nxt[done_key] = or_flag(like, hit, like, self.batch_size)
         return nxt, (done or hit) if not self.batch_size else done | hit
 
-    def _restart(self, nxt, root, next_root, done, env_done, traj, count):
-        """Root, trajectory ids and step counts after a step in which some sub-envs ended."""
+    def _restart(self, nxt, root, next_root, done, env_done, traj, count, ends: list, step: int):
+        """Root, trajectory ids and step counts after a step in which some sub-envs ended (a batched env's
+        ended rows are added to ``ends``: their new ids come with the chunk's)."""
         adapter = self.adapter
         done, env_done = adapter.done_rows(done), adapter.done_rows(env_done)
         if next_root is not None:
@@ -329,9 +349,11 @@ class Rollout:
         else:
             root = adapter.reset_rows(adapter.next_root(nxt, root), done)
         if not self.batch_size:
+            self._ended = True
             return root, self._renumber(traj, done), 0
+        ends.append((step, done))
         # step counts serve max_frames_per_traj only
-        return root, self._renumber(traj, done), torch.where(done, 0, count + 1) if self._limit else count
+        return root, traj, torch.where(done, 0, count + 1) if self._limit else count
 
     # ------------------------------------------------------------------ batch assembly
     def _policy_outputs(self, root: dict) -> dict:
@@ -442,26 +464,45 @@ class Rollout:
             check_step_specs(self.env, step[0], step[2])
             self.batches.set_layout(layout)
 
-    def _write_chunk(self, steps: list, offset: int, random: bool) -> tuple[int, int]:
-        """Write ``steps`` into the buffer's rows from ``offset`` on and empty the list; returns the
-        next chunk's size and the steps written. Nothing is written when the batch cannot go into a
-        buffer (values kept whole): it is stacked at its end (chunk size 0)."""
+    def _write_chunk(self, steps: list, offset: int, random: bool, ends: list, traj) -> tuple[int, int, Any]:
+        """Write ``steps`` into the buffer's rows from ``offset`` on and empty the list (and ``ends``);
+        returns the next chunk's size, the steps written and the trajectory ids after them. Nothing is
+        written when the batch cannot go into a buffer (values kept whole): it is stacked at its end
+        (chunk size 0)."""
         self._know_layout(steps[0], random)
         if not self.batches.writes_chunks:
-            return 0, offset
-        self.batches.write(self._columns(steps), offset)
+            return 0, offset, traj
+        columns, traj = self._columns(steps, ends, traj)
+        self.batches.write(columns, offset)
         count = len(steps)
         steps.clear()
-        return count, offset + count
+        self._chunk_done(ends)
+        return count, offset + count, traj
 
-    def _assemble(self, steps: list, random: bool = False, written: int = 0) -> TensorDictBase:
-        """The batch: ``written`` steps are in the buffer already, ``steps`` follow them."""
-        if steps:
-            self._know_layout(steps[0], random)
-        return self.batches.finish(self._columns(steps) if steps else {}, written, len(steps))
+    def _assemble(self, steps: list, random: bool, written: int, ends: list, traj) -> tuple[TensorDictBase, Any]:
+        """The batch, and the trajectory ids after it: ``written`` steps are in the buffer already,
+        ``steps`` follow them (``traj``: the ids after the last written chunk, when no step follows)."""
+        if not steps:
+            return self.batches.finish({}, written, 0), traj
+        self._know_layout(steps[0], random)
+        columns, traj = self._columns(steps, ends, traj)
+        self._chunk_done(ends)
+        return self.batches.finish(columns, written, len(steps)), traj
 
-    def _columns(self, steps: list) -> dict[NestedKey, list]:
-        """Per-key lists of per-step values, in time order."""
+    def _start_batch(self, ends: list) -> None:
+        """What :meth:`ended_rows` reads: nothing ended yet."""
+        self._ends, self._ends_seen, self._unfolded = ends, 0, []
+        self._ended = None if self.batch_size else False
+
+    def _chunk_done(self, ends: list) -> None:
+        """The chunk's ends are written: :meth:`ended_rows` still reads those it has not read yet."""
+        self._unfolded.extend(ends[self._ends_seen:])
+        ends.clear()
+        self._ends_seen = 0
+
+    def _columns(self, steps: list, ends: list, traj) -> tuple[dict[NestedKey, Any], Any]:
+        """Per-key lists of per-step values, in time order, and the trajectory ids after the steps
+        (``traj``: the loop's; for one env, the ids it renumbered as it ended)."""
         roots, actions, nexts, trajs, counts, versions = zip(*steps)
         columns: dict[NestedKey, list] = {}
         for key in roots[0]:
@@ -472,7 +513,11 @@ class Rollout:
         for key in nexts[0]:
             if key not in dropped:
                 columns[unravel_key(("next", key))] = [x[key] for x in nexts]
-        if self.settings.track_traj_ids:
+        if self.batch_size:
+            ids, traj = trajectory_ids(trajs[0], ends, len(steps), self.traj_counter.take)
+            if self.settings.track_traj_ids:
+                columns[TRAJ_IDS] = ids
+        elif self.settings.track_traj_ids:
             columns[TRAJ_IDS] = list(trajs)
         if self._limit:
             if self.batch_size:
@@ -483,5 +528,5 @@ class Rollout:
             batch = self.batch_size
             column = [torch.full(batch, v, dtype=torch.int64) for v in versions] if batch else list(versions)
             columns["policy_version"] = columns[("next", "policy_version")] = column
-        return columns
+        return columns, traj
 

@@ -104,6 +104,47 @@ def test_batches_written_chunk_by_chunk_equal_batches_stacked_whole(time_steps, 
         assert (a[..., n:].get(("collector", "traj_ids")) == -1).all()
 
 
+def _ids_step_by_step(done: torch.Tensor, start: list[int], first_new: int) -> list[list[int]]:
+    """The rule, one step at a time: a sub-env that ended at step t is in a new trajectory from t + 1,
+    new ids handed out in step order, row-major within a step. ``done``: ``(rows, steps)``."""
+    current, fresh, out = list(start), first_new, []
+    for t in range(done.shape[1]):
+        out.append(list(current))
+        for row in range(done.shape[0]):
+            if done[row, t]:
+                current[row], fresh = fresh, fresh + 1
+    return [list(row) for row in zip(*out)]
+
+
+@pytest.mark.parametrize("time_steps, stop_at", [(2 * CHUNK_STEPS + 7, None), (2 * CHUNK_STEPS + 7, CHUNK_STEPS + 3)])
+def test_trajectory_ids_of_sub_envs_ending_at_random_follow_the_step_by_step_rule(time_steps, stop_at):
+    """Ids are handed out a chunk at a time: they must be those handed out one step at a time, over
+    chunks, batches, a 2-D env batch, truncation (max_frames_per_traj) and a batch cut short."""
+    torch.manual_seed(0)
+    env = CountingEnv(max_steps=4, batch_size=(2, 3))
+    counter = LocalTrajectoryCounter()
+    loop = Rollout(env, wrap_policy(RandomPolicy(env.full_action_spec), env, None),
+                   RolloutSettings(time_steps=time_steps, max_frames_per_traj=9), counter)
+    start, fresh = list(range(6)), 6
+    for _ in range(3):
+        steps = iter(range(10**6))
+        hook = None if stop_at is None else (lambda: next(steps) == stop_at - 1)
+        batch = loop.collect(between_steps=hook)
+        n = stop_at or time_steps
+        done = batch.get(("next", "done"))[..., :n, 0].reshape(6, n)
+        ids = batch.get(("collector", "traj_ids"))
+        assert 0 < int(done.sum()) and ids.shape == (2, 3, time_steps)
+        expected = _ids_step_by_step(done, start, fresh)
+        assert ids[..., :n].reshape(6, n).tolist() == expected
+        assert (ids[..., n:] == -1).all()
+        fresh += int(done.sum())
+        assert counter.peek() == fresh  # one id for each episode that ended, none taken twice
+        # the next batch starts where this one stopped: in the rule's trajectories after its last step
+        start = loop.traj_ids.reshape(-1).tolist()
+        assert start == [fresh - int(done[:, -1].sum()) + int(done[:row, -1].sum()) if done[row, -1] else ids_row[-1]
+                         for row, ids_row in enumerate(expected)]
+
+
 def test_a_batch_lets_its_steps_go_as_it_writes_them():
     """The loop holds at most CHUNK_STEPS steps: the objects the garbage collector tracks do not grow
     with the batch (held whole, ~6 per step made it scan the whole heap every few batches)."""

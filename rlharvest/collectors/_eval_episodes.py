@@ -29,8 +29,9 @@ ENV_INDEX = ("collector", "env_index")
 
 
 class FirstEpisodesEnd:
-    """A collector's ``interruptor`` that ends the batch once every sub-env has ended the episode it
-    was in when :meth:`watch` was called (its trajectory id changed).
+    """A collector's ``interruptor`` that ends each batch as soon as every sub-env has ended an episode
+    in it: the batches of a rollout watched from a fresh start hold each sub-env's first episode whole,
+    and nothing past the step in which the last of them ended (those steps' trajectory ids are -1).
 
     Example:
         >>> from rlharvest.collectors import Collector
@@ -39,27 +40,25 @@ class FirstEpisodesEnd:
         >>> step_up = lambda td: td.set("action", torch.ones(1, dtype=torch.int8))
         >>> collector = Collector(CountingEnv(max_steps=2), step_up, frames_per_batch=10, interruptor=stop)
         >>> stop.watch(collector.rollout)
-        >>> (collector.rollout_batch()["collector", "traj_ids"] == 0).sum().item()  # the first episode's 3 steps
-        3
+        >>> collector.rollout_batch()["collector", "traj_ids"].tolist()  # the first episode's 3 steps
+        [0, 0, 0, -1, -1, -1, -1, -1, -1, -1]
         >>> collector.shutdown()
     """
 
     def __init__(self) -> None:
         self._rollout: Any = None
-        self._first: Any = None
 
     def watch(self, rollout: Any) -> None:
-        """Stop the next batches of ``rollout`` once each sub-env's current episode has ended."""
-        ids = rollout.traj_ids
-        self._first = ids.clone() if isinstance(ids, torch.Tensor) else ids
+        """Stop the next batches of ``rollout`` (a :class:`~rlharvest.rollout.Rollout`) once each
+        sub-env has ended an episode."""
         self._rollout = rollout
 
     def collection_stopped(self) -> bool:
-        """True once every watched sub-env is in another episode than its first."""
+        """True once every watched sub-env has ended an episode in the batch being collected."""
         if self._rollout is None:
             return False
-        changed = self._rollout.traj_ids != self._first
-        return bool(changed.all()) if isinstance(changed, torch.Tensor) else bool(changed)
+        ended = self._rollout.ended_rows()
+        return bool(ended.all()) if isinstance(ended, torch.Tensor) else bool(ended)
 
 
 @contextlib.contextmanager

@@ -142,6 +142,24 @@ def test_first_done_over_samples_short_episodes_and_per_env_takes_one_per_sub_en
         assert result["eval/num_episodes"] == 3 and result["eval/step"] == step
 
 
+def test_per_env_stops_stepping_once_every_sub_env_ended_its_first_episode(shutdown_after):
+    """Episodes of 2, 4 and 8 steps with max_steps=40: each rollout takes 8 steps, not 40."""
+    calls = []
+
+    class Counted(Weight):
+        def forward(self, observation: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return super().forward(observation)
+
+    evaluator = Evaluator(line_envs(), TensorDictModule(Counted(1.0), in_keys=["observation"], out_keys=["action"]),
+                          num_trajectories=6, max_steps=40, episode_sampling="per_env")
+    shutdown_after(evaluator)
+    calls.clear()  # the policy's calls while the evaluator was built (the batch layout)
+    result = evaluator.evaluate()
+    assert result["eval/episode_length"] == pytest.approx(14 / 3) and result["eval/num_episodes"] == 6
+    assert len(calls) == 2 * 8
+
+
 def test_per_env_takes_more_rollouts_for_more_episodes_than_sub_envs(shutdown_after):
     evaluator = Evaluator(line_envs(), weight_policy(1.0), num_trajectories=5, max_steps=6, episode_sampling="per_env")
     shutdown_after(evaluator)
