@@ -11,7 +11,7 @@ least disturbed by the other processes (the parts are microseconds long). The pa
 * ``any()`` of the done rows (both);
 * an end of episode, per step (the env resets every 6th step for the counting rows; for the gymnasium
   row, the vector env resets rows itself): the reset of the rows that ended, and their new trajectory
-  ids (the collector only);
+  ids (the collector only: handed out once a chunk of 64 steps, divided by 64);
 * writing the steps into the batch (per step: one chunk of 64 steps, divided by 64), and the batch
   itself (the collector's iteration, the copy it hands out...), from the whole step's CPU time minus
   the parts above: what is left is the loop's own bookkeeping.
@@ -85,6 +85,8 @@ def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, floa
     module docstring)."""
     import torch
 
+    from rlharvest._batching import trajectory_ids
+
     torch.set_num_threads(1)
     kind, batch = limit_batched.ROWS[row]
     collector = limit_batched._rlharvest_collector(kind, batch)
@@ -129,13 +131,15 @@ def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, floa
                 every = limit_batched.COUNTING_MAX_STEPS + 1
                 parts["reset of the ended rows, per step (both)"] = cpu_us(
                     lambda: rollout.adapter.reset_rows(root, ended), count, repeats) / every
-                traj = rollout.traj_ids
+                traj, rows = rollout.traj_ids, rollout.adapter.done_rows(ended)
+                ends = [(step, rows) for step in range(every - 1, steps, every)]
                 parts["new trajectory ids, per step (collector)"] = cpu_us(
-                    lambda: rollout._renumber(traj, ended), count, repeats) / every  # noqa: SLF001
+                    lambda: trajectory_ids(traj, ends, steps, rollout.traj_counter.take), max(5, count // steps),
+                    repeats) / steps
             columns_of = [(root, actions, nxt, rollout.traj_ids, 0, 0)] * steps
 
-            def write_chunk():
-                rollout.batches.write(rollout._columns(list(columns_of)), 0)  # noqa: SLF001
+            def write_chunk():  # the ids' column included, as in a chunk where no row ended
+                rollout.batches.write(rollout._columns(list(columns_of), [], rollout.traj_ids)[0], 0)  # noqa: SLF001
 
             parts["writing the steps into the batch, per step (collector)"] = cpu_us(write_chunk, max(5, count // steps),
                                                                                      repeats) / steps
