@@ -72,11 +72,12 @@ def trajectory_ids(start: torch.Tensor, ends: list[tuple[int, torch.Tensor]], st
     if not ends:
         return [start] * steps, start
     rows = start.numel()
-    ended = torch.stack([mask.reshape(rows) for _, mask in ends])  # (ends, rows): the order ids are given in
+    # (ends, rows): the order ids are given in; on the ids' device (the env's flags may be elsewhere)
+    ended = torch.stack([mask.reshape(rows) for _, mask in ends]).to(start.device)
     ranks = ended.reshape(-1).cumsum(0)
     first = take(int(ranks[-1]))  # the chunk's one host sync
     given = ranks.add_(first - 1).view(len(ends), *start.shape).unbind(0)
-    current, ids = start.to(ended.device), []
+    current, ids = start, []
     for (step, _), rows_ended, new in zip(ends, ended.view(len(ends), *start.shape).unbind(0), given):
         ids += [current] * (step + 1 - len(ids))
         current = torch.where(rows_ended, new, current)
