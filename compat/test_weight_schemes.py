@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torchrl.weight_update as torchrl_schemes
+from collector_kinds import make_collector
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.envs import GymEnv
@@ -60,6 +61,23 @@ def test_a_torchrl_shared_memory_scheme_moves_the_policy_weights():
         assert type(scheme) is ours.SharedMemWeightSyncScheme and scheme.per_worker_weights
         collector.update_policy_weights_(TensorDict.from_module(constant_policy(-0.25)))
         assert set(next(batches)["action"].flatten().tolist()) == {-0.25}
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("kind, theirs", [
+    ("distributed", lambda: torchrl_schemes.DistributedWeightSyncScheme(backend="gloo")),
+    ("rpc", lambda: torchrl_schemes.RPCWeightSyncScheme()),
+])
+def test_a_torchrl_node_scheme_moves_the_policy_weights_to_the_nodes(kind, theirs, free_port):
+    """TorchRL's schemes for nodes (torch.distributed, RPC) given to rlharvest's collector of that kind:
+    the nodes collect with the weights pushed, as with rlharvest's own scheme of the same name."""
+    collector = make_collector(kind, pendulum, constant_policy(0.5), port=free_port, frames_per_batch=20,
+                               total_frames=-1, weight_sync_schemes={"policy": theirs()})
+    try:
+        assert set(collector.next()["action"].flatten().tolist()) == {0.5}
+        collector.update_policy_weights_(TensorDict.from_module(constant_policy(-0.25)))
+        assert set(collector.next()["action"].flatten().tolist()) == {-0.25}
     finally:
         collector.shutdown()
 
