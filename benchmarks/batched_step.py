@@ -85,7 +85,7 @@ def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, floa
     module docstring)."""
     import torch
 
-    from rlharvest._batching import trajectory_ids
+    from rlharvest.episodes import trajectory_ids
 
     torch.set_num_threads(1)
     kind, batch = limit_batched.ROWS[row]

@@ -5,7 +5,7 @@ a sub-TensorDict kept whole. ``rollout.py`` calls them; nothing here keeps state
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,8 +13,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase, is_non_tensor, is_
 
 from ._utils import NestedKey, as_tuple_key
 
-__all__ = ["STRUCTURED", "value_meta", "stack_structured", "stack_into", "trajectory_ids", "or_flag", "owner_of",
-           "truncate_inside"]
+__all__ = ["STRUCTURED", "value_meta", "stack_structured", "stack_into", "or_flag", "owner_of", "truncate_inside"]
 
 _PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float32}
 
@@ -44,45 +43,6 @@ def stack_structured(values: list, dim: int) -> TensorDictBase:
     if is_non_tensor(values[0]):
         return torch.stack(values, dim)
     return LazyStackedTensorDict.maybe_dense_stack(values, dim)
-
-
-def trajectory_ids(start: torch.Tensor, ends: list[tuple[int, torch.Tensor]], steps: int,
-                   take: Callable[[int], int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The trajectory ids of ``steps`` steps of a batched env, and those of the step after them.
-
-    Args:
-        start: the ids at the first step, of the env's batch shape.
-        ends: ``(step, rows)`` of each step in which some sub-envs ended (``rows``: a bool tensor of
-            the batch shape), in step order.
-        steps: how many steps.
-        take: hands out ``n`` fresh ids, returning the first (a trajectory counter's ``take``).
-
-    A sub-env that ended at step ``t`` is in a new trajectory from step ``t + 1`` on. New ids are
-    handed out in the order of the steps, row-major within a step, all at once: one ``take`` and one
-    host sync for the whole chunk, where handing them out as the rows end took ~13 us a step in which
-    some ended. Returns ``(ids, after)``: ``ids`` has one tensor per step (the same one for the steps
-    of a stretch in which no sub-env ended).
-
-    Example:
-        >>> ended = torch.tensor([True, False])
-        >>> ids, after = trajectory_ids(torch.tensor([0, 1]), [(1, ended)], 3, lambda n: 2)
-        >>> [step.tolist() for step in ids], after.tolist()
-        ([[0, 1], [0, 1], [2, 1]], [2, 1])
-    """
-    if not ends:
-        return [start] * steps, start
-    rows = start.numel()
-    # (ends, rows): the order ids are given in; on the ids' device (the env's flags may be elsewhere)
-    ended = torch.stack([mask.reshape(rows) for _, mask in ends]).to(start.device)
-    ranks = ended.reshape(-1).cumsum(0)
-    first = take(int(ranks[-1]))  # the chunk's one host sync
-    given = ranks.add_(first - 1).view(len(ends), *start.shape).unbind(0)
-    current, ids = start, []
-    for (step, _), rows_ended, new in zip(ends, ended.view(len(ends), *start.shape).unbind(0), given):
-        ids += [current] * (step + 1 - len(ids))
-        current = torch.where(rows_ended, new, current)
-    ids += [current] * (steps - len(ids))
-    return ids, current
 
 
 def stack_into(values: list, out: torch.Tensor | None, dim: int, shape: tuple, dtype) -> torch.Tensor:

@@ -26,11 +26,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._batching import or_flag, owner_of, trajectory_ids, truncate_inside, value_meta
+from ._batching import or_flag, owner_of, truncate_inside, value_meta
 from ._utils import TRAJ_IDS, NestedKey, as_tuple_key, unravel_key
 from .batch_buffer import BatchBuffer, Layout
 from .envs.adapters import EnvAdapter, env_attr, make_env_adapter
 from .envs.checks import check_policy_actions, check_step_specs, first_step
+from .episodes import EpisodeEnds, LocalTrajectoryCounter, TrajectoryCounter, trajectory_ids
 from .policies import ExplorationType, PolicyStep, RandomStep, make_policy_step
 
 __all__ = ["CHUNK_STEPS", "Rollout", "RolloutSettings", "RolloutTimes", "TrajectoryCounter", "LocalTrajectoryCounter"]
@@ -59,44 +60,6 @@ class RolloutTimes:
         share = probe_policy / probe_total if probe_total > 0 else 0.0
         self.policy += seconds * share
         self.env += seconds * (1.0 - share)
-
-
-class TrajectoryCounter:
-    """Hands out trajectory ids: ``take(n)`` returns the first of ``n`` fresh consecutive ids."""
-
-    def take(self, n: int) -> int:
-        raise NotImplementedError
-
-    def peek(self) -> int:
-        """The next id ``take`` would hand out."""
-        raise NotImplementedError
-
-    def advance_to(self, value: int) -> None:
-        """Never hand out ids below ``value`` (after a state dict is loaded: ids stay unique)."""
-        raise NotImplementedError
-
-
-class LocalTrajectoryCounter(TrajectoryCounter):
-    """A thread-safe in-process counter."""
-
-    def __init__(self, start: int = 0) -> None:
-        self._next = start
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> int:
-        with self._lock:
-            first = self._next
-            self._next += n
-            return first
-
-    def peek(self) -> int:
-        return self._next
-
-    state = peek
-
-    def advance_to(self, value: int) -> None:
-        with self._lock:
-            self._next = max(self._next, int(value))
 
 
 @dataclass(frozen=True)
@@ -159,7 +122,7 @@ class Rollout:
         self._policy_lock = threading.RLock()
         self.times = RolloutTimes()
         self._probe = 0
-        self._start_batch([])
+        self._ends = EpisodeEnds(self.batch_size)
         self.reset()
         self.policy_step: PolicyStep = make_policy_step(policy, env, set(self._root), settings.policy_device)
         self.random_step = RandomStep(env)
@@ -187,13 +150,7 @@ class Rollout:
         """The sub-envs that ended an episode in the batch being collected (or the last one, between
         batches): a bool tensor of the env batch shape (a bool for one env). For an ``interruptor``'s
         ``between_steps`` check: it costs nothing to the steps of a batch nobody asks."""
-        if not self.batch_size:
-            return self._ended
-        for _, rows in self._unfolded + self._ends[self._ends_seen:]:
-            rows = rows.reshape(self.batch_size)
-            self._ended = rows if self._ended is None else self._ended | rows
-        self._unfolded, self._ends_seen = [], len(self._ends)
-        return self._ended if self._ended is not None else torch.zeros(self.batch_size, dtype=torch.bool)
+        return self._ends.ended()
 
     def reset(self, mask=None) -> None:
         """Reset all sub-envs (or those in ``mask``) and give them fresh trajectory ids."""
@@ -254,10 +211,8 @@ class Rollout:
         """
         steps: list[tuple[dict, dict, dict, Any, Any, int]] = []
         append = steps.append
-        # a batched env: (step in the chunk, rows) of each step in which some sub-envs ended; their new
-        # trajectory ids are handed out when the chunk is written (one env: renumbered as it ends)
-        ends: list[tuple[int, torch.Tensor]] = []
-        self._start_batch(ends)
+        ends = self._ends  # a batched env's new trajectory ids come when the chunk is written
+        ends.start()
         chunk = CHUNK_STEPS if self.batches.writes_chunks else 0
         written = 0  # steps already in the buffer
         act = self.random_step if random else self.policy_step
@@ -337,9 +292,9 @@ class Rollout:
             nxt[done_key] = or_flag(like, hit, like, self.batch_size)
         return nxt, (done or hit) if not self.batch_size else done | hit
 
-    def _restart(self, nxt, root, next_root, done, env_done, traj, count, ends: list, step: int):
-        """Root, trajectory ids and step counts after a step in which some sub-envs ended (a batched env's
-        ended rows are added to ``ends``: their new ids come with the chunk's)."""
+    def _restart(self, nxt, root, next_root, done, env_done, traj, count, ends: EpisodeEnds, step: int):
+        """Root, trajectory ids and step counts after a step in which some sub-envs ended (noted in
+        ``ends``: a batched env's new ids come with the chunk's)."""
         adapter = self.adapter
         done, env_done = adapter.done_rows(done), adapter.done_rows(env_done)
         if next_root is not None:
@@ -348,10 +303,9 @@ class Rollout:
             root = adapter.reset_rows(next_root, extra) if adapter.any_done(extra) else next_root
         else:
             root = adapter.reset_rows(adapter.next_root(nxt, root), done)
+        ends.add(step, done)
         if not self.batch_size:
-            self._ended = True
             return root, self._renumber(traj, done), 0
-        ends.append((step, done))
         # step counts serve max_frames_per_traj only
         return root, traj, torch.where(done, 0, count + 1) if self._limit else count
 
@@ -464,7 +418,7 @@ class Rollout:
             check_step_specs(self.env, step[0], step[2])
             self.batches.set_layout(layout)
 
-    def _write_chunk(self, steps: list, offset: int, random: bool, ends: list, traj) -> tuple[int, int, Any]:
+    def _write_chunk(self, steps: list, offset: int, random: bool, ends: EpisodeEnds, traj) -> tuple[int, int, Any]:
         """Write ``steps`` into the buffer's rows from ``offset`` on and empty the list (and ``ends``);
         returns the next chunk's size, the steps written and the trajectory ids after them. Nothing is
         written when the batch cannot go into a buffer (values kept whole): it is stacked at its end
@@ -476,31 +430,20 @@ class Rollout:
         self.batches.write(columns, offset)
         count = len(steps)
         steps.clear()
-        self._chunk_done(ends)
+        ends.written()
         return count, offset + count, traj
 
-    def _assemble(self, steps: list, random: bool, written: int, ends: list, traj) -> tuple[TensorDictBase, Any]:
+    def _assemble(self, steps: list, random: bool, written: int, ends: EpisodeEnds, traj) -> tuple[TensorDictBase, Any]:
         """The batch, and the trajectory ids after it: ``written`` steps are in the buffer already,
         ``steps`` follow them (``traj``: the ids after the last written chunk, when no step follows)."""
         if not steps:
             return self.batches.finish({}, written, 0), traj
         self._know_layout(steps[0], random)
         columns, traj = self._columns(steps, ends, traj)
-        self._chunk_done(ends)
+        ends.written()
         return self.batches.finish(columns, written, len(steps)), traj
 
-    def _start_batch(self, ends: list) -> None:
-        """What :meth:`ended_rows` reads: nothing ended yet."""
-        self._ends, self._ends_seen, self._unfolded = ends, 0, []
-        self._ended = None if self.batch_size else False
-
-    def _chunk_done(self, ends: list) -> None:
-        """The chunk's ends are written: :meth:`ended_rows` still reads those it has not read yet."""
-        self._unfolded.extend(ends[self._ends_seen:])
-        ends.clear()
-        self._ends_seen = 0
-
-    def _columns(self, steps: list, ends: list, traj) -> tuple[dict[NestedKey, Any], Any]:
+    def _columns(self, steps: list, ends: EpisodeEnds, traj) -> tuple[dict[NestedKey, Any], Any]:
         """Per-key lists of per-step values, in time order, and the trajectory ids after the steps
         (``traj``: the loop's; for one env, the ids it renumbered as it ended)."""
         roots, actions, nexts, trajs, counts, versions = zip(*steps)
@@ -514,7 +457,7 @@ class Rollout:
             if key not in dropped:
                 columns[unravel_key(("next", key))] = [x[key] for x in nexts]
         if self.batch_size:
-            ids, traj = trajectory_ids(trajs[0], ends, len(steps), self.traj_counter.take)
+            ids, traj = trajectory_ids(trajs[0], ends.chunk, len(steps), self.traj_counter.take)
             if self.settings.track_traj_ids:
                 columns[TRAJ_IDS] = ids
         elif self.settings.track_traj_ids:
