@@ -85,7 +85,7 @@ def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, floa
     module docstring)."""
     import torch
 
-    from rlharvest.episodes import trajectory_ids
+    from rlharvest.episodes import EpisodeEnds, trajectory_ids
 
     torch.set_num_threads(1)
     kind, batch = limit_batched.ROWS[row]
@@ -138,8 +138,10 @@ def anatomy(row: str, repeats: int, cpu_us: Callable = cpu_us) -> dict[str, floa
                     repeats) / steps
             columns_of = [(root, actions, nxt, rollout.traj_ids, 0, 0)] * steps
 
+            no_ends = EpisodeEnds(rollout.batch_size)
+
             def write_chunk():  # the ids' column included, as in a chunk where no row ended
-                rollout.batches.write(rollout._columns(list(columns_of), [], rollout.traj_ids)[0], 0)  # noqa: SLF001
+                rollout.batches.write(rollout._columns(list(columns_of), no_ends, rollout.traj_ids)[0], 0)  # noqa: SLF001
 
             parts["writing the steps into the batch, per step (collector)"] = cpu_us(write_chunk, max(5, count // steps),
                                                                                      repeats) / steps

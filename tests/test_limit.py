@@ -182,3 +182,16 @@ def test_batched_rows_alternate_the_raw_loop_and_the_collector(monkeypatch):
     assert ours["workload"] == "batched_counting_16/raw" and ours["ratio"] == pytest.approx(0.7)  # median of 0.9, 0.5
     assert ours["cpu_ratio"] == pytest.approx(0.65)  # median of 0.5, 0.8
     assert theirs["workload"] == "batched_counting_16/torchrl14" and theirs["ratio"] == pytest.approx(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_batched_step_times_every_part_of_the_loop(monkeypatch):
+    """`benchmarks/batched_step.py` calls the rollout's parts as the loop calls them: it must follow the
+    loop (its trajectory ids, its chunk writing) when the loop changes. One row, one repeat."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import batched_step
+
+    parts = batched_step.anatomy("batched_counting_16", 1)
+    for part in ("raw loop: whole step", "collector: whole step", "new trajectory ids, per step (collector)",
+                 "writing the steps into the batch, per step (collector)"):
+        assert parts[part] > 0, part
