@@ -76,10 +76,11 @@ class EpisodeEnds:
         self.batch_size = batch_size
         self.start()
 
-    def start(self) -> None:
-        """A new batch: nothing ended yet."""
+    def start(self) -> EpisodeEnds:
+        """A new batch: nothing ended yet (returns this object)."""
         self.chunk: list[tuple[int, torch.Tensor]] = []
         self._seen, self._unfolded, self._ended = 0, [], None
+        return self
 
     def add(self, step: int, rows) -> None:
         """Sub-envs ended at ``step`` of the chunk (``rows``: which ones)."""

@@ -211,8 +211,7 @@ class Rollout:
         """
         steps: list[tuple[dict, dict, dict, Any, Any, int]] = []
         append = steps.append
-        ends = self._ends  # a batched env's new trajectory ids come when the chunk is written
-        ends.start()
+        ends = self._ends.start()  # a batched env's new trajectory ids come when the chunk is written
         chunk = CHUNK_STEPS if self.batches.writes_chunks else 0
         written = 0  # steps already in the buffer
         act = self.random_step if random else self.policy_step
