@@ -173,11 +173,7 @@ class Rollout:
         """New ids for the sub-envs in ``done``: the next ones of the counter, in row-major order."""
         if not self.batch_size:
             return self.traj_counter.take(1)
-        rows = done.reshape(-1)
-        ranks = rows.cumsum(0)  # the last one is the count: one host sync for the counter
-        first = self.traj_counter.take(int(ranks[-1]))
-        # a new tensor (steps already taken keep theirs), without a mask's index (which syncs once more)
-        return torch.where(rows, ranks.add_(first - 1), traj.reshape(-1)).reshape(self.batch_size)
+        return trajectory_ids(traj, [(0, done)], 1, self.traj_counter.take)[1]  # as an end at step 0 gives
 
     def episode_state(self) -> dict[str, Any]:
         """The episodes in flight: the root the next step acts on, trajectory ids, step counts
